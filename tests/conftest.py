@@ -1,0 +1,21 @@
+import os
+
+# No hub at test time: every model and tokenizer comes from trl_stable.testing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: threading costs more than it gives, and CI runs xdist workers
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from trl_stable.testing import build_tokenizer
+
+    return build_tokenizer()

@@ -1,0 +1,1 @@
+"""core (filled by its issue)."""

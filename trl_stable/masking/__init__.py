@@ -1,0 +1,1 @@
+"""masking (filled by its issue)."""

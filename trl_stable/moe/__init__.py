@@ -1,0 +1,1 @@
+"""moe (filled by its issue)."""

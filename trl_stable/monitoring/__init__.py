@@ -1,0 +1,1 @@
+"""monitoring (filled by its issue)."""

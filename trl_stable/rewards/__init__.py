@@ -1,0 +1,1 @@
+"""rewards (filled by its issue)."""
