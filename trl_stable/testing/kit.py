@@ -33,51 +33,121 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 256}),
     "llama": (
         "llama",
-        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+        },
     ),
     "qwen2": (
         "qwen2",
-        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+        },
     ),
     "qwen3": (
         "qwen3",
-        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 256,
+        },
     ),
     "qwen2_moe": (
         "qwen2_moe",
-        {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-         "shared_expert_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
-         "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "max_position_embeddings": 256,
+        },
     ),
     "qwen3_moe": (
         "qwen3_moe",
-        {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-         "norm_topk_prob": True, "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 256,
+        },
     ),
     "mixtral": (
         "mixtral",
-        {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1,
-         "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.1,
+            "max_position_embeddings": 256,
+        },
     ),
     "olmoe": (
         "olmoe",
-        {"hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
-         "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "max_position_embeddings": 256,
+        },
     ),
     "deepseek_v3": (
         "deepseek_v3",
-        {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 0,
-         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 16, "q_lora_rank": None,
-         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "max_position_embeddings": 256},
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 0,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "max_position_embeddings": 256,
+        },
     ),
 }
 
@@ -184,12 +254,15 @@ def build_reward_model(
     num_labels: int = 1,
     **overrides: Any,
 ) -> PreTrainedModel:
-    """A tiny randomly initialised sequence-classification model (a reward model with `num_labels` outputs)."""
+    """A tiny randomly initialised sequence-classification model (a reward model with `num_labels` outputs).
+
+    Returned in eval mode (dropout off), as a reward model is used for scoring.
+    """
     from transformers import AutoModelForSequenceClassification
 
     config = tiny_config(family, tokenizer, num_labels=num_labels, **overrides)
     with _seeded(seed):
-        return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForSequenceClassification.from_config(config).eval()
 
 
 def save_tiny(path: str | os.PathLike, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> str:
