@@ -1,1 +1,27 @@
-"""core (filled by its issue)."""
+"""Pure-torch math of trl_stable (no TRL import): advantages, normalization, token filters, policy losses, GAE."""
+
+from trl_stable.core.advantages import (  # noqa: F401
+    dense_advantages,
+    gdpo_advantages,
+    ngrpo_advantages,
+    overlong_penalty,
+    reward_to_go,
+    zero_variance_groups,
+)
+from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda  # noqa: E402,F401
+from trl_stable.core.masks import (  # noqa: F401
+    behaviour_log_ratio,
+    behaviour_weight,
+    binary_kl,
+    clamp_behaviour_weight,
+    icepop_mask,
+    kpop_mask,
+)
+from trl_stable.core.normalization import NORMALIZATION_PRESETS, normalize  # noqa: F401
+from trl_stable.core.policy_loss import (  # noqa: F401
+    decoupled_ppo_loss,
+    decoupled_ppo_term,
+    fold_behaviour_weight,
+    ppo_clip_term,
+    pre_mask_token_mean,
+)

@@ -1,26 +1,935 @@
 """trl_stable's GRPOTrainer: TRL's GRPOTrainer plus the stability options of trl_stable.
 
 With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls
-``super()`` and only post-processes when an option asks for it.
+``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw).
+
+Data flow of one generation batch, and where subclasses (routing replay, health monitoring, step masks) hook in:
+
+1. `_generate_single_turn`: TRL's generation; with plain HF `generate` the sampler's own per-token log-probs are
+   recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`).
+2. `_calculate_rewards`: TRL's sequence-level rewards, then the dense (per-token) reward functions with
+   ``env_rewards``; the batch's rewards are kept for step 3.
+3. `_generate_and_score_completions` = TRL's, then `_postprocess_generation(output)`:
+   `_compute_sequence_advantages` (presets TRL lacks) -> NaN-reward drop and dynamic sampling through
+   `_apply_loss_mask` -> dense advantages -> `_apply_decoupled_loss` (proximal log-probs via
+   `_compute_proximal_logps`, behaviour weight, IcePop / KPop).
+4. TRL's `_compute_loss`, unchanged: the decoupled term reaches it folded into (B, T) advantages (see
+   `trl_stable.core.fold_behaviour_weight`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 import trl
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import is_async_callable, nanstd
+
+from trl_stable.core import (
+    NORMALIZATION_PRESETS,
+    behaviour_weight,
+    clamp_behaviour_weight,
+    dense_advantages,
+    fold_behaviour_weight,
+    icepop_mask,
+    kpop_mask,
+    ngrpo_advantages,
+    normalize,
+    overlong_penalty,
+    zero_variance_groups,
+)
+from trl_stable.rewards.dense import has_nan, is_dense_reward, validate_dense_rewards
+
+logger = logging.getLogger(__name__)
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "liteppo", "rloo", "gdpo", "ngrpo")
+TOKEN_FILTERS = ("icepop", "kpop")
+_FILTER_DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "kpop": (None, 2.0)}
+# TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).
+_PRESET_TRL_FIELDS = {
+    "dr_grpo": {"scale_rewards": "none", "loss_type": "dr_grpo"},
+    "gdpo": {"multi_objective_aggregation": "normalize_then_sum"},
+}
+_TRL_DEFAULTS = {"scale_rewards": "group", "loss_type": "dapo", "multi_objective_aggregation": "sum_then_normalize"}
+_LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
+# Keys of TRL's batch dict that the policy forward takes besides ids and masks (multimodal models).
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
-    """Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options."""
+    r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
+
+    Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`.
+
+    Parameters:
+        advantage_estimator (`str`, defaults to `"grpo"`):
+            One-name preset: "grpo" (TRL's group mean/std), "dr_grpo" (group mean, no std, `loss_type="dr_grpo"`),
+            "liteppo" (group mean, batch std), "rloo" (leave-one-out group mean, no std), "gdpo" (per-reward group
+            z-scores, TRL's `multi_objective_aggregation="normalize_then_sum"`), "ngrpo" (virtual max-reward samples).
+        advantage_mean_level, advantage_std_level (`str` or `None`):
+            Override the preset: "batch", "group" or "none". None keeps the preset's value.
+        advantage_leave_one_out (`bool` or `None`): Override the preset's leave-one-out mean.
+        advantage_std_unbiased (`bool`, defaults to `True`): Bessel-corrected std for the trl_stable estimators.
+        advantage_eps (`float` or `None`): Added to the std; None = 1e-4 (TRL's), 1e-6 for "ngrpo". With "grpo",
+            setting it (or `advantage_std_unbiased=False`) makes trl_stable compute the group/group advantages.
+        ngrpo_r_max (`float`, defaults to `1.0`), ngrpo_num_virtual (`int`, defaults to `1`): NGRPO's virtual samples.
+        use_decoupled_loss (`bool`, defaults to `False`): AReaL's decoupled PPO loss.
+        token_filter (`str` or `None`): "icepop" or "kpop"; needs `use_decoupled_loss`.
+        token_filter_level (`str`, defaults to `"token"`): "token" or "sequence".
+        token_filter_action (`str`, defaults to `"mask"`): "mask" or "clamp" (IcePop only).
+        token_filter_lower, token_filter_upper (`float` or `None`): The band; None = the filter's default.
+        capture_sampler_logps (`bool`, defaults to `False`): Record the HF sampler's log-probs without the
+            decoupled loss (for mismatch monitoring).
+        dynamic_sampling (`bool`, defaults to `False`): DAPO's zero-variance group filter.
+        dynamic_sampling_max_refills (`int`, defaults to `0`): Extra generation rounds that refill the batch with
+            informative groups (0: the batch shrinks instead).
+        overlong_penalty_tokens (`int` or `None`), overlong_penalty_factor (`float`, defaults to `1.0`): DAPO's soft
+            overlong punishment, added as a reward function named "overlong_penalty".
+        dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
+            discount of the dense reward-to-go added to the sequence advantage.
+        nan_reward_action (`str`, defaults to `"drop"`): What to do with a completion every reward function scored
+            NaN/None: "drop" it from the loss (warning + counter; all NaN raises), or "zero" (TRL: advantage 0).
+    """
+
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "Advantage estimator preset: 'grpo' (TRL default), 'dr_grpo', 'liteppo', 'rloo', 'gdpo' or "
+            "'ngrpo'. Presets set the TRL fields they need (dr_grpo: scale_rewards='none', loss_type='dr_grpo'; "
+            "gdpo: multi_objective_aggregation='normalize_then_sum')."
+        },
+    )
+    advantage_mean_level: str | None = field(
+        default=None,
+        metadata={"help": "Override the preset's mean level: 'batch', 'group' or 'none'. None keeps the preset."},
+    )
+    advantage_std_level: str | None = field(
+        default=None,
+        metadata={"help": "Override the preset's std level: 'batch', 'group' or 'none'. None keeps the preset."},
+    )
+    advantage_leave_one_out: bool | None = field(
+        default=None,
+        metadata={"help": "Override the preset's leave-one-out mean (RLOO baseline). None keeps the preset."},
+    )
+    advantage_std_unbiased: bool = field(
+        default=True, metadata={"help": "Use the unbiased (n - 1) std in trl_stable's advantage estimators."}
+    )
+    advantage_eps: float | None = field(
+        default=None,
+        metadata={
+            "help": "Added to the std when dividing. None: 1e-4 (TRL's value), 1e-6 for 'ngrpo'. Set with 'grpo' (as "
+            "is advantage_std_unbiased=False), trl_stable computes the group/group advantages itself; not for 'gdpo'."
+        },
+    )
+    ngrpo_r_max: float = field(
+        default=1.0, metadata={"help": "NGRPO: reward of the virtual samples (the best achievable reward)."}
+    )
+    ngrpo_num_virtual: int = field(default=1, metadata={"help": "NGRPO: number of virtual samples per group (>= 1)."})
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Decoupled PPO loss (AReaL): clip against proximal log-probs recomputed before the update, "
+            "times the behaviour weight exp(logp_prox - logp_sampler). With HF generation the sampler's log-probs "
+            "are recorded during generation."
+        },
+    )
+    token_filter: str | None = field(
+        default=None,
+        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
+    )
+    token_filter_level: str = field(
+        default="token", metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."}
+    )
+    token_filter_action: str = field(
+        default="mask",
+        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
+    )
+    token_filter_lower: float | None = field(
+        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
+    )
+    token_filter_upper: float | None = field(
+        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
+    )
+    capture_sampler_logps: bool = field(
+        default=False,
+        metadata={
+            "help": "Record the HF sampler's per-token log-probs (as `sampling_per_token_logps`) even without the "
+            "decoupled loss, e.g. for mismatch monitoring."
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling: drop groups whose rewards are all equal from the loss and its token "
+            "normalisation."
+        },
+    )
+    dynamic_sampling_max_refills: int = field(
+        default=0,
+        metadata={
+            "help": "With dynamic_sampling: extra generation rounds (new random prompts) that refill the batch with "
+            "informative groups so it keeps its size, as DAPO does. 0: the batch shrinks instead (dropped groups are "
+            "only masked). Map-style train datasets only."
+        },
+    )
+    overlong_penalty_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "DAPO overlong penalty: the buffer (tokens) before max_completion_length where the penalty ramps "
+            "from 0 to -overlong_penalty_factor. None disables it."
+        },
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0, metadata={"help": "DAPO overlong penalty at max_completion_length (a positive number)."}
+    )
+    dense_reward_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "Coefficient of the dense reward-to-go added to the sequence advantage (dense rewards only)."
+        },
+    )
+    dense_reward_gamma: float = field(default=1.0, metadata={"help": "Discount of the dense reward-to-go, in (0, 1]."})
+    nan_reward_action: str = field(
+        default="drop",
+        metadata={
+            "help": "A completion that every reward function scored NaN/None: 'drop' removes it from the loss with "
+            "a warning and the `rewards/nan_dropped` counter (a batch with no scorable completion raises); 'zero' "
+            "keeps TRL's behaviour (advantage 0, still counted in the loss normaliser)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_stable_options()
+
+    def _validate_stable_options(self) -> None:
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of "
+                f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+            )
+        for name in ("advantage_mean_level", "advantage_std_level"):
+            value = getattr(self, name)
+            if value is not None and value not in _LEVEL_NAMES:
+                raise ValueError(f"{name}={value!r} is invalid; use 'batch', 'group', 'none' or None (preset).")
+        fine = [
+            name
+            for name in ("advantage_mean_level", "advantage_std_level", "advantage_leave_one_out")
+            if getattr(self, name) is not None
+        ]
+        if fine and self.advantage_estimator in ("gdpo", "ngrpo"):
+            raise ValueError(
+                f"{', '.join(fine)} cannot be combined with advantage_estimator={self.advantage_estimator!r}, which "
+                "has its own normalization; unset them or pick 'grpo'/'dr_grpo'/'liteppo'/'rloo'."
+            )
+        if self.advantage_leave_one_out and self.advantage_mean_level == "none":
+            raise ValueError(
+                "advantage_leave_one_out=True needs a mean: set advantage_mean_level='group' (RLOO) or 'batch'."
+            )
+        if self.advantage_eps is not None and self.advantage_eps < 0:
+            raise ValueError(f"advantage_eps={self.advantage_eps} must be >= 0.")
+        fixed = {"gdpo": ("advantage_eps", "advantage_std_unbiased"), "ngrpo": ("advantage_std_unbiased",)}
+        for name in fixed.get(self.advantage_estimator, ()):
+            if getattr(self, name) != _STABLE_DEFAULTS[name]:
+                raise ValueError(
+                    f"{name} does not apply to advantage_estimator={self.advantage_estimator!r}, whose std is fixed "
+                    f"(unbiased{', eps 1e-4 as in TRL' if self.advantage_estimator == 'gdpo' else ''}); unset {name}."
+                )
+        if self.scale_rewards != _TRL_DEFAULTS["scale_rewards"] and self.advantage_estimator != "dr_grpo":
+            if self.advantage_estimator != "grpo" or self._own_normalization_requested():
+                raise ValueError(
+                    f"scale_rewards={self.scale_rewards!r} is TRL's own advantage scaling, which trl_stable replaces "
+                    f"for advantage_estimator={self.advantage_estimator!r} and the advantage_* overrides; unset "
+                    "scale_rewards and choose the std with advantage_std_level ('batch', 'group' or 'none')."
+                )
+        if self.ngrpo_num_virtual < 1:
+            raise ValueError(
+                f"ngrpo_num_virtual={self.ngrpo_num_virtual} must be >= 1: NGRPO adds at least one virtual sample."
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "gdpo":
+            if self.advantage_estimator != "grpo" or self._own_normalization_requested():
+                raise ValueError(
+                    "multi_objective_aggregation='normalize_then_sum' is GDPO's per-reward normalization and cannot "
+                    f"be combined with advantage_estimator={self.advantage_estimator!r} or the advantage_* overrides; "
+                    "use advantage_estimator='gdpo' alone."
+                )
+        for trl_field, wanted in _PRESET_TRL_FIELDS.get(self.advantage_estimator, {}).items():
+            current = getattr(self, trl_field)
+            if current == _TRL_DEFAULTS[trl_field]:
+                setattr(self, trl_field, wanted)
+            elif current != wanted and not (trl_field == "loss_type"):
+                raise ValueError(
+                    f"advantage_estimator={self.advantage_estimator!r} needs {trl_field}={wanted!r}, but "
+                    f"{trl_field}={current!r} was set; unset {trl_field} or choose another estimator."
+                )
+
+        # Decoupled loss and token filters
+        if self.use_decoupled_loss and self.loss_type == "sapo":
+            raise ValueError(
+                "loss_type='sapo' and use_decoupled_loss=True are mutually exclusive (SAPO's soft gate replaces the "
+                "clipped term the decoupled loss reweights); set use_decoupled_loss=False or another loss_type."
+            )
+        if self.use_decoupled_loss and self.loss_type == "vespo":
+            raise ValueError(
+                "loss_type='vespo' weighs sequences by its own importance ratio and cannot take the decoupled "
+                "loss's behaviour weight; set use_decoupled_loss=False or another loss_type."
+            )
+        if self.use_decoupled_loss and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "use_decoupled_loss=True already applies the behaviour weight exp(logp_prox - logp_sampler); with "
+                "vllm_importance_sampling_correction=True it would be applied twice. Set "
+                "vllm_importance_sampling_correction=False."
+            )
+        if self.use_decoupled_loss and self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_decoupled_loss=True needs the sampler's log-probs, which transformers' continuous batching does "
+                "not return; set use_transformers_continuous_batching=False (or use vLLM)."
+            )
+        if self.token_filter is not None:
+            if self.token_filter not in TOKEN_FILTERS:
+                raise ValueError(f"token_filter={self.token_filter!r} is unknown; use 'icepop', 'kpop' or None.")
+            if not self.use_decoupled_loss:
+                raise ValueError(
+                    f"token_filter={self.token_filter!r} filters the decoupled loss's tokens; set "
+                    "use_decoupled_loss=True (or token_filter=None)."
+                )
+        if self.token_filter is None:
+            unused = [
+                name
+                for name in ("token_filter_level", "token_filter_action", "token_filter_lower", "token_filter_upper")
+                if getattr(self, name) != _STABLE_DEFAULTS[name]
+            ]
+            if unused:
+                raise ValueError(
+                    f"{', '.join(unused)} only apply to a token filter, but token_filter=None; set "
+                    "token_filter='icepop' or 'kpop' (with use_decoupled_loss=True), or unset them."
+                )
+        if self.token_filter_level not in ("token", "sequence"):
+            raise ValueError(f"token_filter_level={self.token_filter_level!r} is invalid; use 'token' or 'sequence'.")
+        if self.token_filter_action not in ("mask", "clamp"):
+            raise ValueError(f"token_filter_action={self.token_filter_action!r} is invalid; use 'mask' or 'clamp'.")
+        if self.token_filter == "kpop":
+            if self.token_filter_action == "clamp":
+                raise ValueError(
+                    "token_filter='kpop' supports only token_filter_action='mask' (a KL has no band to clamp a "
+                    "weight into); set token_filter_action='mask' or use token_filter='icepop'."
+                )
+            if self.token_filter_lower is not None:
+                raise ValueError(
+                    "token_filter='kpop' has only an upper KL threshold; unset token_filter_lower (use "
+                    "token_filter_upper)."
+                )
+            if self.token_filter_upper is not None and not self.token_filter_upper > 0:
+                raise ValueError(f"token_filter_upper={self.token_filter_upper} must be > 0 for KPop.")
+        if self.token_filter == "icepop":
+            lower, upper = self.filter_bounds
+            if not (lower > 0 and upper > 0):
+                raise ValueError(
+                    "IcePop bounds must be positive ratios, got "
+                    f"token_filter_lower={lower}, token_filter_upper={upper}."
+                )
+            if lower >= upper:
+                raise ValueError(
+                    f"token_filter_lower ({lower}) must be < token_filter_upper ({upper}); swap or widen the band."
+                )
+
+        # Rewards
+        if self.overlong_penalty_tokens is not None:
+            if not 0 < self.overlong_penalty_tokens <= self.max_completion_length:
+                raise ValueError(
+                    f"overlong_penalty_tokens={self.overlong_penalty_tokens} must be in [1, max_completion_length="
+                    f"{self.max_completion_length}]."
+                )
+            if self.overlong_penalty_factor <= 0:
+                raise ValueError(f"overlong_penalty_factor={self.overlong_penalty_factor} must be > 0.")
+        if self.dynamic_sampling_max_refills < 0:
+            raise ValueError(f"dynamic_sampling_max_refills={self.dynamic_sampling_max_refills} must be >= 0.")
+        if self.dynamic_sampling_max_refills > 0 and not self.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling_max_refills refills the groups dynamic sampling drops; set dynamic_sampling=True "
+                "(or dynamic_sampling_max_refills=0)."
+            )
+        if not 0 < self.dense_reward_gamma <= 1:
+            raise ValueError(f"dense_reward_gamma={self.dense_reward_gamma} must be in (0, 1].")
+        if self.nan_reward_action not in ("drop", "zero"):
+            raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
+
+    def _own_normalization_requested(self) -> bool:
+        """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""
+        return any(
+            getattr(self, name) != _STABLE_DEFAULTS[name]
+            for name in (
+                "advantage_mean_level",
+                "advantage_std_level",
+                "advantage_leave_one_out",
+                "advantage_std_unbiased",
+                "advantage_eps",
+            )
+        )
+
+    @property
+    def filter_bounds(self) -> tuple[float | None, float | None]:
+        """(lower, upper) of the token filter, defaults filled in."""
+        default_lower, default_upper = _FILTER_DEFAULT_BOUNDS.get(self.token_filter, (None, None))
+        lower = self.token_filter_lower if self.token_filter_lower is not None else default_lower
+        upper = self.token_filter_upper if self.token_filter_upper is not None else default_upper
+        return lower, upper
+
+    @property
+    def advantage_settings(self) -> dict[str, Any] | None:
+        """The normalization trl_stable computes itself, or None when TRL's own advantages are used."""
+        overrides = {
+            "mean_level": self.advantage_mean_level,
+            "std_level": self.advantage_std_level,
+            "leave_one_out": self.advantage_leave_one_out,
+        }
+        if self.advantage_estimator == "gdpo" or (
+            self.advantage_estimator in ("grpo", "dr_grpo") and not self._own_normalization_requested()
+        ):
+            return None
+        if self.advantage_estimator == "ngrpo":
+            return {"estimator": "ngrpo", "eps": 1e-6 if self.advantage_eps is None else self.advantage_eps}
+        settings = dict(NORMALIZATION_PRESETS[self.advantage_estimator])
+        for key, value in overrides.items():
+            if value is not None:
+                settings[key] = _LEVEL_NAMES[value] if key != "leave_one_out" else value
+        settings["estimator"] = "normalize"
+        settings["unbiased"] = self.advantage_std_unbiased
+        settings["eps"] = 1e-4 if self.advantage_eps is None else self.advantage_eps
+        return settings
+
+
+# Defaults of the trl_stable fields, for a trainer given a plain `trl.GRPOConfig`.
+_STABLE_DEFAULTS = {
+    name: f.default
+    for name, f in GRPOConfig.__dataclass_fields__.items()
+    if name not in trl.GRPOConfig.__dataclass_fields__
+}
+
+
+class _SamplerLogprobRecorder:
+    """Logits processor placed last in `generate`'s chain: records the log-prob of each sampled token.
+
+    It sees the scores after every other processor (temperature, top-k, top-p, min-p, repetition penalty), i.e. the
+    distribution the sampler draws from, and keeps one [B, V] step in memory: the token drawn from step t is read
+    from `input_ids` at step t + 1, the last one from the returned completions.
+    """
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._last is not None:
+            self.steps.append(self._last.gather(1, input_ids[:, -1:].to(self._last.device)).squeeze(1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def per_token_logps(self, completion_ids: list[list[int]]) -> list[list[float]]:
+        if self._last is None:
+            return [[] for _ in completion_ids]
+        n = len(self.steps) + 1
+        last_tokens = torch.tensor(
+            [ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids], device=self._last.device
+        )
+        last = self._last.gather(1, last_tokens.unsqueeze(1)).squeeze(1)
+        table = torch.stack([*self.steps, last], dim=1).cpu()
+        return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+
+@contextmanager
+def record_sampler_logps(model):
+    """Record the per-token log-probs `model.generate` samples with (see `_SamplerLogprobRecorder`).
+
+    `generate` puts user logits processors *before* its temperature/top-k/top-p warpers, so the recorder is appended
+    to the processor list `generate` builds instead (instance-level patch of `_get_logits_processor`, undone on exit).
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    recorder = _SamplerLogprobRecorder()
+    had_instance_attr = "_get_logits_processor" in vars(target)
+    original = target._get_logits_processor
+
+    def _with_recorder(*args, **kwargs):
+        processors = original(*args, **kwargs)
+        processors.append(recorder)
+        return processors
+
+    target._get_logits_processor = _with_recorder
+    try:
+        yield recorder
+    finally:
+        if had_instance_attr:
+            target._get_logits_processor = original
+        else:
+            del target._get_logits_processor
+
+
+def _weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """TRL's reward aggregation: weighted sum over the reward functions (NaN = does not apply), NaN if none applies."""
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):
+    def overlong_penalty_reward(completion_ids, **kwargs):
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return overlong_penalty(lengths, max_length, overlong_tokens, factor).tolist()
+
+    overlong_penalty_reward.__name__ = "overlong_penalty"
+    return overlong_penalty_reward
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """Drop-in replacement for `trl.GRPOTrainer`.
+    """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
+    filters, dense rewards, dynamic sampling, overlong penalty and NaN-reward handling.
 
     Args:
-        Same as `trl.GRPOTrainer`; `args` may be a `trl_stable.GRPOConfig` (a plain `trl.GRPOConfig` works too).
+        Same as `trl.GRPOTrainer`; `args` may be a `trl_stable.GRPOConfig` (a plain `trl.GRPOConfig` works too, with
+        every trl_stable option off). Reward functions marked with `trl_stable.rewards.dense_reward` return per-token
+        rewards and are called after the sequence-level ones (see `trl_stable.rewards.dense`).
     """
 
     _tag_names = ["trl", "grpo", "trl_stable"]
+
+    def __init__(self, model, reward_funcs=None, args=None, *more, **kwargs):
+        funcs = reward_funcs if isinstance(reward_funcs, list) else ([] if reward_funcs is None else [reward_funcs])
+        if args is not None and args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} entries but {len(funcs)} reward functions were "
+                "passed in reward_funcs (dense ones included); give one weight per reward function."
+            )
+        super().__init__(model, reward_funcs, args, *more, **kwargs)
+        self._nan_dropped_total = 0
+        self._batch_rewards_per_func: torch.Tensor | None = None
+        self._batch_dense_rewards: torch.Tensor | None = None
+        self._split_dense_reward_funcs()
+        self._num_user_reward_funcs = len(self.reward_funcs)
+        if self._opt("overlong_penalty_tokens") is not None:
+            func = _overlong_penalty_reward(
+                self.args.max_completion_length,
+                self._opt("overlong_penalty_tokens"),
+                self._opt("overlong_penalty_factor"),
+            )
+            self.reward_funcs.append(func)
+            self.reward_func_names.append(func.__name__)
+            self.reward_processing_classes.append(None)
+            self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+
+    # ------------------------------------------------------------------ options
+    def _opt(self, name: str) -> Any:
+        """A trl_stable option, with its default when `args` is a plain `trl.GRPOConfig`."""
+        return getattr(self.args, name, _STABLE_DEFAULTS[name])
+
+    def _advantage_settings(self) -> dict[str, Any] | None:
+        return self.args.advantage_settings if isinstance(self.args, GRPOConfig) else None
+
+    def _needs_sampler_logps(self) -> bool:
+        """Whether HF generation must record the sampler's log-probs (extend in subclasses that need them)."""
+        return bool(self._opt("use_decoupled_loss") or self._opt("capture_sampler_logps"))
+
+    def _split_dense_reward_funcs(self) -> None:
+        dense = [i for i, func in enumerate(self.reward_funcs) if is_dense_reward(func)]
+        self.dense_reward_funcs = [self.reward_funcs[i] for i in dense]
+        self.dense_reward_func_names = [self.reward_func_names[i] for i in dense]
+        self.dense_reward_weights = self.reward_weights[dense].clone()
+        if not dense:
+            return
+        keep = [i for i in range(len(self.reward_funcs)) if i not in dense]
+        if not keep:
+            raise ValueError(
+                "Every reward function is dense: GRPO needs at least one sequence-level reward function for the "
+                "group baseline; add one to reward_funcs (the dense rewards are added on top)."
+            )
+        self.reward_funcs = [self.reward_funcs[i] for i in keep]
+        self.reward_func_names = [self.reward_func_names[i] for i in keep]
+        self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
+        self.reward_weights = self.reward_weights[keep].clone()
+
+    def _log(self, name: str, value: float) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][name].append(float(value))
+
+    # ------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm or self.use_transformers_continuous_batching or not self._needs_sampler_logps():
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        with record_sampler_logps(self.accelerator.unwrap_model(self.model_wrapped)) as recorder:
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        return completion_ids, recorder.per_token_logps(completion_ids)
+
+    # ------------------------------------------------------------------ rewards
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._batch_rewards_per_func = rewards_per_func
+        if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
+            raise ValueError(
+                f"Every reward function ({', '.join(self.reward_func_names)}) returned NaN/None for every completion "
+                "of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN usually comes "
+                "from a failed parse or API call)."
+            )
+        self._batch_dense_rewards = None
+        if self.dense_reward_funcs:
+            self._batch_dense_rewards = self._calculate_dense_rewards(
+                inputs, prompts, completions, completion_ids_list, rewards_per_func
+            )
+        return rewards_per_func
+
+    def _calculate_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
+        """Call the dense reward functions; returns their weighted sum [B, T_max] on the local completions."""
+        device = self.accelerator.device
+        num_local = len(prompts)
+        start = self.accelerator.process_index * num_local
+        user = rewards_per_func[start : start + num_local, : self._num_user_reward_funcs]
+        env_rewards = _weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
+
+        keys = [key for key in inputs[0] if key not in ("prompt", "completion", "completion_ids")]
+        kwargs = {key: [example[key] for example in inputs] for key in keys}
+        kwargs.update(
+            trainer_state=self.state,
+            log_extra=self._log_completion_extra,
+            log_metric=self._log_metric,
+            env_rewards=env_rewards.tolist(),
+        )
+        if self.environments is not None:
+            kwargs["environments"] = self.environments
+
+        lengths = [len(ids) for ids in completion_ids_list]
+        total = torch.zeros(num_local, max(lengths, default=0), device=device)
+        for func, name, weight in zip(
+            self.dense_reward_funcs, self.dense_reward_func_names, self.dense_reward_weights
+        ):
+            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids_list, **kwargs)
+            if is_async_callable(func):
+                out = asyncio.run_coroutine_threadsafe(out, self.async_loop).result()
+            rows = validate_dense_rewards(out, lengths, name=f"reward function '{name}'")
+            nan_tokens = 0
+            func_sum = 0.0
+            for i, row in enumerate(rows):
+                if has_nan(row):
+                    nan_tokens += sum(v != v for v in row)
+                    row = [0.0 if v != v else v for v in row]
+                func_sum += sum(row)
+                total[i, : len(row)] += float(weight) * torch.tensor(row, device=device)
+            if nan_tokens:
+                logger.warning(f"Dense reward function '{name}' returned {nan_tokens} NaN token reward(s); used 0.")
+            self._log(f"rewards/{name}/nan_tokens", nan_tokens)
+            # this function's own (unweighted) mean per completion token, like TRL's rewards/<name>/mean
+            self._log(f"rewards/{name}/token_mean", func_sum / max(sum(lengths), 1))
+        return total
+
+    # ------------------------------------------------------------------ batch post-processing
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        output = self._postprocess_generation(output)
+        if self._opt("dynamic_sampling_max_refills") > 0 and self.model.training:
+            output = self._refill_dynamic_sampling(output, len(inputs))
+        return output
+
+    def _postprocess_generation(self, output: dict[str, Any]) -> dict[str, Any]:
+        """trl_stable's steps on TRL's generation batch; each one is a no-op while its option is off."""
+        rewards_per_func = self._batch_rewards_per_func
+        if rewards_per_func is None:  # a subclass or rollout path that bypassed _calculate_rewards
+            return output
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        num_local = output["completion_ids"].size(0)
+        local = slice(self.accelerator.process_index * num_local, (self.accelerator.process_index + 1) * num_local)
+        group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+
+        settings = self._advantage_settings()
+        if settings is not None:
+            advantages = self._compute_sequence_advantages(rewards_per_func, group_ids, settings)
+            advantages = torch.nan_to_num(advantages, nan=0.0)
+            output["advantages"] = advantages[local].to(output["advantages"].dtype)
+            # TRL logged its own advantages for the completions table; show the ones that are trained on
+            logged = self._logs["advantages"]
+            for _ in range(min(len(logged), advantages.numel())):
+                logged.pop()
+            logged.extend(advantages.tolist())
+        elif self._opt("advantage_estimator") == "gdpo":
+            self._log_per_reward_advantages(rewards_per_func, group_ids)
+
+        drop = torch.zeros_like(unscorable)
+        if self._opt("nan_reward_action") == "drop" and unscorable.any():
+            count = int(unscorable.sum().item())
+            self._nan_dropped_total += count
+            logger.warning(
+                f"{count} completion(s) got NaN/None from every reward function; they are dropped from the loss "
+                f"({self._nan_dropped_total} so far)."
+            )
+            drop |= unscorable
+        if self._opt("nan_reward_action") == "drop":
+            self._log("rewards/nan_dropped", float(unscorable.sum().item()))
+            self._log("rewards/nan_dropped_total", float(self._nan_dropped_total))
+        if self._opt("dynamic_sampling"):
+            zero_var = zero_variance_groups(_weighted_reward_sum(rewards_per_func, self.reward_weights), group_ids)
+            self._log("dynamic_sampling/frac_groups_dropped", zero_var.view(-1, num_generations)[:, 0].float().mean())
+            drop |= zero_var
+            self._batch_dynamic_keep = ~zero_var[local]
+            if zero_var.all():
+                logger.warning("Dynamic sampling dropped every group of this batch (all rewards equal within groups).")
+        if drop.any():  # decided on the gathered rewards, so every process takes this branch together
+            self._apply_loss_mask(output, ~drop[local])
+
+        if self._batch_dense_rewards is not None:
+            dense = self._batch_dense_rewards
+            width = output["completion_ids"].size(1)
+            dense = torch.nn.functional.pad(dense, (0, width - dense.size(1)))[:, :width]
+            output["advantages"] = dense_advantages(
+                output["advantages"],
+                dense.to(output["completion_mask"].device),
+                self._loss_mask(output),
+                coef=self._opt("dense_reward_coef"),
+                gamma=self._opt("dense_reward_gamma"),
+            )
+        if self._opt("use_decoupled_loss"):
+            self._apply_decoupled_loss(output)
+        self._batch_rewards_per_func = None
+        self._batch_dense_rewards = None
+        return output
+
+    # ------------------------------------------------------------------ dynamic sampling refill
+    def _refill_prompts(self, num_rows: int) -> list[dict[str, Any]]:
+        """`num_rows` rows for one extra generation round: random prompts, each repeated num_generations times."""
+        if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError(
+                "dynamic_sampling_max_refills needs a map-style train_dataset to draw new prompts from; set "
+                "dynamic_sampling_max_refills=0 for an IterableDataset."
+            )
+        if not hasattr(self, "_refill_generator"):
+            # its own stream, so the refills neither repeat the main sampler's order nor move it
+            self._refill_generator = torch.Generator().manual_seed(self.args.seed + 1 + self.accelerator.process_index)
+        num_prompts = num_rows // self.num_generations
+        indices = torch.randint(len(self.train_dataset), (num_prompts,), generator=self._refill_generator).tolist()
+        return [dict(self.train_dataset[i]) for i in indices for _ in range(self.num_generations)]
+
+    def _refill_dynamic_sampling(self, output: dict[str, Any], num_inputs: int) -> dict[str, Any]:
+        """DAPO's fixed-size dynamic sampling: replace dropped rows by informative rows from extra generations.
+
+        Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
+        prompts; the loop stops when every process has `num_inputs` kept rows or after
+        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows).
+        """
+        if any(key in output for key in _FORWARD_KEYS):
+            raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
+        keep = getattr(self, "_batch_dynamic_keep", None)
+        if keep is None or keep.all():
+            return output
+        kept = [self._select_rows(output, keep)]
+        spare = [self._select_rows(output, ~keep)]
+        num_kept = int(keep.sum().item())
+        rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
+        rounds = 0
+        while rounds < self._opt("dynamic_sampling_max_refills"):
+            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
+            if self.accelerator.gather(shortfall).max().item() <= 0:  # a global decision: processes stay in step
+                break
+            self._batch_dynamic_keep = None
+            more = super()._generate_and_score_completions(self._refill_prompts(rows_per_round))
+            more = self._postprocess_generation(more)
+            more_keep = self._batch_dynamic_keep
+            kept.append(self._select_rows(more, more_keep))
+            spare.append(self._select_rows(more, ~more_keep))
+            num_kept += int(more_keep.sum().item())
+            rounds += 1
+        self._log("dynamic_sampling/refill_rounds", rounds)
+        self._log("dynamic_sampling/frac_batch_filled", min(num_kept, num_inputs) / num_inputs)
+        merged = self._concat_rows(kept + spare)
+        merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
+        self._batch_dynamic_keep = None
+        num_items = self._loss_mask(merged).sum()
+        merged["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+        return merged
+
+    @staticmethod
+    def _num_rows(batch: dict[str, Any]) -> int:
+        return batch["completion_ids"].size(0)
+
+    def _select_rows(self, batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+        num_rows = self._num_rows(batch)
+        rows = rows.to(batch["completion_ids"].device)
+        return {
+            key: value[rows] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == num_rows else value
+            for key, value in batch.items()
+        }
+
+    def _concat_rows(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Concatenate batches along rows; prompts are re-padded on the left, completions on the right."""
+        parts = [dict(part) for part in parts if self._num_rows(part) > 0]
+        if any("tool_mask" in part for part in parts):  # only batches that dropped something carry one
+            for part in parts:
+                part.setdefault("tool_mask", torch.ones_like(part["completion_mask"]))
+        pad_id = self._tokenizer.pad_token_id
+        merged = dict(parts[0])
+        for key, value in parts[0].items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                continue
+            values = [part[key] for part in parts]
+            if value.dim() == 2 and key in ("prompt_ids", "prompt_mask"):
+                width = max(v.size(1) for v in values)
+                fill = pad_id if key == "prompt_ids" else 0
+                values = [torch.nn.functional.pad(v, (width - v.size(1), 0), value=fill) for v in values]
+            elif value.dim() == 2:
+                width = max(v.size(1) for v in values)
+                fill = pad_id if key == "completion_ids" else 0
+                values = [torch.nn.functional.pad(v, (0, width - v.size(1)), value=fill) for v in values]
+            merged[key] = torch.cat(values, dim=0)
+        return merged
+
+    def _compute_sequence_advantages(
+        self, rewards_per_func: torch.Tensor, group_ids: torch.Tensor, settings: dict[str, Any]
+    ) -> torch.Tensor:
+        """Sequence advantages [N] over the gathered batch for the estimators TRL lacks (NaN where unscorable)."""
+        rewards = _weighted_reward_sum(rewards_per_func, self.reward_weights)
+        if settings["estimator"] == "ngrpo":
+            r_max = self._opt("ngrpo_r_max")
+            top = torch.nan_to_num(rewards, nan=r_max).max().item()
+            if top > r_max and not getattr(self, "_warned_ngrpo_r_max", False):
+                self._warned_ngrpo_r_max = True  # once: the virtual sample must carry the best achievable reward
+                logger.warning(
+                    f"A reward ({top:.4g}) exceeds ngrpo_r_max={r_max}; NGRPO's virtual samples should carry the "
+                    "maximum reward: set ngrpo_r_max to it or rescale the rewards."
+                )
+            advantages = ngrpo_advantages(rewards, group_ids, r_max, self._opt("ngrpo_num_virtual"), settings["eps"])
+        else:
+            advantages = normalize(
+                rewards,
+                group_ids,
+                mean_level=settings["mean_level"],
+                std_level=settings["std_level"],
+                leave_one_out=settings["leave_one_out"],
+                unbiased=settings["unbiased"],
+                eps=settings["eps"],
+            )
+        self._log_per_reward_advantages(rewards_per_func, group_ids)
+        self._log("advantages/mean", torch.nanmean(advantages).item())
+        self._log("advantages/std", nanstd(advantages).item())
+        return advantages
+
+    def _log_per_reward_advantages(self, rewards_per_func: torch.Tensor, group_ids: torch.Tensor) -> None:
+        """Each reward's own group z-score (GDPO's per-reward advantage), to see which reward drives learning."""
+        for i, name in enumerate(self.reward_func_names):
+            z = normalize(rewards_per_func[:, i], group_ids, mean_level="group", std_level="group", eps=1e-4)
+            self._log(f"advantages/{name}/mean", torch.nanmean(z).item())
+            self._log(f"advantages/{name}/std", nanstd(z).item())
+            self._log(f"advantages/{name}/abs_mean", torch.nanmean(z.abs()).item())
+
+    @staticmethod
+    def _loss_mask(output: dict[str, Any]) -> torch.Tensor:
+        mask = output["completion_mask"]
+        return mask if output.get("tool_mask") is None else mask * output["tool_mask"]
+
+    def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor) -> None:
+        """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss and from its token normaliser.
+
+        The attention mask is left alone (TRL's `tool_mask` channel carries the loss mask), so the kept tokens'
+        log-probs do not change. Collective across processes: call it on every process or on none.
+        """
+        mask = output["completion_mask"]
+        if keep.dim() == 1:
+            keep = keep.unsqueeze(1).expand_as(mask)
+        keep = keep.to(device=mask.device, dtype=mask.dtype)
+        tool_mask = output.get("tool_mask")
+        output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
+        num_items = self._loss_mask(output).sum()
+        output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+
+    # ------------------------------------------------------------------ decoupled loss
+    @torch.no_grad()
+    def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient)."""
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if key in output}
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                batch_size=batch_size,
+                **forward_kwargs,
+            )
+        return logps
+
+    def _apply_decoupled_loss(self, output: dict[str, Any]) -> None:
+        """Fold the behaviour weight and the token filter into (B, T) advantages (see `fold_behaviour_weight`)."""
+        behav = output.get("sampling_per_token_logps")
+        if behav is None:
+            raise RuntimeError(
+                "use_decoupled_loss=True needs the sampler's per-token log-probs, but the batch has none; a "
+                "rollout_func must return 'logprobs' for its completions."
+            )
+        prox = output.get("old_per_token_logps")
+        if prox is None:
+            prox = self._compute_proximal_logps(output)
+            output["old_per_token_logps"] = prox
+        mask = self._loss_mask(output)
+        weight = raw_weight = behaviour_weight(prox, behav, mask)
+        name = self._opt("token_filter")
+        level = self._opt("token_filter_level")
+        lower, upper = self.args.filter_bounds if name else (None, None)
+        keep = None
+        if name == "icepop" and self._opt("token_filter_action") == "clamp":
+            weight = clamp_behaviour_weight(prox, behav, mask, lower, upper, level)
+        elif name == "icepop":
+            keep = icepop_mask(prox, behav, mask, lower, upper, level)
+        elif name == "kpop":
+            keep = kpop_mask(prox, behav, mask, upper, level)
+        output["advantages"] = fold_behaviour_weight(output["advantages"], weight, keep)
+        self._log_behaviour_metrics(mask, raw_weight, weight, keep, name)
+
+    def _log_behaviour_metrics(self, mask, raw, weight, keep, name) -> None:
+        """Stats of the behaviour weight `raw` (before any clamp) and what the filter (`keep`) or clamp changed."""
+        maskb = mask.bool()
+        stats = torch.stack(
+            [
+                (raw * maskb).sum(),
+                maskb.sum().float(),
+                torch.where(maskb, raw, torch.zeros_like(raw)).max(),
+                torch.where(maskb, raw, torch.full_like(raw, float("inf"))).min(),
+            ]
+        )
+        gathered = self.accelerator.gather(stats.unsqueeze(0)).view(-1, 4)
+        self._log("behaviour_weight/mean", (gathered[:, 0].sum() / gathered[:, 1].sum().clamp(min=1)).item())
+        self._log("behaviour_weight/max", gathered[:, 2].max().item())
+        min_w = gathered[:, 3].min().item()
+        self._log("behaviour_weight/min", min_w if min_w != float("inf") else 1.0)
+        if keep is not None:
+            has_tokens = maskb.any(dim=1)
+            dropped_tokens = (maskb & ~keep).sum().float()
+            dropped_seqs = (has_tokens & (maskb & ~keep).any(dim=1)).sum().float()
+            counts = torch.stack([dropped_tokens, maskb.sum().float(), dropped_seqs, has_tokens.sum().float()])
+            totals = self.accelerator.gather(counts.unsqueeze(0)).view(-1, 4).sum(dim=0)
+            self._log(f"token_filter/{name}/masked_token_frac", (totals[0] / totals[1].clamp(min=1)).item())
+            self._log(f"token_filter/{name}/masked_seq_frac", (totals[2] / totals[3].clamp(min=1)).item())
+        elif name is not None:
+            clamped = ~torch.isclose(weight, raw) & maskb
+            totals = self.accelerator.gather(torch.stack([clamped.sum().float(), maskb.sum().float()]).unsqueeze(0))
+            totals = totals.view(-1, 2).sum(dim=0)
+            self._log(f"token_filter/{name}/clamped_token_frac", (totals[0] / totals[1].clamp(min=1)).item())

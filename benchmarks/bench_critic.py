@@ -1,0 +1,182 @@
+"""Benchmark of the critic intrinsic-reward stage (issue 5).
+
+Measured side by side in one run, against a loopback OpenAI-compatible server (127.0.0.1, ephemeral port) with a
+fixed per-request latency:
+
+1. wall time of the whole intrinsic-reward stage (critic prompts, requests, parsing, alignment) for `--samples`
+   completions: ours (thread pool of `--concurrency`) vs a RELC-like baseline (2 workers, no cache), as a ratio;
+2. the same stage re-run by a restarted process with the on-disk cache (no request paid twice);
+3. span-alignment throughput (responses/s): the public path, the streaming decoder, the prefix-decoding fallback.
+
+Run: ``python benchmarks/bench_critic.py`` (about 10 s); ``--samples 256 --latency 0.3`` for more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "rewards"))
+os.environ.setdefault("OPENAI_API_KEY", "sk-bench-dummy")
+
+from fake_openai_server import FakeOpenAIServer  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from trl_stable.rewards import (  # noqa: E402
+    CriticIntrinsicReward,
+    CriticRewardConfig,
+    LexiconCritic,
+    span_token_rewards,
+    token_char_offsets,
+)
+from trl_stable.rewards.critic_parsing import parse_critic_answer  # noqa: E402
+from trl_stable.rewards.span_alignment import _incremental_offsets, _stream_offsets  # noqa: E402
+from trl_stable.testing import build_tokenizer  # noqa: E402
+from trl_stable.testing.kit import corpus  # noqa: E402
+
+LEXICON = LexiconCritic("sentiment")
+
+
+def answer(prompt: str) -> str:
+    """The server answers like a sentiment critic would (from the VADER lexicon), for realistic span counts."""
+    text = prompt.rsplit("Review:", 1)[-1]
+    return LEXICON.generate([text])[0]
+
+
+def _serve(latency: float, conn) -> None:
+    """Run the loopback server in its own process, so its request handling does not share our GIL (a real critic
+    server is another process too)."""
+    with FakeOpenAIServer(answer=answer, latency=latency) as server:
+        conn.send(server.base_url)
+        conn.recv()  # until the benchmark says stop
+
+
+class ServerProcess:
+    def __init__(self, latency: float) -> None:
+        self._conn, child = mp.Pipe()
+        self._proc = mp.get_context("fork").Process(target=_serve, args=(latency, child), daemon=True)
+
+    def __enter__(self) -> str:
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError("the loopback server did not start")
+        return self._conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        self._conn.send("stop")
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def stage(fn, prompts, completions, ids):
+    start = time.perf_counter()
+    rows = fn(prompts, completions, ids, env_rewards=[0.0] * len(ids))
+    return time.perf_counter() - start, rows
+
+
+def make_fn(tokenizer, base_url, concurrency, cache_dir=None):
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True,
+        critic_backend="openai",
+        critic_base_url=base_url,
+        critic_model="bench-critic",
+        critic_concurrency=concurrency,
+        critic_cache_dir=cache_dir,
+        critic_timeout=30.0,
+    )
+    return CriticIntrinsicReward(cfg, tokenizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=64, help="Completions critiqued in the stage.")
+    parser.add_argument("--latency", type=float, default=0.1, help="Server latency per request, seconds.")
+    parser.add_argument("--concurrency", type=int, default=32, help="Our critic concurrency (config default 32).")
+    parser.add_argument("--baseline_workers", type=int, default=2, help="RELC's number of critic workers.")
+    parser.add_argument("--repeats", type=int, default=3, help="Timed batches per pipeline (median reported).")
+    parser.add_argument("--align_responses", type=int, default=2000, help="Responses for the alignment benchmark.")
+    args = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    lines = [line for line in corpus().splitlines() if line.strip()]
+
+    def batch(tag: str):
+        # distinct texts per batch, so only the restarted run can hit the cache
+        completions = [f" {lines[i % len(lines)]} ({tag}{i})" for i in range(args.samples)]
+        ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+        return ["Review:"] * args.samples, completions, ids
+
+    warm_batch = batch("warm")
+    timed = [batch(f"r{r}-") for r in range(args.repeats)]
+    prompts, completions, ids = timed[0]
+
+    def timed_stage(fn):
+        # One warm-up step first (thread pool, connections, client): a training run pays that once, not per step.
+        stage(fn, *warm_batch)
+        times, rows = [], None
+        for b in timed:
+            t, r = stage(fn, *b)
+            times.append(t)
+            rows = r if rows is None else rows
+        return sorted(times)[len(times) // 2], rows
+
+    with ServerProcess(args.latency) as base_url, tempfile.TemporaryDirectory() as cache:
+        base_fn = make_fn(tokenizer, base_url, args.baseline_workers)
+        t_base, rows_base = timed_stage(base_fn)
+        ours_fn = make_fn(tokenizer, base_url, args.concurrency, cache_dir=cache)
+        t_ours, rows_ours = timed_stage(ours_fn)
+        assert rows_base == rows_ours, "both pipelines must give the same rewards"
+        restarted = make_fn(tokenizer, base_url, args.concurrency, cache_dir=cache)
+        t_cached, rows_cached = timed_stage(restarted)
+        assert rows_cached == rows_ours
+        m = ours_fn.metrics()
+        mc = restarted.metrics()
+        for fn in (base_fn, ours_fn, restarted):
+            fn.close()
+
+    print(
+        f"== intrinsic-reward stage, {args.samples} samples, loopback server latency {args.latency * 1000:.0f} ms "
+        f"(median of {args.repeats} steps after a warm-up step)"
+    )
+    print(f"baseline ({args.baseline_workers} workers, RELC-like): {t_base:8.3f} s")
+    print(f"ours (concurrency {args.concurrency}):            {t_ours:8.3f} s")
+    print(f"ours, restarted run with disk cache:     {t_cached:8.3f} s  (cache hits {mc['critic/cache_hits']:.0f})")
+    print(f"SPEEDUP ours vs baseline:        {t_base / t_ours:6.1f}x   (goal >= 10x)")
+    print(f"SPEEDUP cached rerun vs baseline: {t_base / t_cached:6.1f}x")
+    print(
+        f"tokens rewarded: {m['critic/rewarded_token_fraction']:.1%} of completion tokens, "
+        f"{m['critic/spans_positive']:.0f} positive / {m['critic/spans_negative']:.0f} negative spans"
+    )
+
+    # alignment throughput
+    n = args.align_responses
+    pool = [(completions[i % len(completions)], ids[i % len(ids)]) for i in range(n)]
+    answers = [parse_critic_answer(answer("Review:" + c)) for c, _ in pool[: len(completions)]]
+
+    def align(desc, offsets_of):
+        start = time.perf_counter()
+        for k, (c, row_ids) in enumerate(tqdm(pool, desc=desc, leave=False, mininterval=1.0)):
+            text, offsets = offsets_of(c, row_ids)
+            p = answers[k % len(answers)]
+            span_token_rewards(text, offsets, p.positive, p.negative)
+        return n / (time.perf_counter() - start)
+
+    fast = align("fast path", lambda c, row_ids: token_char_offsets(tokenizer, row_ids))
+    stream = align("stream", lambda c, row_ids: (c, _stream_offsets(tokenizer, row_ids[:-1], c)))
+    prefix = align("prefix decoding", lambda c, row_ids: (c, _incremental_offsets(tokenizer, row_ids[:-1], c)))
+    mean_len = sum(len(i) for _, i in pool) / n
+    print(f"== span alignment (offsets + span rewards), {n} responses of {mean_len:.0f} tokens on average")
+    print(f"token_char_offsets (decode + streaming decoder): {fast:8.0f} responses/s")
+    print(f"streaming decoder offsets only:                  {stream:8.0f} responses/s")
+    print(f"prefix-decoding fallback (quadratic):            {prefix:8.0f} responses/s")
+    print(f"RATIO streaming / prefix decoding: {stream / prefix:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Fluency and diversity of generations files: conditional perplexity under a scoring LM, dist-1/2/3.
+
+Reads one or more generations files written by the other evaluation scripts (or RELC's `decoding.py`), so several
+runs (e.g. baseline vs intrinsic) are compared side by side:
+
+    python eval_scripts/eval_perplexity_dist.py --generations_files outputs/eval_sentiment/baseline_generations.jsonl \
+        outputs/eval_sentiment/intrinsic_generations.jsonl --scoring_model gpt2-xl
+
+perplexity: mean over prompts of the mean over samples of exp(mean token NLL of the sample given its prompt).
+dist-n: per prompt, distinct word n-grams over all its samples / total words of those samples; mean over prompts
+(SPEC.md 4). Writes `<run>_scored.jsonl` (each sample with its perplexity), `summary.md`/`.json`, `comparison.png`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+from eval_utils import (
+    fluency_diversity,
+    load_causal_lm,
+    plot_comparison,
+    prompt_text,
+    read_jsonl,
+    write_jsonl,
+    write_summary,
+)
+
+
+@dataclass
+class FluencyEvalArgs:
+    generations_files: list[str]
+    """JSON Lines files with {"prompt": {"text"}, "generations": [{"text"}, ...]} per line."""
+    names: list[str] | None = None
+    """Display names (one per file); default: the file names without `_generations.jsonl`."""
+    scoring_model: str = "embedded:sentiment"
+    """LM that scores the perplexity (paper: gpt2-xl); "embedded:<task>" is the tiny offline policy."""
+    output_dir: str = "outputs/eval_fluency"
+
+
+def evaluate(args: FluencyEvalArgs) -> dict[str, dict[str, float]]:
+    names = args.names or [
+        Path(f).name.removesuffix(".jsonl").removesuffix("_generations") for f in args.generations_files
+    ]
+    if len(names) != len(args.generations_files):
+        raise ValueError("--names needs one name per generations file.")
+    scorer = load_causal_lm(args.scoring_model)
+    summary = {}
+    for path, run in zip(args.generations_files, names):
+        rows = read_jsonl(path)
+        prompts = [prompt_text(r) for r in rows]
+        gens = [[g["text"] if isinstance(g, dict) else g for g in r["generations"]] for r in rows]
+        metrics, ppl = fluency_diversity(*scorer, prompts, gens)
+        for row, values in zip(rows, ppl):
+            row["generations"] = [
+                {**(g if isinstance(g, dict) else {"text": g}), "perplexity": v}
+                for g, v in zip(row["generations"], values)
+            ]
+        write_jsonl(Path(args.output_dir) / f"{run}_scored.jsonl", rows)
+        summary[run] = metrics
+    print(write_summary(summary, args.output_dir))
+    plot_comparison(summary, os.path.join(args.output_dir, "comparison.png"), "fluency and diversity")
+    return summary
+
+
+if __name__ == "__main__":
+    evaluate(tyro.cli(FluencyEvalArgs, use_underscores=True))

@@ -1,0 +1,132 @@
+"""Detoxification with PPO and dense intrinsic rewards from a critic (RELC / Drlc, EMNLP 2024), on trl_stable.
+
+The policy continues toxic prompts; the environment reward is 1 - toxicity of the continuation, and a critic names
+the toxic spans, whose tokens get `--negative_reward_value` (RELC: -0.5; others `--positive_reward_value` 0.0).
+Accepts the flags of RELC's `ppo-intrinsic-rewards-toxicity.py` (flat names: --model_name, --learning_rate, ...).
+
+Embedded default (CPU, minutes): the tiny policy warmed up on the shipped prompts, alt-profanity-check as the
+toxicity scorer, the lexicon critic:
+
+    python examples/research_projects/toxicity/ppo_intrinsic.py --use_intrinsic_reward
+
+Paper mode (RealToxicityPrompts prompts with toxicity > --prompt_toxicity_level, Perspective API when a key is in
+PERSPECTIVE_API_KEY, else facebook/roberta-hate-speech-dynabench-r4-target):
+
+    accelerate launch --num_processes 2 --multi_gpu --mixed_precision bf16 \
+        examples/research_projects/toxicity/ppo_intrinsic.py --use_intrinsic_reward \
+        --prompt_file prompts/critic_toxicity.txt --positive_reward_value 0.0 --negative_reward_value -0.5 \
+        --intrinsic_reward_threshold 1.0 --model_name gpt2-large --model_save_path ckpts/toxicity/ppo_intrinsic \
+        --epochs 5 --prompt_toxicity_level 0.6 --output_min_length 10 --output_max_length 14 \
+        --learning_rate 1.41e-5 --batch_size 32 --mini_batch_size 32 --gradient_accumulation_steps 1 --ppo_epochs 4
+
+RELC passed the key as `--perspective_api $PERSPECTIVE_API_KEY`; that flag still works but the environment
+variable is preferred (command lines end up in logs). The key is never printed or saved.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from embedded import TOXICITY_PROMPTS, read_jsonl  # noqa: E402
+from research_common import (  # noqa: E402
+    IntrinsicArgs,
+    PPOArgs,
+    RunArgs,
+    is_embedded,
+    parse_script_args,
+    redact_argv,
+    run_relc,
+    tokenize_queries,
+)
+from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
+
+PAPER_DATASET = "allenai/real-toxicity-prompts"
+PAPER_TOXICITY_MODEL = "facebook/roberta-hate-speech-dynabench-r4-target"
+
+
+@dataclass
+class ToxicityArguments(PPOArgs, IntrinsicArgs, RunArgs):
+    positive_reward_value: float = 0.0
+    """Reward of a token in a positive span; RELC's detox runs use 0.0 (only toxic spans are rewarded, negatively)."""
+    negative_reward_value: float = -0.5
+    """Reward of a token inside a toxic span."""
+    intrinsic_reward_threshold: float = 1.0
+    """Critique samples whose reward (1 - toxicity) is <= this (1.0: all)."""
+    perspective_api: str | None = None
+    """Perspective API key (prefer the PERSPECTIVE_API_KEY environment variable). No key: a local classifier."""
+    perspective_rate: float = 1.0
+    """Perspective requests per second (your quota)."""
+    perspective_threads: int = 8
+    toxicity_model: str | None = None
+    """Local toxicity scorer when there is no key: "profanity_check" (embedded default) or a transformers
+    classifier whose non-"nothate" probability is the toxicity
+    (paper: facebook/roberta-hate-speech-dynabench-r4-target)."""
+    dataset: str | None = None
+    """Prompt source: a hub dataset (paper: allenai/real-toxicity-prompts), a JSON Lines file in its format,
+    or None (the shipped prompts)."""
+    prompt_toxicity_level: float = 0.6
+    """Keep prompts whose toxicity is > this."""
+    output_min_length: int = 10
+    output_max_length: int = 14
+    """Response length range."""
+
+
+def load_prompts(args: ToxicityArguments, embedded: bool) -> list[str]:
+    if args.dataset is None and embedded:
+        rows = read_jsonl(TOXICITY_PROMPTS)
+    elif args.dataset is not None and Path(args.dataset).is_file():
+        rows = read_jsonl(args.dataset)
+    else:
+        from datasets import load_dataset
+
+        rows = load_dataset(args.dataset or PAPER_DATASET, split="train")
+    return [
+        r["prompt"]["text"]
+        for r in rows
+        if r["prompt"].get("toxicity") is not None and r["prompt"]["toxicity"] > args.prompt_toxicity_level
+    ]
+
+
+def build_toxicity_fn(args: ToxicityArguments, embedded: bool):
+    """(scorer name, texts -> toxicity in [0, 1] or None on a failed API call): Perspective when a key is given,
+    else the local classifier of the mode."""
+    local = args.toxicity_model or (LOCAL_TOXICITY if embedded else PAPER_TOXICITY_MODEL)
+    return build_toxicity_scorer(
+        "auto", args.perspective_api, local=local, rate=args.perspective_rate, num_threads=args.perspective_threads
+    )
+
+
+def main(args: ToxicityArguments, peft_config=None, config_overrides: dict | None = None) -> list[dict]:
+    """Train; returns the per-step reward history.
+
+    `peft_config` trains a LoRA adapter and `config_overrides` sets further PPOConfig fields (ppo_intrinsic_peft.py).
+    """
+    embedded = is_embedded(args, args)
+    prompts = load_prompts(args, embedded)
+    _, toxicity = build_toxicity_fn(args, embedded)
+
+    def env_reward(records, query_texts, responses):
+        # A failed Perspective call scores NaN: the PPO step drops that sample instead of inventing a reward.
+        return [float("nan") if t is None else 1.0 - t for t in toxicity(responses)]
+
+    return run_relc(
+        args,
+        "toxicity",
+        embedded,
+        build_queries=lambda tok: tokenize_queries(tok, prompts),
+        env_reward=env_reward,
+        min_new_tokens=args.output_min_length,
+        max_new_tokens=args.output_max_length,
+        peft_config=peft_config,
+        config_overrides=config_overrides,
+    )
+
+
+if __name__ == "__main__":
+    arguments = parse_script_args(ToxicityArguments, description=__doc__.split("\n\n")[0])
+    redact_argv(sys.argv)  # a --perspective_api key must not reach a tracker's copy of the command line
+    main(arguments)

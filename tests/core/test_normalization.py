@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+
+from trl_stable.core import NORMALIZATION_PRESETS, normalize
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+def test_batch_batch_hand_values():
+    x = t(1.0, 2.0, 3.0, 6.0)  # mean 3, SS = 4+1+0+9 = 14, unbiased std = sqrt(14/3)
+    out = normalize(x, eps=0.0)
+    std = math.sqrt(14 / 3)
+    torch.testing.assert_close(out, t(-2 / std, -1 / std, 0.0, 3 / std))
+
+
+def test_group_group_unequal_sizes_and_group_of_one():
+    x = t(1.0, 3.0, 10.0, 20.0, 30.0, 7.0)
+    g = torch.tensor([0, 0, 1, 1, 1, 2])
+    out = normalize(x, g, mean_level="group", std_level="group", eps=0.0)
+    # group 0: mean 2, std sqrt(2); group 1: mean 20, std 10; group 2 (one sample): mean 7, std 1
+    expected = t(-1 / math.sqrt(2), 1 / math.sqrt(2), -1.0, 0.0, 1.0, 0.0)
+    torch.testing.assert_close(out, expected)
+
+
+def test_biased_std_and_eps():
+    x = t(0.0, 2.0)
+    out = normalize(x, torch.tensor([5, 5]), mean_level="group", std_level="group", unbiased=False, eps=0.5)
+    # mean 1, biased std 1 -> (x - 1) / 1.5
+    torch.testing.assert_close(out, t(-1 / 1.5, 1 / 1.5))
+
+
+def test_dr_grpo_no_std_ignores_eps():
+    x = t(1.0, 3.0, 5.0, 5.0)
+    g = torch.tensor([0, 0, 1, 1])
+    out = normalize(x, g, eps=123.0, **NORMALIZATION_PRESETS["dr_grpo"])
+    torch.testing.assert_close(out, t(-1.0, 1.0, 0.0, 0.0))
+
+
+def test_liteppo_group_mean_batch_std_around_group_means():
+    x = t(1.0, 3.0, 10.0, 14.0)
+    g = torch.tensor([0, 0, 1, 1])
+    out = normalize(x, g, eps=0.0, **NORMALIZATION_PRESETS["liteppo"])
+    # centered: -1, 1, -2, 2 ; SS = 10 ; std = sqrt(10/3)
+    std = math.sqrt(10 / 3)
+    torch.testing.assert_close(out, t(-1 / std, 1 / std, -2 / std, 2 / std))
+
+
+def test_rloo_leave_one_out():
+    x = t(1.0, 2.0, 6.0, 4.0, 8.0)
+    g = torch.tensor([0, 0, 0, 1, 2])
+    out = normalize(x, g, **NORMALIZATION_PRESETS["rloo"])
+    # group 0: baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5; groups of one: baseline 0
+    torch.testing.assert_close(out, t(-3.0, -1.5, 4.5, 4.0, 8.0))
+
+
+def test_all_equal_group_gives_zero():
+    x = t(0.5, 0.5, 0.5, 1.0, 0.0)
+    g = torch.tensor([0, 0, 0, 1, 1])
+    out = normalize(x, g, mean_level="group", std_level="group", eps=1e-5)
+    assert torch.all(out[:3] == 0)
+    assert torch.all(torch.isfinite(out))
+
+
+def test_mean_none_std_batch_is_rms_scaling():
+    x = t(3.0, -3.0, 3.0, -3.0)
+    out = normalize(x, mean_level=None, std_level="batch", eps=0.0)
+    std = math.sqrt(36 / 3)
+    torch.testing.assert_close(out, x / std)
+
+
+def test_nan_entries_are_missing():
+    x = t(1.0, float("nan"), 3.0, 2.0, 4.0)
+    g = torch.tensor([0, 0, 0, 1, 1])
+    out = normalize(x, g, mean_level="group", std_level="group", eps=0.0)
+    assert math.isnan(out[1])
+    # group 0 is {1, 3}: mean 2, std sqrt(2)
+    torch.testing.assert_close(
+        out[[0, 2, 3, 4]], t(-1 / math.sqrt(2), 1 / math.sqrt(2), -1 / math.sqrt(2), 1 / math.sqrt(2))
+    )
+
+
+def test_matches_trl_group_formula():
+    from trl.trainer.utils import nanstd
+
+    torch.manual_seed(0)
+    rewards = torch.rand(12)
+    groups = rewards.view(-1, 4)
+    expected = (rewards - groups.mean(1).repeat_interleave(4)) / (nanstd(groups, dim=1).repeat_interleave(4) + 1e-4)
+    out = normalize(rewards, torch.arange(12) // 4, mean_level="group", std_level="group", eps=1e-4)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mean_level": "prompt"}, "mean_level"),
+        ({"std_level": "seq"}, "std_level"),
+        ({"mean_level": None, "leave_one_out": True}, "leave_one_out"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        normalize(t(1.0, 2.0), **kwargs)
+
+
+def test_leave_one_out_with_group_std_around_the_loo_means():
+    x = t(1.0, 2.0, 6.0, 5.0)
+    g = torch.tensor([0, 0, 0, 1])
+    out = normalize(x, g, mean_level="group", std_level="group", leave_one_out=True, eps=0.0)
+    # group 0: baselines 4, 3.5, 1.5 -> centred -3, -1.5, 4.5; SS = 31.5, unbiased std sqrt(15.75)
+    # group 1 (one sample): baseline 0, std 1
+    s = math.sqrt(15.75)
+    torch.testing.assert_close(out, t(-3 / s, -1.5 / s, 4.5 / s, 5.0))
+
+
+def test_no_mean_group_std_and_a_group_of_one():
+    x = t(3.0, -3.0, 2.0)
+    out = normalize(x, torch.tensor([7, 7, 9]), mean_level=None, std_level="group", eps=0.0)
+    # group 7: std around 0 = sqrt((9 + 9) / 1); group 9: one sample, std 1
+    torch.testing.assert_close(out, t(3 / math.sqrt(18), -3 / math.sqrt(18), 2.0))

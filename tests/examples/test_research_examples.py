@@ -1,0 +1,272 @@
+"""End-to-end smoke tests of the RELC reproduction scripts on their embedded offline defaults (a few PPO steps each),
+plus the pieces they share: flag parsing, mode defaults, secret redaction, the offline summarization critic."""
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "research_projects"
+# Warm-up steps of the embedded policies here: enough to run every code path, not to learn language.
+SMALL = ["--embedded_warmup_steps", "20"]
+SMALL_PPO_NESTED = ["--ppo_config.batch_size", "4", "--ppo_config.mini_batch_size", "2"]
+SMALL_PPO_NESTED += ["--ppo_config.ppo_epochs", "1"]
+SMALL_PPO_FLAT = ["--batch_size", "4", "--mini_batch_size", "2", "--ppo_epochs", "1"]
+
+# RELC's README command for the intrinsic sentiment run (paths shortened), parsed verbatim.
+RELC_SENTIMENT = """--use_instric_reward --positive_reward_value 0.5 --negative_reward_value -0.5
+--intrinsic_reward_threshold 10 --prompt_file prompts/critic_sentiment.txt --epochs 2 --query_dataset imdb
+--min_new_tokens 15 --max_new_tokens 20 --num_shared_layers 20 --save_freq 50 --model_save_path ckpts/x
+--ppo_config.model_name gpt2-large --ppo_config.learning_rate 1.41e-5 --ppo_config.batch_size 16
+--ppo_config.mini_batch_size 16 --ppo_config.gradient_accumulation_steps 1 --ppo_config.target_kl 6.0
+--ppo_config.kl_penalty kl --ppo_config.ppo_epochs 4"""
+RELC_TOXICITY = """--use_intrinsic_reward --prompt_file prompts/critic_toxicity.txt --positive_reward_value 0.0
+--negative_reward_value -0.5 --intrinsic_reward_threshold 1.0 --perspective_api SECRET-KEY-123 --model_name gpt2-large
+--model_save_path ckpts/t --epochs 5 --prompt_toxicity_level 0.6 --output_min_length 10 --output_max_length 14
+--learning_rate 1.41e-5 --batch_size 32 --mini_batch_size 32 --gradient_accumulation_steps 1 --ppo_epochs 4"""
+RELC_SUMMARIZATION = """--use_instric_reward --positive_reward_value 0.5 --negative_reward_value -0.5
+--intrinsic_reward_threshold 100 --use_score_scaling --num_shared_layers 12 --model_name ckpts/sft
+--model_save_path ckpts/s --epochs 5 --output_min_length 30 --output_max_length 50 --learning_rate 1.41e-5
+--batch_size 8 --mini_batch_size 8 --gradient_accumulation_steps 1 --ppo_epochs 4
+--prompt_file prompts/critic_summarization.txt"""
+
+
+def _history(path):
+    return [json.loads(line) for line in (path / "reward_history.jsonl").read_text().splitlines()]
+
+
+def test_relc_sentiment_command_parses(load_script):
+    from research_common import parse_script_args
+
+    mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    args = parse_script_args(mod.ScriptArguments, shlex.split(RELC_SENTIMENT))
+    assert args.use_intrinsic_reward is True  # through RELC's misspelled alias
+    assert (args.positive_reward_value, args.negative_reward_value, args.intrinsic_reward_threshold) == (0.5, -0.5, 10)
+    assert (args.epochs, args.query_dataset, args.min_new_tokens, args.max_new_tokens) == (2, "imdb", 15, 20)
+    assert (args.num_shared_layers, args.save_freq) == (20, 50)
+    ppo = args.ppo_config
+    assert ppo.model_name == "gpt2-large" and ppo.learning_rate == 1.41e-5
+    assert (ppo.batch_size, ppo.mini_batch_size, ppo.gradient_accumulation_steps, ppo.ppo_epochs) == (16, 16, 1, 4)
+    assert (ppo.target_kl, ppo.kl_penalty) == (6.0, "kl")
+    assert parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).use_intrinsic_reward is True
+    assert parse_script_args(mod.ScriptArguments, []).use_intrinsic_reward is False
+
+
+def test_relc_toxicity_and_summarization_commands_parse_and_key_is_redacted(load_script, tmp_path):
+    from research_common import parse_script_args, save_run_args
+
+    tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
+    args = parse_script_args(tox.ToxicityArguments, shlex.split(RELC_TOXICITY))
+    assert args.use_intrinsic_reward and args.positive_reward_value == 0.0 and args.prompt_toxicity_level == 0.6
+    assert (args.output_min_length, args.output_max_length, args.batch_size) == (10, 14, 32)
+    save_run_args(args, str(tmp_path))
+    saved = (tmp_path / "run_args.json").read_text()
+    assert "SECRET-KEY-123" not in saved and json.loads(saved)["perspective_api"] == "<redacted>"
+
+    summ = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
+    args = parse_script_args(summ.SummarizationArguments, shlex.split(RELC_SUMMARIZATION))
+    assert args.use_intrinsic_reward and args.use_score_scaling and args.intrinsic_reward_threshold == 100
+    assert (args.num_shared_layers, args.output_min_length, args.batch_size) == (12, 30, 8)
+
+
+def test_mode_defaults_and_bf16_from_accelerate(monkeypatch):
+    from research_common import EMBEDDED_DEFAULTS, PAPER_DEFAULTS, PPOArgs, resolve_ppo_args
+
+    paper = resolve_ppo_args(PPOArgs(model_name="gpt2-large", batch_size=32), embedded=False)
+    assert paper.learning_rate == PAPER_DEFAULTS["learning_rate"] == 1.41e-5
+    assert paper.mini_batch_size == 32  # RELC: mini-batch = batch unless told otherwise
+    embedded = resolve_ppo_args(PPOArgs(learning_rate=1e-3), embedded=True)
+    assert embedded.learning_rate == 1e-3  # an explicit flag wins over the mode default
+    assert embedded.init_kl_coef == EMBEDDED_DEFAULTS["init_kl_coef"]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert resolve_ppo_args(PPOArgs(), embedded=True).bf16 is True
+    assert resolve_ppo_args(PPOArgs(bf16=False), embedded=True).bf16 is False
+
+
+def test_truncated_queries_and_smoothing():
+    from research_common import smooth, truncate_queries
+
+    from trl_stable.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    texts = ["The movie was a great surprise and the acting felt warm, honest and alive."] * 20
+    queries = truncate_queries(tok, texts, 4, 10, seed=0)
+    assert all(4 <= len(q["input_ids"]) <= 10 for q in queries)
+    assert len({len(q["input_ids"]) for q in queries}) > 1
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path):
+    """Embedded sentiment run: trains with the lexicon critic, checkpoints, saves, plots; the eval scripts read it."""
+    from research_common import parse_script_args
+
+    mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    out = tmp_path / "ppo_intrinsic"
+    argv = ["--use_instric_reward", "--max_steps", "2", "--save_freq", "1", "--model_save_path", str(out)]
+    history = mod.main(parse_script_args(mod.ScriptArguments, argv + SMALL + SMALL_PPO_NESTED))
+    assert len(history) == 2 and all(math.isfinite(h["env_reward"]) for h in history)
+    assert any(h["intrinsic_reward"] != 0.0 for h in history)  # the critic found sentiment words
+    for name in ("config.json", "model.safetensors", "value_head.safetensors", "reward_curve.png", "run_args.json"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
+    assert len(_history(out)) == 2
+
+    import eval_perplexity_dist
+    import eval_sentiment
+
+    ev = eval_sentiment.SentimentEvalArgs(
+        models=[str(out)], names=["intrinsic"], num_prompts=2, num_return=3, max_new_tokens=6,
+        with_fluency=True, scoring_model=str(out), output_dir=str(tmp_path / "eval"),
+    )  # fmt: skip
+    summary = eval_sentiment.evaluate(ev)
+    assert 0.0 <= summary["intrinsic"]["positive_rate"] <= 1.0 and summary["intrinsic"]["num_samples"] == 6
+    assert (tmp_path / "eval" / "comparison.png").is_file()
+    gens = tmp_path / "eval" / "intrinsic_generations.jsonl"
+    fl = eval_perplexity_dist.evaluate(
+        eval_perplexity_dist.FluencyEvalArgs(
+            generations_files=[str(gens)], scoring_model=str(out), output_dir=str(tmp_path / "fluency")
+        )
+    )
+    assert fl["intrinsic"]["perplexity"] > 1.0 and 0.0 <= fl["intrinsic"]["dist-1"] <= 1.0
+
+
+def test_toxicity_ppo_intrinsic_end_to_end(load_script, tmp_path):
+    from research_common import parse_script_args
+
+    mod = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
+    out = tmp_path / "tox"
+    argv = ["--use_intrinsic_reward", "--max_steps", "2", "--model_save_path", str(out), *SMALL, *SMALL_PPO_FLAT]
+    history = mod.main(parse_script_args(mod.ToxicityArguments, argv))
+    assert len(history) == 2 and all(0.0 <= h["env_reward"] <= 1.0 for h in history)
+    assert any(h["intrinsic_reward"] < 0.0 for h in history)  # toxic spans get negative_reward_value
+    assert (out / "reward_curve.png").is_file()
+
+
+def test_toxicity_peft_trains_only_the_adapter(load_script, tmp_path):
+    from research_common import parse_script_args
+
+    mod = load_script("toxicity/ppo_intrinsic_peft.py", "toxicity_ppo_intrinsic_peft")
+    out = tmp_path / "tox_peft"
+    argv = ["--max_steps", "1", "--model_save_path", str(out), *SMALL, *SMALL_PPO_FLAT, "--learning_rate", "1e-2"]
+    mod.run(parse_script_args(mod.PeftToxicityArguments, argv))
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+
+
+def test_summarization_sft_then_ppo_rouge_with_offline_critic(load_script, tmp_path):
+    from research_common import parse_script_args
+
+    mod = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
+    out = tmp_path / "summ"
+    argv = ["--use_instric_reward", "--use_score_scaling", "--max_steps", "2", "--sft_steps", "3", *SMALL]
+    argv += ["--model_save_path", str(out), *SMALL_PPO_FLAT, "--output_min_length", "4", "--output_max_length", "6"]
+    history = mod.main(parse_script_args(mod.SummarizationArguments, argv))
+    assert len(history) == 2 and all(0.0 <= h["env_reward"] <= 1.0 for h in history)
+    assert (out / "sft_warmstart" / "config.json").is_file() and (out / "config.json").is_file()
+
+    import eval_summarization
+
+    summary = eval_summarization.evaluate(
+        eval_summarization.SummarizationEvalArgs(
+            models=[str(out)], names=["ppo"], num_samples=2, max_new_tokens=6, output_dir=str(tmp_path / "ev")
+        )
+    )
+    assert set(summary["ppo"]) == {"rouge1", "rouge2", "rougeL"}
+
+
+def test_article_overlap_critic_labels_supported_and_unsupported_spans(load_script):
+    from trl_stable.rewards import parse_critic_answer
+
+    mod = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
+    critic = mod.ArticleOverlapCritic()
+    prompt = "The council approved a new park near the river.\nTL;DR: council approved a purple dragon park"
+    answer = critic([prompt], ["council approved a purple dragon park"])[0]
+    assert answer.splitlines() == [
+        "Span 1: council approved a (Label: good)",
+        "Span 2: purple dragon (Label: unsupported)",
+        "Span 3: park (Label: good)",
+    ]
+    parsed = parse_critic_answer(answer)
+    assert parsed.positive == ["council approved a", "park"] and parsed.negative == ["purple dragon"]
+
+
+def test_every_algorithm_yaml_builds_a_valid_config(load_script, tmp_path):
+    from trl_stable import GRPOConfig
+
+    mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
+    files = sorted((EXAMPLES / "sentiment" / "configs").glob("*.yaml"))
+    assert {f.stem for f in files} == set(mod.ALGORITHMS)
+    for f in files:
+        data = mod.load_yaml(str(f))
+        assert data["algorithm"] == f.stem
+        if f.stem == "ppo":
+            sentiment = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+            ppo = mod.PPOArgs(**data.pop("ppo_config"))
+            sentiment.ScriptArguments(**{k: v for k, v in data.items() if k != "algorithm"}, ppo_config=ppo)
+            continue
+        grpo = data.pop("grpo")
+        mod.GRPOScriptArguments(**data, grpo=grpo)
+        GRPOConfig(**{**mod.EMBEDDED_GRPO, **grpo, "output_dir": str(tmp_path / f.stem)})
+
+
+def test_config_argv_split_and_cli_overrides(load_script):
+    mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
+    config, grpo, rest = mod.split_config_argv(
+        ["--config", "dapo.yaml", "--grpo.epsilon_high=0.3", "--max_steps", "5", "--grpo.use_decoupled_loss", "true"]
+    )
+    assert config == "dapo.yaml" and grpo == {"epsilon_high": 0.3, "use_decoupled_loss": True}
+    assert rest == ["--max_steps", "5"]
+    with pytest.raises(ValueError, match="does not exist"):
+        mod.load_yaml("no_such_algorithm.yaml")
+
+
+def test_grpo_gdpo_yaml_with_dense_critic_trains(load_script, tmp_path):
+    mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
+    out = tmp_path / "gdpo"
+    history = mod.main(
+        ["--config", "gdpo.yaml", "--max_steps", "2", "--use_intrinsic_reward", "--output_dir", str(out)]
+        + ["--grpo.per_device_train_batch_size", "8", "--grpo.max_completion_length", "6"]
+    )
+    assert len(history) == 2 and "rewards/fluency/mean" in history[0]
+    assert json.loads((out / "run_args.json").read_text())["grpo"]["advantage_estimator"] == "gdpo"
+    assert (out / "reward_curve.png").is_file()
+
+
+@pytest.mark.slow
+def test_embedded_sentiment_reward_rises(load_script, tmp_path):
+    """The README quick start: on the embedded default the reward rises within a few dozen PPO steps."""
+    from research_common import parse_script_args
+
+    torch.manual_seed(0)
+    mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    argv = ["--use_intrinsic_reward", "--max_steps", "60", "--model_save_path", str(tmp_path / "run")]
+    history = mod.main(parse_script_args(mod.ScriptArguments, argv))
+    rewards = [h["env_reward"] for h in history]
+    assert sum(rewards[-15:]) / 15 > sum(rewards[:15]) / 15 + 0.1
+
+
+def test_resume_from_checkpoint_reproduces_the_run(load_script, tmp_path):
+    from research_common import parse_script_args
+
+    mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    base = ["--use_intrinsic_reward", "--max_steps", "3", "--save_freq", "1", *SMALL, *SMALL_PPO_NESTED]
+    full = mod.main(parse_script_args(mod.ScriptArguments, [*base, "--model_save_path", str(tmp_path / "a")]))
+    resumed_dir = tmp_path / "b"
+    mod.main(
+        parse_script_args(mod.ScriptArguments, [*base, "--max_steps", "1", "--model_save_path", str(resumed_dir)])
+    )
+    argv = [
+        *base,
+        "--model_save_path",
+        str(resumed_dir),
+        "--resume_from_checkpoint",
+        str(resumed_dir / "checkpoint-1"),
+    ]
+    resumed = mod.main(parse_script_args(mod.ScriptArguments, argv))
+    assert [h["step"] for h in resumed] == [1, 2, 3]
+    for a, b in zip(full, resumed):
+        assert b["env_reward"] == pytest.approx(a["env_reward"], abs=1e-6)
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-5)

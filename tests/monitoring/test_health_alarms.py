@@ -1,0 +1,227 @@
+"""The health rules on synthetic log histories: each alarm trips on its failure, a healthy run trips none."""
+
+import math
+import random
+
+import pytest
+
+from trl_stable.monitoring import ALARMS, HealthConfig, HealthTracker, extract_gauges
+
+CAP = 64
+
+
+def healthy_history(n=80, seed=0, converge=False):
+    """A run that learns: reward rises (noisy), few zero-std groups, steady grad norm and length, slow entropy decline,
+    small mismatch. With `converge`, the reward rises to 0.98 and then stays flat at the maximum."""
+    rng = random.Random(seed)
+    history = []
+    for i in range(n):
+        t = i / n
+        reward = min(0.2 + 1.6 * t, 0.98) if converge else 0.2 + 0.6 * t
+        history.append(
+            {
+                "step": i + 1,
+                "loss": rng.uniform(-0.02, 0.02),
+                "grad_norm": 0.5 + rng.uniform(-0.2, 0.2),
+                "reward": min(reward + rng.uniform(-0.04, 0.04), 1.0),  # a mean of rewards <= 1
+                "frac_reward_zero_std": 0.15 + rng.uniform(-0.1, 0.1),
+                "completions/mean_length": 30 + rng.uniform(-4, 4),
+                "completions/clipped_ratio": 0.02,
+                "entropy": 2.0 - 0.6 * t + rng.uniform(-0.05, 0.05),
+                "mismatch/logp_abs_diff/mean": 0.002 + rng.uniform(0, 0.002),
+                "token_filter/icepop/masked_token_frac": 0.01,
+                "token_filter/icepop/masked_seq_frac": 0.3,  # sequence shares are not the gauge
+                "retokenization/mismatched": 0.0,
+            }
+        )
+    return history
+
+
+def replay(history, **config):
+    tracker = HealthTracker(HealthConfig(**config), max_completion_length=CAP)
+    events = []
+    for record in history:
+        events.extend(tracker.update(record, step=record["step"]))
+    return tracker, events
+
+
+def raised(events):
+    return [e.alarm for e in events if e.kind == "raised"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("converge", [False, True])
+def test_healthy_run_raises_nothing(seed, converge):
+    tracker, events = replay(healthy_history(seed=seed, converge=converge))
+    assert events == []
+    assert tracker.active == []
+    assert tracker.flags()["health/active_alarms"] == 0.0
+
+
+def with_fault(key, values_from, start=30, n=80):
+    """A healthy history where `key` takes `values_from(i)` from record `start` on."""
+    history = healthy_history(n=n)
+    for i, record in enumerate(history):
+        if i >= start:
+            record[key] = values_from(i)
+    return history
+
+
+FAULTS = {
+    "zero_std": ("frac_reward_zero_std", lambda i: 0.7),
+    "reward_plateau": ("reward", lambda i: 0.55),
+    "reward_above_max": ("reward", lambda i: 1.4),
+    "grad_norm_vanishing": ("grad_norm", lambda i: 0.0),
+    "length_near_cap": ("completions/mean_length", lambda i: 0.95 * CAP),
+    "entropy_collapse": ("entropy", lambda i: 0.01),
+    "mismatch": ("mismatch/logp_abs_diff/mean", lambda i: 0.05),
+    "token_filter_masked": ("token_filter/icepop/masked_token_frac", lambda i: 0.4),
+    "retokenization": ("retokenization/mismatched", lambda i: 2.0),
+    "nonfinite": ("grad_norm", lambda i: float("nan")),
+}
+
+
+def test_every_alarm_has_a_fault():
+    assert set(FAULTS) == set(ALARMS)
+
+
+@pytest.mark.parametrize("alarm", sorted(FAULTS))
+def test_fault_trips_its_alarm_once(alarm):
+    key, values = FAULTS[alarm]
+    tracker, events = replay(with_fault(key, values, start=30))
+    names = raised(events)
+    assert alarm in names
+    assert names.count(alarm) == 1  # debounced: raised once, not every step
+    event = next(e for e in events if e.alarm == alarm)
+    spec = ALARMS[alarm]
+    assert event.cause == spec.cause and event.remedy == spec.remedy and event.symptom
+    assert alarm in tracker.active
+    assert tracker.flags()[f"health/alarm/{alarm}"] == 1.0
+    if alarm == "nonfinite":
+        assert event.step == 31  # no patience for NaN
+        assert event.severity == "critical"
+    elif alarm == "reward_plateau":
+        # The window (20) must first fill with the flat reward; then patience (3).
+        assert 31 < event.step <= 31 + 20 + 3
+        assert "best reward reached" in event.symptom
+    else:
+        assert event.step == 31 + 2  # patience 3: the third consecutive record
+    # An alarm driven by one gauge must not drag unrelated alarms with it.
+    unrelated = set(names) - {alarm, "grad_norm_vanishing", "zero_std"}
+    assert unrelated <= {"reward_plateau"} if alarm == "reward_above_max" else unrelated == set()
+
+
+def test_alarm_clears_after_recovery_and_single_spike_is_ignored():
+    history = with_fault("frac_reward_zero_std", lambda i: 0.8 if i < 40 else 0.1, start=30)
+    history[60]["frac_reward_zero_std"] = 0.9  # one bad record: below patience
+    _, events = replay(history)
+    kinds = [(e.kind, e.alarm, e.step) for e in events]
+    assert kinds == [("raised", "zero_std", 33), ("cleared", "zero_std", 43)]
+
+
+def test_clipped_ratio_alone_trips_length_alarm():
+    tracker, events = replay(with_fault("completions/clipped_ratio", lambda i: 0.5))
+    assert raised(events) == ["length_near_cap"]
+    assert "50% of completions truncated" in events[0].symptom
+
+
+def test_repeat_every_and_disabled_alarms():
+    history = with_fault("mismatch/logp_abs_diff/mean", lambda i: 0.05, start=0, n=130)
+    _, events = replay(history, repeat_every=50)
+    assert [e.kind for e in events] == ["raised", "repeated", "repeated"]
+    assert [e.step for e in events] == [3, 53, 103] and events[1].since == 3
+    assert "still holds (since step 3)" in events[1].message() and "Remedy" not in events[1].message()
+    _, events = replay(history, repeat_every=0)
+    assert [e.kind for e in events] == ["raised"]
+    _, events = replay(history, disabled_alarms=["mismatch"])
+    assert events == []
+
+
+def test_threshold_is_configurable():
+    history = with_fault("mismatch/logp_abs_diff/mean", lambda i: 0.02)
+    assert raised(replay(history)[1]) == ["mismatch"]
+    assert raised(replay(history, mismatch_threshold=0.03)[1]) == []
+
+
+def test_grad_norm_relative_floor_uses_early_reference():
+    # 0.5 early, then 1e-3: far above the absolute floor 1e-6 but below 1% of the reference 0.5.
+    history = with_fault("grad_norm", lambda i: 1e-3)
+    assert raised(replay(history)[1]) == ["grad_norm_vanishing"]
+    event = [e for e in replay(history)[1] if e.kind == "raised"][0]
+    assert event.threshold == pytest.approx(0.01 * 0.5, rel=0.5)
+
+
+def test_plateau_needs_declared_max_and_converged_is_not_plateau():
+    history = with_fault("reward", lambda i: 0.55)
+    assert raised(replay(history, reward_max=None)[1]) == []
+    history = with_fault("reward", lambda i: 0.97)
+    assert raised(replay(history)[1]) == []
+
+
+def test_trl_vllm_and_ppo_keys_are_read():
+    gauges = extract_gauges(
+        {
+            "env/reward_mean": 0.3,
+            "objective/entropy": 1.2,
+            "sampling/sampling_logp_difference/mean": 0.02,
+            "kpop/masked_frac": 0.2,
+            "token_filter/icepop/masked_seq_frac": 0.9,
+            "token_filter/kpop/clamped_token_frac": 0.1,
+            "eval_icepop/masked_frac": 0.9,
+            "grad_norm": None,
+        }
+    )
+    assert gauges == {"reward": 0.3, "entropy": 1.2, "mismatch": 0.02, "masked_fraction": 0.2}
+    ppo = extract_gauges(
+        {
+            "policy/grad_norm": 0.3,
+            "loss/total": 1.0,
+            "tokens/response_len_mean": 12.0,
+            "behaviour/masked_token_frac": 0.25,
+            "behaviour/masked_seq_frac": 0.9,
+        }
+    )
+    assert ppo == {"grad_norm": 0.3, "loss": 1.0, "completion_length": 12.0, "masked_fraction": 0.25}
+    custom = extract_gauges({"my/score": 0.4}, {"reward": ["my/score"]})
+    assert custom == {"reward": 0.4}
+
+
+def test_records_without_gauges_change_nothing():
+    tracker = HealthTracker(HealthConfig())
+    assert tracker.update({"train_runtime": 3.0, "train_loss": 0.1}, step=5) == []
+    assert tracker.last_gauges == {}
+
+
+def test_event_record_is_strict_json():
+    import json
+
+    _, events = replay(with_fault("grad_norm", lambda i: float("inf")))
+    record = [e for e in events if e.alarm == "nonfinite"][0].to_record()
+    json.dumps(record, allow_nan=False)
+    assert "grad_norm=inf" in record["symptom"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"zero_std_healthy": 0.6, "zero_std_alarm": 0.5}, "zero_std_healthy"),
+        ({"patience": 0}, "patience"),
+        ({"plateau_window": 3}, "plateau_window"),
+        ({"mismatch_band": (1.1, 0.9)}, "mismatch_band"),
+        ({"disabled_alarms": ["nope"]}, "disabled_alarms"),
+        ({"critical_alarms": ["nope"]}, "critical_alarms"),
+        ({"stop_after_critical_steps": 0}, "stop_after_critical_steps"),
+        ({"metric_keys": {"nope": ["x"]}}, "metric_keys"),
+        ({"length_cap_ratio": 1.5}, "length_cap_ratio"),
+        ({"mismatch_threshold": -1.0}, "mismatch_threshold"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HealthConfig(**kwargs)
+
+
+def test_critical_set_is_configurable():
+    assert HealthConfig().critical == {"grad_norm_vanishing", "entropy_collapse", "nonfinite"}
+    assert HealthConfig(critical_alarms=["zero_std"]).critical == {"zero_std"}
+    assert math.isfinite(HealthConfig().mismatch_threshold)

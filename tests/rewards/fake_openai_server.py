@@ -1,0 +1,225 @@
+"""A real HTTP server on 127.0.0.1 that speaks the OpenAI chat-completions protocol, for critic fault tests.
+
+It binds 127.0.0.1 only, on an ephemeral port, with bounded request bodies, socket timeouts and daemon handler
+threads, and it never contacts anything. Behaviour is scripted: each request takes the next queued action whose
+`match` substring occurs in its prompt (else the default answer):
+
+    with FakeOpenAIServer(answer=lambda prompt: "Toxic Span 1: idiot") as server:
+        server.script(status(429, retry_after=0), malformed(), reply("None identified", delay=0.05))
+        client = OpenAICritic(base_url=server.base_url, ...)
+
+Actions: `reply` (optionally after a delay), `status` (an error status with an OpenAI error body), `malformed`
+(status 200 with a body that is not JSON), `drop` (close the connection without answering), `hang` (answer after
+`seconds`, i.e. after the client's timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MAX_BODY = 1 << 20
+
+
+@dataclass
+class Action:
+    kind: str
+    text: str | None = ""  # None: a reply whose message content is null
+    code: int = 200
+    delay: float = 0.0
+    retry_after: float | None = None
+    match: str | None = None
+
+
+def reply(text: str | None, delay: float = 0.0, match: str | None = None) -> Action:
+    return Action("reply", text=text, delay=delay, match=match)
+
+
+def status(code: int, retry_after: float | None = None, match: str | None = None, message: str = "") -> Action:
+    return Action("status", code=code, retry_after=retry_after, match=match, text=message)
+
+
+def malformed(match: str | None = None) -> Action:
+    return Action("malformed", match=match)
+
+
+def drop(match: str | None = None) -> Action:
+    return Action("drop", match=match)
+
+
+def hang(seconds: float, match: str | None = None) -> Action:
+    return Action("hang", delay=seconds, match=match)
+
+
+@dataclass
+class Received:
+    prompt: str
+    body: dict
+    headers: dict
+    arrival: float
+
+
+@dataclass
+class _State:
+    answer: Callable[[str], str]
+    latency: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    queue: list[Action] = field(default_factory=list)
+    received: list[Received] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes; Nagle would add ~40 ms to each reply
+    timeout = 10  # an idle keep-alive socket frees its thread after this many seconds
+    state: _State  # set on a per-server subclass
+
+    def log_message(self, format, *args):  # noqa: A002 - quiet test output
+        pass
+
+    def _send_json(self, code: int, payload: dict, headers: dict | None = None) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):  # noqa: N802 - http.server naming
+        state = self.state
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self._send_json(413, {"error": {"message": "too large", "type": "invalid_request_error"}})
+            return
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            prompt = body["messages"][-1]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            self._send_json(400, {"error": {"message": "bad request", "type": "invalid_request_error"}})
+            return
+        with state.lock:
+            state.received.append(Received(prompt, body, dict(self.headers), time.monotonic()))
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            action = None
+            for i, queued in enumerate(state.queue):
+                if queued.match is None or queued.match in prompt:
+                    action = state.queue.pop(i)
+                    break
+        try:
+            self._act(action, prompt, body)
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (its timeout): nothing to answer
+        finally:
+            with state.lock:
+                state.in_flight -= 1
+
+    def _act(self, action: Action | None, prompt: str, body: dict) -> None:
+        state = self.state
+        if state.latency:
+            state.stop.wait(state.latency)
+        if action is None:
+            action = reply(state.answer(prompt))
+        if action.kind in ("reply", "hang"):
+            if action.delay:
+                state.stop.wait(action.delay)
+            text = action.text if action.kind == "reply" else state.answer(prompt)
+            self._send_json(
+                200,
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": body.get("model", "fake"),
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                    ],
+                    "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+                },
+            )
+        elif action.kind == "status":
+            headers = {"Retry-After": str(action.retry_after)} if action.retry_after is not None else {}
+            message = action.text or f"scripted {action.code}"
+            self._send_json(action.code, {"error": {"message": message, "type": "x"}}, headers)
+        elif action.kind == "malformed":
+            payload = b'{"choices": [{"message": {"content": "unterminated'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        elif action.kind == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+
+class FakeOpenAIServer:
+    """The scripted chat-completions server; use as a context manager (or `start`/`stop`).
+
+    Args:
+        answer: Default answer for a prompt (when no scripted action applies).
+        latency: Seconds every request waits before its action (e.g. 0.1 for the benchmark).
+    """
+
+    def __init__(self, answer: Callable[[str], str] | None = None, latency: float = 0.0) -> None:
+        self._state = _State(answer=answer or (lambda prompt: "None identified"), latency=latency)
+        handler = type("Handler", (_Handler,), {"state": self._state})
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._server.block_on_close = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def received(self) -> list[Received]:
+        with self._state.lock:
+            return list(self._state.received)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self._state.max_in_flight
+
+    def script(self, *actions: Action) -> None:
+        with self._state.lock:
+            self._state.queue.extend(actions)
+
+    def reset(self) -> None:
+        with self._state.lock:
+            self._state.queue.clear()
+            self._state.received.clear()
+            self._state.max_in_flight = 0
+
+    def start(self) -> FakeOpenAIServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._state.stop.set()  # wakes handlers sleeping in a delay
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

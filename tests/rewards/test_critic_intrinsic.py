@@ -1,0 +1,407 @@
+"""The dense intrinsic reward function: selection by threshold, alignment to completion tokens, every backend,
+failure handling, metrics, config."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from trl_stable.rewards import (
+    CriticBackend,
+    CriticFailureError,
+    CriticIntrinsicReward,
+    CriticRewardConfig,
+    LexiconCritic,
+    TransformersCritic,
+    is_dense_reward,
+    parse_critic_answer,
+    validate_dense_rewards,
+)
+from trl_stable.rewards.intrinsic import default_prompt_file, fill_critic_template, load_critic_template
+from trl_stable.testing import build_causal_lm
+
+try:
+    from fake_openai_server import FakeOpenAIServer, status
+except ImportError:
+    from tests.rewards.fake_openai_server import FakeOpenAIServer, status
+
+DUMMY_KEY = "sk-test-DUMMY-intrinsic-9c1d"
+
+
+def encode(tokenizer, texts, eos=True):
+    return [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else []) for t in texts
+    ]
+
+
+def rewarded_text(tokenizer, ids, row, sign):
+    """The characters of the tokens whose reward has `sign` (+1/-1), whitespace removed."""
+    return "".join(tokenizer.decode([t]) for t, v in zip(ids, row) if v * sign > 0).replace(" ", "")
+
+
+class ScriptedCritic(CriticBackend):
+    """Answers from a function of the prompt (None = failed request); records what it was asked."""
+
+    name = "scripted"
+
+    def __init__(self, answer):
+        super().__init__()
+        self.answer = answer
+        self.prompts = []
+
+    def generate(self, prompts, texts=None):
+        self.prompts.extend(prompts)
+        self.counters.add("requests", len(prompts))
+        return [self.answer(p) for p in prompts]
+
+
+def test_is_dense_and_lexicon_sentiment_end_to_end(tokenizer):
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=0.5)
+    fn = CriticIntrinsicReward(cfg, tokenizer)
+    assert is_dense_reward(fn) and fn.__name__ == "critic_sentiment"
+    completions = [" The plot was great but the ending was boring.", " It rained.", " What a wonderful day"]
+    ids = encode(tokenizer, completions)
+    rows = fn(["Review: the great"] * 3, completions, ids, env_rewards=[0.1, 0.5, 0.9])
+    assert validate_dense_rewards(rows, [len(i) for i in ids])
+    assert rows[2] is None  # env reward 0.9 > threshold: not critiqued
+    assert rows[1] == [0.0] * len(ids[1])  # critiqued, nothing found
+    assert rewarded_text(tokenizer, ids[0], rows[0], +1) == "great"
+    assert rewarded_text(tokenizer, ids[0], rows[0], -1) == "boring"
+    assert set(rows[0]) <= {0.0, 0.5, -0.5} and rows[0][-1] == 0.0  # EOS gets nothing
+    m = fn.metrics()
+    assert m["critic/critiqued"] == 2 and m["critic/samples"] == 3 and m["critic/requests"] == 2
+    assert m["critic/spans_positive"] == 1 and m["critic/spans_negative"] == 1
+    n_rewarded = sum(v != 0 for v in rows[0])
+    assert m["critic/tokens_rewarded"] == n_rewarded
+    assert m["critic/rewarded_token_fraction"] == pytest.approx(n_rewarded / sum(len(i) for i in ids))
+    assert m["critic/last_critiqued_fraction"] == pytest.approx(2 / 3)
+    assert all(k.startswith("critic/") for k in m)
+
+
+def test_lexicon_toxicity_with_relc_values(tokenizer):
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, critic_task="toxicity", positive_reward_value=0.0, negative_reward_value=-0.5,
+        intrinsic_reward_threshold=1.0,
+    )  # fmt: skip
+    fn = CriticIntrinsicReward(cfg, tokenizer)
+    completions = [" you are a stupid idiot and I like tea", " I like tea"]
+    ids = encode(tokenizer, completions)
+    rows = fn(["x", "x"], completions, ids, env_rewards=[0.9, 0.2])
+    assert rewarded_text(tokenizer, ids[0], rows[0], -1) == "stupididiot"
+    assert max(rows[0]) == 0.0 and rows[1] == [0.0] * len(ids[1])
+
+
+def test_threshold_selection_and_nan_env_reward(tokenizer):
+    critic = ScriptedCritic(lambda p: "Identified Positive Text Span: None identified")
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=1.0)
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" a", " b", " c", " d"])
+    rows = fn(["p"] * 4, None, ids, env_rewards=[1.0, 1.5, float("nan"), -3.0])
+    assert [r is not None for r in rows] == [True, False, False, True]  # <= threshold; NaN is never critiqued
+    assert len(critic.prompts) == 2
+    assert fn.metrics()["critic/nan_env_rewards"] == 1
+    rows = fn(["p"] * 4, None, ids, env_rewards=torch.tensor([0.5, float("nan"), 2.0, 1.0]))  # a tensor works too
+    assert [r is not None for r in rows] == [True, False, False, True]
+    assert fn.metrics()["critic/nan_env_rewards"] == 2
+    rows = fn(["p"] * 4, None, ids, env_rewards=None)  # no environment reward: critique everything
+    assert all(r is not None for r in rows)
+
+
+def test_disabled_returns_none_and_alias(tokenizer):
+    fn = CriticIntrinsicReward(CriticRewardConfig(), tokenizer)
+    assert fn(["p"], [" great"], encode(tokenizer, [" great"]), env_rewards=[0.0]) == [None]
+    assert CriticRewardConfig(use_instric_reward=True).use_intrinsic_reward is True
+    assert CriticRewardConfig(use_intrinsic_reward=True, use_instric_reward=False).use_intrinsic_reward is True
+    assert CriticRewardConfig(use_instric_reward=False).use_intrinsic_reward is False
+
+
+def test_critic_prompt_uses_template_prompt_and_true_scale_score(tokenizer):
+    critic = ScriptedCritic(lambda p: "Span 1: cat sat (Label: good)\nSpan 2: the mat (Label: wrong)")
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, critic_task="summarization", critic_backend="openai", critic_base_url="http://x",
+        intrinsic_reward_threshold=100.0, positive_reward_value=1.0, negative_reward_value=-1.0,
+    )  # fmt: skip
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    completion = " the cat sat\non the mat"
+    ids = encode(tokenizer, [completion])
+    rows = fn(["Post: a cat on a mat. TL;DR:"], [completion], ids, env_rewards=[0.3712])
+    prompt = critic.prompts[0]
+    assert "Post: Post: a cat on a mat. TL;DR: the cat sat on the mat\nScore: 0.3712" in prompt
+    assert "{}" not in prompt and "{score}" not in prompt
+    assert rewarded_text(tokenizer, ids[0], rows[0], +1) == "catsat"
+    assert rewarded_text(tokenizer, ids[0], rows[0], -1) == "themat"
+
+
+def test_words_in_prompt_are_not_rewarded(tokenizer):
+    critic = ScriptedCritic(lambda p: "Identified Positive Text Span:\n[Span 1]: brilliant\n[Span 2]: loved")
+    fn = CriticIntrinsicReward(CriticRewardConfig(use_intrinsic_reward=True), tokenizer, backend=critic)
+    completion = " and I loved it"
+    ids = encode(tokenizer, [completion])
+    rows = fn(["A brilliant film,"], [completion], ids, env_rewards=[0.0])
+    assert rewarded_text(tokenizer, ids[0], rows[0], +1) == "loved"
+    assert fn.metrics()["critic/spans_unlocated"] == 1  # "brilliant" is only in the prompt
+
+
+def test_failures_zero_reward_and_consecutive_failing_steps_raise(tokenizer):
+    answers = {"mode": "fail"}
+    critic = ScriptedCritic(lambda p: None if answers["mode"] == "fail" else "Toxic Span 1: idiot")
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_task="toxicity", max_consecutive_failing_steps=3)
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" you idiot", " fine"])
+    call = lambda: fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0])  # noqa: E731
+    assert call() == [None, None] and call() == [None, None]
+    assert fn.metrics()["critic/consecutive_failing_steps"] == 2
+    answers["mode"] = "ok"
+    rows = call()  # a working step resets the count
+    assert rewarded_text(tokenizer, ids[0], rows[0], -1) == "idiot"
+    assert fn.consecutive_failing_steps == 0
+    answers["mode"] = "fail"
+    call(), call()
+    with pytest.raises(CriticFailureError, match="3 consecutive steps"):
+        call()
+    assert fn.metrics()["critic/failed_answers"] == 8
+
+
+def test_step_without_critiques_neither_resets_nor_counts_failing_steps(tokenizer):
+    critic = ScriptedCritic(lambda p: None)
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, intrinsic_reward_threshold=0.0, max_consecutive_failing_steps=2
+    )
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" a"])
+    fn(["p"], None, ids, env_rewards=[0.0])  # critiqued, failed: 1
+    fn(["p"], None, ids, env_rewards=[5.0])  # above the threshold: the critic was not asked
+    assert fn.consecutive_failing_steps == 1
+    with pytest.raises(CriticFailureError):
+        fn(["p"], None, ids, env_rewards=[0.0])
+
+
+def test_partial_failures_and_garbage_do_not_count_as_failing_steps(tokenizer):
+    replies = iter([None, "lorem ipsum dolor", None, "complete garbage"] * 5)
+    critic = ScriptedCritic(lambda p: next(replies))
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, max_consecutive_failing_steps=1)
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" a", " b"])
+    for _ in range(3):
+        assert fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0]) == [None, None]
+    m = fn.metrics()
+    assert m["critic/unparseable"] == 3 and m["critic/failed_answers"] == 3
+
+
+def test_log_metric_callback(tokenizer):
+    logged = {}
+    fn = CriticIntrinsicReward(CriticRewardConfig(use_intrinsic_reward=True), tokenizer)
+    fn(["p"], None, encode(tokenizer, [" good"]), env_rewards=[0.0], log_metric=logged.__setitem__)
+    assert logged["critic/critiqued_fraction"] == 1.0 and logged["critic/rewarded_token_fraction"] == 0.5
+
+
+def test_openai_backend_end_to_end_against_loopback(tokenizer, monkeypatch, caplog):
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span:\n[Span 1]: great") as server:
+        cfg = CriticRewardConfig(
+            use_intrinsic_reward=True, critic_backend="openai", critic_base_url=server.base_url,
+            critic_model="tiny-critic", critic_timeout=2.0, critic_max_retries=1, intrinsic_reward_threshold=0.0,
+        )  # fmt: skip
+        fn = CriticIntrinsicReward(cfg, tokenizer)
+        fn.backend.backoff_base = 0.01
+        completions = [" a great day", " great", " meh"]
+        ids = encode(tokenizer, completions)
+        server.script(status(500), status(429, retry_after=0))
+        rows = fn(["Today was"] * 3, completions, ids, env_rewards=[0.0, -1.0, 5.0])
+        assert rewarded_text(tokenizer, ids[0], rows[0], +1) == "great"
+        assert rewarded_text(tokenizer, ids[1], rows[1], +1) == "great"
+        assert rows[2] is None
+        assert len(server.received) == 4
+        assert "Review: Today was a great day" in server.received[0].prompt + server.received[1].prompt + (
+            server.received[2].prompt + server.received[3].prompt
+        )
+        m = fn.metrics()
+        assert m["critic/retries"] == 2 and m["critic/successes"] == 2 and m["critic/prompt_tokens"] == 22
+        for text in (caplog.text, repr(fn), str(m), str(cfg), str(dataclasses.asdict(cfg))):
+            assert DUMMY_KEY not in text
+        fn.close()
+
+
+def test_openai_backend_unreachable_gives_zero_then_clear_error(tokenizer, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, critic_backend="openai", critic_base_url=f"http://127.0.0.1:{port}/v1",
+        critic_timeout=1.0, critic_max_retries=0, max_consecutive_failing_steps=2,
+    )  # fmt: skip
+    fn = CriticIntrinsicReward(cfg, tokenizer)
+    ids = encode(tokenizer, [" x"])
+    assert fn(["p"], None, ids, env_rewards=[0.0]) == [None]
+    with pytest.raises(CriticFailureError) as err:
+        fn(["p"], None, ids, env_rewards=[0.0])
+    assert DUMMY_KEY not in str(err.value) and "critic_base_url" in str(err.value)
+    assert fn.metrics()["critic/connection_errors"] == 2
+
+
+def test_transformers_critic_batched_and_restores_mode(tokenizer):
+    model = build_causal_lm("qwen2", tokenizer, seed=0)
+    model.train()
+    critic = TransformersCritic(model, tokenizer, batch_size=2, max_new_tokens=4)
+    prompts = ["Review: a great film", "Review: bad", "Review: the end"]
+    answers = critic.generate(prompts)
+    assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
+    assert model.training  # put back in train mode after generating
+    m = critic.metrics()
+    assert m["critic/attempts"] == 2 and m["critic/successes"] == 3
+    one_by_one = TransformersCritic(model, tokenizer, batch_size=1, max_new_tokens=4).generate(prompts)
+    assert one_by_one == answers  # left padding does not change greedy answers
+
+
+def test_transformers_critic_as_intrinsic_reward_self_critique(tokenizer):
+    model = build_causal_lm("qwen2", tokenizer, seed=0)
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_backend="transformers", critic_max_tokens=6)
+    fn = CriticIntrinsicReward(cfg, tokenizer, critic_model=model)
+    assert isinstance(fn.backend, TransformersCritic) and fn.backend.max_prompt_length == 256 - 6
+    ids = encode(tokenizer, [" a good day", " bad"])
+    rows = fn(["p", "q"], None, ids, env_rewards=[0.0, 0.0])
+    # A random tiny critic answers garbage: counted as unparseable, zero (None) reward, no crash.
+    raw = fn.backend.generate([fn.critic_prompt(p, tokenizer.decode(i[:-1]), 0.0) for p, i in zip("pq", ids)])
+    parsed = [parse_critic_answer(a) for a in raw]
+    m = fn.metrics()
+    assert m["critic/answers"] == 2 and m["critic/requests"] == 4  # 2 in the reward call, 2 here
+    assert m["critic/unparseable"] == sum(not p.ok for p in parsed)
+    for row, p, i in zip(rows, parsed, ids):
+        assert (row is None) == (not p.ok)
+        assert row is None or len(row) == len(i)
+
+
+def test_transformers_critic_failure_is_counted(tokenizer):
+    class Broken:
+        training = False
+        config = None
+
+        def parameters(self):
+            raise RuntimeError("out of memory")
+
+    critic = TransformersCritic(Broken(), tokenizer, batch_size=2, max_prompt_length=16)
+    assert critic.generate(["a", "b", "c"]) == [None, None, None]
+    assert critic.metrics()["critic/failures"] == 3
+
+
+def test_lexicon_critic_answers_parse_back():
+    sent = LexiconCritic("sentiment").generate(["ignored"], ["Not bad at all, very funny, but the ending is dull."])[0]
+    parsed = parse_critic_answer(sent)
+    assert parsed.positive == ["Not bad", "very funny"] and parsed.negative == ["dull"]
+    tox = LexiconCritic("toxicity").generate(["what a stupid idiot"])[0]
+    assert parse_critic_answer(tox).negative == ["stupid idiot"]
+    assert LexiconCritic("toxicity").generate(["nice weather"]) == ["Toxic Span: None identified"]
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"critic_task": "qa"}, "critic_task"),
+        ({"critic_backend": "claude"}, "critic_backend"),
+        ({"critic_task": "summarization"}, "lexicon"),
+        ({"positive_reward_value": math.inf}, "positive_reward_value"),
+        ({"intrinsic_reward_threshold": math.nan}, "intrinsic_reward_threshold"),
+        ({"critic_concurrency": 0}, "critic_concurrency"),
+        ({"critic_timeout": 0.0}, "critic_timeout"),
+        ({"critic_max_retries": -1}, "critic_max_retries"),
+        ({"max_consecutive_failing_steps": 0}, "max_consecutive_failing_steps"),
+        ({"prompt_file": "/nonexistent/prompt.txt"}, "prompt_file"),
+        ({"critic_rate_limit": -1.0}, "critic_rate_limit"),
+        ({"critic_temperature": -0.1}, "critic_temperature"),
+    ],
+)
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        CriticRewardConfig(**kw)
+
+
+def test_config_fields_have_help():
+    for f in dataclasses.fields(CriticRewardConfig):
+        assert f.metadata.get("help"), f.name
+
+
+def test_default_templates_are_package_data_and_prompts_folder_links_to_them():
+    import os
+
+    import trl_stable
+
+    package_dir = os.path.dirname(os.path.abspath(trl_stable.__file__))
+    repo_prompts = os.path.join(os.path.dirname(package_dir), "prompts")
+    for task in ("sentiment", "toxicity", "summarization"):
+        path = default_prompt_file(task)
+        # inside the package (shipped by setup.cfg package_data), not the repository root
+        assert os.path.dirname(path) == os.path.join(package_dir, "prompts") and os.path.isfile(path)
+        assert CriticRewardConfig(critic_task=task, critic_backend="openai").resolved_prompt_file == path
+        top = os.path.join(repo_prompts, f"critic_{task}.txt")
+        if os.path.exists(top):  # a checkout: the user-facing copy is the same file, not a second source of truth
+            assert os.path.samefile(top, path)
+
+
+def test_api_key_not_in_saved_config(monkeypatch):
+    import json
+
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_backend="openai", critic_base_url="http://127.0.0.1:9")
+    fn = CriticIntrinsicReward(cfg, None)
+    saved = json.dumps(dataclasses.asdict(cfg)) + repr(cfg) + repr(fn) + str(vars(fn)) + repr(fn.backend)
+    assert DUMMY_KEY not in saved and "OPENAI_API_KEY" in saved  # the variable's name, never its value
+
+
+def test_prompt_templates(tmp_path):
+    for task in ("sentiment", "toxicity", "summarization"):
+        template = load_critic_template(default_prompt_file(task))
+        assert template.count("{}") == 1
+    bad = tmp_path / "bad.txt"
+    bad.write_text("no placeholder here")
+    with pytest.raises(ValueError, match="placeholder"):
+        load_critic_template(bad)
+    # braces in examples and in the text survive; the text is inserted once
+    assert fill_critic_template("a {x} {} b {score}", "t {} {score}", score=12.5) == "a {x} t {} {score} b 12.5"
+
+
+def test_script_flags_with_relc_names():
+    from transformers import HfArgumentParser
+
+    flags = ["--use_instric_reward", "--critic_task", "toxicity", "--positive_reward_value", "0.0",
+             "--negative_reward_value", "-0.5", "--intrinsic_reward_threshold", "1.0",
+             "--prompt_file", default_prompt_file("toxicity")]  # fmt: skip
+    (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(flags)
+    assert cfg.use_intrinsic_reward and cfg.critic_task == "toxicity"
+    assert (cfg.positive_reward_value, cfg.negative_reward_value, cfg.intrinsic_reward_threshold) == (0.0, -0.5, 1.0)
+    (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(["--use_intrinsic_reward"])
+    assert cfg.use_intrinsic_reward
+
+
+def test_prefetch_overlaps_and_pays_once(tokenizer, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    # latency 1 s: the "nothing answered yet" check right after prefetch must hold on a loaded CI machine
+    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span: great", latency=1.0) as server:
+        cfg = CriticRewardConfig(
+            use_intrinsic_reward=True, critic_backend="openai", critic_base_url=server.base_url,
+            intrinsic_reward_threshold=1.0,
+        )  # fmt: skip
+        fn = CriticIntrinsicReward(cfg, tokenizer)
+        completions = [" a great day", " great", " so great"]
+        ids = encode(tokenizer, completions)
+        fn.prefetch(["p"] * 3, ids)  # returns at once; the environment reward would be computed now
+        assert fn.backend.metrics()["critic/successes"] == 0
+        rows = fn(["p"] * 3, completions, ids, env_rewards=[0.0, 0.5, 2.0])
+        assert [rewarded_text(tokenizer, i, r, +1) if r else None for i, r in zip(ids, rows)] == [
+            "great",
+            "great",
+            None,
+        ]
+        assert len(server.received) == 3  # the two critiqued samples were not asked again
+        m = fn.metrics()
+        assert m["critic/deduplicated"] + m["critic/cache_hits"] == 2
+        fn.close()
+
+
+def test_prefetch_is_a_no_op_for_synchronous_backends(tokenizer):
+    fn = CriticIntrinsicReward(CriticRewardConfig(use_intrinsic_reward=True), tokenizer)
+    fn.prefetch(["p"], encode(tokenizer, [" good"]))
+    assert fn.metrics()["critic/requests"] == 0

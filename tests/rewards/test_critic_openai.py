@@ -1,0 +1,342 @@
+"""OpenAICritic against a real HTTP server on 127.0.0.1: retries, timeouts, concurrency, cache, rate limit, counters,
+and that the API key never leaks."""
+
+import json
+import logging
+import os
+import pickle
+import socket
+import time
+
+import pytest
+
+from trl_stable.rewards import OpenAICritic
+
+try:
+    from fake_openai_server import FakeOpenAIServer, drop, hang, malformed, reply, status
+except ImportError:  # tests/rewards became a package
+    from tests.rewards.fake_openai_server import FakeOpenAIServer, drop, hang, malformed, reply, status
+
+DUMMY_KEY = "sk-test-DUMMY-do-not-leak-4f2a"
+
+
+@pytest.fixture
+def server():
+    with FakeOpenAIServer(answer=lambda prompt: f"Toxic Span 1: {prompt.split()[-1]}") as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def dummy_key(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+
+
+def make(server, **kw):
+    defaults = dict(
+        model="critic-test", base_url=server.base_url, timeout=2.0, max_retries=2, backoff_base=0.01,
+        backoff_max=0.05, concurrency=4, seed=0,
+    )  # fmt: skip
+    defaults.update(kw)
+    return OpenAICritic(**defaults)
+
+
+def test_answers_in_order_with_counters_and_key_sent(server):
+    critic = make(server)
+    prompts = [f"text number {i}" for i in range(10)]
+    assert critic.generate(prompts) == [f"Toxic Span 1: {i}" for i in range(10)]
+    m = critic.metrics()
+    assert m["critic/requests"] == 10 and m["critic/successes"] == 10 and m["critic/attempts"] == 10
+    assert m["critic/failures"] == 0 and m["critic/retries"] == 0
+    assert m["critic/prompt_tokens"] == 10 * 11 and m["critic/completion_tokens"] == 10 * 7
+    got = server.received[0]
+    assert got.body["model"] == "critic-test" and got.body["temperature"] == 0.0 and got.body["max_tokens"] == 128
+    assert {k.lower(): v for k, v in got.headers.items()}["authorization"] == f"Bearer {DUMMY_KEY}"
+    critic.close()
+
+
+@pytest.mark.parametrize(
+    "fault, counter",
+    [
+        (status(429, retry_after=0), "critic/rate_limited"),
+        (status(500), "critic/server_errors"),
+        (status(503), "critic/server_errors"),
+        (malformed(), "critic/bad_responses"),
+        (drop(), "critic/connection_errors"),
+        (reply(None), "critic/bad_responses"),  # a 200 whose message has no text (content null)
+    ],
+)
+def test_transient_fault_is_retried(server, fault, counter):
+    critic = make(server)
+    server.script(fault)
+    assert critic.generate(["hello world"]) == ["Toxic Span 1: world"]
+    m = critic.metrics()
+    assert m[counter] == 1 and m["critic/retries"] == 1 and m["critic/attempts"] == 2
+    assert m["critic/failures"] == 0 and m["critic/successes"] == 1
+    assert len(server.received) == 2
+    critic.close()
+
+
+def test_retry_after_is_honoured(server):
+    critic = make(server, backoff_max=1.0)
+    server.script(status(429, retry_after=0.3))
+    assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
+    first, second = server.received
+    assert second.arrival - first.arrival >= 0.29  # waited at least the server's Retry-After
+
+
+def test_exponential_backoff_between_attempts(server):
+    critic = make(server, max_retries=3, backoff_base=0.1, backoff_max=10.0)
+    server.script(status(500), status(500), status(500))
+    assert critic.generate(["x y"]) == ["Toxic Span 1: y"]
+    t = [r.arrival for r in server.received]
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    # delay_k = 0.1 * 2**k * U(0.5, 1): at least 0.05, 0.1, 0.2 seconds
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.2
+
+
+@pytest.mark.parametrize("code", [400, 401, 403, 404])
+def test_client_errors_are_not_retried(server, code):
+    critic = make(server)
+    server.script(status(code))
+    assert critic.generate(["x"]) == [None]
+    m = critic.metrics()
+    assert m["critic/client_errors"] == 1 and m["critic/attempts"] == 1 and m["critic/failures"] == 1
+    assert m["critic/retries"] == 0
+
+
+def test_persistent_failure_exhausts_retries_then_none(server):
+    critic = make(server, max_retries=3)
+    server.script(*[status(500)] * 4)
+    assert critic.generate(["x"]) == [None]
+    m = critic.metrics()
+    assert m["critic/attempts"] == 4 and m["critic/retries"] == 3 and m["critic/failures"] == 1
+
+
+def test_timeout_per_request_is_bounded(server):
+    critic = make(server, timeout=0.3, max_retries=1)
+    server.script(hang(30), hang(30))
+    start = time.monotonic()
+    assert critic.generate(["slow"]) == [None]
+    assert time.monotonic() - start < 10  # two 0.3 s timeouts, never the server's 30 s
+    m = critic.metrics()
+    assert m["critic/timeouts"] == 2 and m["critic/failures"] == 1
+
+
+def test_batch_deadline_never_blocks_forever(server):
+    critic = make(server, timeout=20.0, max_retries=0, batch_timeout=3.0)
+    server.script(hang(30, match="stuck"))
+    start = time.monotonic()
+    answers = critic.generate(["stuck one", "fine two"])
+    assert time.monotonic() - start < 10
+    assert answers == [None, "Toxic Span 1: two"]
+    m = critic.metrics()
+    assert m["critic/failures"] == 1 and m["critic/successes"] == 1
+    # the stuck request's own timeout is cut to what is left of the batch deadline
+    assert m["critic/timeouts"] + m["critic/deadline_exceeded"] == 1
+    critic.close()
+
+
+def test_unreachable_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # nothing listens on `port` any more: connection refused
+    critic = OpenAICritic(
+        model="m", base_url=f"http://127.0.0.1:{port}/v1", timeout=1.0, max_retries=2, backoff_base=0.01
+    )
+    assert critic.generate(["a", "b"]) == [None, None]
+    m = critic.metrics()
+    assert m["critic/connection_errors"] == 6 and m["critic/failures"] == 2 and m["critic/retries"] == 4
+
+
+def test_concurrency_is_used_and_bounded():
+    with FakeOpenAIServer(answer=lambda p: "None identified", latency=0.2) as srv:
+        critic = make(srv, concurrency=6)
+        assert critic.generate([f"p{i}" for i in range(18)]) == ["None identified"] * 18
+        assert 2 <= srv.max_in_flight <= 6
+        srv.reset()
+        serial = make(srv, concurrency=1)
+        serial.generate(["q1", "q2", "q3"])
+        assert srv.max_in_flight == 1
+
+
+def test_rate_limit_spaces_request_starts(server):
+    critic = make(server, concurrency=8, rate_limit=20.0)
+    critic.generate(["warm up"])  # the first call's one-off client set-up must not delay the first measured arrival
+    server.reset()
+    critic.generate([f"p {i}" for i in range(6)])
+    t = sorted(r.arrival for r in server.received)
+    # 6 starts at most 20 per second: >= 0.25 s from first to last (unlimited, they arrive within a few ms)
+    assert t[-1] - t[0] >= 0.25 * 0.6
+
+
+def test_disk_cache_survives_restart_and_is_keyed_by_params(server, tmp_path):
+    cache = tmp_path / "cache"
+    prompts = ["cache me a", "cache me b"]
+    first = make(server, cache_dir=str(cache))
+    answers = first.generate(prompts)
+    assert len(server.received) == 2
+    assert first.generate(prompts) == answers and len(server.received) == 2
+    assert first.metrics()["critic/cache_hits"] == 2
+    first.close()
+
+    restarted = make(server, cache_dir=str(cache))  # a new process would see the same files
+    assert restarted.generate(prompts) == answers
+    assert len(server.received) == 2 and restarted.metrics()["critic/cache_hits"] == 2
+
+    other_params = make(server, cache_dir=str(cache), max_tokens=64)
+    other_params.generate(prompts)
+    assert len(server.received) == 4  # different generation parameters: not the same critique
+    other_model = make(server, cache_dir=str(cache), model="another")
+    other_model.generate(prompts[:1])
+    assert len(server.received) == 5
+
+    files = [p for p in cache.rglob("*.json")]
+    assert len(files) == 5
+    for f in files:
+        assert DUMMY_KEY not in f.read_text()
+        assert set(json.loads(f.read_text())) == {"model", "answer"}
+
+
+def test_failures_are_not_cached(server, tmp_path):
+    critic = make(server, cache_dir=str(tmp_path), max_retries=0)
+    server.script(status(500))
+    assert critic.generate(["x y"]) == [None]
+    assert critic.generate(["x y"]) == ["Toxic Span 1: y"]
+
+
+def test_api_key_never_leaks(server, caplog, tmp_path):
+    caplog.set_level(logging.DEBUG)
+    critic = make(server, cache_dir=str(tmp_path), max_retries=1)
+    # servers echo keys in error bodies ("Incorrect API key provided: sk-..."): that text must be redacted
+    echo = f"Incorrect API key provided: {DUMMY_KEY}"
+    server.script(status(500, message=echo), status(401, message=echo), hang(30), hang(30))
+    critic.timeout = 0.3
+    critic.generate(["a", "b", "c"])
+    assert critic._redact(echo) == "Incorrect API key provided: ***"
+    assert critic._redact("Authorization: Bearer abc.def") == "Authorization: Bearer ***"
+    texts = [caplog.text, repr(critic), str(critic), str(critic.metrics()), str(vars(critic))]
+    for text in texts:
+        assert DUMMY_KEY not in text
+    with pytest.raises(TypeError):
+        pickle.dumps(critic)
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            assert DUMMY_KEY not in open(os.path.join(root, name)).read()
+
+
+def test_repr_masks_credentials_in_base_url(server):
+    critic = make(server)
+    critic.base_url = f"http://user:{DUMMY_KEY}@127.0.0.1:1/v1"
+    assert DUMMY_KEY not in repr(critic) and "//***@127.0.0.1:1/v1" in repr(critic)
+
+
+def test_missing_key_for_openai_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="OPENAI_API_KEY"):
+        OpenAICritic(model="gpt-4o-mini")
+
+
+@pytest.mark.parametrize(
+    "kw", [{"concurrency": 0}, {"timeout": 0}, {"max_retries": -1}, {"rate_limit": 0}]
+)  # fmt: skip
+def test_invalid_arguments(server, kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        make(server, **kw)
+
+
+def test_scripted_reply_with_delay_and_submit_overlaps(server):
+    critic = make(server, concurrency=4)
+    # 1 s, not less: on a loaded CI machine the check below may run a few hundred ms after submit
+    server.script(reply("Toxic Span 1: slowpoke", delay=1.0, match="slow"))
+    job = critic.submit(["slow one", "fast two"])
+    assert not job.done()  # returns immediately; the caller works while the critic answers
+    assert job.result() == ["Toxic Span 1: slowpoke", "Toxic Span 1: two"]
+    assert job.done()
+
+
+def test_job_deadline_abandons_stuck_requests():
+    import concurrent.futures as cf
+    import threading
+
+    from trl_stable.rewards import CriticJob
+    from trl_stable.rewards.critic_backends import CriticCounters
+
+    release = threading.Event()
+    counters = CriticCounters()
+    with cf.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(lambda: "done"), pool.submit(lambda: release.wait(30) and "late")]
+        job = CriticJob(futures=futures, counters=counters, deadline=time.monotonic() + 1.0)
+        assert job.result() == ["done", None]
+        release.set()
+    snap = counters.snapshot()
+    assert snap["deadline_exceeded"] == 1 and snap["failures"] == 1
+    assert job.result() == ["done", None]  # settled: asking again does not count again
+    assert counters.snapshot()["failures"] == 1
+
+
+def test_identical_prompts_in_flight_are_sent_once():
+    # 0.5 s latency: the first "same text" must still be in flight when its duplicates are submitted, even when a
+    # loaded CI machine pauses the submitting thread
+    with FakeOpenAIServer(answer=lambda p: f"Toxic Span 1: {p.split()[-1]}", latency=0.5) as srv:
+        critic = make(srv, concurrency=4)
+        answers = critic.generate(["same text", "same text", "other text", "same text"])
+        assert answers == ["Toxic Span 1: text"] * 4
+        assert sorted(r.prompt for r in srv.received) == ["other text", "same text"]
+        m = critic.metrics()
+        assert m["critic/deduplicated"] == 2 and m["critic/requests"] == 4 and m["critic/failures"] == 0
+
+
+def test_memory_cache_is_bounded_lru(server):
+    critic = make(server, memory_cache_size=2)
+    critic.generate(["m a", "m b"])
+    critic.generate(["m a"])  # a hit: "m a" is now the most recent
+    critic.generate(["m c"])  # evicts "m b"
+    assert len(critic._memory) == 2
+    critic.generate(["m a", "m b"])
+    assert critic.metrics()["critic/cache_hits"] == 2  # "m a" twice; "m b" was asked again
+    assert [r.prompt for r in server.received].count("m b") == 2
+    with pytest.raises(ValueError, match="memory_cache_size"):
+        make(server, memory_cache_size=-1)
+
+
+def test_default_batch_deadline_grows_with_queueing_and_rate_limit(server):
+    critic = make(server, timeout=2.0, max_retries=1, backoff_max=0.05, concurrency=4)
+    one = 2.0 * 2 + 0.05 + 5.0
+    assert critic.batch_seconds(1) == pytest.approx(one) and critic.batch_seconds(4) == pytest.approx(one)
+    assert critic.batch_seconds(9) == pytest.approx(one + 2 * 2.0)  # two more waves of 4 workers
+    limited = make(server, timeout=2.0, max_retries=1, backoff_max=0.05, concurrency=4, rate_limit=2.0)
+    assert limited.batch_seconds(4) == pytest.approx(one + 4 / 2.0)
+    assert make(server, batch_timeout=7.0).batch_seconds(1000) == 7.0
+
+
+def test_disk_cache_concurrent_writers_never_tear(tmp_path):
+    import threading
+
+    from trl_stable.rewards.critic_backends import DiskCache
+
+    caches = [DiskCache(tmp_path) for _ in range(4)]  # four "processes" sharing one directory
+    key = DiskCache.key("m", "p", {"t": 0})
+    answers = [f"answer {k} " * 200 for k in range(4)]
+    seen, stop = [], threading.Event()
+
+    def write(k):
+        for _ in range(50):
+            caches[k].put(key, answers[k], "m")
+
+    def read():
+        while not stop.is_set():
+            seen.append(caches[0].get(key))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(k,)) for k in range(4)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    reader.join()
+    assert caches[1].get(key) in answers
+    assert all(a is None or a in answers for a in seen)  # never a torn, partly written answer
+    assert not list(tmp_path.rglob("*.tmp"))  # no temporary file left behind

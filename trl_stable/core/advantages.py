@@ -1,0 +1,201 @@
+"""Group advantages beyond plain normalization (GDPO, NGRPO), DAPO's overlong penalty and dense reward-to-go."""
+
+from __future__ import annotations
+
+import torch
+
+from trl_stable.core.normalization import _group_index, _segment_sum, normalize
+
+__all__ = [
+    "dense_advantages",
+    "gdpo_advantages",
+    "ngrpo_advantages",
+    "overlong_penalty",
+    "reward_to_go",
+    "zero_variance_groups",
+]
+
+
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    weights: torch.Tensor | list[float] | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    r"""GDPO: group-decoupled normalization of several rewards (arXiv 2601.05242).
+
+    For each reward dimension $j$: $z_{ij} = (r_{ij} - \mu_{g(i),j}) / (\sigma_{g(i),j} + \epsilon)$ with the
+    group mean and unbiased group std; then $s_i = \sum_j w_j z_{ij}$ and $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$
+    over the batch. Normalizing each reward before summing keeps a high-variance reward from drowning the others.
+    NaN rewards (a reward function that does not apply to a sample) are left out of their column's statistics and
+    contribute 0 to the sum; a row that is NaN in every column stays NaN.
+
+    Args:
+        rewards: [N, K] rewards, one column per reward function.
+        group_ids: [N] integer group ids.
+        weights: [K] weights; None means all ones.
+        eps: Added to every std (TRL's 1e-4).
+
+    Returns:
+        Advantages [N].
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}.")
+    num_rewards = rewards.shape[1]
+    if weights is None:
+        weights = torch.ones(num_rewards, dtype=rewards.dtype, device=rewards.device)
+    weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
+    if weights.shape != (num_rewards,):
+        raise ValueError(
+            f"weights has {weights.numel()} entries but rewards has {num_rewards} columns; give one weight per "
+            "reward function."
+        )
+    z = torch.stack(
+        [
+            normalize(rewards[:, j], group_ids, mean_level="group", std_level="group", eps=eps)
+            for j in range(num_rewards)
+        ],
+        dim=1,
+    )
+    summed = (z * weights).nansum(dim=1)
+    summed = torch.where(torch.isnan(rewards).all(dim=1), torch.full_like(summed, float("nan")), summed)
+    return normalize(summed, mean_level="batch", std_level="batch", eps=eps)
+
+
+def ngrpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    r_max: float = 1.0,
+    num_virtual: int = 1,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""NGRPO: group advantages with virtual maximum-reward samples (arXiv 2509.18851).
+
+    Each group is augmented with $K$ = `num_virtual` virtual samples of reward $r_{max}$ before its mean and unbiased
+    std are taken: $\mu = (\sum_i r_i + K r_{max})/(n + K)$,
+    $\sigma = \sqrt{(\sum_i (r_i - \mu)^2 + K (r_{max} - \mu)^2)/(n + K - 1)}$,
+    $A_i = (r_i - \mu)/(\sigma + \epsilon)$.
+    An all-wrong group then still gets a learning signal (G = 8 zeros give every $A = -1/3$), while a group already
+    at $r_{max}$ keeps $A = 0$. NaN rewards are left out and stay NaN.
+
+    Args:
+        rewards: [N] rewards.
+        group_ids: [N] integer group ids.
+        r_max: Reward of the virtual samples (the best achievable reward).
+        num_virtual: Number of virtual samples per group (>= 1).
+        eps: Added to the std.
+    """
+    if num_virtual < 1:
+        raise ValueError(f"num_virtual={num_virtual} must be >= 1 (NGRPO adds at least one virtual sample).")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}.")
+    valid = ~torch.isnan(rewards)
+    rv = torch.where(valid, rewards, torch.zeros_like(rewards))
+    index, n_groups = _group_index(rewards, group_ids, "group")
+    counts = _segment_sum(valid.to(rewards.dtype), index, n_groups) + num_virtual
+    mean = (_segment_sum(rv, index, n_groups) + num_virtual * r_max) / counts
+    dev = torch.where(valid, rewards - mean[index], torch.zeros_like(rewards))
+    ss = _segment_sum(dev**2, index, n_groups) + num_virtual * (r_max - mean) ** 2
+    std = torch.where(counts > 1, torch.sqrt(ss / (counts - 1).clamp(min=1)), torch.ones_like(counts))
+    return (rewards - mean[index]) / (std[index] + eps)
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, overlong_tokens: int, factor: float = 1.0
+) -> torch.Tensor:
+    r"""DAPO's soft overlong punishment (arXiv 2503.14476).
+
+    $p(L) = \min\left(-\frac{L - (L_{max} - B)}{B}\cdot f,\; 0\right)$ with $B$ = `overlong_tokens`: zero up to
+    $L_{max} - B$, then a linear ramp down to $-f$ at $L_{max}$.
+
+    Args:
+        lengths: [N] completion lengths (tokens).
+        max_length: $L_{max}$, the maximum completion length.
+        overlong_tokens: $B$, the buffer at the end of the budget where the penalty ramps.
+        factor: $f$, the penalty at $L_{max}$.
+
+    Returns:
+        Float tensor [N] of penalties (<= 0), to add to the sequence reward.
+    """
+    if overlong_tokens <= 0 or overlong_tokens > max_length:
+        raise ValueError(
+            f"overlong_tokens={overlong_tokens} must be in [1, max_length={max_length}]: it is the buffer before "
+            "the length limit."
+        )
+    lengths = lengths.to(torch.float32)
+    penalty = -(lengths - (max_length - overlong_tokens)) / overlong_tokens * factor
+    return torch.clamp(penalty, max=0.0)
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
+    """DAPO dynamic sampling: True for every sample whose group's rewards are all equal (all right / all wrong).
+
+    NaN rewards are ignored; a group with at most one finite reward counts as zero-variance (nothing to compare).
+
+    Args:
+        rewards: [N] rewards.
+        group_ids: [N] integer group ids.
+        atol: Rewards within `atol` of each other count as equal.
+
+    Returns:
+        Bool tensor [N].
+    """
+    valid = ~torch.isnan(rewards)
+    index, n_groups = _group_index(rewards, group_ids, "group")
+    big = torch.finfo(rewards.dtype).max
+    hi = torch.full((n_groups,), -big, dtype=rewards.dtype, device=rewards.device)
+    lo = torch.full((n_groups,), big, dtype=rewards.dtype, device=rewards.device)
+    hi = hi.scatter_reduce(0, index, torch.where(valid, rewards, torch.full_like(rewards, -big)), reduce="amax")
+    lo = lo.scatter_reduce(0, index, torch.where(valid, rewards, torch.full_like(rewards, big)), reduce="amin")
+    spread = torch.where(hi >= lo, hi - lo, torch.zeros_like(hi))
+    return (spread <= atol)[index]
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    r"""Discounted reward-to-go over the active tokens of each row.
+
+    $G_t = \sum_{s \ge t,\ m_s = 1} \gamma^{k(t, s)} r_s$, where $k(t, s)$ counts the active tokens strictly between
+    $t$ and $s$ plus one for each step, so masked positions (padding, tool output) consume no time step and add no
+    reward. Masked positions return 0.
+
+    Args:
+        rewards: [B, T] per-token rewards.
+        mask: [B, T] 1 for active tokens.
+        gamma: Discount in (0, 1].
+    """
+    maskf = mask.to(rewards.dtype)
+    r = rewards * maskf
+    if gamma == 1.0:
+        out = torch.flip(torch.cumsum(torch.flip(r, dims=[1]), dim=1), dims=[1])
+        return out * maskf
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in range(r.shape[1] - 1, -1, -1):
+        active = maskf[:, t]
+        running = torch.where(active > 0, r[:, t] + gamma * running, running)
+        out[:, t] = running * active
+    return out
+
+
+def dense_advantages(
+    sequence_advantages: torch.Tensor,
+    dense_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float = 1.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    r"""Token advantages from a sequence advantage plus dense (per-token) rewards.
+
+    $A_{i,t} = A_i + c \cdot G_{i,t}$ with $A_i$ the group-normalized sequence advantage and $G_{i,t}$ the
+    `reward_to_go` of the dense rewards (Drlc / RELC, arXiv 2401.07382, moved from PPO's GAE into group baselines).
+    Masked positions are 0.
+
+    Args:
+        sequence_advantages: [B] (or [B, 1]) sequence advantages.
+        dense_rewards: [B, T] per-token rewards aligned to the completion tokens.
+        mask: [B, T] completion mask.
+        coef: $c$, the dense-reward coefficient.
+        gamma: Discount of the reward-to-go.
+    """
+    seq = sequence_advantages.reshape(-1, 1).to(dense_rewards.dtype)
+    return (seq + coef * reward_to_go(dense_rewards, mask, gamma)) * mask.to(dense_rewards.dtype)

@@ -1,0 +1,161 @@
+"""Generalised advantage estimation (GAE) over tokens and over turns, and per-sequence lambda schedules.
+
+Pure torch. References: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation" (arXiv 1506.02438); VAPO, Yue et al. 2025 (arXiv 2504.05118) for the length-adaptive lambda.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compute_gae", "compute_turn_gae", "relative_position_lambda", "vapo_lambda"]
+
+
+def _lam_column(lam: float | torch.Tensor, batch: int, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(lam, torch.Tensor):
+        lam = lam.to(device=like.device, dtype=like.dtype)
+        if lam.dim() == 0:
+            return lam.expand(batch)
+        if lam.shape != (batch,):
+            raise ValueError(f"lam must be a float or a [B] tensor with B={batch}, got shape {tuple(lam.shape)}.")
+        return lam
+    return torch.full((batch,), float(lam), device=like.device, dtype=like.dtype)
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Token-level GAE where masked positions consume no time step.
+
+    Over the active (mask = 1) positions t_1 < t_2 < ... < t_n of each sequence, with V_{t_{n+1}} = bootstrap:
+
+        delta_k = r_{t_k} + gamma * V_{t_{k+1}} - V_{t_k}
+        A_{t_k} = delta_k + gamma * lam * A_{t_{k+1}},        A_{t_{n+1}} = 0
+        returns = A + V
+
+    so padding or prompt tokens in between are skipped, not treated as zero-reward steps (Schulman et al. 2016,
+    arXiv 1506.02438). Masked positions get advantage and return 0.
+
+    Args:
+        rewards: [B, T] per-token rewards.
+        values: [B, T] value estimates V(s_t) (detached).
+        mask: [B, T] 1 for positions that are actions, 0 otherwise.
+        gamma: Discount factor.
+        lam: GAE lambda, a float or a [B] tensor (one per sequence, see `vapo_lambda`).
+        bootstrap: [B] value after the last active token (0 for terminated sequences); None: all 0.
+
+    Returns:
+        (advantages, returns), both [B, T].
+    """
+    if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards, values and mask must all be [B, T]; got {tuple(rewards.shape)}, {tuple(values.shape)}, "
+            f"{tuple(mask.shape)}."
+        )
+    rewards = rewards.float()
+    values = values.float()
+    active = mask.bool()
+    batch, length = rewards.shape
+    lam_col = _lam_column(lam, batch, rewards)
+    next_value = torch.zeros(batch, device=rewards.device) if bootstrap is None else bootstrap.float().clone()
+    next_adv = torch.zeros(batch, device=rewards.device)
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(length)):
+        m = active[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam_col * next_adv
+        advantages[:, t] = torch.where(m, adv, torch.zeros_like(adv))
+        next_adv = torch.where(m, adv, next_adv)
+        next_value = torch.where(m, values[:, t], next_value)
+    returns = (advantages + values) * active
+    return advantages, returns
+
+
+def compute_turn_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    turn_ids: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
+    token_rewards: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Turn-level GAE for multi-turn agents: each assistant turn is one macro step.
+
+    For turn u of a sequence (the tokens whose `turn_ids` equal u): R_u = sum of its token `rewards`, V_u = the
+    value at its first token. Then GAE runs over the turns present (`compute_gae` on [B, U]):
+
+        delta_u = R_u + gamma * V_{u+1} - V_u,    A_u = delta_u + gamma * lam * A_{u+1}
+
+    A_u is broadcast to every token of the turn, and so is the return A_u + V_u. Per-token terms that should not
+    enter the recursion (the token KL penalty) are passed as `token_rewards` and added to each token's advantage.
+
+    Args:
+        rewards: [B, T] per-token rewards that the turn recursion sums (scores, dense rewards).
+        values: [B, T] value estimates.
+        turn_ids: [B, T] long: the turn index (0, 1, ..., non-decreasing along the sequence) of assistant tokens,
+            -1 on prompt, tool output and padding tokens (they are no action).
+        gamma, lam: As in `compute_gae`; lam a float or a [B] tensor.
+        token_rewards: Optional [B, T] per-token terms added back to the advantages outside the recursion.
+        bootstrap: [B] value after the last turn; None: 0.
+
+    Returns:
+        (advantages, returns), both [B, T], 0 where `turn_ids` is -1.
+    """
+    if rewards.shape != values.shape or rewards.shape != turn_ids.shape or rewards.dim() != 2:
+        raise ValueError("rewards, values and turn_ids must all be [B, T].")
+    active = turn_ids >= 0
+    running_max = torch.where(active, turn_ids, -1).cummax(dim=1).values
+    if bool((active & (turn_ids < running_max)).any()):
+        raise ValueError("turn_ids must be non-decreasing along each sequence (ignoring -1 positions).")
+    batch, length = rewards.shape
+    num_turns = int(turn_ids.max().item()) + 1 if bool(active.any()) else 0
+    advantages = torch.zeros(batch, length, device=rewards.device)
+    returns = torch.zeros(batch, length, device=rewards.device)
+    if num_turns == 0:
+        return advantages, returns
+    ids = turn_ids.clamp(min=0)
+    turn_rewards = torch.zeros(batch, num_turns, device=rewards.device)
+    turn_rewards.scatter_add_(1, ids, (rewards.float() * active))
+    counts = torch.zeros(batch, num_turns, device=rewards.device)
+    counts.scatter_add_(1, ids, active.float())
+    present = counts > 0
+    # first token of each turn: the smallest position carrying that id
+    positions = torch.arange(length, device=rewards.device).expand(batch, length)
+    first = torch.full((batch, num_turns), length, device=rewards.device, dtype=torch.long)
+    first.scatter_reduce_(1, ids, torch.where(active, positions, length), reduce="amin")
+    turn_values = values.float().gather(1, first.clamp(max=length - 1)) * present
+    turn_adv, turn_ret = compute_gae(turn_rewards, turn_values, present, gamma, lam, bootstrap)
+    advantages = torch.where(active, turn_adv.gather(1, ids), advantages)
+    returns = torch.where(active, turn_ret.gather(1, ids), returns)
+    if token_rewards is not None:
+        advantages = advantages + token_rewards.float() * active
+    return advantages, returns
+
+
+def vapo_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
+    r"""VAPO's length-adaptive GAE lambda (Yue et al. 2025, arXiv 2504.05118): lam = max(0, 1 - 1 / (alpha * L)).
+
+    Longer sequences get a lambda closer to 1 so the sum of the TD weights, 1 / (1 - lam) = alpha * L, grows with L.
+    L = 0 gives 0.
+    """
+    lengths = lengths.float()
+    lam = 1.0 - 1.0 / (alpha * lengths.clamp(min=1e-12))
+    return torch.where(lengths > 0, lam.clamp(min=0.0), torch.zeros_like(lengths))
+
+
+def relative_position_lambda(lengths: torch.Tensor, q: float = 0.5) -> torch.Tensor:
+    r"""Relative-position GAE lambda: lam = q^(1/(L-1)) for L >= 2, 1 for L = 1, 0 for L = 0.
+
+    Then lam^(L-1) = q: the last token's TD error reaches the first token with weight q whatever the length L, so
+    credit spreads over the same relative span of long and short responses.
+    """
+    lengths = lengths.float()
+    lam = torch.pow(torch.full_like(lengths, float(q)), 1.0 / (lengths - 1).clamp(min=1.0))
+    lam = torch.where(lengths == 1, torch.ones_like(lengths), lam)
+    return torch.where(lengths <= 0, torch.zeros_like(lengths), lam)

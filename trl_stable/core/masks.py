@@ -1,0 +1,161 @@
+"""Behaviour weights and token filters for the decoupled loss: IcePop (ratio band) and KPop (binary KL).
+
+Notation: `prox_logps` are the training engine's log-probs at the rollout weights (recomputed before the update),
+`behav_logps` the sampler's (HF generate or vLLM) on the same tokens; both [B, T]. `mask` is the completion loss
+mask. Every filter returns a bool tensor, True = keep, and False wherever `mask` is 0.
+
+Non-finite inputs: a NaN or infinite log-ratio (a token vLLM could not score, a probability that underflowed to 0)
+carries no usable evidence and is treated as a log-ratio of 0 (weight 1, kept by IcePop), as SPEC.md section 2 defines
+the behaviour weight and as TRL does for its importance-sampling correction; the mismatch monitor counts such tokens.
+KPop works on clamped probabilities instead, so there a log-prob of -inf is the probability 1e-8 (see `kpop_mask`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "behaviour_log_ratio",
+    "behaviour_weight",
+    "binary_kl",
+    "clamp_behaviour_weight",
+    "icepop_mask",
+    "kpop_mask",
+]
+
+_LEVELS = ("token", "sequence")
+
+
+def _check_level(level: str) -> None:
+    if level not in _LEVELS:
+        raise ValueError(f"level={level!r} is invalid; use 'token' or 'sequence'.")
+
+
+def behaviour_log_ratio(prox_logps: torch.Tensor, behav_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""$\log w = \log\pi_{prox} - \log\pi_{behav}$ in fp32, detached; non-finite and masked positions give 0."""
+    log_ratio = prox_logps.detach().float() - behav_logps.detach().float()
+    return torch.where(mask.bool() & torch.isfinite(log_ratio), log_ratio, torch.zeros_like(log_ratio))
+
+
+def behaviour_weight(prox_logps: torch.Tensor, behav_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Decoupled-PPO behaviour weight $w = \exp(\log\pi_{prox} - \log\pi_{behav})$ (AReaL, arXiv 2505.24298).
+
+    Detached fp32; non-finite log-ratios are set to 0 (w = 1) so one broken token cannot blow up the loss, and
+    masked positions are 1. Shape [B, T].
+    """
+    return torch.exp(behaviour_log_ratio(prox_logps, behav_logps, mask))
+
+
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    summed = torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim=1)
+    return summed / mask.float().sum(dim=1).clamp(min=1.0)
+
+
+def icepop_mask(
+    prox_logps: torch.Tensor,
+    behav_logps: torch.Tensor,
+    mask: torch.Tensor,
+    lower: float = 0.5,
+    upper: float = 5.0,
+    level: str = "token",
+) -> torch.Tensor:
+    r"""IcePop (Ring-1T, arXiv 2510.18855): keep a token iff $\text{lower} \le w \le \text{upper}$ (inclusive).
+
+    $w = \exp(\log\pi_{prox} - \log\pi_{behav})$ as in `behaviour_weight` (a non-finite log-ratio counts as 0, i.e.
+    $w = 1$). At level "sequence" the sequence weight is the geometric mean
+    $w_{seq} = \exp(\text{mean}_t \log w_t)$ over the masked tokens, and the whole sequence is kept or dropped.
+
+    Args:
+        prox_logps, behav_logps: [B, T] log-probs.
+        mask: [B, T] completion mask.
+        lower, upper: The band, 0 < lower < upper.
+        level: "token" or "sequence".
+
+    Returns:
+        Bool [B, T], True = keep; False where `mask` is 0.
+    """
+    _check_level(level)
+    if not (0 < lower < upper):
+        raise ValueError(f"IcePop needs 0 < lower < upper, got lower={lower}, upper={upper}.")
+    mask_b = mask.bool()
+    log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
+    lo, hi = torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
+    if level == "sequence":
+        seq = _sequence_mean(log_ratio, mask)
+        keep_seq = (seq >= lo) & (seq <= hi)
+        return keep_seq.unsqueeze(1) & mask_b
+    return (log_ratio >= lo) & (log_ratio <= hi) & mask_b
+
+
+def binary_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    r"""KL between Bernoulli(p) and Bernoulli(q): $p\log\frac{p}{q} + (1-p)\log\frac{1-p}{1-q}$ (no clamping)."""
+    return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def kpop_mask(
+    prox_logps: torch.Tensor,
+    behav_logps: torch.Tensor,
+    mask: torch.Tensor,
+    upper: float = 2.0,
+    level: str = "token",
+) -> torch.Tensor:
+    r"""KPop: keep a token iff the symmetric binary KL of its probabilities is at most `upper` (AReaL).
+
+    $p = \text{clamp}(e^{\log\pi_{prox}}, 10^{-8}, 1 - 10^{-8})$, $q$ likewise from $\log\pi_{behav}$;
+    keep iff $\max(KL_B(p\|q), KL_B(q\|p)) \le \text{upper}$. A token's probability is treated as a coin, so the
+    test sees both a collapse and an explosion of the probability, unlike a ratio band. At level "sequence" the
+    per-token maximum KL is averaged over the masked tokens and the whole sequence is kept or dropped.
+
+    Args:
+        prox_logps, behav_logps: [B, T] log-probs.
+        mask: [B, T] completion mask.
+        upper: KL threshold, > 0.
+        level: "token" or "sequence".
+
+    Returns:
+        Bool [B, T], True = keep; False where `mask` is 0.
+    """
+    _check_level(level)
+    if not upper > 0:
+        raise ValueError(f"KPop needs upper > 0, got upper={upper}.")
+    mask_b = mask.bool()
+    # fp64: 1 - 1e-8 rounds to 1.0 in fp32, and log1p(-1) would turn a certain token into NaN
+    prox = prox_logps.detach().double()
+    behav = behav_logps.detach().double()
+    p = torch.exp(prox).clamp(1e-8, 1 - 1e-8)
+    q = torch.exp(behav).clamp(1e-8, 1 - 1e-8)
+    kl = torch.maximum(binary_kl(p, q), binary_kl(q, p))
+    # A NaN log-prob carries no evidence (see the module docstring): count it as agreement.
+    kl = torch.where(torch.isnan(prox) | torch.isnan(behav), torch.zeros_like(kl), kl)
+    if level == "sequence":
+        keep_seq = _sequence_mean(kl, mask) <= upper
+        return keep_seq.unsqueeze(1) & mask_b
+    return (kl <= upper) & mask_b
+
+
+def clamp_behaviour_weight(
+    prox_logps: torch.Tensor,
+    behav_logps: torch.Tensor,
+    mask: torch.Tensor,
+    lower: float = 0.5,
+    upper: float = 5.0,
+    level: str = "token",
+) -> torch.Tensor:
+    r"""IcePop's "clamp" action: a behaviour weight bounded to the band instead of dropping tokens.
+
+    Token level: $\tilde w_t = \text{clamp}(w_t, \text{lower}, \text{upper})$ with $w_t$ as in `behaviour_weight`
+    (a non-finite log-ratio counts as 0). Sequence level: the tokens of a sequence are rescaled so that their geometric
+    mean is clamped, $\tilde w_t = w_t \cdot \text{clamp}(w_{seq}, l, u) / w_{seq}$. Masked positions are 1.
+    """
+    _check_level(level)
+    if not (0 < lower < upper):
+        raise ValueError(f"IcePop clamp needs 0 < lower < upper, got lower={lower}, upper={upper}.")
+    mask_b = mask.bool()
+    log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
+    lo, hi = torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
+    if level == "token":
+        out = torch.exp(log_ratio.clamp(lo, hi))
+    else:
+        seq = _sequence_mean(log_ratio, mask)
+        out = torch.exp(log_ratio + (seq.clamp(lo, hi) - seq).unsqueeze(1))
+    return torch.where(mask_b, out, torch.ones_like(out))

@@ -1,0 +1,119 @@
+"""Reward and advantage normalization: the mean/std family behind GRPO, Dr.GRPO, LitePPO and RLOO.
+
+One function, `normalize`, covers the family by choosing where the mean and the standard deviation are taken
+(over the whole batch, within each prompt group, or not at all) and whether the mean leaves the sample itself out.
+The presets below name the combinations that have papers:
+
+| preset    | mean   | std   | leave-one-out | paper                                   |
+|-----------|--------|-------|---------------|-----------------------------------------|
+| `grpo`    | group  | group | no            | DeepSeekMath, arXiv 2402.03300          |
+| `dr_grpo` | group  | None  | no            | Dr.GRPO, arXiv 2503.20783               |
+| `liteppo` | group  | batch | no            | LitePPO ("Tricks or Traps"), 2508.08221 |
+| `rloo`    | group  | None  | yes           | RLOO, Ahmadian et al., arXiv 2402.14740 |
+
+(AReaL's GRPO recipe normalizes rewards group/group and then advantages batch/batch; the table is the single-stage
+form TRL uses.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "normalize"]
+
+NORMALIZATION_LEVELS = ("batch", "group", None)
+
+NORMALIZATION_PRESETS: dict[str, dict[str, object]] = {
+    "grpo": {"mean_level": "group", "std_level": "group", "leave_one_out": False},
+    "dr_grpo": {"mean_level": "group", "std_level": None, "leave_one_out": False},
+    "liteppo": {"mean_level": "group", "std_level": "batch", "leave_one_out": False},
+    "rloo": {"mean_level": "group", "std_level": None, "leave_one_out": True},
+}
+
+
+def _group_index(values: torch.Tensor, group_ids: torch.Tensor | None, level: str) -> tuple[torch.Tensor, int]:
+    """Dense group index in [0, n_groups) for each value; the batch level is one group."""
+    if level == "batch" or group_ids is None:
+        return torch.zeros(values.shape[0], dtype=torch.long, device=values.device), 1
+    if group_ids.shape != values.shape:
+        raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but values has {tuple(values.shape)}.")
+    _, inverse = torch.unique(group_ids.to(values.device), return_inverse=True)
+    return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
+
+
+def _segment_sum(x: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, index, x)
+
+
+def normalize(
+    values: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    *,
+    mean_level: str | None = "batch",
+    std_level: str | None = "batch",
+    leave_one_out: bool = False,
+    unbiased: bool = True,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    r"""Center and scale `values` by batch- or group-level statistics.
+
+    With $S$ the set a statistic is taken over (all values for "batch", the value's group for "group"):
+
+    - mean: $\mu_i = \frac{1}{|S|}\sum_{j \in S} x_j$; with `leave_one_out`,
+      $\mu_i = \frac{1}{|S| - 1}\sum_{j \in S, j \ne i} x_j$ (0 when $|S| \le 1$); level None: $\mu_i = 0$.
+    - std around the chosen mean: $\sigma_i = \sqrt{\sum_{j \in S}(x_j - \mu_j)^2 / (|S| - 1)}$ (unbiased) or
+      $/|S|$ (biased); 1 when $|S| \le 1$; level None: $\sigma = 1$ and `eps` = 0.
+    - out $= (x - \mu) / (\sigma + \epsilon)$.
+
+    Groups may differ in size (failed or filtered rollouts). NaN entries are treated as missing: they do not count in
+    any statistic and stay NaN in the output. References: GRPO (arXiv 2402.03300), Dr.GRPO (arXiv 2503.20783),
+    LitePPO (arXiv 2508.08221), RLOO (arXiv 2402.14740); the level/leave-one-out parametrisation is AReaL's NormConfig.
+
+    Args:
+        values: Rewards or advantages, shape [N].
+        group_ids: Integer tensor [N]; equal ids form a group. None: the whole batch is one group.
+        mean_level: "batch", "group" or None (no centering).
+        std_level: "batch", "group" or None (no scaling).
+        leave_one_out: Exclude each value from its own mean (RLOO baseline). Needs a mean level.
+        unbiased: Bessel-corrected std (divide by |S| - 1).
+        eps: Added to the std before dividing (ignored when `std_level` is None).
+
+    Returns:
+        Tensor [N] of the same dtype as `values`.
+    """
+    if values.dim() != 1:
+        raise ValueError(f"values must be 1-D [N], got shape {tuple(values.shape)}.")
+    for name, level in (("mean_level", mean_level), ("std_level", std_level)):
+        if level not in NORMALIZATION_LEVELS:
+            raise ValueError(f"{name}={level!r} is invalid; use 'batch', 'group' or None.")
+    if leave_one_out and mean_level is None:
+        raise ValueError("leave_one_out=True needs a mean: set mean_level='group' (RLOO) or 'batch'.")
+
+    x = values
+    valid = ~torch.isnan(x)
+    xv = torch.where(valid, x, torch.zeros_like(x))
+    validf = valid.to(x.dtype)
+
+    if mean_level is None:
+        mean = torch.zeros_like(x)
+    else:
+        index, n_groups = _group_index(x, group_ids, mean_level)
+        sums = _segment_sum(xv, index, n_groups)[index]
+        counts = _segment_sum(validf, index, n_groups)[index]
+        if leave_one_out:
+            denom = counts - 1
+            mean = torch.where(denom > 0, (sums - xv) / denom.clamp(min=1), torch.zeros_like(x))
+        else:
+            mean = sums / counts.clamp(min=1)
+
+    centered = x - mean
+    if std_level is None:
+        return centered
+
+    index, n_groups = _group_index(x, group_ids, std_level)
+    sq = torch.where(valid, centered, torch.zeros_like(x)) ** 2
+    ss = _segment_sum(sq, index, n_groups)[index]
+    counts = _segment_sum(validf, index, n_groups)[index]
+    denom = counts - 1 if unbiased else counts
+    std = torch.where(counts > 1, torch.sqrt(ss / denom.clamp(min=1)), torch.ones_like(x))
+    return centered / (std + eps)

@@ -1,0 +1,126 @@
+"""Policy-loss pieces: the clipped PPO term, the decoupled (behaviour-weighted) PPO term and its normalisation.
+
+The trainers reuse TRL's loss, which already has clip-higher, dual clip, GSPO and SAPO; what TRL lacks is the
+decoupled loss, and `fold_behaviour_weight` is how trl_stable adds it without copying TRL's loss: the behaviour weight
+and the token filter are folded into a (B, T) advantage, which TRL's loss accepts. `decoupled_ppo_loss` is the
+reference formula the folded form is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "decoupled_ppo_loss",
+    "decoupled_ppo_term",
+    "fold_behaviour_weight",
+    "pre_mask_token_mean",
+    "ppo_clip_term",
+]
+
+
+def ppo_clip_term(
+    logps: torch.Tensor,
+    prox_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    r"""Per-token clipped PPO loss (Schulman et al. 2017; clip-higher from DAPO, dual clip from Ye et al. 2020).
+
+    $r = \exp(\log\pi_\theta - \log\pi_{prox})$,
+    $\ell = \max(-A r,\ -A\,\text{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high}))$, and with dual clip $c > 1$,
+    $\ell = \min(\ell, c|A|)$ where $A < 0$.
+
+    Args:
+        logps: [B, T] current log-probs (with gradient).
+        prox_logps: [B, T] proximal log-probs (the ratio's denominator).
+        advantages: [B, T] or [B, 1].
+        eps_low, eps_high: Clip range; `eps_high` None means `eps_low`.
+        dual_clip: $c$, or None.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logps - prox_logps.detach())
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip={dual_clip} must be > 1.")
+        loss = torch.where(advantages < 0, torch.minimum(loss, dual_clip * advantages.abs()), loss)
+    return loss
+
+
+def decoupled_ppo_term(
+    logps: torch.Tensor,
+    prox_logps: torch.Tensor,
+    behaviour_weights: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    r"""Decoupled PPO term (AReaL, arXiv 2505.24298): $w \cdot \ell_{PPO}(\pi_\theta / \pi_{prox}, A)$.
+
+    The clip is taken against the proximal policy (the trainer at the rollout weights), and the detached behaviour
+    weight $w = \pi_{prox} / \pi_{behav}$ (see `trl_stable.core.behaviour_weight`) corrects for the tokens having
+    been sampled by a different engine. Per token, [B, T].
+    """
+    return behaviour_weights.detach() * ppo_clip_term(logps, prox_logps, advantages, eps_low, eps_high, dual_clip)
+
+
+def pre_mask_token_mean(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    r"""Token mean normalised by the token count *before* filtering: $\sum_t m_t k_t \ell_t / \max(\sum_t m_t, 1)$.
+
+    Dividing by the kept count instead would scale the surviving tokens' gradients up as more tokens are filtered,
+    so a noisy batch would take a larger step; the pre-mask count keeps the step size independent of the filter.
+
+    Args:
+        per_token_loss: [B, T].
+        mask: [B, T] completion mask (what the loss is normalised by).
+        keep: [B, T] token filter (True keeps), or None.
+    """
+    maskf = mask.to(per_token_loss.dtype)
+    kept = maskf if keep is None else maskf * keep.to(per_token_loss.dtype)
+    # where, not a product: a filtered token may hold inf/NaN
+    summed = torch.where(kept > 0, per_token_loss, torch.zeros_like(per_token_loss)).sum()
+    return summed / maskf.sum().clamp(min=1.0)
+
+
+def decoupled_ppo_loss(
+    logps: torch.Tensor,
+    prox_logps: torch.Tensor,
+    behaviour_weights: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    r"""Scalar decoupled PPO loss: `pre_mask_token_mean(decoupled_ppo_term(...), mask, keep)`.
+
+    $L = \frac{1}{\sum m}\sum_{t} m_t k_t\, w_t\, \ell_{PPO,t}$ with $k$ the IcePop/KPop filter.
+    """
+    term = decoupled_ppo_term(logps, prox_logps, behaviour_weights, advantages, eps_low, eps_high, dual_clip)
+    return pre_mask_token_mean(term, mask, keep)
+
+
+def fold_behaviour_weight(
+    advantages: torch.Tensor, behaviour_weights: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    r"""Fold the behaviour weight and the token filter into (B, T) advantages: $\tilde A = A \cdot w \cdot k$.
+
+    For $w \ge 0$, $w \max(-A r, -A\,\text{clip}(r)) = \max(-(wA) r, -(wA)\,\text{clip}(r))$, and likewise for the
+    dual clip bound $c|A|$, CISPO's $-\text{sg}(\text{clip}(r)) A \log\pi$ and GSPO's sequence ratio, because $w$
+    only rescales $A$ and keeps its sign. So any loss that is linear in $A$ per token computes the decoupled term
+    when given $\tilde A$, and a filtered token ($k = 0$) contributes 0 while still counting in the loss's token
+    normaliser (the pre-mask count). Returns [B, T] in the advantages' dtype.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    weight = behaviour_weights.detach().to(advantages.dtype)
+    if keep is not None:
+        weight = torch.where(keep.bool(), weight, torch.zeros_like(weight))
+    return advantages * weight

@@ -1,0 +1,264 @@
+"""Step-masked SFT: fine-tune on agent traces in one call, training only on valid steps.
+
+`StepMaskedSFTTrainer` is TRL's `SFTTrainer`; before TRL prepares the datasets, each row is turned into
+``input_ids`` and ``labels`` where the tokens of invalid steps (broken JSON, unknown tools, wrongly typed arguments,
+crashed / timed-out / out-of-memory code) are -100. TRL's loss then is exactly `masked_cross_entropy`: the sum of
+the valid tokens' cross-entropy over the number of valid tokens (at least 1).
+
+Accepted row formats:
+
+- ``messages`` (chat with tool calls, optional per-row ``tools``): steps are found with `find_transcript_steps`;
+  with ``step_assistant_only`` only assistant turns train.
+- ``text`` + ``steps``: steps with character (``"unit": "char"``) or token boundaries into the tokenized text.
+- ``input_ids`` + ``steps`` (+ optional ``labels``): token-index steps on pre-tokenized rows.
+
+`StepMaskCollator` is the collator-side alternative for pipelines that keep a per-token ``step_mask`` column.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trl
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from trl_stable.masking.mask import build_step_loss_mask, token_offsets
+from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
+from trl_stable.masking.validation import load_tools
+
+logger = logging.getLogger(__name__)
+
+
+def step_mask_example(
+    example: Mapping[str, Any],
+    tokenizer: Any,
+    tools: Any = None,
+    assistant_only: bool = True,
+    outside_steps: float = 1.0,
+    open_tag: str = "<tool_call>",
+    close_tag: str = "</tool_call>",
+    code_tools: Sequence[str] = DEFAULT_CODE_TOOLS,
+    infer_exec_status: bool = True,
+) -> dict[str, Any]:
+    """Turn one row into ``input_ids``, ``labels`` (-100 on masked tokens) and step counts.
+
+    A row's own ``tools`` column (valid tool names or signatures) overrides `tools`. See the module docstring for
+    the accepted row formats.
+    """
+    tools = example.get("tools") or tools
+    tag_kwargs = {"open_tag": open_tag, "close_tag": close_tag}
+    if example.get("messages") is not None:
+        found = find_transcript_steps(
+            example["messages"], tokenizer, code_tools=code_tools, infer_exec_status=infer_exec_status, **tag_kwargs
+        )
+        result = found.loss_mask(tools=tools, assistant_only=assistant_only, outside_steps=outside_steps, **tag_kwargs)
+        input_ids, base_labels = found.input_ids, list(found.input_ids)
+    elif example.get("input_ids") is not None:
+        input_ids = list(example["input_ids"])
+        base_labels = list(example.get("labels") or input_ids)
+        result = build_step_loss_mask(
+            input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example.get("text"), tools=tools,
+            outside_steps=outside_steps, **tag_kwargs,
+        )  # fmt: skip
+    elif example.get("text") is not None:
+        input_ids, offsets = token_offsets(tokenizer, example["text"])
+        base_labels = list(input_ids)
+        result = build_step_loss_mask(
+            input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example["text"], offsets=offsets,
+            tools=tools, outside_steps=outside_steps, **tag_kwargs,
+        )  # fmt: skip
+    else:
+        raise ValueError(
+            f"A step-masked SFT row needs 'messages', 'text' (+ 'steps') or 'input_ids' (+ 'steps'); got keys "
+            f"{sorted(example)}."
+        )
+    keep = result.mask.tolist()
+    labels = [label if m > 0 else -100 for label, m in zip(base_labels, keep)]
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "num_steps": len(result.verdicts),
+        "num_invalid_steps": result.num_invalid_steps,
+    }
+
+
+def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> Any:
+    """Map `step_mask_example` over a `datasets.Dataset` (or IterableDataset); kwargs go to `step_mask_example`.
+
+    The result has ``input_ids``, ``labels``, ``num_steps`` and ``num_invalid_steps``; the original columns are
+    dropped (TRL's SFTTrainer then only truncates / packs it).
+    """
+    columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
+    return dataset.map(step_mask_example, fn_kwargs={"tokenizer": tokenizer, **kwargs}, remove_columns=columns or None)
+
+
+@dataclass
+class StepMaskedSFTConfig(trl.SFTConfig):
+    """Configuration for [`StepMaskedSFTTrainer`]: every field of `trl.SFTConfig`, plus the step-mask options.
+
+    Args:
+        step_tools: Valid tools: a list of names, ``{name: JSON-schema-like signature}``, a list of OpenAI tool
+            specs, or a JSON string / path of a JSON file holding one of these. None: no name or argument check
+            (tool calls must still be valid JSON with a name).
+        step_assistant_only: For ``messages`` rows, train only the assistant turns (tool outputs and user turns
+            are never targets).
+        step_outside_value: Mask value of tokens covered by no step (1 trains them; 0 trains valid steps only).
+        step_tool_call_open / step_tool_call_close: Delimiters of a tool-call block in assistant text.
+        step_code_tools: Tool names whose calls execute code (their reply decides crash / timeout / oom).
+        step_infer_exec_status: Read crash / timeout / oom from a code tool's output when the tool message has no
+            ``exec_status``.
+    """
+
+    step_tools: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Valid tools: names, {name: signature}, OpenAI tool specs, or a JSON string/file of these. "
+            "None skips the name and argument checks."
+        },
+    )
+    step_assistant_only: bool = field(
+        default=True, metadata={"help": "For 'messages' rows, train only the assistant turns."}
+    )
+    step_outside_value: float = field(
+        default=1.0, metadata={"help": "Mask value (0 or 1) of tokens covered by no step."}
+    )
+    step_tool_call_open: str = field(default="<tool_call>", metadata={"help": "Opening tag of a tool-call block."})
+    step_tool_call_close: str = field(default="</tool_call>", metadata={"help": "Closing tag of a tool-call block."})
+    step_code_tools: list[str] = field(
+        default_factory=lambda: list(DEFAULT_CODE_TOOLS),
+        metadata={"help": "Tool names whose calls execute code; their reply decides crash/timeout/oom."},
+    )
+    step_infer_exec_status: bool = field(
+        default=True,
+        metadata={"help": "Infer crash/timeout/oom from a code tool's output when the message has no exec_status."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        try:
+            self.step_tools = load_tools(self.step_tools)
+        except ValueError as err:
+            raise ValueError(f"`step_tools`: {err}") from err
+        if self.step_outside_value not in (0, 1, 0.0, 1.0):
+            raise ValueError(f"`step_outside_value` must be 0 or 1, got {self.step_outside_value}.")
+        if not self.step_tool_call_open or not self.step_tool_call_close:
+            raise ValueError("`step_tool_call_open` and `step_tool_call_close` must be non-empty strings.")
+
+
+class StepMaskedSFTTrainer(trl.SFTTrainer):
+    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces.
+
+    Args:
+        Same as `trl.SFTTrainer`. `args` may be a [`StepMaskedSFTConfig`] (a plain `SFTConfig` uses the step-mask
+        defaults). `processing_class` must be a fast tokenizer (offsets), loaded from `model` when it is a name.
+
+    After construction, ``trainer.step_mask_stats`` holds, per dataset name, the number of rows, steps and invalid
+    steps found.
+
+    Example:
+        ```python
+        trainer = StepMaskedSFTTrainer(
+            model, args=StepMaskedSFTConfig(output_dir="out", step_tools={"get_weather": {"city": "string"}}),
+            train_dataset=Dataset.from_list([{"messages": [...]}]), processing_class=tokenizer,
+        )
+        trainer.train()
+        ```
+    """
+
+    _tag_names = ["trl", "sft", "trl_stable", "step-mask"]
+
+    def __init__(self, model: Any, args: trl.SFTConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, **kwargs: Any):  # fmt: skip
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = StepMaskedSFTConfig(f"{str(name).split('/')[-1]}-StepMaskedSFT")
+        if processing_class is None:
+            if not isinstance(model, str):
+                raise ValueError(
+                    "StepMaskedSFTTrainer needs `processing_class` (a fast tokenizer) for a model object."
+                )
+            from transformers import AutoTokenizer
+
+            processing_class = AutoTokenizer.from_pretrained(model)
+        options = {
+            "tools": getattr(args, "step_tools", None),
+            "assistant_only": getattr(args, "step_assistant_only", True),
+            "outside_steps": getattr(args, "step_outside_value", 1.0),
+            "open_tag": getattr(args, "step_tool_call_open", "<tool_call>"),
+            "close_tag": getattr(args, "step_tool_call_close", "</tool_call>"),
+            "code_tools": tuple(getattr(args, "step_code_tools", DEFAULT_CODE_TOOLS)),
+            "infer_exec_status": getattr(args, "step_infer_exec_status", True),
+        }
+        self.step_mask_stats: dict[str, dict[str, int]] = {}
+        train_dataset = self._step_mask(train_dataset, processing_class, options, "train")
+        if isinstance(eval_dataset, Mapping):
+            eval_dataset = {
+                k: self._step_mask(v, processing_class, options, f"eval_{k}") for k, v in eval_dataset.items()
+            }
+        else:
+            eval_dataset = self._step_mask(eval_dataset, processing_class, options, "eval")
+        super().__init__(
+            model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, **kwargs,
+        )  # fmt: skip
+
+    def _step_mask(self, dataset: Any, tokenizer: Any, options: dict, name: str) -> Any:
+        if dataset is None:
+            return None
+        columns = set(getattr(dataset, "column_names", None) or [])
+        if "messages" not in columns and "steps" not in columns:
+            return dataset  # nothing step-shaped: plain SFT
+        out = build_step_masked_dataset(dataset, tokenizer, **options)
+        if hasattr(out, "__len__") and not isinstance(out, torch.utils.data.IterableDataset):
+            try:
+                stats = {
+                    "rows": len(out),
+                    "steps": int(sum(out["num_steps"])),
+                    "invalid_steps": int(sum(out["num_invalid_steps"])),
+                }
+            except TypeError:  # IterableDataset: no column access
+                stats = {}
+            if stats:
+                self.step_mask_stats[name] = stats
+                logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
+        return out
+
+
+@dataclass
+class StepMaskCollator(DataCollatorForLanguageModeling):
+    """`DataCollatorForLanguageModeling` that also applies a per-token ``step_mask`` column (0 -> label -100).
+
+    For pipelines that keep the mask as a column (``remove_unused_columns=False`` or
+    ``dataset_kwargs={"skip_prepare_dataset": True}``); `StepMaskedSFTTrainer` bakes the mask into the labels
+    instead and needs no special collator.
+    """
+
+    mask_key: str = "step_mask"
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        masks = [ex.get(self.mask_key) for ex in examples]
+        examples = [{k: v for k, v in ex.items() if k != self.mask_key} for ex in examples]
+        batch = super().torch_call(examples)
+        if all(m is None for m in masks):
+            return batch
+        rows = []
+        for ex, m in zip(examples, masks):
+            length = len(ex["input_ids"])
+            row = torch.ones(length, dtype=torch.bool) if m is None else torch.as_tensor(m).reshape(-1) > 0
+            if row.numel() != length:
+                raise ValueError(f"'{self.mask_key}' has {row.numel()} entries for {length} tokens.")
+            rows.append(row)
+        labels = batch["labels"]
+        if self.padding_free:
+            keep = torch.cat(rows)
+            keep = torch.nn.functional.pad(keep, (0, labels.size(1) - keep.numel()), value=False).unsqueeze(0)
+        else:
+            keep = torch.zeros_like(labels, dtype=torch.bool)
+            for i, row in enumerate(rows):
+                keep[i, : row.numel()] = row
+        batch["labels"] = labels.masked_fill(~keep, -100)
+        return batch

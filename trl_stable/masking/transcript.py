@@ -1,0 +1,239 @@
+"""Find the steps of a chat transcript with tool calls automatically.
+
+The transcript is rendered with the tokenizer's chat template; each message's character span comes from
+rendering growing prefixes of the conversation (falling back to locating the content when a template is not
+prefix-stable). Inside each assistant turn, tool-call blocks (``<tool_call>...</tool_call>`` by default, the
+Hermes/Qwen format) and fenced code blocks become steps; the rest of the turn is a ``text`` step. The outcome of a
+call (a following ``tool`` message) is attached to it: an explicit ``exec_status`` / ``status`` key on the tool
+message, or, with ``infer_exec_status``, a crash / timeout / oom read from the tool output.
+
+Structured ``tool_calls`` (OpenAI message format) that the template does not render are appended to the
+assistant content as tool-call blocks first, so the model is trained on the calls it is asked to make.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl_stable.masking.mask import StepMask, build_step_loss_mask, token_offsets
+from trl_stable.masking.validation import find_tool_call_spans, parse_tool_call
+
+DEFAULT_CODE_TOOLS = ("python", "code_interpreter", "execute_code", "run_code", "ipython", "exec", "bash", "shell")
+TOOL_ROLES = ("tool", "ipython", "function", "observation")
+
+_CODE_FENCE = re.compile(r"```(?:python|py|bash|sh|shell)?[ \t]*\n.*?```", flags=re.DOTALL)
+_EXEC_PATTERNS = (
+    ("oom", re.compile(r"out of memory|MemoryError|\bOOM\b|OutOfMemory", re.IGNORECASE)),
+    ("timeout", re.compile(r"timed? ?out|TimeoutError|TimeoutExpired|deadline exceeded", re.IGNORECASE)),
+    (
+        "crash",
+        re.compile(
+            r"Traceback \(most recent call last\)|Segmentation fault|core dumped|^\w*(Error|Exception):|"
+            r"exit(?:ed with)? (?:code|status) [1-9]",
+            re.IGNORECASE | re.MULTILINE,
+        ),
+    ),
+)
+
+
+def classify_exec_output(output: str) -> str:
+    """Read an execution outcome from a tool's output: "oom", "timeout", "crash" or "ok".
+
+    Heuristic (the patterns of Python tracebacks, timeouts and out-of-memory kills); when the environment knows
+    the outcome, put it on the tool message as ``exec_status`` instead.
+    """
+    for status, pattern in _EXEC_PATTERNS:
+        if pattern.search(output or ""):
+            return status
+    return "ok"
+
+
+@dataclass
+class TranscriptSteps:
+    """A rendered transcript with its steps.
+
+    Attributes:
+        text: The rendered transcript.
+        input_ids: Its tokens (no special tokens added beyond what the template writes).
+        offsets: Each token's character span in `text`.
+        steps: Step dicts with character boundaries (``"unit": "char"``), in order.
+        assistant_mask: Per token, 1 inside an assistant turn's content (and its end-of-turn marker), else 0.
+    """
+
+    text: str
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    assistant_mask: list[int] = field(default_factory=list)
+
+    def loss_mask(self, tools: Any = None, assistant_only: bool = True, **kwargs: Any) -> StepMask:
+        """The step loss mask (times the assistant mask when `assistant_only`); kwargs go to `build_step_loss_mask`."""
+        result = build_step_loss_mask(
+            self.input_ids, self.steps, text=self.text, offsets=self.offsets, tools=tools, **kwargs
+        )
+        if assistant_only:
+            result.mask = result.mask * result.mask.new_tensor(self.assistant_mask)
+        return result
+
+
+def _tool_call_text(call: Mapping[str, Any], open_tag: str, close_tag: str) -> str:
+    fn = call.get("function", call)
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:  # a JSON-encoded string stays a string only when it is broken: keep it verbatim then
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return f'{open_tag}\n{{"name": {json.dumps(fn.get("name"))}, "arguments": {arguments}}}\n{close_tag}'
+    return f"{open_tag}\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n{close_tag}"
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen, **template_kwargs)
+
+
+def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: dict, open_tag: str, close_tag: str):
+    """Append unrendered structured tool calls to the assistant content (the template drops them otherwise)."""
+    out = []
+    for msg in messages:
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and calls:
+            bare = {k: v for k, v in msg.items() if k != "tool_calls"}
+            with_calls = _render(tokenizer, [msg], template_kwargs)
+            if with_calls == _render(tokenizer, [bare], template_kwargs):
+                blocks = "\n".join(_tool_call_text(c, open_tag, close_tag) for c in calls)
+                content = msg.get("content") or ""
+                bare["content"] = f"{content}\n{blocks}" if content else blocks
+                bare["_tool_call_ids"] = [c.get("id") for c in calls]
+                out.append(bare)
+                continue
+        out.append(dict(msg))
+    return out
+
+
+def find_transcript_steps(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    open_tag: str = "<tool_call>",
+    close_tag: str = "</tool_call>",
+    code_tools: Sequence[str] = DEFAULT_CODE_TOOLS,
+    infer_exec_status: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> TranscriptSteps:
+    """Render `messages` with the tokenizer's chat template and find its steps.
+
+    Args:
+        messages: Chat messages (``role``, ``content``, optional ``tool_calls``; tool messages may carry
+            ``tool_call_id`` and ``exec_status``).
+        tokenizer: A fast tokenizer with a chat template (offsets are needed).
+        open_tag / close_tag: Delimiters of a tool-call block in assistant text.
+        code_tools: Tool names that execute code: their call is a code step whose outcome is the tool's reply.
+        infer_exec_status: Read crash / timeout / oom from tool output when the message has no ``exec_status``.
+        template_kwargs: Extra arguments for ``apply_chat_template`` (e.g. ``tools=``).
+
+    Returns:
+        `TranscriptSteps` with the text, tokens, offsets, character steps and the assistant mask.
+    """
+    template_kwargs = dict(template_kwargs or {})
+    msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
+    rendered_msgs = [{k: v for k, v in m.items() if not k.startswith("_")} for m in msgs]
+    text = _render(tokenizer, rendered_msgs, template_kwargs)
+
+    # Character span of each message, and where an assistant turn's own content starts (after the role header).
+    spans: list[tuple[int, int]] = []
+    content_starts: list[int] = []
+    prev_text, pos = "", 0
+    for k, msg in enumerate(rendered_msgs):
+        cur = _render(tokenizer, rendered_msgs[: k + 1], template_kwargs)
+        start = len(prev_text)
+        if cur.startswith(prev_text) and text.startswith(cur):
+            end = len(cur)
+        else:  # template not prefix-stable (e.g. it rewrites earlier turns): locate the content instead
+            content = msg.get("content") or ""
+            found = text.find(content, pos) if content else -1
+            start = found if found >= 0 else pos
+            end = start + len(content)
+        header_end = start
+        if msg.get("role") == "assistant":
+            with_header = _render(tokenizer, rendered_msgs[:k], template_kwargs, gen=True)
+            if text.startswith(with_header) and start <= len(with_header) <= end:
+                header_end = len(with_header)
+            else:
+                content = msg.get("content") or ""
+                found = text.find(content, start, end) if content else -1
+                header_end = found if found >= 0 else start
+        spans.append((start, end))
+        content_starts.append(header_end)
+        prev_text, pos = cur, end
+
+    steps: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []  # executable steps of the last assistant turn, waiting for their outcome
+    for k, msg in enumerate(msgs):
+        role = msg.get("role")
+        if role == "assistant":
+            pending = []
+            body_start = content_starts[k]
+            body_end = body_start + len(text[body_start : spans[k][1]].rstrip())
+            body = text[body_start:body_end]
+            blocks = [(a, b, "tool_call") for a, b in find_tool_call_spans(body, open_tag, close_tag)]
+            blocks += [
+                (m.start(), m.end(), "code")
+                for m in _CODE_FENCE.finditer(body)
+                if not any(a <= m.start() < b for a, b, _ in blocks)
+            ]
+            blocks.sort()
+            ids = list(msg.get("_tool_call_ids", []))
+            cursor = 0
+            for a, b, kind in blocks:
+                if a > cursor:
+                    steps.append(_step(body_start + cursor, body_start + a, "text", message_index=k))
+                step = _step(body_start + a, body_start + b, kind, message_index=k)
+                if kind == "tool_call":
+                    call_id = ids.pop(0) if ids else None
+                    step["metadata"]["tool_call_id"] = call_id
+                    try:
+                        name = parse_tool_call(body[a:b], open_tag, close_tag).name
+                    except ValueError:
+                        name = None
+                    step["metadata"]["tool_name"] = name
+                pending.append(step)
+                steps.append(step)
+                cursor = b
+            if cursor < len(body):
+                steps.append(_step(body_start + cursor, body_end, "text", message_index=k))
+        elif role in TOOL_ROLES and pending:
+            target = None
+            call_id = msg.get("tool_call_id")
+            if call_id is not None:
+                target = next((s for s in pending if s["metadata"].get("tool_call_id") == call_id), None)
+            if target is None:
+                target = pending[0]
+            pending.remove(target)
+            status = msg.get("exec_status", msg.get("status"))
+            is_code = target["type"] == "code" or target["metadata"].get("tool_name") in code_tools
+            if status is None and infer_exec_status and is_code:
+                status = classify_exec_output(str(msg.get("content") or ""))
+            if status is not None:
+                target["metadata"]["exec_status"] = str(status)
+            target["metadata"]["result_message_index"] = k
+
+    input_ids, offsets = token_offsets(tokenizer, text)
+    assistant = [0] * len(input_ids)
+    for k, msg in enumerate(msgs):
+        if msg.get("role") != "assistant":
+            continue
+        a = content_starts[k]
+        b = a + len(text[a : spans[k][1]].rstrip())
+        for t, (s, e) in enumerate(offsets):
+            if s < b and e > a and e > s:
+                assistant[t] = 1
+    return TranscriptSteps(text=text, input_ids=input_ids, offsets=offsets, steps=steps, assistant_mask=assistant)
+
+
+def _step(start: int, end: int, kind: str, **metadata: Any) -> dict[str, Any]:
+    return {"start": start, "end": end, "unit": "char", "type": kind, "metadata": dict(metadata)}

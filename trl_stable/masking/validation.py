@@ -1,0 +1,320 @@
+"""Step validation: decide whether one step of an agent trace may train (handbook 16.6.2, SPEC section 5).
+
+A step is invalid (its tokens get loss mask 0) when
+
+- it is a tool call whose payload does not parse as JSON (``invalid_json``),
+- it names a tool that is not in the valid list (``unknown_tool``),
+- its arguments do not match the tool's JSON-schema-like signature (``bad_arguments``),
+- it is a code step whose execution ended in a crash, a timeout or out of memory (``exec_crash`` /
+  ``exec_timeout`` / ``exec_oom``).
+
+Everything else is valid. The checks are plain functions over text and dicts so that SFT (masks baked into the
+labels), GRPO and PPO (masks multiplied into the completion mask) share them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_TYPES = ("tool_call", "function_call", "action")
+CODE_TYPES = ("code", "code_exec", "code_execution")
+FAILED_EXEC_STATUSES = ("crash", "timeout", "oom")
+
+# Keys under which the tool-call formats in the wild (OpenAI, Hermes/Qwen, the handbook) put the name and arguments.
+NAME_KEYS = ("name", "tool", "tool_name", "function")
+ARGUMENT_KEYS = ("arguments", "args", "parameters", "tool_input", "input")
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
+}
+_SHORTHAND_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
+                    "dict": "object", "none": "null"}  # fmt: skip
+
+
+@dataclass
+class ParsedToolCall:
+    """A tool call read from text: `name`, `arguments` (a dict) and the JSON payload it came from."""
+
+    name: str | None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    payload: str = ""
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """Whether a step may train, and why not: `reason` is "ok" or one of the failure kinds of this module."""
+
+    valid: bool
+    reason: str = "ok"
+    detail: str = ""
+
+
+OK = StepVerdict(True)
+
+
+def strip_tool_call_wrapper(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> str:
+    """The JSON payload of a tool-call block: strips the tags and Markdown code fences around it."""
+    payload = text.strip()
+    if open_tag and payload.startswith(open_tag):
+        payload = payload[len(open_tag) :]
+        if close_tag and payload.rstrip().endswith(close_tag):
+            payload = payload.rstrip()[: -len(close_tag)]
+    payload = payload.strip()
+    fence = re.fullmatch(r"```[A-Za-z0-9_-]*\s*\n?(.*?)\n?```", payload, flags=re.DOTALL)
+    if fence:
+        payload = fence.group(1).strip()
+    return payload
+
+
+def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
+    """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence).
+
+    Accepts ``{"name": ..., "arguments": {...}}`` (OpenAI / Hermes), ``{"tool": ..., "args": {...}}`` (the
+    handbook's format) and ``{"function": {"name": ..., "arguments": "<json string>"}}`` (OpenAI's message format).
+    Arguments given as a JSON string are decoded.
+
+    Raises:
+        ValueError: when the payload (or a string-encoded argument object) is not valid JSON, or is not an object.
+    """
+    payload = strip_tool_call_wrapper(text, open_tag, close_tag)
+    try:
+        obj = json.loads(payload)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tool call is not valid JSON: {err.msg} at position {err.pos}") from err
+    if not isinstance(obj, dict):
+        raise ValueError(f"tool call must be a JSON object, got {type(obj).__name__}")
+    if isinstance(obj.get("function"), dict):  # OpenAI message format nests the call
+        obj = obj["function"]
+    name = next((obj[k] for k in NAME_KEYS if k in obj), None)
+    arguments: Any = next((obj[k] for k in ARGUMENT_KEYS if k in obj), {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"tool-call arguments are not valid JSON: {err.msg}") from err
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool-call arguments must be a JSON object, got {type(arguments).__name__}")
+    return ParsedToolCall(name=name if isinstance(name, str) else None, arguments=arguments, payload=payload)
+
+
+def load_tools(value: Any) -> Any:
+    """Tools given as a JSON string or the path of a JSON file become the object they encode; others pass through.
+
+    Raises:
+        ValueError: when a string is neither valid JSON nor a readable JSON file.
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return json.load(f)
+        return json.loads(value)
+    except (json.JSONDecodeError, OSError) as err:
+        raise ValueError(
+            f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, a "
+            "{name: signature} dict, or a path to a JSON file."
+        ) from err
+
+
+def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, dict[str, Any] | None]:
+    """Turn the accepted ways of describing tools into ``{name: parameters schema or None}``.
+
+    Accepted: a list of names (no argument check); a dict ``{name: schema}``; a list of OpenAI tool specs
+    (``{"type": "function", "function": {"name", "parameters"}}``) or of ``{"name", "parameters"}`` dicts. A schema
+    is JSON-schema-like (``{"type": "object", "properties": {...}, "required": [...]}``) or the shorthand
+    ``{"city": "string", "days": "integer"}`` (every listed argument required).
+    """
+    if tools is None:
+        return {}
+    if isinstance(tools, Mapping):
+        return {str(name): _normalize_schema(schema) for name, schema in tools.items()}
+    out: dict[str, dict[str, Any] | None] = {}
+    for tool in tools:
+        if isinstance(tool, str):
+            out[tool] = None
+        elif isinstance(tool, Mapping):
+            spec = tool.get("function", tool) if isinstance(tool.get("function"), Mapping) else tool
+            if "name" not in spec:
+                raise ValueError(f"A tool spec needs a 'name'; got keys {sorted(spec)}.")
+            out[str(spec["name"])] = _normalize_schema(spec.get("parameters"))
+        else:
+            raise ValueError(f"A tool must be a name or a spec dict, got {type(tool).__name__}.")
+    return out
+
+
+def _normalize_schema(schema: Any) -> dict[str, Any] | None:
+    if schema is None:
+        return None
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"A tool signature must be a dict (JSON schema or {{arg: type}}), got {schema!r}.")
+    if "type" in schema or "properties" in schema:
+        return dict(schema)
+    # Shorthand {arg: "type"}: every listed argument is required, no others allowed.
+    properties = {
+        arg: (_normalize_schema(spec) if isinstance(spec, Mapping) else {"type": _type_name(spec)})
+        for arg, spec in schema.items()
+    }
+    return {"type": "object", "properties": properties, "required": list(schema), "additionalProperties": False}
+
+
+def _type_name(spec: Any) -> str | list[str]:
+    if isinstance(spec, type):
+        spec = spec.__name__
+    if isinstance(spec, (list, tuple)):
+        return [_type_name(s) for s in spec]  # type: ignore[misc]
+    name = str(spec).lower()
+    name = _SHORTHAND_TYPES.get(name, name)
+    if name not in _JSON_TYPES:
+        raise ValueError(f"Unknown argument type {spec!r}; use one of {', '.join(_JSON_TYPES)}.")
+    return name
+
+
+def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arguments") -> list[str]:
+    """Mismatches between `value` and a JSON-schema-like `schema` (empty list when it conforms).
+
+    Supported keywords: ``type`` (a name or a list of names), ``enum``, ``properties``, ``required``,
+    ``additionalProperties`` (bool), ``items``. Booleans are not integers or numbers (JSON's view, not Python's).
+    """
+    if schema is None:
+        return []
+    errors: list[str] = []
+    expected = schema.get("type")
+    if expected is not None:
+        names = [expected] if isinstance(expected, str) else list(expected)
+        if not any(_is_type(value, _SHORTHAND_TYPES.get(n, n)) for n in names):
+            return [f"{path}: expected {'/'.join(names)}, got {type(value).__name__}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']!r}")
+    if isinstance(value, dict):
+        properties = schema.get("properties", {}) or {}
+        for key in schema.get("required", []) or []:
+            if key not in value:
+                errors.append(f"{path}: missing required {key!r}")
+        for key, item in value.items():
+            if key in properties:
+                errors.extend(schema_errors(item, properties[key], f"{path}.{key}"))
+            elif schema.get("additionalProperties", True) is False:
+                errors.append(f"{path}: unexpected argument {key!r}")
+    if isinstance(value, (list, tuple)) and isinstance(schema.get("items"), Mapping):
+        for k, item in enumerate(value):
+            errors.extend(schema_errors(item, schema["items"], f"{path}[{k}]"))
+    return errors
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name not in _JSON_TYPES:
+        return True  # an unknown type keyword constrains nothing (JSON schema semantics)
+    if isinstance(value, bool) and name in ("integer", "number"):
+        return False
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES[name])
+
+
+def validate_tool_call(
+    text: str,
+    tools: Mapping[str, dict[str, Any] | None] | None = None,
+    open_tag: str = "<tool_call>",
+    close_tag: str = "</tool_call>",
+) -> StepVerdict:
+    """Validate one tool call against `tools` (``{name: schema or None}``, see `normalize_signatures`).
+
+    With `tools` None no name or argument check is made (only JSON and the presence of a name); with a dict, a
+    name outside it is ``unknown_tool`` and a schema mismatch is ``bad_arguments``.
+    """
+    try:
+        call = parse_tool_call(text, open_tag, close_tag)
+    except ValueError as err:
+        return StepVerdict(False, "invalid_json", str(err))
+    if call.name is None:
+        return StepVerdict(False, "unknown_tool", "tool call has no name")
+    if tools is not None:
+        if call.name not in tools:
+            return StepVerdict(False, "unknown_tool", f"{call.name!r} is not one of {sorted(tools)}")
+        errors = schema_errors(call.arguments, tools[call.name])
+        if errors:
+            return StepVerdict(False, "bad_arguments", "; ".join(errors))
+    return OK
+
+
+def validate_step(
+    step: Mapping[str, Any],
+    text: str | None = None,
+    tools: Mapping[str, dict[str, Any] | None] | Sequence[Any] | None = None,
+    open_tag: str = "<tool_call>",
+    close_tag: str = "</tool_call>",
+) -> StepVerdict:
+    """Validate one step dict ``{"start", "end", "type", "metadata"}``.
+
+    Args:
+        step: The step. Its ``type`` selects the checks (tool-call types: ``tool_call``, ``function_call``,
+            ``action``; code types: ``code``, ``code_exec``, ``code_execution``; anything else always passes). Keys
+            read from ``step`` or ``step["metadata"]``: ``text`` (overrides `text`), ``valid_tools`` / ``tools``
+            (override `tools` for this step), ``exec_status`` / ``status`` (a code step's outcome), ``valid``
+            (an explicit verdict set upstream, e.g. by an environment).
+        text: The step's text (needed for tool calls unless the step carries ``text``).
+        tools: Valid tools for tool-call steps (see `normalize_signatures`); None skips the name and argument checks.
+    """
+    # None values are dropped: a datasets/Arrow round trip fills the keys other rows use with None.
+    meta = {
+        k: v
+        for k, v in {**(step.get("metadata") or {}), **{k: v for k, v in step.items() if k != "metadata"}}.items()
+        if v is not None
+    }
+    if meta.get("valid") is False:
+        return StepVerdict(False, str(meta.get("reason", "marked_invalid")))
+    kind = str(meta.get("type", "text"))
+    if kind in CODE_TYPES or (kind in TOOL_CALL_TYPES and meta.get("exec_status", meta.get("status")) is not None):
+        status = str(meta.get("exec_status", meta.get("status", "ok")) or "ok").lower()
+        if status in FAILED_EXEC_STATUSES:
+            return StepVerdict(False, f"exec_{status}", f"code step ended in {status}")
+    if kind in TOOL_CALL_TYPES:
+        step_tools = meta.get("valid_tools", meta.get("tools", tools))
+        step_text = meta.get("text", text)
+        if step_text is None:
+            raise ValueError("A tool_call step needs its text: pass `text` or put 'text' in the step.")
+        signatures = normalize_signatures(step_tools) if step_tools is not None else None
+        return validate_tool_call(step_text, signatures, open_tag, close_tag)
+    return OK
+
+
+def find_tool_call_spans(
+    text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"
+) -> list[tuple[int, int]]:
+    """Character spans ``[start, end)`` of the tool-call blocks in `text`, tags included.
+
+    An opened block with no closing tag runs to the end of the text (a truncated or malformed call is still a
+    call, and must be validated, not silently trained on).
+    """
+    spans = []
+    pos = 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            return spans
+        stop = text.find(close_tag, start + len(open_tag))
+        end = len(text) if stop < 0 else stop + len(close_tag)
+        spans.append((start, end))
+        pos = end
+
+
+def count_reasons(verdicts: Iterable[StepVerdict]) -> dict[str, int]:
+    """How many steps failed for each reason (valid steps under "ok")."""
+    counts: dict[str, int] = {}
+    for verdict in verdicts:
+        counts[verdict.reason] = counts.get(verdict.reason, 0) + 1
+    return counts

@@ -1,0 +1,56 @@
+"""R3 with HF generate: record the sampler's routing while it generates.
+
+With a KV cache, generate feeds the prompt once (prefill: one routing row per prompt position) and then one token per
+decode step (one row per step), so joining the recorded calls along the sequence gives a row for every position
+except the last generated token, which is never fed back; that row is -1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trl_stable.moe.layout import NO_ROUTING
+from trl_stable.moe.replay import RoutingReplay
+
+
+def generate_with_routing(
+    model: nn.Module, replay: RoutingReplay, *, input_ids: torch.Tensor, **generate_kwargs: Any
+) -> tuple[Any, torch.Tensor]:
+    """Run ``model.generate`` while recording routing; returns ``(generate output, routing [B, S_out, L, k])``.
+
+    ``S_out`` is the length of the returned sequences, in generate's own layout (prompts left-padded as passed).
+    Beam search reorders its cache between steps, which would scramble the rows, so it is refused.
+
+    Args:
+        model: The MoE model `replay` hooks.
+        replay: Its RoutingReplay; its previous routing is replaced.
+        input_ids: [B, P] prompt ids (left-padded for batches).
+        generate_kwargs: Passed to ``generate`` (attention_mask, max_new_tokens, do_sample, ...).
+    """
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    num_beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
+    if num_beams != 1:
+        raise ValueError(
+            f"generate_with_routing supports sampling and greedy decoding only, got num_beams={num_beams}."
+        )
+    if generate_kwargs.get("use_cache") is False:
+        raise ValueError("generate_with_routing needs use_cache=True (one routing row per decode step).")
+    with torch.no_grad(), replay.record():
+        output = model.generate(input_ids=input_ids, **generate_kwargs)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    routing = replay.export(dim="sequence")
+    if routing.shape[0] != sequences.shape[0]:
+        raise RuntimeError(
+            f"generate fed {routing.shape[0]} rows per step but returned {sequences.shape[0]} sequences; "
+            f"this generation mode is not supported by routing replay."
+        )
+    missing = sequences.shape[1] - routing.shape[1]
+    if missing < 0:
+        raise RuntimeError(f"generate recorded {routing.shape[1]} positions for {sequences.shape[1]} tokens.")
+    if missing:
+        fill = routing.new_full((routing.shape[0], missing, *routing.shape[2:]), NO_ROUTING)
+        routing = torch.cat([routing, fill], dim=1)
+    return output, routing

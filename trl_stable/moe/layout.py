@@ -1,0 +1,78 @@
+"""Layout helpers for routing tensors [B, S, num_layers, k]: padding, per-sequence views, sampler imports.
+
+Routing rows are indexed by token position, so they must follow every re-padding of the batch. A sampler (HF
+generate, vLLM) and a trainer rarely pad the same way: generate left-pads prompts to the longest prompt of its call
+and keeps running finished rows, vLLM returns one unpadded array per sequence, and the trainer re-pads prompts left
+and completions right. The helpers below go through the unpadded per-sequence form, which every layout agrees on.
+-1 marks "no routing": the router keeps its own choice there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+NO_ROUTING = -1
+
+
+def mask_routing(routing: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Set the rows of padding tokens (``attention_mask == 0``) to -1, so metrics count real tokens only.
+
+    Args:
+        routing: [B, S, L, k] expert indices.
+        attention_mask: [B, S], 1 on real tokens.
+    """
+    if routing.shape[:2] != attention_mask.shape:
+        raise ValueError(
+            f"routing is {tuple(routing.shape[:2])} in [B, S] but attention_mask is {tuple(attention_mask.shape)}."
+        )
+    keep = attention_mask.to(device=routing.device).bool()[:, :, None, None]
+    return routing.masked_fill(~keep, NO_ROUTING)
+
+
+def unpad_routing(routing: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Per-sequence routing: ``routing[i, starts[i] : starts[i] + lengths[i]]`` ([n_i, L, k]), shorter if the
+    tensor ends first (e.g. a sequence's last generated token was never fed to the model)."""
+    if not (len(starts) == len(lengths) == routing.shape[0]):
+        raise ValueError(f"need one start and one length per row: {routing.shape[0]} rows, {len(starts)} starts.")
+    return [routing[i, int(s) : int(s) + int(n)] for i, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+
+
+def pad_routing(
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    prompt_width: int,
+    total_width: int,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+) -> torch.Tensor:
+    """Place per-sequence routing into the trainer layout: prompts left-padded to `prompt_width`, completions
+    right-padded up to `total_width`; everything not covered is -1.
+
+    Sequence i occupies positions ``[prompt_width - prompt_lengths[i], prompt_width - prompt_lengths[i] + n_i)``,
+    truncated at `total_width`. Accepts tensors or arrays (vLLM's ``routed_experts``) of shape [n_i, L, k].
+    """
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError(f"{len(sequences)} routing sequences but {len(prompt_lengths)} prompt lengths.")
+    tensors = [torch.as_tensor(s) for s in sequences]
+    shaped = [t for t in tensors if t.numel()]
+    if num_layers is None or top_k is None:
+        if not shaped:
+            raise ValueError("every routing sequence is empty: pass num_layers and top_k.")
+        num_layers, top_k = int(shaped[0].shape[1]), int(shaped[0].shape[2])
+    device = shaped[0].device if shaped else None
+    out = torch.full((len(tensors), total_width, num_layers, top_k), NO_ROUTING, dtype=torch.int32, device=device)
+    for i, (rows, prompt_len) in enumerate(zip(tensors, prompt_lengths, strict=True)):
+        if rows.numel() == 0:
+            continue
+        if rows.dim() != 3 or rows.shape[1:] != (num_layers, top_k):
+            raise ValueError(
+                f"routing sequence {i} has shape {tuple(rows.shape)}, expected [n, {num_layers}, {top_k}]."
+            )
+        start = prompt_width - int(prompt_len)
+        if start < 0:
+            raise ValueError(f"prompt {i} has {prompt_len} tokens, more than prompt_width={prompt_width}.")
+        n = max(0, min(rows.shape[0], total_width - start))
+        out[i, start : start + n] = rows[:n].to(device=out.device, dtype=out.dtype)
+    return out

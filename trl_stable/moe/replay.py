@@ -1,0 +1,467 @@
+"""Routing replay for HuggingFace MoE models: record each router's top-k experts, force them in later passes.
+
+On an MoE policy the RL ratio pi_theta / pi_old is only meaningful if both passes send each token through the same
+experts; a router that flips between two near-tied experts changes the token's log-prob by far more than the update
+did. Routing replay (R2/R3, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers",
+arXiv 2510.11370) records the experts chosen in the reference pass and replays them in the training passes, while the
+gating weights are recomputed from the current router probabilities so that the router still learns.
+
+Mechanics: a forward hook on every supported router (see `adapters.py`) sees the router's own output
+``(logits, weights, index)``. Recording stores ``index``; replaying swaps ``index`` for the recorded rows and
+recomputes ``weights`` from ``logits`` with the family's normalisation. A pre-hook on the MoE block gives the
+``[B, S]`` shape of each call, so rows are stored per sequence and consumed batch-row by batch-row: a batch recorded
+in one pass and replayed in chunks or shuffled mini-batches stays aligned with its tokens as long as the routing
+tensor travels with the batch (see `export` / `replay(routing)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trl_stable.moe.adapters import RouterAdapter, adapter_for, unsupported_error
+
+_OWNER_ATTRIBUTE = "_trl_stable_routing_replay"
+
+
+def _owner(module: nn.Module) -> RoutingReplay | None:
+    """The live RoutingReplay that hooked `module` itself (not a copy of it), if any."""
+    ref = getattr(module, _OWNER_ATTRIBUTE, None)
+    owner = ref() if ref is not None else None
+    if owner is None or not any(state.module is module for state in owner._states):
+        return None
+    return owner
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. when a gradient-checkpointed layer is being recomputed."""
+    return _current_graph_task_id() != -1
+
+
+# Private but stable since torch 1.13; without it recomputations cannot be told apart, so none is assumed.
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class _RowQueue:
+    """Recorded rows of one router, consumed in order by forward calls of shape [b, s].
+
+    Segments are [b_i, s_i, k] tensors (one per recorded call, or one per loaded batch). A call takes its b rows from
+    the current position, crossing segment borders when the sequence lengths match.
+    """
+
+    def __init__(self, segments: list[torch.Tensor]):
+        self.segments = segments
+        self.segment = 0
+        self.row = 0
+
+    @property
+    def remaining(self) -> int:
+        return sum(s.shape[0] for s in self.segments[self.segment :]) - self.row
+
+    def take(self, batch: int, seq_len: int, layer: str) -> torch.Tensor:
+        parts, needed = [], batch
+        while needed > 0:
+            if self.segment >= len(self.segments):
+                raise ValueError(
+                    f"Routing replay ran out of recorded routing at router {layer}: a forward pass asked for {batch} "
+                    f"more sequences than were recorded or loaded. Fix: replay exactly the batch that was recorded, "
+                    f"or pass its routing tensor [B, S, layers, k] to `replay(routing)`."
+                )
+            segment = self.segments[self.segment]
+            if segment.shape[1] != seq_len:
+                raise ValueError(
+                    f"Routing replay at router {layer}: the recorded routing has sequence length {segment.shape[1]} "
+                    f"but the forward pass has {seq_len}. Fix: pad or trim the routing tensor to the model input "
+                    f"(trl_stable.moe.pad_routing), or replay the same padded batch that was recorded."
+                )
+            rows = segment[self.row : self.row + needed]
+            parts.append(rows)
+            needed -= rows.shape[0]
+            self.row += rows.shape[0]
+            if self.row >= segment.shape[0]:
+                self.segment, self.row = self.segment + 1, 0
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+@dataclass
+class _RouterState:
+    name: str
+    module: nn.Module
+    adapter: RouterAdapter
+    block: nn.Module
+    layer: nn.Module | None
+    top_k: int
+    num_experts: int
+    shape: tuple[int, int] | None = None
+    will_recompute: bool = False
+    record: list[torch.Tensor] = field(default_factory=list)
+    queue: _RowQueue | None = None
+    recompute_fifo: deque = field(default_factory=deque)
+    agree: torch.Tensor | None = None
+    replayed: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+
+
+class RoutingReplay:
+    """Record and replay the expert choices of every router of a HuggingFace MoE model.
+
+    Example:
+        ```python
+        replay = RoutingReplay(model)
+        with replay.record():
+            old = model(input_ids, attention_mask=attention_mask)
+        routing = replay.export()  # [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`
+        with replay.replay(routing):
+            new = model(input_ids, attention_mask=attention_mask)  # same experts, gradients reach the routers
+        print(replay.metrics())  # {"routing/agreement": ..., "routing/replayed_frac": ...}
+        replay.clear()
+        ```
+
+    Rows equal to -1 in a routing tensor (padding, tokens the sampler never fed) fall back to the router's own choice.
+
+    Args:
+        model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model). Every router of a supported
+            class is hooked; a model without any raises ValueError listing the supported classes.
+        disable_router_jitter: Switch off training-time router input jitter (Mixtral's ``router_jitter_noise``)
+            inside `record` and `replay`. Jitter never changes replayed experts, but it still perturbs the expert
+            inputs and gates, so the replayed pass only matches the recorded one exactly without it.
+    """
+
+    def __init__(self, model: nn.Module, *, disable_router_jitter: bool = False):
+        self.model = model
+        self.disable_router_jitter = disable_router_jitter
+        self._mode = "off"
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._states: list[_RouterState] = []
+        self._saved_jitter: list[tuple[nn.Module, str, float]] = []
+        modules = dict(model.named_modules())
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for name, module in modules.items():
+            adapter = adapter_for(module)
+            if adapter is None:
+                continue
+            if _owner(module) is not None:
+                raise ValueError(
+                    f"Router {name} is already hooked by another RoutingReplay. Fix: call `.remove()` on the old "
+                    f"RoutingReplay before creating a new one for the same model."
+                )
+            parent_name = name.rpartition(".")[0]
+            layer = None
+            prefix = parent_name
+            while prefix:
+                if isinstance(modules.get(prefix), GradientCheckpointingLayer):
+                    layer = modules[prefix]
+                    break
+                prefix = prefix.rpartition(".")[0]
+            self._states.append(
+                _RouterState(
+                    name=name,
+                    module=module,
+                    adapter=adapter,
+                    block=modules[parent_name] if parent_name else module,
+                    layer=layer,
+                    top_k=int(module.top_k),
+                    num_experts=int(module.num_experts),
+                )
+            )
+        if not self._states:
+            raise unsupported_error(model)
+        top_ks = {s.top_k for s in self._states}
+        if len(top_ks) != 1:
+            raise ValueError(f"RoutingReplay needs one top-k for all routers, found {sorted(top_ks)}.")
+        for index, state in enumerate(self._states):
+            # a weak reference: a deep copy of the model (e.g. a reference model) shares it and is not "owned"
+            setattr(state.module, _OWNER_ATTRIBUTE, weakref.ref(self))
+            self._handles.append(state.block.register_forward_pre_hook(self._block_pre_hook(index), with_kwargs=True))
+            if state.layer is not None:
+                self._handles.append(state.layer.register_forward_pre_hook(self._layer_pre_hook(index)))
+            self._handles.append(state.module.register_forward_hook(self._router_hook(index)))
+        max_experts = max(s.num_experts for s in self._states)
+        self.storage_dtype = torch.int16 if max_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_layers(self) -> int:
+        """Number of hooked routers (MoE layers), the third dimension of the routing tensor."""
+        return len(self._states)
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token, the last dimension of the routing tensor."""
+        return self._states[0].top_k
+
+    @property
+    def router_names(self) -> list[str]:
+        """Qualified module names of the hooked routers, in layer order."""
+        return [s.name for s in self._states]
+
+    @property
+    def families(self) -> list[str]:
+        """Model families of the hooked routers."""
+        return sorted({s.adapter.family for s in self._states})
+
+    @property
+    def mode(self) -> str:
+        """ "off", "record" or "replay"."""
+        return self._mode
+
+    @property
+    def recorded_shapes(self) -> list[tuple[int, int]]:
+        """[batch, seq] of each recorded call (or of the loaded tensor), as the first router saw them."""
+        return [(int(t.shape[0]), int(t.shape[1])) for t in self._states[0].record]
+
+    @property
+    def has_routing(self) -> bool:
+        """Whether routing was recorded or loaded (and not cleared)."""
+        return any(s.record for s in self._states)
+
+    # ------------------------------------------------------------------ contexts
+    @contextlib.contextmanager
+    def record(self, *, append: bool = False) -> Iterator[RoutingReplay]:
+        """Forward passes inside store each router's top-k experts (previous routing is dropped unless `append`)."""
+        self._enter("record")
+        if not append:
+            for state in self._states:
+                state.record = []
+        try:
+            yield self
+        finally:
+            self._exit()
+
+    @contextlib.contextmanager
+    def replay(self, routing: torch.Tensor | None = None) -> Iterator[RoutingReplay]:
+        """Forward passes inside use the recorded experts, in batch-row order.
+
+        Args:
+            routing: Optional [B, S, num_layers, k] tensor to replay instead of what was recorded (it replaces the
+                stored routing, as `load` does). Forward calls consume its rows in order: one call on the whole
+                batch, or several calls on consecutive chunks.
+        """
+        if routing is not None:
+            self.load(routing)
+        if not self.has_routing:
+            raise ValueError("Nothing to replay: record a pass with `record()` or pass a routing tensor first.")
+        self._enter("replay")
+        for state in self._states:
+            state.queue = _RowQueue(list(state.record))
+        try:
+            yield self
+        finally:
+            for state in self._states:
+                state.queue = None
+            self._exit()
+
+    def _enter(self, mode: str) -> None:
+        if self._mode != "off":
+            raise RuntimeError(f"RoutingReplay is already in {self._mode!r} mode; contexts do not nest.")
+        if not self._handles:
+            raise RuntimeError("This RoutingReplay was removed; create a new one.")
+        self._mode = mode
+        if self.disable_router_jitter:
+            for state in self._states:
+                attribute = state.adapter.jitter_attribute
+                if attribute is not None and hasattr(state.block, attribute):
+                    self._saved_jitter.append((state.block, attribute, getattr(state.block, attribute)))
+                    setattr(state.block, attribute, 0.0)
+
+    def _exit(self) -> None:
+        self._mode = "off"
+        for state in self._states:
+            state.shape, state.will_recompute = None, False
+        while self._saved_jitter:
+            block, attribute, value = self._saved_jitter.pop()
+            setattr(block, attribute, value)
+
+    # ------------------------------------------------------------------ import / export
+    def export(self, dim: str = "batch") -> torch.Tensor:
+        """The recorded routing as a [B, S, num_layers, k] tensor (dtype int16, or int32 beyond 32767 experts).
+
+        Args:
+            dim: How successive recorded calls join. "batch": calls were chunks of one batch with the same sequence
+                length (a chunked log-prob pass). "sequence": calls were steps of one generation with the same batch
+                (prefill, then one row per decode step); the result covers every token that was fed to the model.
+        """
+        if dim not in ("batch", "sequence"):
+            raise ValueError(f"dim must be 'batch' or 'sequence', got {dim!r}.")
+        if not self.has_routing:
+            raise ValueError("No routing recorded: run forward passes inside `record()` first.")
+        axis = 0 if dim == "batch" else 1
+        per_layer = []
+        for state in self._states:
+            if not state.record:
+                raise ValueError(f"Router {state.name} recorded nothing (was it skipped by the forward pass?).")
+            try:
+                per_layer.append(torch.cat(state.record, dim=axis))
+            except RuntimeError as err:
+                shapes = [tuple(t.shape[:2]) for t in state.record]
+                raise ValueError(
+                    f"Cannot join the recorded calls along {dim!r}: their [batch, seq] shapes are {shapes}. Fix: use "
+                    f"dim='batch' for chunks of one batch, dim='sequence' for the steps of one generation."
+                ) from err
+        shapes = {tuple(t.shape) for t in per_layer}
+        if len(shapes) != 1:
+            raise ValueError(f"Routers recorded different shapes {sorted(shapes)}; record whole forward passes only.")
+        return torch.stack(per_layer, dim=2)
+
+    def load(self, routing: torch.Tensor) -> None:
+        """Import a [B, S, num_layers, k] routing tensor (from `export`, or vLLM's `routed_experts`) to replay.
+
+        Entries of -1 mean "not recorded": those tokens keep the router's own choice.
+        """
+        routing = torch.as_tensor(routing)
+        if routing.dim() != 4 or routing.shape[2] != self.num_layers or routing.shape[3] != self.top_k:
+            raise ValueError(
+                f"routing must have shape [B, S, num_layers={self.num_layers}, k={self.top_k}], got "
+                f"{tuple(routing.shape)}."
+            )
+        if routing.is_floating_point() or routing.is_complex() or routing.dtype == torch.bool:
+            raise ValueError(f"routing must hold integer expert indices, got dtype {routing.dtype}.")
+        for layer, state in enumerate(self._states):
+            rows = routing[:, :, layer, :]
+            if rows.numel() and (int(rows.max()) >= state.num_experts or int(rows.min()) < -1):
+                raise ValueError(
+                    f"routing for router {state.name} holds expert indices outside [-1, {state.num_experts - 1}]."
+                )
+            state.record = [rows.to(self.storage_dtype)]
+
+    def clear(self) -> None:
+        """Drop the recorded routing, pending gradient-checkpointing entries and the metrics."""
+        for state in self._states:
+            state.record, state.queue = [], None
+            state.recompute_fifo.clear()
+        self.reset_metrics()
+
+    def remove(self) -> None:
+        """Unhook every router; the model behaves as if RoutingReplay had never touched it."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for state in self._states:
+            if _owner(state.module) is self:
+                delattr(state.module, _OWNER_ATTRIBUTE)
+        self.clear()
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self, prefix: str = "routing/") -> dict[str, float]:
+        """Agreement metrics accumulated over replayed passes since the last `reset_metrics`.
+
+        - ``{prefix}agreement``: mean over layers of the share of replayed tokens whose replayed top-k *set* equals
+          the set the current router would pick; ``{prefix}agreement/layer_{i}`` per layer.
+        - ``{prefix}replayed_frac``: share of tokens seen in replay passes whose experts came from the record
+          (the rest were marked -1 and kept the router's choice).
+
+        Empty when no replayed pass ran.
+        """
+        layers = [s for s in self._states if s.seen is not None and int(s.seen) > 0]
+        if not layers:
+            return {}
+        out: dict[str, float] = {}
+        agreements = []
+        for i, state in enumerate(self._states):
+            if state.seen is None or int(state.seen) == 0:
+                continue
+            replayed = int(state.replayed)
+            if replayed:
+                value = float(state.agree) / replayed
+                agreements.append(value)
+                out[f"{prefix}agreement/layer_{i}"] = value
+        if agreements:
+            out[f"{prefix}agreement"] = sum(agreements) / len(agreements)
+        out[f"{prefix}replayed_frac"] = sum(float(s.replayed) for s in layers) / sum(float(s.seen) for s in layers)
+        return out
+
+    def reset_metrics(self) -> None:
+        """Zero the agreement counters."""
+        for state in self._states:
+            state.agree = state.replayed = state.seen = None
+
+    # ------------------------------------------------------------------ hooks
+    def _block_pre_hook(self, index: int):
+        state = self._states[index]
+
+        def hook(module, args, kwargs):
+            if module is not state.block:  # a deep copy of the model carries the hook along
+                return None
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+                shape = hidden.shape[:-1]
+                state.shape = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
+            return None
+
+        return hook
+
+    def _layer_pre_hook(self, index: int):
+        state = self._states[index]
+
+        def hook(module, args):
+            if module is not state.layer:
+                return None
+            # Mirrors GradientCheckpointingLayer's own test: this forward will run again during backward.
+            state.will_recompute = bool(
+                getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
+            )
+            return None
+
+        return hook
+
+    def _router_hook(self, index: int):
+        state = self._states[index]
+
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise RuntimeError(
+                    f"Router {state.name} ({type(module).__name__}) returned {type(output).__name__}, not "
+                    f"(router_logits, top_k_weights, top_k_index) as in transformers 5.x; this transformers "
+                    f"version routes differently and routing replay does not support it yet."
+                )
+            if module is not state.module:
+                return None
+            router_logits, _, current = output
+            if _in_backward():
+                # Recomputation of a checkpointed layer: reuse what its first forward used (FIFO per layer).
+                if not state.recompute_fifo:
+                    return None
+                forced = state.recompute_fifo.popleft()
+                if forced.shape != current.shape:
+                    raise RuntimeError(
+                        f"Routing replay at router {state.name}: a gradient-checkpointing recomputation sees "
+                        f"{current.shape[0]} tokens but its forward had {forced.shape[0]}. Run backward once per "
+                        f"forward, in order, or call `clear()` after an aborted step."
+                    )
+                return router_logits, state.adapter.gate(module, router_logits, forced), forced
+            will_recompute, state.will_recompute = state.will_recompute, False
+            if self._mode == "off":
+                return None
+            tokens = current.shape[0]
+            batch, seq_len = state.shape if state.shape is not None else (1, tokens)
+            if batch * seq_len != tokens:
+                batch, seq_len = 1, tokens
+            state.shape = None
+            if self._mode == "record":
+                state.record.append(current.detach().to(self.storage_dtype).view(batch, seq_len, -1))
+                if will_recompute:
+                    state.recompute_fifo.append(current.detach())
+                return None
+            rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
+            rows = rows.to(device=current.device, dtype=current.dtype)
+            valid = (rows >= 0).all(dim=-1)
+            forced = torch.where(valid.unsqueeze(-1), rows, current)
+            weights = state.adapter.gate(module, router_logits, forced)
+            with torch.no_grad():
+                same = (forced.sort(dim=-1).values == current.sort(dim=-1).values).all(dim=-1) & valid
+                agree, replayed = same.sum(), valid.sum()
+                state.agree = agree if state.agree is None else state.agree + agree
+                state.replayed = replayed if state.replayed is None else state.replayed + replayed
+                state.seen = tokens if state.seen is None else state.seen + tokens
+            if will_recompute:
+                state.recompute_fifo.append(forced)
+            return router_logits, weights, forced
+
+        return hook

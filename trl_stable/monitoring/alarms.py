@@ -1,0 +1,125 @@
+"""The alarm catalogue: for each alarm, the symptom, the likely cause and the remedy (RL-stability handbook 16.6.5,
+table 16-6, and 16.6.1 for the mismatch alarms)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ALARMS", "AlarmSpec", "CRITICAL", "WARNING"]
+
+WARNING = "warning"
+CRITICAL = "critical"
+
+
+@dataclass(frozen=True)
+class AlarmSpec:
+    """What an alarm means. `symptom` is a template filled with the measured `value` and the `threshold`."""
+
+    name: str
+    severity: str
+    metric: str
+    symptom: str
+    cause: str
+    remedy: str
+
+
+_SPECS = [
+    AlarmSpec(
+        name="zero_std",
+        severity=WARNING,
+        metric="frac_reward_zero_std",
+        symptom="{value:.0%} of the groups have zero reward variance (healthy < 30%, alarm > {threshold:.0%})",
+        cause="every completion of a prompt gets the same reward, so group-normalised advantages are 0: "
+        "the model has no learning signal (prompts too easy or too hard, or a reward too coarse)",
+        remedy="inject virtual samples (NGRPO, advantage_estimator='ngrpo'), refine the reward (partial credit, "
+        "dense rewards), or drop such groups with dynamic sampling",
+    ),
+    AlarmSpec(
+        name="reward_plateau",
+        severity=WARNING,
+        metric="reward",
+        symptom="reward/mean stuck at {value:.3f} below the declared maximum {threshold:.3f}",
+        cause="the reward stopped rising short of its maximum: a perfect answer may not score the declared maximum, "
+        "or the task is out of reach",
+        remedy="check that a perfect answer scores exactly 1.0 (the reward cap); inspect the reward function on "
+        "known-good answers; give partial credit or denser rewards",
+    ),
+    AlarmSpec(
+        name="reward_above_max",
+        severity=WARNING,
+        metric="reward",
+        symptom="reward/mean {value:.3f} exceeds the declared maximum {threshold:.3f}",
+        cause="the reward functions return more than the declared maximum (weights not summing to 1, unscaled "
+        "reward model)",
+        remedy="rescale the rewards so that a perfect answer scores exactly the maximum (1.0), or declare the real "
+        "maximum in health_reward_max",
+    ),
+    AlarmSpec(
+        name="grad_norm_vanishing",
+        severity=CRITICAL,
+        metric="grad_norm",
+        symptom="grad_norm {value:.2e} stays near zero (floor {threshold:.2e})",
+        cause="zero-variance groups (all advantages 0) or gradients of opposite sign cancelling",
+        remedy="check frac_reward_zero_std; inject virtual samples (NGRPO) or refine the reward; check the loss is "
+        "not fully masked by filters",
+    ),
+    AlarmSpec(
+        name="length_near_cap",
+        severity=WARNING,
+        metric="completions/mean_length",
+        symptom="completion length {value:.1f} is near the cap {threshold:.0f}",
+        cause="completions run into max_completion_length: the model loops or repeats itself",
+        remedy="add an overlong penalty (DAPO soft punishment), mask truncated completions "
+        "(mask_truncated_completions=True), or raise max_completion_length if answers are legitimately long",
+    ),
+    AlarmSpec(
+        name="entropy_collapse",
+        severity=CRITICAL,
+        metric="entropy",
+        symptom="entropy {value:.3f} collapsed below {threshold:.3f}",
+        cause="the policy became nearly deterministic: exploration is gone and rewards can only plateau",
+        remedy="raise epsilon_high (clip-higher), lower the learning rate, raise the sampling temperature, add a KL "
+        "or entropy term",
+    ),
+    AlarmSpec(
+        name="mismatch",
+        severity=WARNING,
+        metric="mismatch/logp_abs_diff/mean",
+        symptom="sampler vs trainer log-prob mean |diff| {value:.4f} > {threshold:.4f}",
+        cause="the sampler and the trainer compute different probabilities for the same tokens: precision (fp8/int8 "
+        "vs bf16/fp32), tokenizer or chat-template differences, or MoE routing drift",
+        remedy="use the same precision on both sides, check the tokenizer and re-tokenization, use routing replay "
+        "on MoE models, and correct with the decoupled loss plus IcePop/KPop",
+    ),
+    AlarmSpec(
+        name="token_filter_masked",
+        severity=WARNING,
+        metric="masked fraction",
+        symptom="IcePop/KPop mask {value:.1%} of the tokens (alarm > {threshold:.1%})",
+        cause="many tokens have a behaviour weight outside the filter band: large sampler/trainer mismatch",
+        remedy="check precision, tokenizer and MoE routing (routing replay); the filters hide the problem but waste "
+        "the masked samples",
+    ),
+    AlarmSpec(
+        name="retokenization",
+        severity=WARNING,
+        metric="retokenization/mismatched",
+        symptom="{value:.0f} sample(s) re-tokenize to different ids than the sampler produced",
+        cause="the trainer re-encodes the conversation (prompt, tool outputs, earlier turns) differently from the "
+        "sampler: chat template, special tokens or decode/encode round trips",
+        remedy="keep the sampler's token ids instead of re-encoding text, align the chat template, or drop the "
+        "mismatching samples from the loss",
+    ),
+    AlarmSpec(
+        name="nonfinite",
+        severity=CRITICAL,
+        metric="loss / grad_norm",
+        symptom="non-finite training value: {value}",
+        cause="the update diverged (NaN/inf in loss or gradient): too high a learning rate, an exploding ratio, or "
+        "NaN rewards",
+        remedy="restore the last checkpoint, lower the learning rate, enable gradient clipping and the "
+        "decoupled loss with IcePop; check the reward functions for NaN",
+    ),
+]
+
+ALARMS: dict[str, AlarmSpec] = {spec.name: spec for spec in _SPECS}

@@ -1,0 +1,254 @@
+"""`HealthMonitor`: the health rules as a `transformers.TrainerCallback`.
+
+It only reads the logs the trainer already produces (no extra forward pass, no random numbers), so switching it on
+changes no trained number. Works with trl_stable's trainers (on by default) and with plain TRL trainers:
+
+```python
+from trl_stable.monitoring import HealthMonitor
+
+HealthMonitor().attach(trainer)  # or trainer.add_callback(HealthMonitor())
+trainer.train()
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trl_stable.monitoring.health import HealthConfig, HealthEvent, HealthTracker
+
+__all__ = ["HealthMonitor", "health_config_from_args"]
+
+logger = logging.getLogger("trl_stable.monitoring")
+
+# Trainer-argument fields (trl_stable GRPOConfig / PPOConfig) that map onto HealthConfig fields.
+_ARG_FIELDS = {
+    "health_reward_max": "reward_max",
+    "health_mismatch_threshold": "mismatch_threshold",
+    "health_remedy_virtual_samples": "remedy_virtual_samples",
+    "health_stop_after_critical_steps": "stop_after_critical_steps",
+}
+
+
+def health_config_from_args(args: Any) -> HealthConfig | None:
+    """Build the [`HealthConfig`] a trl_stable trainer config asks for; None when `health_monitor` is False.
+
+    Reads `health_monitor` (bool), the `health_*` shortcut fields (`health_reward_max`, `health_mismatch_threshold`,
+    `health_remedy_virtual_samples`, `health_stop_after_critical_steps`) and `health_monitor_kwargs` (a dict of any
+    [`HealthConfig`] field, applied last). Invalid values raise ValueError.
+    """
+    if not getattr(args, "health_monitor", True):
+        return None
+    kwargs = {}
+    for arg_name, field_name in _ARG_FIELDS.items():
+        if hasattr(args, arg_name):
+            kwargs[field_name] = getattr(args, arg_name)
+    extra = getattr(args, "health_monitor_kwargs", None) or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"health_monitor_kwargs must be a dict of HealthConfig fields, got {type(extra).__name__}.")
+    known = set(HealthConfig.__dataclass_fields__)
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"health_monitor_kwargs has unknown fields {unknown}; valid fields: {sorted(known)}.")
+    kwargs.update(extra)
+    return HealthConfig(**kwargs)
+
+
+def _max_completion_length(args: Any) -> int | None:
+    for name in ("max_completion_length", "response_length", "max_new_tokens"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class HealthMonitor(TrainerCallback):
+    """Watches the training logs and raises debounced alarms with symptom, likely cause and remedy.
+
+    Alarms go to the `trl_stable.monitoring` logger, into the logs (`health/active_alarms` and one 0/1
+    `health/alarm/<name>` flag each, so the log history, wandb and tensorboard see them) and to the JSON Lines file
+    `output_dir/health.jsonl`, which also records the gauges of every log record. Optional remedies: NGRPO virtual
+    samples while the zero-std alarm holds; save and stop after a critical alarm held `stop_after_critical_steps`.
+
+    Args:
+        config ([`HealthConfig`], *optional*): thresholds, debouncing and remedies.
+        **kwargs: [`HealthConfig`] fields, when `config` is not given.
+
+    For the `health/*` flags to reach reporting integrations (wandb, tensorboard) in the same step, the monitor must
+    run before them: [`~HealthMonitor.attach`] puts it first; `trainer.add_callback` appends it last, which still
+    updates the log history and the health file.
+    """
+
+    def __init__(self, config: HealthConfig | None = None, **kwargs):
+        if config is not None and kwargs:
+            raise ValueError("Pass either a HealthConfig or HealthConfig fields as keywords, not both.")
+        self.config = config or HealthConfig(**kwargs)
+        self.tracker = HealthTracker(self.config)
+        self.events: list[HealthEvent] = []
+        self.remedy_active = False
+        self._saved_remedy_value: Any = None
+        self._stopped = False
+        self.health_path: str | None = None
+
+    def attach(self, trainer) -> HealthMonitor:
+        """Register with `trainer` ahead of every other callback, so the `health/*` flags reach the reporters."""
+        callbacks = trainer.callback_handler.callbacks
+        if self not in callbacks:
+            callbacks.insert(0, self)
+        return self
+
+    # ---- file -----------------------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any], mode: str = "a") -> None:
+        if self.health_path is None:
+            return
+        with open(self.health_path, mode, encoding="utf-8") as f:
+            f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+
+    # ---- callback events --------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.tracker.max_completion_length is None:
+            self.tracker.max_completion_length = _max_completion_length(args)
+        if self.config.health_file and state.is_world_process_zero and getattr(args, "output_dir", None):
+            os.makedirs(args.output_dir, exist_ok=True)
+            self.health_path = os.path.join(args.output_dir, self.config.health_file)
+            self._write(
+                {
+                    "type": "meta",
+                    "step": state.global_step,
+                    "max_completion_length": self.tracker.max_completion_length,
+                    "reward_max": self.config.reward_max,
+                    "zero_std_healthy": self.config.zero_std_healthy,
+                    "zero_std_alarm": self.config.zero_std_alarm,
+                    "mismatch_threshold": self.config.mismatch_threshold,
+                    "grad_norm_floor": self.config.grad_norm_floor,
+                    "entropy_floor": self.config.entropy_floor,
+                    "length_cap_ratio": self.config.length_cap_ratio,
+                },
+                # A fresh run starts a fresh file; a resumed one (global_step > 0) appends to its history.
+                mode="w" if state.global_step == 0 else "a",
+            )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or any(str(key).startswith("eval_") for key in logs):
+            return control
+        step = state.global_step
+        events = self.tracker.update(logs, step=step)
+        if not self.tracker.last_gauges:
+            return control
+        self.events.extend(events)
+        for event in events:
+            level = logging.INFO if event.kind == "cleared" else logging.WARNING
+            if event.severity == "critical" and event.kind != "cleared":
+                level = logging.ERROR
+            if state.is_world_process_zero:
+                logger.log(level, event.message())
+            self._write(event.to_record())
+
+        self._apply_virtual_samples(args, state, events)
+        self._apply_stop(state, control)
+
+        if self.config.log_to_history:
+            flags = self.tracker.flags()
+            if self.config.remedy_virtual_samples:
+                flags["health/remedy/virtual_samples"] = float(self.remedy_active)
+            logs.update(flags)
+            # Trainer.log appended a copy of `logs` to the history before calling the callbacks.
+            if state.log_history and state.log_history[-1].get("step") == step:
+                state.log_history[-1].update(flags)
+        record = {"type": "metrics", "step": step, **_json_safe(self.tracker.last_gauges)}
+        self._write({**record, "active": self.tracker.active})
+        return control
+
+    def summary(self) -> str:
+        """One line: the alarms raised during the run and those still active."""
+        raised = sorted({e.alarm for e in self.events if e.kind == "raised"})
+        if not raised:
+            return "[health] no alarm during the run"
+        active = ", ".join(self.tracker.active) or "none"
+        return f"[health] alarms raised during the run: {', '.join(raised)}; still active: {active}"
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.remedy_active:  # leave the arguments as the user set them
+            self._set_virtual_samples(args, on=False)
+        if state.is_world_process_zero:
+            logger.info(self.summary())
+        if self.config.dashboard_on_train_end and state.is_world_process_zero and self.health_path:
+            from trl_stable.monitoring.dashboard import render_dashboard
+
+            render_dashboard(args.output_dir, os.path.join(args.output_dir, "health_dashboard.png"))
+        return control
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def _set_virtual_samples(self, args, on: bool) -> None:
+        attr = self.config.virtual_samples_attr
+        if on:
+            self._saved_remedy_value = getattr(args, attr, None)
+            setattr(args, attr, self.config.virtual_samples_value)
+        else:
+            setattr(args, attr, self._saved_remedy_value)
+        self.remedy_active = on
+
+    def _apply_virtual_samples(self, args, state, events: list[HealthEvent]) -> None:
+        if not self.config.remedy_virtual_samples:
+            return
+        for event in events:
+            if event.alarm != "zero_std" or event.kind == "repeated":
+                continue
+            on = event.kind == "raised"
+            if on == self.remedy_active:
+                continue
+            attr = self.config.virtual_samples_attr
+            if on and not hasattr(args, attr):
+                logger.warning(
+                    "[health] cannot switch on virtual samples: the trainer arguments have no %r field "
+                    "(use trl_stable.GRPOConfig).",
+                    attr,
+                )
+                continue
+            self._set_virtual_samples(args, on)
+            kind = "remedy_on" if on else "remedy_off"
+            if state.is_world_process_zero:
+                logger.warning(
+                    "[health] step %d: %s virtual samples (%s=%r)",
+                    state.global_step,
+                    "switched ON" if on else "switched OFF",
+                    attr,
+                    getattr(args, attr),
+                )
+            self._write(
+                {
+                    "type": "remedy",
+                    "step": state.global_step,
+                    "kind": kind,
+                    "remedy": "virtual_samples",
+                    attr: getattr(args, attr),
+                }
+            )
+
+    def _apply_stop(self, state, control) -> None:
+        limit = self.config.stop_after_critical_steps
+        if limit is None or self._stopped:
+            return
+        since = self.tracker.critical_held_since()
+        if since is None or state.global_step - since + 1 < limit:
+            return
+        self._stopped = True
+        control.should_save = True
+        control.should_training_stop = True
+        critical = [name for name in self.tracker.active if name in self.config.critical]
+        message = (
+            f"[health] step {state.global_step}: critical alarm(s) {critical} held since step {since}: saving a "
+            "checkpoint and stopping the run."
+        )
+        if state.is_world_process_zero:
+            logger.error(message)
+        self._write({"type": "stop", "step": state.global_step, "alarms": critical, "since": since})
+
+
+def _json_safe(values: dict[str, float]) -> dict[str, Any]:
+    return {k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in values.items()}

@@ -1,0 +1,398 @@
+"""The training-health dashboard: one PNG with the four gauges of the RL-stability handbook (16.6.5) plus entropy and
+the sampler/trainer mismatch, healthy bands shaded and alarms marked.
+
+From the command line::
+
+    trl-stable-dashboard OUTPUT_DIR            # or: python -m trl_stable.monitoring.dashboard OUTPUT_DIR
+
+reads `OUTPUT_DIR/health.jsonl` (written by [`HealthMonitor`]) or, failing that, the log history in
+`trainer_state.json` (of OUTPUT_DIR or its latest checkpoint), and writes `OUTPUT_DIR/health_dashboard.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl_stable.monitoring.health import HealthConfig, HealthTracker
+
+__all__ = ["RunHealth", "load_run", "main", "render_dashboard"]
+
+HEALTH_FILE = "health.jsonl"
+DASHBOARD_FILE = "health_dashboard.png"
+
+# alarm -> panel it is marked on
+_ALARM_PANEL = {
+    "reward_plateau": "reward",
+    "reward_above_max": "reward",
+    "zero_std": "frac_reward_zero_std",
+    "grad_norm_vanishing": "grad_norm",
+    "nonfinite": "grad_norm",
+    "length_near_cap": "completion_length",
+    "entropy_collapse": "entropy",
+    "mismatch": "mismatch",
+    "token_filter_masked": "mismatch",
+    "retokenization": "mismatch",
+}
+
+
+@dataclass
+class RunHealth:
+    """A run's gauges over steps, its alarm events and the thresholds to shade."""
+
+    steps: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, step: int, gauges: Mapping[str, Any]) -> None:
+        for name, value in gauges.items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            self.steps.setdefault(name, []).append((step, value))
+
+    def series(self, name: str) -> tuple[list[int], list[float]]:
+        points = self.steps.get(name, [])
+        return [p[0] for p in points], [p[1] for p in points]
+
+
+def _from_log_history(history: Sequence[Mapping[str, Any]], config: HealthConfig, cap: int | None) -> RunHealth:
+    tracker = HealthTracker(config, max_completion_length=cap)
+    run = RunHealth()
+    for index, record in enumerate(history):
+        if any(str(k).startswith("eval_") for k in record):
+            continue
+        step = int(record.get("step", index))
+        for event in tracker.update(record, step=step):
+            run.events.append(event.to_record())
+        if tracker.last_gauges:
+            run.add(step, tracker.last_gauges)
+    run.meta = {
+        "max_completion_length": tracker.max_completion_length,
+        "reward_max": config.reward_max,
+        "zero_std_healthy": config.zero_std_healthy,
+        "zero_std_alarm": config.zero_std_alarm,
+        "mismatch_threshold": config.mismatch_threshold,
+        "grad_norm_floor": config.grad_norm_floor,
+        "entropy_floor": config.entropy_floor,
+        "length_cap_ratio": config.length_cap_ratio,
+    }
+    return run
+
+
+def _from_health_file(path: Path) -> RunHealth:
+    run = RunHealth()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            record = json.loads(line)
+            kind = record.get("type")
+            if kind == "meta":
+                run.meta.update({k: v for k, v in record.items() if k not in ("type", "step")})
+            elif kind == "metrics":
+                gauges = {k: v for k, v in record.items() if k not in ("type", "step", "active")}
+                run.add(int(record["step"]), gauges)
+            elif kind in ("alarm", "remedy", "stop"):
+                run.events.append(record)
+    return run
+
+
+def _latest_trainer_state(directory: Path) -> Path | None:
+    direct = directory / "trainer_state.json"
+    if direct.is_file():
+        return direct
+    checkpoints = [p for p in directory.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    if not checkpoints:
+        return None
+    latest = max(checkpoints, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+    return latest / "trainer_state.json"
+
+
+def load_run(
+    source: str | os.PathLike | Sequence[Mapping[str, Any]],
+    config: HealthConfig | None = None,
+    max_completion_length: int | None = None,
+) -> RunHealth:
+    """Load a run's health from an output dir, a `health.jsonl`, a `trainer_state.json` or a log-history list.
+
+    A log history is replayed through [`HealthTracker`] with `config`, so its alarms appear as they would have live.
+    """
+    config = config or HealthConfig()
+    if not isinstance(source, (str, os.PathLike)):
+        return _from_log_history(list(source), config, max_completion_length)
+    path = Path(source)
+    if path.is_dir():
+        if (path / HEALTH_FILE).is_file():
+            path = path / HEALTH_FILE
+        else:
+            state = _latest_trainer_state(path)
+            if state is None:
+                raise FileNotFoundError(
+                    f"{source} has neither {HEALTH_FILE} nor a trainer_state.json (in it or a checkpoint-* folder): "
+                    "pass a run's output_dir."
+                )
+            path = state
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist.")
+    if path.suffix == ".jsonl":
+        run = _from_health_file(path)
+        if max_completion_length:
+            run.meta["max_completion_length"] = max_completion_length
+        return run
+    with open(path, encoding="utf-8") as f:
+        state = json.load(f)
+    history = state.get("log_history", state) if isinstance(state, dict) else state
+    return _from_log_history(history, config, max_completion_length)
+
+
+def _shade(ax, low, high, color, label=None):
+    ax.axhspan(low, high, color=color, alpha=0.12, lw=0, label=label)
+
+
+def render_dashboard(
+    source: str | os.PathLike | Sequence[Mapping[str, Any]] | RunHealth,
+    path: str | os.PathLike | None = None,
+    *,
+    config: HealthConfig | None = None,
+    max_completion_length: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """Render the health dashboard of a run into one PNG.
+
+    Args:
+        source: an output dir, a `health.jsonl`, a `trainer_state.json`, a log-history list, or a [`RunHealth`].
+        path: where to write the PNG; defaults to `<output dir>/health_dashboard.png` for a directory source, else
+            `health_dashboard.png` in the current directory.
+        config ([`HealthConfig`], *optional*): thresholds used when replaying a log history.
+        max_completion_length (`int`, *optional*): the completion cap, when the source does not record it.
+        title (`str`, *optional*): figure title.
+
+    Returns:
+        `Path` of the written PNG.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    run = source if isinstance(source, RunHealth) else load_run(source, config, max_completion_length)
+    if path is None:
+        is_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
+        path = Path(source) / DASHBOARD_FILE if is_dir else Path(DASHBOARD_FILE)
+    path = Path(path)
+    meta = run.meta
+    cfg = config or HealthConfig()
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    panels = dict(
+        zip(
+            ["reward", "frac_reward_zero_std", "grad_norm", "completion_length", "entropy", "mismatch"],
+            axes.flat,
+            strict=True,
+        )
+    )
+    green, amber, red = "tab:green", "tab:orange", "tab:red"
+
+    def plot(name, ax, label=None, **kwargs):
+        x, y = run.series(name)
+        if x:
+            ax.plot(x, y, marker="." if len(x) < 30 else None, label=label or name, **kwargs)
+        return x, y
+
+    # reward
+    ax = panels["reward"]
+    x, y = plot("reward", ax, "reward/mean", color="tab:blue")
+    reward_max = meta.get("reward_max", cfg.reward_max)
+    if reward_max is not None:
+        _shade(ax, reward_max - cfg.ceiling_margin, reward_max, green, "at the maximum")
+        ax.axhline(reward_max, color=green, ls="--", lw=1, label=f"declared max {reward_max:g}")
+    finite = [v for v in y if math.isfinite(v)]
+    if finite:
+        ax.axhline(max(finite), color="grey", ls=":", lw=1, label=f"ceiling reached {max(finite):.3f}")
+    ax.set_title("reward/mean (healthy: rising)")
+
+    # zero-std share
+    ax = panels["frac_reward_zero_std"]
+    healthy, alarm = meta.get("zero_std_healthy", 0.3), meta.get("zero_std_alarm", 0.5)
+    _shade(ax, 0, healthy, green, f"healthy < {healthy:.0%}")
+    _shade(ax, healthy, alarm, amber)
+    _shade(ax, alarm, 1, red, f"alarm > {alarm:.0%}")
+    plot("frac_reward_zero_std", ax, color="tab:blue")
+    ax.set_ylim(0, 1)
+    ax.set_title("frac_reward_zero_std (healthy < 30%)")
+
+    # grad norm (log scale: exact zeros are drawn at the bottom of the "near zero" band)
+    ax = panels["grad_norm"]
+    x, y = run.series("grad_norm")
+    floor = meta.get("grad_norm_floor", cfg.grad_norm_floor)
+    early = [v for v in y if math.isfinite(v)][: cfg.reference_window]
+    if len(early) == cfg.reference_window:  # the tracker's relative floor, once its reference exists
+        floor = max(floor, cfg.grad_norm_relative_floor * statistics.median(early))
+    positive = [v for v in y if math.isfinite(v) and v > 0]
+    if x:
+        lowest = min(positive + [floor]) / 10
+        shown = [max(v, lowest) if math.isfinite(v) else float("nan") for v in y]
+        ax.plot(x, shown, marker="." if len(x) < 30 else None, color="tab:blue", label="grad_norm")
+        ax.set_yscale("log")
+        _shade(ax, lowest, floor, red, f"near zero < {floor:.3g}")
+    ax.set_title("grad_norm (healthy: steady, non-zero)")
+
+    # completion length vs cap
+    ax = panels["completion_length"]
+    plot("completion_length", ax, "mean length", color="tab:blue")
+    cap = meta.get("max_completion_length")
+    if cap:
+        ratio = meta.get("length_cap_ratio", cfg.length_cap_ratio)
+        _shade(ax, 0, ratio * cap, green, "healthy")
+        _shade(ax, ratio * cap, cap, red, f"> {ratio:.0%} of cap")
+        ax.axhline(cap, color=red, ls="--", lw=1, label=f"cap {cap}")
+        ax.set_ylim(0, cap * 1.05)
+    cx, cy = run.series("clipped_ratio")
+    if cx:
+        twin = ax.twinx()
+        twin.plot(cx, cy, color="tab:purple", ls=":", label="clipped ratio")
+        twin.set_ylim(0, 1)
+        twin.set_ylabel("clipped ratio")
+        twin.legend(loc="upper right", fontsize=7)
+    ax.set_title("completion length vs cap (healthy: steady)")
+
+    # entropy
+    ax = panels["entropy"]
+    x, y = plot("entropy", ax, color="tab:blue")
+    floor = meta.get("entropy_floor", cfg.entropy_floor)
+    early = [v for v in y if math.isfinite(v)][: cfg.reference_window]
+    if len(early) == cfg.reference_window:
+        floor = max(floor, cfg.entropy_relative_floor * statistics.median(early))
+    _shade(ax, 0, floor, red, f"collapsed < {floor:.3g}")
+    ax.set_ylim(bottom=0)
+    ax.set_title("entropy (healthy: slow decline)")
+
+    # mismatch
+    ax = panels["mismatch"]
+    x, y = plot("mismatch", ax, "mean |logp diff|", color="tab:blue")
+    plot("mismatch_max", ax, "max |logp diff|", color="tab:blue", ls=":", lw=1)
+    threshold = meta.get("mismatch_threshold", cfg.mismatch_threshold)
+    positive = [v for v in run.series("mismatch")[1] + run.series("mismatch_max")[1] if math.isfinite(v) and v > 0]
+    if positive:
+        ax.set_yscale("log")
+        low, high = min(min(positive), threshold) / 10, max(max(positive), threshold) * 10
+        _shade(ax, low, threshold, green, f"healthy < {threshold:g}")
+        _shade(ax, threshold, high, red)
+        ax.set_ylim(low, high)
+    elif not x:
+        ax.text(
+            0.5,
+            0.5,
+            "no sampler log-probs recorded\n(enable an option that captures them, or vLLM)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=9,
+            color="grey",
+        )
+    mx, my = run.series("masked_fraction")
+    if mx:
+        twin = ax.twinx()
+        twin.plot(mx, my, color="tab:purple", ls="--", label="IcePop/KPop masked")
+        twin.set_ylim(0, 1)
+        twin.legend(loc="upper right", fontsize=7)
+    ax.set_title("sampler vs trainer mismatch (alarm > 0.01)")
+
+    # alarms
+    raised_names = []
+    for event in run.events:
+        if event.get("type") == "stop":
+            for a in axes.flat:
+                a.axvline(event["step"], color="black", lw=1.5)
+        if event.get("type") != "alarm" or event.get("kind") != "raised":
+            continue
+        name = event.get("alarm")
+        raised_names.append(name)
+        ax = panels.get(_ALARM_PANEL.get(name, ""))
+        if ax is not None:
+            color = red if event.get("severity") == "critical" else amber
+            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
+            ax.annotate(
+                name,
+                (event["step"], 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
+
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+    summary = ", ".join(sorted(set(raised_names))) or "none"
+    fig.suptitle(f"{title or 'training health'} — alarms raised: {summary}", fontsize=12)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _alarm_summary(run: RunHealth) -> str:
+    lines = []
+    for event in run.events:
+        if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
+            lines.append(
+                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
+                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
+            )
+        elif event.get("type") in ("remedy", "stop"):
+            lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
+    return "\n".join(lines) if lines else "  no alarms"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: `trl-stable-dashboard OUTPUT_DIR [-o PNG]`."""
+    parser = argparse.ArgumentParser(
+        prog="trl-stable-dashboard",
+        description="Render the training-health dashboard (PNG) of a trl_stable / TRL run.",
+    )
+    parser.add_argument("source", help="output dir of a run, or its health.jsonl / trainer_state.json")
+    parser.add_argument("-o", "--output", default=None, help="PNG path (default: OUTPUT_DIR/health_dashboard.png)")
+    parser.add_argument("--max-completion-length", type=int, default=None, help="completion cap, if not recorded")
+    parser.add_argument("--reward-max", type=float, default=None, help="declared reward maximum (default 1.0)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+
+    config = HealthConfig(reward_max=args.reward_max) if args.reward_max is not None else HealthConfig()
+    try:
+        run = load_run(args.source, config, args.max_completion_length)
+    except (FileNotFoundError, json.JSONDecodeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.reward_max is not None:
+        run.meta["reward_max"] = args.reward_max
+    output = args.output
+    if output is None:
+        base = Path(args.source) if Path(args.source).is_dir() else Path(args.source).parent
+        output = base / DASHBOARD_FILE
+    written = render_dashboard(run, output, config=config, title=args.title or str(args.source))
+    print(f"alarms:\n{_alarm_summary(run)}")
+    print(f"dashboard written to {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

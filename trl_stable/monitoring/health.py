@@ -1,0 +1,486 @@
+"""The health rules of the four-gauge dashboard (RL-stability handbook 16.6.5) plus the mismatch gauges, as a
+framework-free tracker: feed it one log record at a time, get alarm events back.
+
+[`HealthMonitor`](callback) wraps it as a `transformers.TrainerCallback`; tests and the dashboard replay log
+histories through it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trl_stable.monitoring.alarms import ALARMS, CRITICAL
+
+__all__ = ["DEFAULT_METRIC_KEYS", "HealthConfig", "HealthEvent", "HealthTracker", "extract_gauges"]
+
+# gauge -> log keys that may carry it, first present wins. TRL GRPO names first, then trl_stable PPO names.
+DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "env/reward_mean", "objective/scores"),
+    "frac_reward_zero_std": ("frac_reward_zero_std",),
+    "grad_norm": ("grad_norm", "policy/grad_norm"),
+    "loss": ("loss", "loss/total"),
+    "completion_length": ("completions/mean_length", "tokens/response_len_mean"),
+    "clipped_ratio": ("completions/clipped_ratio",),
+    "entropy": ("entropy", "objective/entropy"),
+    "mismatch": ("mismatch/logp_abs_diff/mean", "sampling/sampling_logp_difference/mean"),
+    "mismatch_max": ("mismatch/logp_abs_diff/max", "sampling/sampling_logp_difference/max"),
+    "mismatch_outside_band": ("mismatch/ratio/outside_band",),
+    "retokenization": ("retokenization/mismatched",),
+    # trl_stable PPO's name; GRPO's `token_filter/{icepop,kpop}/masked_token_frac` match MASKED_FRACTION_PATTERN
+    "masked_fraction": ("behaviour/masked_token_frac",),
+}
+# Token shares masked (or clamped) by the IcePop/KPop filters, e.g. `token_filter/icepop/masked_token_frac`. Sequence
+# shares are left out: with a token-level filter one masked token marks a whole sequence.
+MASKED_FRACTION_PATTERN = r"^(?!eval_)(?!.*seq)(?=.*(icepop|kpop))(?=.*(mask|clamp|filter|drop)).*(frac|ratio|share)"
+
+GAUGES = tuple(DEFAULT_METRIC_KEYS)
+
+
+@dataclass
+class HealthConfig:
+    """Thresholds, debouncing and remedies of the health monitor.
+
+    Windows and patience count log records (one per `logging_steps`). Every threshold has the handbook's default.
+    """
+
+    zero_std_healthy: float = field(
+        default=0.3, metadata={"help": "frac_reward_zero_std below this is healthy (shaded green on the dashboard)."}
+    )
+    zero_std_alarm: float = field(
+        default=0.5, metadata={"help": "Alarm when frac_reward_zero_std exceeds this: no learning signal."}
+    )
+    reward_max: float | None = field(
+        default=1.0,
+        metadata={
+            "help": "Declared maximum of the total reward (what a perfect answer scores). None disables the "
+            "plateau-below-maximum and above-maximum alarms."
+        },
+    )
+    plateau_window: int = field(
+        default=20, metadata={"help": "Log records over which the reward trend is measured for plateau detection."}
+    )
+    plateau_min_rise: float = field(
+        default=0.01,
+        metadata={
+            "help": "Plateau when the mean reward of the window's second half exceeds its first half by less "
+            "than this (reward units)."
+        },
+    )
+    ceiling_margin: float = field(
+        default=0.05,
+        metadata={"help": "A flat reward within this distance of reward_max is converged, not a plateau."},
+    )
+    reference_window: int = field(
+        default=5,
+        metadata={
+            "help": "The first this-many finite values of grad_norm and entropy are the run's reference for "
+            "the relative floors."
+        },
+    )
+    grad_norm_floor: float = field(default=1e-6, metadata={"help": "grad_norm below this is 'near zero'."})
+    grad_norm_relative_floor: float = field(
+        default=0.01,
+        metadata={"help": "grad_norm below this fraction of its reference (median of the first values) is near zero."},
+    )
+    max_completion_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completion cap; None takes `max_completion_length` (or `response_length`) from the "
+            "trainer arguments."
+        },
+    )
+    length_cap_ratio: float = field(
+        default=0.9, metadata={"help": "Alarm when the mean completion length exceeds this fraction of the cap."}
+    )
+    clipped_ratio_alarm: float = field(
+        default=0.3, metadata={"help": "Alarm when this share of completions is truncated at the cap."}
+    )
+    entropy_floor: float = field(default=0.05, metadata={"help": "Entropy (nats/token) below this has collapsed."})
+    entropy_relative_floor: float = field(
+        default=0.1, metadata={"help": "Entropy below this fraction of its reference has collapsed."}
+    )
+    mismatch_threshold: float = field(
+        default=0.01,
+        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (handbook: 0.01)."},
+    )
+    mismatch_band: tuple[float, float] = field(
+        default=(0.9, 1.1), metadata={"help": "Healthy band of the token ratio pi_trainer / pi_sampler."}
+    )
+    masked_fraction_alarm: float = field(
+        default=0.1, metadata={"help": "Alarm when IcePop/KPop mask more than this share of tokens."}
+    )
+    patience: int = field(
+        default=3, metadata={"help": "Consecutive log records a condition must hold before its alarm is raised."}
+    )
+    clear_patience: int = field(
+        default=3, metadata={"help": "Consecutive healthy log records before a raised alarm is cleared."}
+    )
+    repeat_every: int = field(
+        default=50,
+        metadata={"help": "While an alarm holds, repeat it every this-many log records (0: never repeat)."},
+    )
+    disabled_alarms: list[str] = field(
+        default_factory=list, metadata={"help": f"Alarms to switch off, among {sorted(ALARMS)}."}
+    )
+    critical_alarms: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Alarms that count as critical for `stop_after_critical_steps`; None: the catalogue's "
+            "critical ones (grad_norm_vanishing, entropy_collapse, nonfinite)."
+        },
+    )
+    metric_keys: dict[str, list[str]] | None = field(
+        default=None,
+        metadata={
+            "help": f"Override the log keys read for a gauge, e.g. {{'reward': ['my/reward']}}. Gauges: "
+            f"{', '.join(GAUGES)}."
+        },
+    )
+    remedy_virtual_samples: bool = field(
+        default=False,
+        metadata={
+            "help": "While the zero_std alarm holds, switch on NGRPO virtual samples (set "
+            "`virtual_samples_attr` "
+            "of the trainer arguments to `virtual_samples_value`), and restore it when the alarm clears."
+        },
+    )
+    virtual_samples_attr: str = field(
+        default="advantage_estimator",
+        metadata={"help": "Trainer-argument attribute the virtual-samples remedy sets."},
+    )
+    virtual_samples_value: Any = field(
+        default="ngrpo", metadata={"help": "Value that switches NGRPO virtual samples on."}
+    )
+    stop_after_critical_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Save a checkpoint and stop training once a critical alarm has held for this many steps. "
+            "None: never stop."
+        },
+    )
+    health_file: str | None = field(
+        default="health.jsonl",
+        metadata={"help": "JSON Lines file in output_dir receiving the gauges and alarm events; None: no file."},
+    )
+    log_to_history: bool = field(
+        default=True,
+        metadata={"help": "Add `health/*` flags to the trainer's logs (log history, wandb, tensorboard)."},
+    )
+    dashboard_on_train_end: bool = field(
+        default=False, metadata={"help": "Render `health_dashboard.png` into output_dir when training ends."}
+    )
+
+    def __post_init__(self):
+        if not 0 <= self.zero_std_healthy <= self.zero_std_alarm <= 1:
+            raise ValueError(
+                f"Need 0 <= zero_std_healthy <= zero_std_alarm <= 1, got zero_std_healthy={self.zero_std_healthy}, "
+                f"zero_std_alarm={self.zero_std_alarm}."
+            )
+        for name in ("plateau_window", "reference_window", "patience", "clear_patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.plateau_window < 4:
+            raise ValueError(f"plateau_window must be >= 4 to compare two halves, got {self.plateau_window}.")
+        if self.repeat_every < 0:
+            raise ValueError(f"repeat_every must be >= 0 (0 disables repeats), got {self.repeat_every}.")
+        for name in ("grad_norm_floor", "entropy_floor", "mismatch_threshold", "plateau_min_rise", "ceiling_margin"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
+        for name in (
+            "grad_norm_relative_floor",
+            "entropy_relative_floor",
+            "length_cap_ratio",
+            "clipped_ratio_alarm",
+            "masked_fraction_alarm",
+        ):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}.")
+        self.mismatch_band = tuple(self.mismatch_band)
+        if len(self.mismatch_band) != 2 or not 0 < self.mismatch_band[0] < 1 < self.mismatch_band[1]:
+            raise ValueError(f"mismatch_band must be (low, high) with 0 < low < 1 < high, got {self.mismatch_band}.")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1 or None, got {self.max_completion_length}.")
+        if self.stop_after_critical_steps is not None and self.stop_after_critical_steps < 1:
+            raise ValueError(
+                f"stop_after_critical_steps must be >= 1 or None (never stop), got {self.stop_after_critical_steps}."
+            )
+        for name in ("disabled_alarms", "critical_alarms"):
+            unknown = sorted(set(getattr(self, name) or ()) - set(ALARMS))
+            if unknown:
+                raise ValueError(f"{name} has unknown alarms {unknown}; known: {sorted(ALARMS)}.")
+        unknown = sorted(set(self.metric_keys or ()) - set(GAUGES))
+        if unknown:
+            raise ValueError(f"metric_keys has unknown gauges {unknown}; known: {list(GAUGES)}.")
+        if self.remedy_virtual_samples and not self.virtual_samples_attr:
+            raise ValueError("remedy_virtual_samples needs virtual_samples_attr (the trainer-argument to set).")
+
+    @property
+    def critical(self) -> set[str]:
+        if self.critical_alarms is not None:
+            return set(self.critical_alarms)
+        return {name for name, spec in ALARMS.items() if spec.severity == CRITICAL}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class HealthEvent:
+    """One alarm event. `kind` is "raised", "repeated" or "cleared"."""
+
+    step: int
+    kind: str
+    alarm: str
+    severity: str
+    value: float | None
+    threshold: float | None
+    symptom: str
+    cause: str
+    remedy: str
+    since: int | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        record = {"type": "alarm", **asdict(self)}
+        for key in ("value", "threshold"):
+            if isinstance(record[key], float) and not math.isfinite(record[key]):
+                record[key] = str(record[key])  # strict JSON has no NaN/inf
+        return record
+
+    def message(self) -> str:
+        if self.kind == "cleared":
+            return f"[health] step {self.step}: {self.alarm} cleared"
+        if self.kind == "repeated":  # the cause and remedy were given when it was raised
+            return f"[health] step {self.step}: {self.alarm} still holds (since step {self.since}): {self.symptom}"
+        return (
+            f"[health] step {self.step}: {self.severity.upper()} {self.alarm}: {self.symptom}. "
+            f"Likely cause: {self.cause}. Remedy: {self.remedy}."
+        )
+
+
+def _finite_float(value: Any) -> float | None:
+    """A log value as float; None when absent or not a number. NaN/inf are kept (the nonfinite alarm needs them)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[str]] | None = None) -> dict:
+    """Read the gauges from one log record (a `Trainer.log` dict or a log-history entry).
+
+    Returns a dict gauge -> float for the gauges present; `masked_fraction` is the largest IcePop/KPop masked share
+    (its keys plus, unless overridden in `metric_keys`, every key matching `MASKED_FRACTION_PATTERN`).
+    """
+    metric_keys = metric_keys or {}
+    keys = {**DEFAULT_METRIC_KEYS, **{k: tuple(v) for k, v in metric_keys.items()}}
+    gauges: dict[str, float] = {}
+    for gauge, candidates in keys.items():
+        if gauge == "masked_fraction":
+            continue
+        for key in candidates:
+            value = _finite_float(logs.get(key))
+            if value is not None:
+                gauges[gauge] = value
+                break
+    masked_keys = list(keys["masked_fraction"])
+    if "masked_fraction" not in metric_keys:
+        masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
+    masked = [_finite_float(logs.get(key)) for key in masked_keys]
+    masked = [m for m in masked if m is not None and math.isfinite(m)]
+    if masked:
+        gauges["masked_fraction"] = max(masked)
+    return gauges
+
+
+@dataclass
+class _AlarmState:
+    active: bool = False
+    hits: int = 0
+    misses: int = 0
+    since_emit: int = 0
+    raised_step: int | None = None
+
+
+class HealthTracker:
+    """Applies the health rules to a stream of log records, with debouncing.
+
+    Args:
+        config ([`HealthConfig`], *optional*): thresholds and debouncing; defaults when `None`.
+        max_completion_length (`int`, *optional*): completion cap when `config.max_completion_length` is unset.
+
+    Example:
+    ```python
+    tracker = HealthTracker()
+    for record in trainer.state.log_history:
+        for event in tracker.update(record, step=record.get("step")):
+            print(event.message())
+    ```
+    """
+
+    def __init__(self, config: HealthConfig | None = None, max_completion_length: int | None = None):
+        self.config = config or HealthConfig()
+        self.max_completion_length = self.config.max_completion_length or max_completion_length
+        self.states = {name: _AlarmState() for name in ALARMS if name not in self.config.disabled_alarms}
+        self.rewards: deque[float] = deque(maxlen=self.config.plateau_window)
+        self.reward_ceiling: float | None = None
+        self._references: dict[str, list[float]] = {"grad_norm": [], "entropy": []}
+        self.last_gauges: dict[str, float] = {}
+
+    @property
+    def active(self) -> list[str]:
+        return [name for name, state in self.states.items() if state.active]
+
+    def critical_held_since(self) -> int | None:
+        """Earliest step at which a currently active critical alarm was raised, or None."""
+        steps = [s.raised_step for n, s in self.states.items() if s.active and n in self.config.critical]
+        steps = [s for s in steps if s is not None]
+        return min(steps) if steps else None
+
+    def _reference(self, gauge: str, value: float) -> float | None:
+        values = self._references[gauge]
+        if len(values) < self.config.reference_window:
+            if math.isfinite(value):
+                values.append(value)
+            return None
+        return statistics.median(values)
+
+    def _conditions(self, gauges: dict[str, float]) -> dict[str, tuple[bool, float | None, float | None]]:
+        """alarm -> (holds, value, threshold) for the alarms this record has data for."""
+        cfg = self.config
+        out: dict[str, tuple[bool, float | None, float | None]] = {}
+
+        nonfinite = {k: gauges[k] for k in ("loss", "grad_norm", "reward") if k in gauges}
+        if nonfinite:
+            bad = {k: v for k, v in nonfinite.items() if not math.isfinite(v)}
+            out["nonfinite"] = (bool(bad), ", ".join(f"{k}={v}" for k, v in bad.items()) or None, None)
+        finite = {k: v for k, v in gauges.items() if math.isfinite(v)}
+
+        if "frac_reward_zero_std" in finite:
+            value = finite["frac_reward_zero_std"]
+            out["zero_std"] = (value > cfg.zero_std_alarm, value, cfg.zero_std_alarm)
+
+        if "reward" in finite:
+            reward = finite["reward"]
+            self.rewards.append(reward)
+            self.reward_ceiling = reward if self.reward_ceiling is None else max(self.reward_ceiling, reward)
+            if cfg.reward_max is not None:
+                out["reward_above_max"] = (reward > cfg.reward_max + 1e-6, reward, cfg.reward_max)
+                if len(self.rewards) == cfg.plateau_window:
+                    window = list(self.rewards)
+                    half = len(window) // 2
+                    first, second = statistics.fmean(window[:half]), statistics.fmean(window[half:])
+                    flat = second - first < cfg.plateau_min_rise
+                    below = second < cfg.reward_max - cfg.ceiling_margin
+                    out["reward_plateau"] = (flat and below, second, cfg.reward_max)
+
+        if "grad_norm" in finite:
+            value = finite["grad_norm"]
+            reference = self._reference("grad_norm", value)
+            floor = cfg.grad_norm_floor
+            if reference is not None:
+                floor = max(floor, cfg.grad_norm_relative_floor * reference)
+            out["grad_norm_vanishing"] = (value < floor, value, floor)
+
+        if "entropy" in finite:
+            value = finite["entropy"]
+            reference = self._reference("entropy", value)
+            floor = cfg.entropy_floor
+            if reference is not None:
+                floor = max(floor, cfg.entropy_relative_floor * reference)
+            out["entropy_collapse"] = (value < floor, value, floor)
+
+        cap = self.max_completion_length
+        if cap and ("completion_length" in finite or "clipped_ratio" in finite):
+            length = finite.get("completion_length")
+            clipped = finite.get("clipped_ratio")
+            near = length is not None and length >= cfg.length_cap_ratio * cap
+            truncated = clipped is not None and clipped >= cfg.clipped_ratio_alarm
+            out["length_near_cap"] = (near or truncated, length if length is not None else float("nan"), cap)
+
+        if "mismatch" in finite:
+            out["mismatch"] = (finite["mismatch"] > cfg.mismatch_threshold, finite["mismatch"], cfg.mismatch_threshold)
+        if "masked_fraction" in finite:
+            value = finite["masked_fraction"]
+            out["token_filter_masked"] = (value > cfg.masked_fraction_alarm, value, cfg.masked_fraction_alarm)
+        if "retokenization" in finite:
+            out["retokenization"] = (finite["retokenization"] > 0, finite["retokenization"], 0.0)
+        return out
+
+    def update(self, logs: Mapping[str, Any], step: int | None = None) -> list[HealthEvent]:
+        """Feed one log record; return the alarm events it triggers (raised, repeated, cleared).
+
+        Records without any gauge (e.g. the end-of-training summary, evaluation logs) change nothing.
+        """
+        gauges = extract_gauges(logs, self.config.metric_keys)
+        self.last_gauges = gauges
+        if not gauges:
+            return []
+        step = int(step if step is not None else logs.get("step", 0) or 0)
+        cfg = self.config
+        events = []
+        for name, (holds, value, threshold) in self._conditions(gauges).items():
+            state = self.states.get(name)
+            if state is None:
+                continue
+            # Failures that corrupt the weights must not wait for patience.
+            patience = 1 if name == "nonfinite" else cfg.patience
+            if holds:
+                state.hits, state.misses = state.hits + 1, 0
+                if not state.active and state.hits >= patience:
+                    state.active, state.raised_step, state.since_emit = True, step, 0
+                    events.append(self._event(step, "raised", name, value, threshold))
+                elif state.active:
+                    state.since_emit += 1
+                    if cfg.repeat_every and state.since_emit >= cfg.repeat_every:
+                        state.since_emit = 0
+                        events.append(self._event(step, "repeated", name, value, threshold))
+            else:
+                state.hits, state.misses = 0, state.misses + 1
+                # A trend measured over a window flickers with noise: clear it only after half a window of rise.
+                clear_after = max(cfg.clear_patience, cfg.plateau_window // 2) if name == "reward_plateau" else None
+                if state.active and state.misses >= (clear_after or cfg.clear_patience):
+                    state.active, state.raised_step = False, None
+                    events.append(self._event(step, "cleared", name, value, threshold))
+        return events
+
+    def _event(self, step: int, kind: str, name: str, value, threshold) -> HealthEvent:
+        spec = ALARMS[name]
+        severity = CRITICAL if name in self.config.critical else "warning"
+        try:
+            symptom = spec.symptom.format(value=value, threshold=threshold)
+        except (TypeError, ValueError):
+            symptom = f"{spec.metric} = {value} (threshold {threshold})"
+        if name == "reward_plateau" and self.reward_ceiling is not None:
+            symptom += f"; best reward reached {self.reward_ceiling:.3f}"
+        if name == "length_near_cap":
+            clipped = self.last_gauges.get("clipped_ratio")
+            if clipped is not None:
+                symptom += f", {clipped:.0%} of completions truncated"
+        if name == "mismatch":
+            extra = [f"max {self.last_gauges['mismatch_max']:.3f}"] if "mismatch_max" in self.last_gauges else []
+            if "mismatch_outside_band" in self.last_gauges:
+                low, high = self.config.mismatch_band
+                extra.append(
+                    f"{self.last_gauges['mismatch_outside_band']:.1%} of token ratios outside [{low}, {high}]"
+                )
+            if extra:
+                symptom += " (" + ", ".join(extra) + ")"
+        value = value if isinstance(value, (int, float)) else None
+        since = self.states[name].raised_step if kind == "repeated" else None
+        return HealthEvent(step, kind, name, severity, value, threshold, symptom, spec.cause, spec.remedy, since)
+
+    def flags(self) -> dict[str, float]:
+        """`health/*` metrics for the trainer's logs: the number of active alarms and one 0/1 flag per alarm."""
+        flags = {"health/active_alarms": float(len(self.active))}
+        flags.update({f"health/alarm/{name}": float(state.active) for name, state in self.states.items()})
+        if self.reward_ceiling is not None:  # the best reward/mean reached so far, to hold against reward_max
+            flags["health/reward_ceiling"] = self.reward_ceiling
+        return flags

@@ -1,0 +1,163 @@
+"""How trl_stable's trainers switch the health monitor on: config fields (a dataclass mixin), attaching the callback,
+and logging the sampler/trainer mismatch of a GRPO generation batch.
+
+The trainers stay thin: their config classes inherit [`HealthArguments`] (GRPO) or [`PPOHealthArguments`] (PPO),
+call `validate_health_arguments()` in `__post_init__`, and call [`attach_health_monitor`] at the end of `__init__`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
+from trl_stable.monitoring.mismatch import mismatch_stats
+
+__all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor", "log_generation_mismatch"]
+
+
+@dataclass
+class HealthArguments:
+    """Health-monitor fields of a trl_stable trainer config (see `docs/sections/monitoring.md`)."""
+
+    health_monitor: bool = field(
+        default=True,
+        metadata={
+            "help": "Watch the training logs and raise alarms (health.jsonl in output_dir, `health/*` log "
+            "flags). It only reads the logs: training numbers are unchanged. False switches it off."
+        },
+    )
+    health_reward_max: float | None = field(
+        default=1.0,
+        metadata={
+            "help": "Declared maximum of the total reward (what a perfect answer scores). None disables the "
+            "reward-plateau-below-maximum and reward-above-maximum alarms."
+        },
+    )
+    health_mismatch_threshold: float = field(
+        default=0.01,
+        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (handbook: 0.01)."},
+    )
+    health_remedy_virtual_samples: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), train with NGRPO "
+            "virtual samples (advantage_estimator='ngrpo'); the estimator is restored when it clears."
+        },
+    )
+    health_stop_after_critical_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Save a checkpoint and stop training once a critical alarm (grad_norm_vanishing, "
+            "entropy_collapse, nonfinite) has held this many steps. None: never stop."
+        },
+    )
+    health_mismatch_monitor: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the sampler/trainer log-prob mismatch (mismatch/*) on every generation batch: record "
+            "the HF sampler's log-probs and recompute the trainer's when no other option does (one extra "
+            "forward per batch without the decoupled loss)."
+        },
+    )
+    health_monitor_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Any other `trl_stable.monitoring.HealthConfig` field, as a dict (or a JSON string), e.g. "
+            "{'patience': 5, 'zero_std_alarm': 0.6}."
+        },
+    )
+
+    def validate_health_arguments(self) -> None:
+        """Raise ValueError on contradictory health settings (called from the config's `__post_init__`)."""
+        if isinstance(self.health_monitor_kwargs, str):
+            try:
+                self.health_monitor_kwargs = json.loads(self.health_monitor_kwargs)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"health_monitor_kwargs is not valid JSON: {err}; pass a dict.") from err
+        if not self.health_monitor:
+            needs = [
+                name
+                for name in (
+                    "health_remedy_virtual_samples",
+                    "health_stop_after_critical_steps",
+                    "health_mismatch_monitor",
+                )
+                if getattr(self, name) not in (False, None)
+            ]
+            if needs:
+                raise ValueError(
+                    f"{', '.join(needs)} need the health monitor, but health_monitor=False; set health_monitor=True "
+                    "or unset them."
+                )
+        health_config_from_args(self)  # field-level validation lives in HealthConfig
+
+
+@dataclass
+class PPOHealthArguments(HealthArguments):
+    """Health-monitor fields of the PPO config: PPO scores are often unbounded (classifier logits), so no reward
+    maximum is declared by default, and there are no groups for virtual samples."""
+
+    health_reward_max: float | None = field(
+        default=None,
+        metadata={
+            "help": "Declared maximum of the sequence score (env/reward_mean). None (default) disables the "
+            "reward-plateau-below-maximum and reward-above-maximum alarms."
+        },
+    )
+
+    def validate_health_arguments(self) -> None:
+        if self.health_remedy_virtual_samples:
+            raise ValueError(
+                "health_remedy_virtual_samples is a GRPO remedy (NGRPO virtual samples need groups); PPO has none. "
+                "Unset it."
+            )
+        if self.health_mismatch_monitor:
+            raise ValueError("health_mismatch_monitor is not available in PPOTrainer yet; unset it.")
+        super().validate_health_arguments()
+
+
+def attach_health_monitor(trainer: Any) -> HealthMonitor | None:
+    """Attach a [`HealthMonitor`] built from `trainer.args` ahead of the other callbacks; None when switched off.
+
+    Works for any trainer with `args` and a `callback_handler` (transformers' `Trainer`, trl_stable's PPOTrainer).
+    """
+    config = health_config_from_args(trainer.args)
+    if config is None:
+        return None
+    return HealthMonitor(config).attach(trainer)
+
+
+def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> dict[str, float] | None:
+    """Log `mismatch/*` for a GRPO generation batch when it carries both sides' log-probs.
+
+    The sampler side is TRL's `sampling_per_token_logps` (vLLM, or HF generation when a trl_stable option records
+    it); the trainer side is `old_per_token_logps`. When the trainer side is missing and `health_mismatch_monitor` is
+    on, it is recomputed with `trainer._compute_proximal_logps` (no gradient, not stored in the batch, so the loss is
+    untouched). Returns the metrics, or None when nothing was logged.
+    """
+    monitor = getattr(trainer, "health_monitor", None)
+    behav = output.get("sampling_per_token_logps")
+    if monitor is None or behav is None:
+        return None
+    prox = output.get("old_per_token_logps")
+    if prox is None:
+        if not getattr(trainer.args, "health_mismatch_monitor", False):
+            return None
+        prox = trainer._compute_proximal_logps(output)
+    with torch.no_grad():
+        stats = mismatch_stats(
+            behav,
+            prox,
+            output["completion_mask"],
+            band=monitor.config.mismatch_band,
+            gather=trainer.accelerator.gather,  # every process takes this path together
+        )
+    metrics = stats.as_metrics()
+    mode = "train" if trainer.model.training else "eval"
+    for name, value in metrics.items():
+        trainer._metrics[mode][name].append(float(value))
+    return metrics

@@ -1,0 +1,163 @@
+"""Training-inference mismatch statistics: the sampler's log-probs against the trainer's, on the same tokens.
+
+Pure torch (no TRL import), so the same functions serve GRPO (vLLM or HF generation), PPO and custom loops.
+
+The handbook (RL-stability handbook 16.6.1) asks for the mean absolute log-prob difference with an alarm above 0.01;
+a mean hides the spread, so the ratio's extremes, the share of tokens outside a band and the sequence-level
+perplexity ratio are reported next to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["MismatchStats", "mismatch_stats"]
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    """Summary of the sampler/trainer disagreement over the masked tokens of a batch.
+
+    All values are Python floats so they can go straight into a trainer's metrics. Token statistics are over the
+    tokens where both log-probs are finite; `nonfinite_frac` is the share of masked tokens left out for that reason.
+    `ppl_ratio_*` are over sequences with at least one such token. With no usable token every statistic is 0.0
+    (ratios 1.0), so a log line never carries NaN.
+    """
+
+    abs_diff_mean: float
+    abs_diff_max: float
+    ratio_min: float
+    ratio_mean: float
+    ratio_max: float
+    ratio_outside_band: float
+    ppl_ratio_mean: float
+    ppl_ratio_min: float
+    ppl_ratio_max: float
+    nonfinite_frac: float
+    num_tokens: int
+
+    def as_metrics(self, prefix: str = "mismatch/") -> dict[str, float]:
+        """Flatten into TRL-style metric names, e.g. `mismatch/logp_abs_diff/mean`."""
+        return {
+            f"{prefix}logp_abs_diff/mean": self.abs_diff_mean,
+            f"{prefix}logp_abs_diff/max": self.abs_diff_max,
+            f"{prefix}ratio/min": self.ratio_min,
+            f"{prefix}ratio/mean": self.ratio_mean,
+            f"{prefix}ratio/max": self.ratio_max,
+            f"{prefix}ratio/outside_band": self.ratio_outside_band,
+            f"{prefix}ppl_ratio/mean": self.ppl_ratio_mean,
+            f"{prefix}ppl_ratio/min": self.ppl_ratio_min,
+            f"{prefix}ppl_ratio/max": self.ppl_ratio_max,
+            f"{prefix}nonfinite_frac": self.nonfinite_frac,
+        }
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def mismatch_stats(
+    sampler_logps: torch.Tensor,
+    trainer_logps: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    band: tuple[float, float] = (0.9, 1.1),
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> MismatchStats:
+    r"""Compare the sampler's per-token log-probs with the trainer's on the same tokens.
+
+    With $d_t = \log\pi_{\text{train}}(y_t) - \log\pi_{\text{sampler}}(y_t)$ over the masked tokens:
+
+    - `abs_diff_mean` $= \text{mean}_t |d_t|$, `abs_diff_max` $= \max_t |d_t|$ (handbook 16.6.1: alarm above 0.01);
+    - the token ratio $w_t = e^{d_t} = \pi_{\text{train}} / \pi_{\text{sampler}}$ (the behaviour weight of the
+      decoupled loss, AReaL; IcePop, arXiv 2510.18855, masks on it): min, mean, max and the share outside `band`;
+    - the sequence perplexity ratio $\text{PPL}_{\text{train}} / \text{PPL}_{\text{sampler}}
+      = \exp(-\text{mean}_t d_t)$ per sequence: mean, min and max over sequences.
+
+    Args:
+        sampler_logps (`torch.Tensor` of shape `(B, T)`):
+            Log-probs of the sampled tokens under the sampler (vLLM, HF `generate`), i.e. the behaviour policy.
+        trainer_logps (`torch.Tensor` of shape `(B, T)`):
+            Log-probs of the same tokens recomputed by the training engine at the rollout weights.
+        mask (`torch.Tensor` of shape `(B, T)`, *optional*):
+            1 for completion tokens to compare; all ones when `None`.
+        band (`tuple[float, float]`, defaults to `(0.9, 1.1)`):
+            Healthy interval for the token ratio; `ratio_outside_band` is the share of tokens outside it.
+        gather (`Callable`, *optional*):
+            Multi-process runs: maps this process's statistics row `(1, K)` to all processes' rows `(P, K)`, e.g.
+            `accelerator.gather`; the result then covers every process's tokens (same on each process).
+
+    Returns:
+        [`MismatchStats`]
+    """
+    if sampler_logps.shape != trainer_logps.shape:
+        raise ValueError(
+            f"sampler_logps {tuple(sampler_logps.shape)} and trainer_logps {tuple(trainer_logps.shape)} must have "
+            "the same shape: pass the log-probs of the same completion tokens from both engines."
+        )
+    if sampler_logps.dim() != 2:
+        raise ValueError(f"log-probs must be (batch, tokens), got shape {tuple(sampler_logps.shape)}.")
+    low, high = band
+    if not 0 < low < high:
+        raise ValueError(f"band must satisfy 0 < low < high, got {band}.")
+    if mask is None:
+        mask = torch.ones_like(sampler_logps, dtype=torch.bool)
+    elif mask.shape != sampler_logps.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must match the log-probs {tuple(sampler_logps.shape)}.")
+
+    # float64: a 0.01 difference is below bf16's resolution, and exp(d) of a wild token must not overflow.
+    diff = trainer_logps.detach().double() - sampler_logps.detach().double()
+    mask = mask.bool()
+    valid = mask & torch.isfinite(diff)
+    d = diff[valid]
+    abs_d, ratio = d.abs(), torch.exp(d)
+    tokens_per_seq = valid.sum(dim=1)
+    has_tokens = tokens_per_seq > 0
+    seq_sum = torch.where(valid, diff, torch.zeros_like(diff)).sum(dim=1)
+    ppl_ratio = torch.exp(-seq_sum[has_tokens] / tokens_per_seq[has_tokens])
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=diff.device)
+    zero = torch.zeros((), dtype=torch.float64, device=diff.device)
+
+    def reduce(x, op, empty):
+        return op(x) if x.numel() else empty
+
+    # sufficient statistics, combinable across processes by sum / min / max
+    row = torch.stack(
+        [
+            mask.sum().double(),
+            valid.sum().double(),
+            abs_d.sum(),
+            reduce(abs_d, torch.max, zero),
+            reduce(ratio, torch.min, inf),
+            ratio.sum(),
+            reduce(ratio, torch.max, zero),
+            ((ratio < low) | (ratio > high)).sum().double(),
+            has_tokens.sum().double(),
+            ppl_ratio.sum(),
+            reduce(ppl_ratio, torch.min, inf),
+            reduce(ppl_ratio, torch.max, zero),
+        ]
+    )
+    rows = row.unsqueeze(0) if gather is None else gather(row.unsqueeze(0)).reshape(-1, row.numel())
+    rows = rows.double()
+    (masked, tokens, sum_abs, _, _, sum_ratio, _, outside, seqs, sum_ppl, _, _) = rows.sum(dim=0).tolist()
+    max_abs, max_ratio, max_ppl = (rows[:, k].max().item() for k in (3, 6, 11))
+    min_ratio, min_ppl = (rows[:, k].min().item() for k in (4, 10))
+    nonfinite_frac = (masked - tokens) / masked if masked else 0.0
+    if tokens == 0:
+        return MismatchStats(0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, float(nonfinite_frac), 0)
+    return MismatchStats(
+        abs_diff_mean=sum_abs / tokens,
+        abs_diff_max=max_abs,
+        ratio_min=min_ratio,
+        ratio_mean=sum_ratio / tokens,
+        ratio_max=max_ratio,
+        ratio_outside_band=outside / tokens,
+        ppl_ratio_mean=sum_ppl / seqs,
+        ppl_ratio_min=min_ppl,
+        ppl_ratio_max=max_ppl,
+        nonfinite_frac=float(nonfinite_frac),
+        num_tokens=int(tokens),
+    )

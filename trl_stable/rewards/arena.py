@@ -1,0 +1,505 @@
+"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging (handbook 16.6.4, SPEC section 5).
+
+A judge compares two responses to one prompt: ``judge(prompt, a, b)`` returns the probability that `a` wins, in
+[0, 1] (0.5 = draw). Each completion's reward is its win total over the number of matches it played, in [0, 1]:
+
+    reward_i = sum_{matches m of i} p_i(m) / matches_i
+
+Pairings:
+
+- ``round_robin``: every pair once, G(G-1)/2 matches (28 for G = 8).
+- ``swiss``: ceil(log2 G) rounds (or `rounds`). Round 1 pairs a seeded random order; later rounds sort players by
+  score, then Buchholz (sum of the current scores of the opponents met), then the seeded order, and pair neighbours
+  without rematches (backtracking when the greedy choice would force one). With odd G, the lowest-ranked player
+  without a bye sits out. About G/2 matches per round. If no rematch-free pairing exists (more rounds than
+  opponents), the tournament stops early.
+
+``both_orders`` judges (a, b) and (b, a) and averages p(a) = (p_ab + 1 - p_ba) / 2, which cancels a judge's
+preference for a position. A failed judge call (an exception, None or NaN) counts as a draw (0.5) and is counted.
+
+Indices are never shuffled in place: the caller's list is read only, and every result is indexed like it (a public
+Swiss implementation shuffled the players list in place and credited points to the wrong completions).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import random
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Judge = Callable[[str, str, str], float | None]
+PAIRINGS = ("round_robin", "swiss")
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
+
+
+@dataclass
+class ArenaResult:
+    """The outcome of one arena.
+
+    Attributes:
+        rewards: Per response, wins / matches played (0.5 for a response that played no match, e.g. G = 1).
+        wins: Per response, the sum of its match scores.
+        matches: Per response, the number of matches played.
+        buchholz: Per response, the sum of its opponents' final win totals (the Swiss tie-break).
+        standings: Response indices, best first (wins, then Buchholz, then index).
+        pairings: The matches played, ``(i, j)`` in the order they were played.
+        rounds: Rounds played.
+        judge_calls: Judge invocations (two per match with `both_orders`).
+        failed_calls: Judge calls that failed and were scored as draws.
+    """
+
+    rewards: list[float]
+    wins: list[float]
+    matches: list[int]
+    buchholz: list[float]
+    standings: list[int]
+    pairings: list[tuple[int, int]] = field(default_factory=list)
+    rounds: int = 0
+    judge_calls: int = 0
+    failed_calls: int = 0
+
+
+class _Tournament:
+    """The pairing state of one arena; the driver asks for a round's pairs and records their outcomes."""
+
+    def __init__(self, n: int, pairing: str, rounds: int | None, seed: int):
+        self.n = n
+        self.pairing = pairing
+        self.wins = [0.0] * n
+        self.matches = [0] * n
+        self.opponents: list[list[int]] = [[] for _ in range(n)]
+        self.played: set[tuple[int, int]] = set()
+        self.byes: set[int] = set()
+        self.pairings: list[tuple[int, int]] = []
+        self.rounds_played = 0
+        self.max_rounds = 1 if pairing == "round_robin" else (math.ceil(math.log2(n)) if n > 1 else 0)
+        if pairing == "swiss" and rounds is not None:
+            self.max_rounds = rounds
+        # A copy: the seeded order decides round 1 and breaks remaining ties, never touching the caller's list.
+        self.seed_order = list(range(n))
+        random.Random(seed).shuffle(self.seed_order)
+        self.seed_rank = {player: rank for rank, player in enumerate(self.seed_order)}
+        self.done = n < 2 or self.max_rounds == 0
+
+    def buchholz(self, i: int) -> float:
+        return sum(self.wins[j] for j in self.opponents[i])
+
+    def next_round(self) -> list[tuple[int, int]]:
+        if self.done:
+            return []
+        if self.pairing == "round_robin":
+            return [(i, j) for i in range(self.n) for j in range(i + 1, self.n)]
+        if self.rounds_played == 0:
+            order = list(self.seed_order)
+        else:
+            order = sorted(range(self.n), key=lambda i: (-self.wins[i], -self.buchholz(i), self.seed_rank[i]))
+        pairs = self._pair_with_bye(order)
+        if pairs is None:
+            self.done = True
+            return []
+        return pairs
+
+    def _pair_with_bye(self, order: list[int]) -> list[tuple[int, int]] | None:
+        if len(order) % 2 == 0:
+            return self._pair(order)
+        # Odd: the lowest-ranked player without a bye sits out (all had one: the lowest-ranked), if the rest pair.
+        ranked = list(reversed(order))
+        candidates = [p for p in ranked if p not in self.byes] + [p for p in ranked if p in self.byes]
+        for bye in candidates:
+            pairs = self._pair([p for p in order if p != bye])
+            if pairs is not None:
+                self.byes.add(bye)
+                return pairs
+        return None
+
+    def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
+        """Pair neighbours in rank order with no rematch; backtrack when a greedy choice strands a player."""
+        if not players:
+            return []
+        first, rest = players[0], players[1:]
+        for k, other in enumerate(rest):
+            if (min(first, other), max(first, other)) in self.played:
+                continue
+            tail = self._pair(rest[:k] + rest[k + 1 :])
+            if tail is not None:
+                return [(first, other), *tail]
+        return None
+
+    def record(self, pairs: Sequence[tuple[int, int]], probs: Sequence[float]) -> None:
+        for (i, j), p in zip(pairs, probs):
+            self.wins[i] += p
+            self.wins[j] += 1.0 - p
+            self.matches[i] += 1
+            self.matches[j] += 1
+            self.opponents[i].append(j)
+            self.opponents[j].append(i)
+            self.played.add((min(i, j), max(i, j)))
+            self.pairings.append((i, j))
+        self.rounds_played += 1
+        if self.rounds_played >= self.max_rounds:
+            self.done = True
+
+    def result(self, judge_calls: int, failed_calls: int) -> ArenaResult:
+        rewards = [self.wins[i] / self.matches[i] if self.matches[i] else 0.5 for i in range(self.n)]
+        buchholz = [self.buchholz(i) for i in range(self.n)]
+        standings = sorted(range(self.n), key=lambda i: (-self.wins[i], -buchholz[i], i))
+        return ArenaResult(
+            rewards=rewards, wins=list(self.wins), matches=list(self.matches), buchholz=buchholz,
+            standings=standings, pairings=list(self.pairings), rounds=self.rounds_played, judge_calls=judge_calls,
+            failed_calls=failed_calls,
+        )  # fmt: skip
+
+
+def _check_prob(value: Any) -> float | None:
+    """A judge output as a float in [0, 1]; None for a failed call. Out of range is a judge bug: ValueError."""
+    if value is None:
+        return None
+    try:
+        p = float(value)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(p):
+        return None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"A judge returned {p}; it must return the first response's win probability in [0, 1].")
+    return p
+
+
+def _call_judges(judge: Any, triples: list[tuple[str, str, str]], max_workers: int) -> list[float | None]:
+    """Judge every (prompt, a, b) triple concurrently; None for a failed call."""
+    if not triples:
+        return []
+    batch = getattr(judge, "judge_batch", None)
+    if callable(batch):
+        try:
+            raw = list(batch(triples))
+        except Exception:  # noqa: BLE001 - a failed batch is a batch of draws, never a crashed training step
+            raw = [None] * len(triples)
+        if len(raw) != len(triples):
+            raise ValueError(f"judge_batch returned {len(raw)} results for {len(triples)} comparisons.")
+        return [_check_prob(v) for v in raw]
+
+    def one(triple: tuple[str, str, str]) -> float | None:
+        try:
+            return judge(*triple)
+        except Exception:  # noqa: BLE001 - see above
+            return None
+
+    if max_workers <= 1 or len(triples) == 1:
+        raw = [one(t) for t in triples]
+    else:
+        with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
+            raw = list(pool.map(one, triples))
+    return [_check_prob(v) for v in raw]
+
+
+def run_arenas(
+    groups: Sequence[tuple[str, Sequence[str]]],
+    judge: Judge | Any,
+    pairing: str = "round_robin",
+    rounds: int | None = None,
+    both_orders: bool = True,
+    seed: int = 0,
+    max_workers: int = 8,
+) -> list[ArenaResult]:
+    """Run one arena per ``(prompt, responses)`` group; the groups advance in lockstep, so every judge call of a
+    round of every group runs in one concurrent batch (a thread pool of `max_workers`, or ``judge.judge_batch``).
+
+    Group k is seeded with ``seed + k``. See `gar_rewards` for the arguments.
+    """
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}.")
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"rounds must be >= 1 or None (ceil(log2 G)), got {rounds}.")
+    if rounds is not None and pairing == "round_robin":
+        raise ValueError("`rounds` applies to pairing='swiss' only; round robin plays every pair once.")
+    tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
+    calls = [0] * len(groups)
+    failed = [0] * len(groups)
+    while True:
+        pending = [(k, t.next_round()) for k, t in enumerate(tournaments) if not t.done]
+        pending = [(k, pairs) for k, pairs in pending if pairs]
+        if not pending:
+            break
+        triples, owners = [], []
+        for k, pairs in pending:
+            prompt, responses = groups[k]
+            for i, j in pairs:
+                triples.append((prompt, responses[i], responses[j]))
+                owners.append(k)
+                if both_orders:
+                    triples.append((prompt, responses[j], responses[i]))
+                    owners.append(k)
+        outcomes = _call_judges(judge, triples, max_workers)
+        for k in owners:
+            calls[k] += 1
+        for k, p in zip(owners, outcomes):
+            failed[k] += p is None
+        cursor = 0
+        for k, pairs in pending:
+            probs = []
+            for _ in pairs:
+                p_ab = outcomes[cursor]
+                p_ab = 0.5 if p_ab is None else p_ab
+                if both_orders:
+                    p_ba = outcomes[cursor + 1]
+                    p_ba = 0.5 if p_ba is None else p_ba
+                    probs.append(0.5 * (p_ab + 1.0 - p_ba))
+                    cursor += 2
+                else:
+                    probs.append(p_ab)
+                    cursor += 1
+            tournaments[k].record(pairs, probs)
+    return [t.result(calls[k], failed[k]) for k, t in enumerate(tournaments)]
+
+
+def run_arena(
+    responses: Sequence[str],
+    prompt: str,
+    judge: Judge | Any,
+    pairing: str = "round_robin",
+    rounds: int | None = None,
+    both_orders: bool = True,
+    seed: int = 0,
+    max_workers: int = 8,
+) -> ArenaResult:
+    """`gar_rewards` with the full result (wins, matches, Buchholz, standings, pairings, call counts)."""
+    return run_arenas([(prompt, responses)], judge, pairing, rounds, both_orders, seed, max_workers)[0]
+
+
+def gar_rewards(
+    responses: Sequence[str],
+    prompt: str,
+    judge: Judge | Any,
+    pairing: str = "round_robin",
+    rounds: int | None = None,
+    both_orders: bool = True,
+    seed: int = 0,
+) -> list[float]:
+    """Group arena rewards of `responses` to `prompt`: wins / matches played, in [0, 1], indexed like `responses`.
+
+    Args:
+        responses: The G completions of one prompt.
+        prompt: The prompt they answer.
+        judge: ``judge(prompt, a, b) -> P(a beats b)`` in [0, 1] (0.5 = draw); an exception, None or NaN is a
+            failed call and counts as a draw. An object with ``judge_batch(triples)`` is called once per round.
+        pairing: "round_robin" (every pair, G(G-1)/2 matches) or "swiss" (ceil(log2 G) rounds of ~G/2 matches,
+            equal scores paired, no rematches, Buchholz tie-break).
+        rounds: Swiss rounds (None: ceil(log2 G)).
+        both_orders: Judge (a, b) and (b, a) and average, cancelling position bias (doubles the calls).
+        seed: Seed of the Swiss round-1 pairing and of its remaining ties.
+
+    Returns:
+        One reward per response, in the order given.
+
+    Example:
+        ```python
+        >>> gar_rewards(["a", "bbb", "cc"], "p", lambda p, a, b: float(len(a) > len(b)))
+        [0.0, 1.0, 0.5]
+        ```
+    """
+    return run_arena(responses, prompt, judge, pairing, rounds, both_orders, seed).rewards
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LLM judge
+
+
+def load_prompt(name: str) -> str:
+    """The text of ``prompts/<name>`` (the repository's prompt templates)."""
+    path = PROMPTS_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Prompt template {path} not found (trl_stable installed without its prompts/ folder?). Pass the "
+            "template text explicitly, e.g. LLMJudge(backend, template=open('arena_judge.txt').read())."
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def parse_verdict(answer: str | None) -> float | None:
+    """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5.
+
+    None when the answer is missing or has no verdict (a failed call: scored as a draw and counted).
+    """
+    if not answer:
+        return None
+    best, verdict = -1, None
+    for token, value in (("[[a]]", 1.0), ("[[b]]", 0.0), ("[[c]]", 0.5), ("[[tie]]", 0.5)):
+        pos = answer.lower().rfind(token)
+        if pos > best:
+            best, verdict = pos, value
+    return verdict
+
+
+def _completion_text(value: Any) -> str:
+    """A completion as plain text: a conversational one is the concatenation of its messages' contents."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
+    return _as_text(value)
+
+
+def _as_text(value: Any) -> str:
+    """A prompt or completion as plain text (conversational ones as ``role: content`` lines)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return str(value.get("content", ""))
+    if isinstance(value, Sequence):
+        parts = []
+        for msg in value:
+            if isinstance(msg, Mapping):
+                parts.append(f"{msg.get('role', 'user')}: {msg.get('content', '')}")
+            else:
+                parts.append(str(msg))
+        return "\n".join(parts)
+    return str(value)
+
+
+class LLMJudge:
+    """A pairwise judge over an LLM: fills a template, asks a backend, parses the "[[A]]/[[B]]/[[C]]" verdict.
+
+    Args:
+        backend: A critic backend (``trl_stable.rewards.critic_backends``: a list of prompts in, a list of answers
+            or None out), or any callable with that signature.
+        template: Template text with ``{prompt}``, ``{response_a}``, ``{response_b}``; default
+            ``prompts/arena_judge.txt``.
+        parser: ``answer -> P(A wins) or None``; default `parse_verdict`.
+
+    Use `LLMJudge.from_chat` for a chat-completions style callable ``messages -> answer text``.
+    """
+
+    def __init__(
+        self,
+        backend: Callable[[list[str]], Sequence[str | None]],
+        template: str | None = None,
+        parser: Callable[[str | None], float | None] = parse_verdict,
+    ):
+        self.backend = backend
+        self.template = template if template is not None else load_prompt("arena_judge.txt")
+        for key in ("{prompt}", "{response_a}", "{response_b}"):
+            if key not in self.template:
+                raise ValueError(f"The judge template must contain {key}.")
+        self.parser = parser
+
+    @classmethod
+    def from_chat(
+        cls,
+        chat: Callable[[list[dict[str, str]]], str | None],
+        template: str | None = None,
+        max_workers: int = 8,
+        system_prompt: str | None = None,
+    ) -> LLMJudge:
+        """A judge over ``chat(messages) -> text`` (e.g. a wrapper around ``client.chat.completions.create``),
+        called concurrently on `max_workers` threads; an exception is a failed call (None)."""
+
+        def backend(prompts: list[str]) -> list[str | None]:
+            def ask(prompt: str) -> str | None:
+                messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+                try:
+                    return chat([*messages, {"role": "user", "content": prompt}])
+                except Exception:  # noqa: BLE001 - a failed request is a draw, counted by the arena
+                    return None
+
+            with cf.ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(prompts) or 1))) as pool:
+                return list(pool.map(ask, prompts))
+
+        return cls(backend, template=template)
+
+    def format(self, prompt: str, a: str, b: str) -> str:
+        # replace(), not format(): responses may contain braces.
+        return self.template.replace("{prompt}", prompt).replace("{response_a}", a).replace("{response_b}", b)
+
+    def judge_batch(self, triples: Sequence[tuple[str, str, str]]) -> list[float | None]:
+        prompts = [self.format(*t) for t in triples]
+        answers = list(self.backend(prompts))
+        if len(answers) != len(prompts):
+            raise ValueError(f"The judge backend returned {len(answers)} answers for {len(prompts)} prompts.")
+        return [self.parser(a) for a in answers]
+
+    def __call__(self, prompt: str, a: str, b: str) -> float | None:
+        return self.judge_batch([(prompt, a, b)])[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPO reward function
+
+
+class ArenaReward:
+    """GAR as a TRL reward function: groups the batch's completions by prompt and runs one arena per group.
+
+    ``reward_funcs=[ArenaReward(judge, pairing="swiss")]`` in a GRPO trainer. Every judge call of a round, across
+    all groups of the batch, runs concurrently. Arena k of call c is seeded with ``seed + c * 100003 + k`` so Swiss
+    round-1 pairings change from step to step but are reproducible.
+
+    With several processes TRL scores each process's slice of the batch, so keep ``per_device_train_batch_size``
+    a multiple of ``num_generations``: a group split across processes would play as two smaller arenas.
+
+    Args:
+        judge: A pairwise judge (see `gar_rewards`) or an `LLMJudge`.
+        pairing / rounds / both_orders: See `gar_rewards`.
+        seed: Base seed.
+        max_workers: Judge calls in flight at once (ignored by a ``judge_batch`` judge, which batches itself).
+
+    Attributes:
+        judge_calls / failed_calls: Cumulative counts; per call they also go to the trainer's logs as
+        ``arena/judge_calls`` and ``arena/failed_judge_calls`` (through TRL's ``log_metric``).
+    """
+
+    def __init__(
+        self,
+        judge: Judge | Any,
+        pairing: str = "round_robin",
+        rounds: int | None = None,
+        both_orders: bool = True,
+        seed: int = 0,
+        max_workers: int = 8,
+    ):
+        if pairing not in PAIRINGS:
+            raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}.")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}.")
+        self.judge = judge
+        self.pairing = pairing
+        self.rounds = rounds
+        self.both_orders = both_orders
+        self.seed = seed
+        self.max_workers = max_workers
+        self.judge_calls = 0
+        self.failed_calls = 0
+        self._num_calls = 0
+        self._lock = threading.Lock()
+        self.__name__ = f"arena_{pairing}"
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        keys = [json.dumps(p, sort_keys=True, default=str) if not isinstance(p, str) else p for p in prompts]
+        order: dict[str, list[int]] = {}
+        for idx, key in enumerate(keys):
+            order.setdefault(key, []).append(idx)
+        members = list(order.values())
+        groups = [(_as_text(prompts[m[0]]), [_completion_text(completions[i]) for i in m]) for m in members]
+        with self._lock:
+            base_seed = self.seed + self._num_calls * 100003
+            self._num_calls += 1
+        results = run_arenas(
+            groups, self.judge, self.pairing, self.rounds, self.both_orders, base_seed, self.max_workers
+        )
+        rewards = [0.5] * len(completions)
+        for m, result in zip(members, results):
+            for idx, reward in zip(m, result.rewards):
+                rewards[idx] = reward
+        calls = sum(r.judge_calls for r in results)
+        failed = sum(r.failed_calls for r in results)
+        with self._lock:
+            self.judge_calls += calls
+            self.failed_calls += failed
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric):
+            log_metric("arena/judge_calls", float(calls))
+            log_metric("arena/failed_judge_calls", float(failed))
+        return rewards

@@ -1,0 +1,221 @@
+"""Parse critic answers into positive and negative text spans.
+
+The critic formats (Drlc/RELC, Cao et al., EMNLP 2024, arXiv 2401.07382; our templates in
+``trl_stable/prompts/`` ask for the same ones):
+
+- sentiment::
+
+      Identified Positive Text Span:
+      [Span 1]: a wonderful film
+      Identified Negative Text Span: None identified
+
+- toxicity: ``Toxic Span 1: <span>`` lines (``Toxic Span: None identified`` when there is none);
+- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity.
+
+LLMs wrap these in prose, number spans as ``1.``/``-``/``[Span 1]:``, quote them and end them with punctuation. The
+parser accepts all of that; an answer without any recognisable structure yields no spans and ``ok=False`` (the caller
+counts a warning) instead of crashing as RELC's parser did on a failed (None) API call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# Summarization labels. Negative keywords are tested first: "inaccurate", "irrelevant", "incorrect", "unfaithful" and
+# "unsupported" contain a positive keyword.
+NEGATIVE_LABEL_KEYWORDS = (
+    "inaccura", "irrelevant", "incorrect", "unfaithful", "unsupported", "unnecessary", "unimportant", "bad", "wrong",
+    "redundan", "hallucinat", "fabricat", "repetit", "repeat", "verbose", "error", "contradict", "negative", "remove",
+    "ungrammatical", "off-topic", "false", "poor", "misleading", "vague",
+)  # fmt: skip
+POSITIVE_LABEL_KEYWORDS = (
+    "good", "correct", "accura", "relevant", "key", "keep", "positive", "faithful", "important", "informative",
+    "concise", "supported", "essential", "main point", "fluent",
+)  # fmt: skip
+
+_NONE_RE = re.compile(
+    r"^\s*(?:none(?:\s+(?:identified|found|detected))?|n/?a|no(?:thing)?(?:\s+\w+)?\s*(?:identified|found|spans?)?"
+    r"|no\s+(?:positive|negative|toxic)\s+(?:text\s+)?spans?(?:\s+(?:identified|found))?|-+)\s*[.!]?\s*$",
+    re.IGNORECASE,
+)
+_HEADER_RE = re.compile(
+    r"(?<!\w)identified\s+(?P<a>positive|negative)\s+(?:text\s+)?spans?\b\s*(?:\(s\))?\s*:?"
+    r"|^[ \t*#>-]*(?P<b>positive|negative)(?:\s+(?:text\s+)?spans?)?\b\s*(?:\(s\))?\s*\**\s*:"
+    r"|(?<!\w)(?<!no )(?P<toxic>toxic)\s+(?:text\s+)?spans?\b\s*(?:\[?\s*\d+\s*\]?)?\s*:?",
+    re.IGNORECASE | re.MULTILINE,
+)
+# Any line ending in "(Label: ...)"; the numbering/marker before the span is removed by `clean_span`.
+_LABELED_RE = re.compile(
+    r"(?im)^[ \t*#>]*(?P<span>[^\n]*?)\s*[\(\[]\s*label\s*[:=]\s*(?P<label>[^)\]\n]*)[\)\]]\s*[.;,]?[ \t]*$"
+)
+_SPAN_MARKER_RE = re.compile(r"\[\s*span\s*\d+\s*\]\s*:?|(?<![\w])span\s*\d+\s*:", re.IGNORECASE)
+_ITEM_PREFIX_RE = re.compile(r"^\s*(?:[-*\u2022]+|\d+\s*[.):]|\(\d+\))\s*")
+# "Span 1: a (Label: good) Span 2: b (Label: bad)" on one line: each labelled span gets its own line.
+_ONE_LINE_LABELS_RE = re.compile(r"(\(\s*label\s*[:=][^)\n]*\))[ \t.;,]*(?=(?:\[\s*)?span\s*\d+)", re.IGNORECASE)
+_MARKED_LINE_RE = re.compile(
+    r"^\s*(?:\[\s*span\s*\d+\s*\]|span\s*\d+\s*:|[-*\u2022]|\d+\s*[.):]|\(\d+\)|[\"\u201c'\u2018])", re.IGNORECASE
+)
+# "There are no toxic spans.", "The text is fine. None identified." - a valid, empty answer without a header.
+_NONE_ANYWHERE_RE = re.compile(r"\bnone\s+identified\b|\bno\s+(?:\w+\s+){0,3}?spans?\b", re.IGNORECASE)
+_NEGATOR_RE = re.compile(r"\b(?:not|no|non|never|lacks?|lacking|without|isn't|wasn't|doesn't)\b")
+_TRAILING_NOTE_RE = re.compile(r"(?<=\S)\s+\([^()]*\)$")  # "idiot (insult)": commentary in parentheses
+_PROSE_STOP_RE = re.compile(
+    r"^\s*(?:explanation|note|reason(?:ing)?|rationale|comments?|analysis|justification)s?\s*:", re.IGNORECASE
+)
+_QUOTED_RE = re.compile(r"\"([^\"]+)\"|\u201c([^\u201d]+)\u201d|'([^']+)'|\u2018([^\u2019]+)\u2019")
+_QUOTES = "\"'`\u201c\u201d\u2018\u2019\u00ab\u00bb"
+_LEADING_QUOTED_RE = re.compile(r"^[\"\u201c'\u2018](.+?)[\"\u201d'\u2019](?=\s|$|[.,;:!?(\-])")
+_INLINE_NUMBER_RE = re.compile(r"(?:^|(?<=\s))\d{1,2}[.)]\s+")
+_TRAILING = ".,;:!?" + _QUOTES
+
+
+@dataclass
+class ParsedCritique:
+    """Spans read from one critic answer.
+
+    Attributes:
+        positive: Spans the critic marked good (sentiment "positive", summarization good labels).
+        negative: Spans the critic marked bad (sentiment "negative", toxic spans, summarization bad labels).
+        ok: Whether the answer had a recognisable structure ("None identified" is a valid, empty answer).
+        reason: Why `ok` is False (for the warning counter), else "".
+        unknown_labels: Summarization labels that were neither good nor bad (their spans are dropped).
+    """
+
+    positive: list[str] = field(default_factory=list)
+    negative: list[str] = field(default_factory=list)
+    ok: bool = True
+    reason: str = ""
+    unknown_labels: list[str] = field(default_factory=list)
+
+
+def clean_span(raw: str) -> str:
+    """Strip numbering, span markers, surrounding quotes and trailing punctuation from one span; "" for none-like."""
+    s = _ITEM_PREFIX_RE.sub("", raw.strip(), count=1).strip()  # "1. [Span 1]: x" and "[Span 1]: 1. x"
+    s = _SPAN_MARKER_RE.sub(" ", s, count=1) if _SPAN_MARKER_RE.match(s) else s
+    s = _ITEM_PREFIX_RE.sub("", s, count=1).strip()
+    s = _TRAILING_NOTE_RE.sub("", s)
+    # Punctuation after closing quotes is never part of the span; inside them "!"/"?" are kept (they are located
+    # as written), while a trailing comma or period is the critic's list punctuation.
+    s = s.strip()
+    unquoted = s.rstrip(".,;:!?").strip()
+    leading = _LEADING_QUOTED_RE.match(s)
+    if len(unquoted) >= 2 and unquoted[0] in _QUOTES and unquoted[-1] in _QUOTES:
+        s = unquoted[1:-1].strip().rstrip(".,;:").strip()
+    elif leading:  # '"idiot" (an insult)': the quoted part is the span, the rest is commentary
+        s = leading.group(1).strip().rstrip(".,;:").strip()
+    else:
+        s = s.strip(_QUOTES).strip().rstrip(_TRAILING).strip()
+    if not s or _NONE_RE.match(s):
+        return ""
+    return s
+
+
+def _section_lines(content: str) -> list[str]:
+    """The lines of a section body that hold spans; the commentary LLMs add after them is dropped.
+
+    The header's own line is kept. A later line is commentary, ending the section, when it starts with
+    "Explanation:"/"Note:"..., or when it carries no item marker (``[Span k]``, ``Span k:``, a bullet, a number, a
+    quote) and either the header's line already held the span or a blank line follows the spans read so far.
+    """
+    lines = content.splitlines() or [""]
+    kept = [lines[0]]
+    strict = bool(lines[0].strip())
+    for line in lines[1:]:
+        if _PROSE_STOP_RE.match(line):
+            break
+        if not line.strip():
+            strict = strict or any(k.strip() for k in kept)
+        elif strict and not _MARKED_LINE_RE.match(line):
+            break
+        else:
+            kept.append(line)
+    return kept
+
+
+def _split_items(content: str) -> list[str]:
+    """Spans of a section body: ``[Span k]:`` markers, else one per line; several quoted strings on a line split."""
+    body = "\n".join(_section_lines(content))
+    pieces = _SPAN_MARKER_RE.split(body) if _SPAN_MARKER_RE.search(body) else body.splitlines()
+    items = []
+    for piece in pieces:
+        for line in piece.splitlines():
+            if not line.strip():
+                continue
+            numbered = _INLINE_NUMBER_RE.findall(line)
+            if len(numbered) >= 2 and re.match(r"\s*1[.)]\s", line):  # "1. great 2. fun" on one line
+                items.extend(p for p in _INLINE_NUMBER_RE.split(line) if p.strip())
+                continue
+            quoted = [next(g for g in m.groups() if g is not None) for m in _QUOTED_RE.finditer(line)]
+            rest = _QUOTED_RE.sub("", line)
+            if len(quoted) >= 2 and not re.sub(r"[\s,;.:\-*\d\[\]()]|and|or|span", "", rest, flags=re.I):
+                items.extend(quoted)
+            else:
+                items.append(line)
+    out = []
+    for item in items:
+        span = clean_span(item)
+        if span and span not in out:
+            out.append(span)
+    return out
+
+
+def label_polarity(label: str) -> int:
+    """+1 for a good summarization label, -1 for a bad one, 0 when unknown; a negator before the keyword flips it
+    ("not accurate" is bad, "no error" is good)."""
+    low = " ".join(label.lower().split())
+    for keywords, sign in ((NEGATIVE_LABEL_KEYWORDS, -1), (POSITIVE_LABEL_KEYWORDS, 1)):
+        hits = [low.index(k) for k in keywords if k in low]
+        if hits:
+            return -sign if _NEGATOR_RE.search(low[: min(hits)]) else sign
+    return 0
+
+
+def parse_critic_answer(answer: str | None) -> ParsedCritique:
+    """Read the positive and negative spans of a critic answer in any of the supported formats.
+
+    Args:
+        answer: The critic's raw answer; None (a failed request) gives ``ok=False``.
+
+    Returns:
+        A `ParsedCritique`; spans keep their original wording (locating them in the response is case- and
+        whitespace-insensitive, see `trl_stable.rewards.span_alignment.locate_span`).
+    """
+    if answer is None:
+        return ParsedCritique(ok=False, reason="no answer")
+    if not isinstance(answer, str):
+        return ParsedCritique(ok=False, reason=f"answer is a {type(answer).__name__}, not text")
+    text = _ONE_LINE_LABELS_RE.sub("\\1\n", answer.replace("\r\n", "\n").replace("\r", "\n"))
+    if not text.strip():
+        return ParsedCritique(ok=False, reason="empty answer")
+
+    result = ParsedCritique()
+    found = False
+
+    for m in _LABELED_RE.finditer(text):
+        found = True
+        span, polarity = clean_span(m.group("span")), label_polarity(m.group("label"))
+        if not span:
+            continue
+        if polarity > 0:
+            result.positive.append(span)
+        elif polarity < 0:
+            result.negative.append(span)
+        else:
+            result.unknown_labels.append(m.group("label").strip())
+    text_wo_labeled = _LABELED_RE.sub("", text)
+
+    headers = list(_HEADER_RE.finditer(text_wo_labeled))
+    for k, m in enumerate(headers):
+        found = True
+        end = headers[k + 1].start() if k + 1 < len(headers) else len(text_wo_labeled)
+        content = text_wo_labeled[m.end() : end]
+        polarity = (m.group("a") or m.group("b") or "negative").lower()
+        target = result.positive if polarity == "positive" else result.negative
+        target.extend(s for s in _split_items(content) if s not in target)
+
+    if not found:
+        if _NONE_RE.match(text.strip().splitlines()[0]) or _NONE_ANYWHERE_RE.search(text):
+            return result  # "None identified", "No toxic spans.": valid and empty
+        return ParsedCritique(ok=False, reason="no span format recognised")
+    return result

@@ -1,0 +1,489 @@
+"""Dense intrinsic rewards from an LLM critic (Drlc / RELC: Cao et al., "Enhancing Reinforcement Learning with Dense
+Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382).
+
+For each completion whose environment reward is at most `intrinsic_reward_threshold`, a critic reads a few-shot
+prompt with the text and names good and bad spans; token t of the completion then gets
+
+    r_t^intr = positive_reward_value * [t in a positive span] + negative_reward_value * [t in a negative span]
+
+which the trainers add to their per-token rewards (PPO: to -KL + score; GRPO: through the dense-advantage path).
+`CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl_stable.rewards.critic_backends import CriticBackend, LexiconCritic, OpenAICritic, TransformersCritic
+from trl_stable.rewards.critic_parsing import parse_critic_answer
+from trl_stable.rewards.span_alignment import decode_response, locate_span, span_token_rewards, token_char_offsets
+
+logger = logging.getLogger(__name__)
+
+CRITIC_TASKS = ("sentiment", "toxicity", "summarization")
+CRITIC_BACKENDS = ("lexicon", "openai", "transformers")
+# The templates are package data (setup.cfg: ``trl_stable = prompts/*.txt``), so a non-editable install finds them;
+# the repository's top-level ``prompts/critic_*.txt`` are links to these files, for ``--prompt_file prompts/...``.
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"
+_PLACEHOLDER_RE = re.compile(r"\{\}|\{prompt\}|\{completion\}|\{score\}")
+
+
+def default_prompt_file(task: str) -> str:
+    """Path of the bundled few-shot template of `task` (``trl_stable/prompts/critic_<task>.txt``, package data)."""
+    return str(PROMPTS_DIR / f"critic_{task}.txt")
+
+
+def load_critic_template(path: str | os.PathLike) -> str:
+    """Read a critic template and check that it has a ``{}`` (or ``{completion}``) placeholder for the text."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"prompt_file {path!r} does not exist; pass the path of a critic template with a '{{}}'.")
+    with open(path, encoding="utf-8") as f:
+        template = f.read()
+    if "{}" not in template and "{completion}" not in template:
+        raise ValueError(f"prompt_file {path!r} has no '{{}}' placeholder for the text to critique; add one.")
+    return template
+
+
+def fill_critic_template(template: str, text: str, prompt: str = "", completion: str = "", score: Any = None) -> str:
+    """Fill the placeholders ``{}`` (the text), ``{prompt}``, ``{completion}`` and ``{score}`` of `template`.
+
+    Literal replacement, not `str.format`: few-shot examples may contain braces, and a completion containing "{}"
+    must not be substituted twice.
+    """
+    score_text = "n/a" if score is None else f"{float(score):.4g}"
+    pieces = {"{prompt}": prompt, "{completion}": completion, "{score}": score_text, "{}": text}
+    return _PLACEHOLDER_RE.sub(lambda m: pieces[m.group(0)], template)
+
+
+@dataclass
+class CriticRewardConfig:
+    """Configuration of the dense intrinsic reward from an LLM critic (RELC's flag names).
+
+    Example:
+        >>> cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_task="toxicity", positive_reward_value=0.0)
+    """
+
+    use_intrinsic_reward: bool = field(
+        default=False, metadata={"help": "Add the critic's per-token intrinsic rewards to the environment reward."}
+    )
+    use_instric_reward: bool = field(
+        default=False,
+        metadata={"help": "Alias of `use_intrinsic_reward` (RELC's spelling in its sentiment/summarization scripts)."},
+    )
+    critic_task: str = field(
+        default="sentiment",
+        metadata={"help": "Answer format and default prompt/lexicon: 'sentiment', 'toxicity' or 'summarization'."},
+    )
+    positive_reward_value: float = field(
+        default=0.5, metadata={"help": "Reward of a token inside a positive span (RELC toxicity: 0.0)."}
+    )
+    negative_reward_value: float = field(
+        default=-0.5, metadata={"help": "Reward of a token inside a negative (or toxic) span."}
+    )
+    intrinsic_reward_threshold: float = field(
+        default=10.0,
+        metadata={
+            "help": "Only completions whose environment reward is <= this are critiqued (RELC: sentiment 10, "
+            "toxicity 1.0, summarization 100). Use inf to critique every completion."
+        },
+    )
+    prompt_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Few-shot critic template with a '{}' placeholder; default the bundled "
+            "trl_stable/prompts/critic_<task>.txt (also reachable as prompts/critic_<task>.txt in a checkout)."
+        },
+    )
+    critic_backend: str = field(
+        default="lexicon",
+        metadata={"help": "'openai' (any OpenAI-compatible server), 'transformers' (local model) or 'lexicon'."},
+    )
+    critic_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Critic model: the served model name (openai; default gpt-4o-mini) or a local path "
+            "(transformers; or pass the model object to CriticIntrinsicReward for self-critique)."
+        },
+    )
+    critic_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM)."},
+    )
+    critic_api_key_env: str = field(
+        default="OPENAI_API_KEY",
+        metadata={"help": "Environment variable holding the critic API key (the key itself is never stored)."},
+    )
+    critic_concurrency: int = field(default=32, metadata={"help": "Critic requests in flight at once (openai)."})
+    critic_cache_dir: str | None = field(
+        default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
+    )
+    critic_timeout: float = field(default=30.0, metadata={"help": "Seconds per critic request (openai)."})
+    critic_max_retries: int = field(
+        default=4, metadata={"help": "Retries of a critic request on 429/5xx/timeout/connection errors (openai)."}
+    )
+    critic_rate_limit: float | None = field(
+        default=None, metadata={"help": "Most critic requests started per second (openai); None: unlimited."}
+    )
+    critic_max_tokens: int = field(default=128, metadata={"help": "Longest critic answer, in tokens."})
+    critic_temperature: float = field(default=0.0, metadata={"help": "Critic sampling temperature (openai)."})
+    critic_batch_size: int = field(default=8, metadata={"help": "Prompts per generate call (transformers)."})
+    critic_include_prompt: bool = field(
+        default=True,
+        metadata={
+            "help": "Show the critic the prompt followed by the completion (RELC's query+response); spans are "
+            "rewarded only where they occur in the completion."
+        },
+    )
+    max_consecutive_failing_steps: int = field(
+        default=5,
+        metadata={
+            "help": "Stop with an error after this many consecutive steps in which every critic request failed; "
+            "single failures only zero the intrinsic reward of their samples."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.use_instric_reward:
+            self.use_intrinsic_reward = True
+        if self.critic_task not in CRITIC_TASKS:
+            raise ValueError(f"critic_task must be one of {CRITIC_TASKS}, got {self.critic_task!r}.")
+        if self.critic_backend not in CRITIC_BACKENDS:
+            raise ValueError(f"critic_backend must be one of {CRITIC_BACKENDS}, got {self.critic_backend!r}.")
+        if self.critic_backend == "lexicon" and self.critic_task == "summarization":
+            raise ValueError(
+                "critic_backend='lexicon' has no summarization lexicon; use critic_backend='openai' or "
+                "'transformers' for critic_task='summarization'."
+            )
+        for name in ("positive_reward_value", "negative_reward_value"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
+        if math.isnan(self.intrinsic_reward_threshold):
+            raise ValueError("intrinsic_reward_threshold is NaN; use a number (inf critiques every completion).")
+        for name in ("critic_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.critic_temperature >= 0:
+            raise ValueError(f"critic_temperature must be >= 0, got {self.critic_temperature}.")
+        if self.critic_timeout <= 0:
+            raise ValueError(f"critic_timeout must be > 0 seconds, got {self.critic_timeout}.")
+        if self.critic_max_retries < 0:
+            raise ValueError(f"critic_max_retries must be >= 0, got {self.critic_max_retries}.")
+        if self.critic_rate_limit is not None and self.critic_rate_limit <= 0:
+            raise ValueError(f"critic_rate_limit must be > 0 or None, got {self.critic_rate_limit}.")
+        if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
+            raise ValueError(f"prompt_file {self.prompt_file!r} does not exist; pass an existing critic template.")
+
+    @property
+    def resolved_prompt_file(self) -> str:
+        return self.prompt_file or default_prompt_file(self.critic_task)
+
+
+def build_critic_backend(config: CriticRewardConfig, model: Any = None, tokenizer: Any = None) -> CriticBackend:
+    """The backend `config` asks for; `model`/`tokenizer` are the local critic (e.g. the policy) for 'transformers'."""
+    if config.critic_backend == "lexicon":
+        return LexiconCritic(task=config.critic_task)
+    if config.critic_backend == "openai":
+        return OpenAICritic(
+            model=config.critic_model or "gpt-4o-mini",
+            base_url=config.critic_base_url,
+            api_key_env=config.critic_api_key_env,
+            temperature=config.critic_temperature,
+            max_tokens=config.critic_max_tokens,
+            concurrency=config.critic_concurrency,
+            timeout=config.critic_timeout,
+            max_retries=config.critic_max_retries,
+            rate_limit=config.critic_rate_limit,
+            cache_dir=config.critic_cache_dir,
+        )
+    critic = model if model is not None else config.critic_model
+    if critic is None:
+        raise ValueError(
+            "critic_backend='transformers' needs critic_model (a local model path) or a model object "
+            "(e.g. the policy, for self-critique)."
+        )
+    return TransformersCritic(
+        critic, tokenizer=tokenizer, batch_size=config.critic_batch_size, max_new_tokens=config.critic_max_tokens
+    )
+
+
+def _as_text(x: Any) -> str:
+    """A prompt or completion as plain text; conversational messages are joined by their contents."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, dict):
+        return str(x.get("content", ""))
+    if isinstance(x, Sequence):
+        return "\n".join(_as_text(m) for m in x)
+    return "" if x is None else str(x)
+
+
+def _is_nan(x: Any) -> bool:
+    return x is None or math.isnan(float(x))
+
+
+class CriticFailureError(RuntimeError):
+    """Every critic request failed for `max_consecutive_failing_steps` consecutive steps."""
+
+
+_STEP_COUNTERS = (
+    "steps",
+    "samples",
+    "critiqued",
+    "nan_env_rewards",
+    "answers",
+    "failed_answers",
+    "unparseable",
+    "spans_positive",
+    "spans_negative",
+    "spans_unlocated",
+    "tokens_total",
+    "tokens_rewarded",
+)
+
+
+_LOGGED_BACKEND_COUNTERS = (
+    "requests", "failures", "retries", "cache_hits", "timeouts", "rate_limited", "prompt_tokens", "completion_tokens",
+)  # fmt: skip
+
+
+class CriticIntrinsicReward:
+    """Dense reward function: per-token intrinsic rewards from a critic's spans.
+
+    Call signature (TRL's, plus `env_rewards`):
+    ``reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]``.
+    Completions are critiqued when ``env_rewards[i] <= intrinsic_reward_threshold`` (all of them when
+    `env_rewards` is None); the others get None (zero). The completion text is ``decode(completion_ids[i])`` and
+    token offsets come from `token_char_offsets`, so rewards align with the trained tokens exactly.
+
+    Failures (timeout, HTTP errors, garbage, None) give their samples zero reward and are counted; only
+    `max_consecutive_failing_steps` consecutive steps in which every request failed raise `CriticFailureError`.
+
+    Args:
+        config: A `CriticRewardConfig`.
+        tokenizer: The policy's tokenizer (to decode completions and get token offsets).
+        backend: A ready `CriticBackend`; default built from `config`.
+        critic_model: For ``critic_backend='transformers'``: a model object (e.g. the policy) to critique with.
+        critic_tokenizer: Its tokenizer (default `tokenizer`).
+    """
+
+    dense = True
+
+    def __init__(
+        self,
+        config: CriticRewardConfig,
+        tokenizer: Any = None,
+        backend: CriticBackend | None = None,
+        critic_model: Any = None,
+        critic_tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.__name__ = f"critic_{config.critic_task}"
+        self.template = (
+            load_critic_template(config.resolved_prompt_file)
+            if backend is not None or config.critic_backend != "lexicon" or config.prompt_file is not None
+            else "{}"  # the lexicon critic annotates the raw text; a template only matters to LLM critics
+        )
+        if backend is None and config.use_intrinsic_reward:
+            backend = build_critic_backend(config, critic_model, critic_tokenizer or tokenizer)
+        self.backend = backend
+        self._counts = dict.fromkeys(_STEP_COUNTERS, 0)
+        self._last: dict[str, float] = {}
+        self.consecutive_failing_steps = 0
+
+    def __repr__(self) -> str:
+        return f"CriticIntrinsicReward(task={self.config.critic_task!r}, backend={self.backend!r})"
+
+    def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
+        """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""
+        text = (prompt_text + completion_text) if self.config.critic_include_prompt else completion_text
+        flat = " ".join(text.split())
+        return fill_critic_template(
+            self.template,
+            flat,
+            prompt=" ".join(prompt_text.split()),
+            completion=" ".join(completion_text.split()),
+            score=env_reward,
+        )
+
+    def _selected(self, n: int, env_rewards: Sequence[float] | None) -> list[int]:
+        if env_rewards is None:
+            return list(range(n))
+        if len(env_rewards) != n:
+            raise ValueError(f"env_rewards has {len(env_rewards)} entries for {n} completions.")
+        # A NaN (or missing) environment reward is never <= the threshold: such a sample is not critiqued, only
+        # counted (critic/nan_env_rewards); the trainer's own NaN handling decides what happens to it.
+        thr = self.config.intrinsic_reward_threshold
+        return [i for i, r in enumerate(env_rewards) if not _is_nan(r) and float(r) <= thr]
+
+    def _tokenizer(self, kwargs: dict[str, Any]) -> Any:
+        tokenizer = self.tokenizer or kwargs.get("processing_class") or kwargs.get("tokenizer")
+        if tokenizer is None:
+            raise ValueError("CriticIntrinsicReward needs the policy tokenizer: CriticIntrinsicReward(config, tok).")
+        return tokenizer
+
+    def _prepare(self, tokenizer, prompts, completion_ids, env_rewards):
+        """Selected indices, their ids and decoded texts, and their critic prompts."""
+        selected = self._selected(len(completion_ids), env_rewards)
+        ids = {i: [int(t) for t in completion_ids[i]] for i in selected}
+        texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
+        critic_prompts = [
+            self.critic_prompt(
+                _as_text(prompts[i]) if prompts is not None else "",
+                texts[i],
+                None if env_rewards is None else float(env_rewards[i]),
+            )
+            for i in selected
+        ]
+        return selected, ids, texts, critic_prompts
+
+    def prefetch(
+        self,
+        prompts: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]],
+        env_rewards: Sequence[float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Start critic requests early, e.g. right after generation while the environment reward is computed.
+
+        The later call with the same completions joins the requests still in flight and finds the finished ones in
+        the answer cache, so nothing is paid twice. Without `env_rewards` every completion is sent (use it when the
+        threshold selects most samples, or pass the environment rewards known so far); the critic prompt must be the
+        same as in the later call, so templates showing ``{score}`` need the final `env_rewards`. A no-op for
+        backends that answer synchronously (lexicon, transformers), where there is nothing to overlap.
+        """
+        if not self.config.use_intrinsic_reward or self.backend is None or not self.backend.concurrent:
+            return
+        _, _, texts, critic_prompts = self._prepare(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+        if critic_prompts:
+            self.backend.submit(critic_prompts, texts=list(texts.values()))
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]],
+        env_rewards: Sequence[float] | None = None,
+        **kwargs: Any,
+    ) -> list[list[float] | None]:
+        n = len(completion_ids)
+        if not self.config.use_intrinsic_reward or self.backend is None:
+            return [None] * n
+        tokenizer = self._tokenizer(kwargs)
+        t0 = time.monotonic()
+        before = self.backend.counters.snapshot()
+        selected, ids, texts, critic_prompts = self._prepare(tokenizer, prompts, completion_ids, env_rewards)
+        # Start the critic first, align offsets while it answers.
+        job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
+        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
+        answers = job.result() if job is not None else []
+
+        step = dict.fromkeys(_STEP_COUNTERS, 0)
+        step["steps"], step["samples"], step["critiqued"] = 1, n, len(selected)
+        step["nan_env_rewards"] = sum(_is_nan(r) for r in env_rewards) if env_rewards is not None else 0
+        step["tokens_total"] = sum(len(c) for c in completion_ids)
+        rows: list[list[float] | None] = [None] * n
+        for i, answer in zip(selected, answers):
+            rows[i] = self._row(answer, *aligned[i], step)
+        if step["unparseable"]:
+            logger.warning("%d of %d critic answers had no recognisable span format.", step["unparseable"], n)
+        if selected:  # a step that critiques nothing says nothing about the critic
+            self._track_failing_steps(step["failed_answers"] == len(selected))
+        self._record(step, time.monotonic() - t0, before, kwargs.get("log_metric"))
+        return rows
+
+    def _row(self, answer: str | None, text: str, offsets: list[tuple[int, int]], step: dict) -> list[float] | None:
+        """The per-token rewards from one critic answer (None: failed or unparseable, counted in `step`)."""
+        if answer is None:
+            step["failed_answers"] += 1
+            return None
+        step["answers"] += 1
+        parsed = parse_critic_answer(answer)
+        if not parsed.ok:
+            step["unparseable"] += 1
+            logger.debug("Unparseable critic answer (%s)", parsed.reason)
+            return None
+        step["spans_positive"] += len(parsed.positive)
+        step["spans_negative"] += len(parsed.negative)
+        step["spans_unlocated"] += sum(not locate_span(text, s) for s in [*parsed.positive, *parsed.negative])
+        row = span_token_rewards(
+            text,
+            offsets,
+            parsed.positive,
+            parsed.negative,
+            positive_value=self.config.positive_reward_value,
+            negative_value=self.config.negative_reward_value,
+        )
+        step["tokens_rewarded"] += sum(v != 0.0 for v in row)
+        return row
+
+    def _track_failing_steps(self, all_failed: bool) -> None:
+        """Count consecutive steps in which every request failed; raise `CriticFailureError` at the limit."""
+        if not all_failed:
+            self.consecutive_failing_steps = 0
+            return
+        self.consecutive_failing_steps += 1
+        if self.consecutive_failing_steps >= self.config.max_consecutive_failing_steps:
+            raise CriticFailureError(
+                f"The {self.backend.name} critic failed every request for {self.consecutive_failing_steps} "
+                "consecutive steps (see the critic/* failure counters: timeouts, rate_limited, server_errors, "
+                "connection_errors). Check critic_base_url / critic_model and that the server is up, or raise "
+                "max_consecutive_failing_steps."
+            )
+        logger.warning(
+            "Every critic request failed this step (%d/%d consecutive); intrinsic rewards are zero.",
+            self.consecutive_failing_steps,
+            self.config.max_consecutive_failing_steps,
+        )
+
+    def _record(self, step: dict, seconds: float, before: dict[str, int], log_metric: Any) -> None:
+        """Add `step` to the cumulative counts, keep the step's ratios, and hand them to TRL's `log_metric` hook."""
+        for k, v in step.items():
+            self._counts[k] += v
+        self._last = {
+            "critic/critiqued_fraction": step["critiqued"] / max(step["samples"], 1),
+            "critic/failed_fraction": step["failed_answers"] / max(step["critiqued"], 1),
+            "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
+            "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
+            "critic/stage_seconds": seconds,
+        }
+        after = self.backend.counters.snapshot()
+        for name in _LOGGED_BACKEND_COUNTERS:
+            self._last[f"critic/step_{name}"] = after.get(name, 0) - before.get(name, 0)
+        if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
+            for name, value in self._last.items():
+                log_metric(name, float(value))
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and ratios for logging, all named ``critic/...``.
+
+        Cumulative: the backend's requests, attempts, retries, failures, cache_hits, timeouts, rate_limited,
+        server_errors, connection_errors, bad_responses, prompt/completion tokens; and steps, samples, critiqued,
+        answers, failed_answers, unparseable, spans_positive/negative/unlocated, tokens_total/rewarded,
+        rewarded_token_fraction. Last step: critiqued_fraction, failed_fraction, rewarded_token_fraction (as
+        ``critic/last_...``), spans_per_critique, stage_seconds; and consecutive_failing_steps.
+        """
+        out = self.backend.metrics() if self.backend is not None else {}
+        out.update({f"critic/{k}": float(v) for k, v in self._counts.items()})
+        out["critic/rewarded_token_fraction"] = self._counts["tokens_rewarded"] / max(self._counts["tokens_total"], 1)
+        out.update({k.replace("critic/", "critic/last_"): float(v) for k, v in self._last.items()})
+        out["critic/consecutive_failing_steps"] = float(self.consecutive_failing_steps)
+        return out
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+
+def make_intrinsic_reward(config: CriticRewardConfig, tokenizer: Any, **kwargs: Any) -> CriticIntrinsicReward:
+    """Shorthand for ``CriticIntrinsicReward(config, tokenizer, **kwargs)``."""
+    return CriticIntrinsicReward(config, tokenizer, **kwargs)

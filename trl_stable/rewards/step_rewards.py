@@ -1,0 +1,411 @@
+"""Intermediate step rewards for agent tasks (handbook 16.6.3, SPEC section 5).
+
+A completion is one agent step (a thought, a plan and one or more tool calls); it is scored against the
+ground-truth step on four dimensions, each in [0, 1]:
+
+| dimension    | default weight | score |
+|--------------|----------------|-------|
+| `tool_name`  | 0.5 | share of positions whose tool name equals the ground truth's (calls aligned in order) |
+| `arguments`  | 0.2 | per aligned call with the right name: matching key-value pairs / union of keys |
+| `reasoning`  | 0.2 | distinct connectives in the thought ("first", "because", 首先, 因为, ...) / 2, capped at 1 |
+| `plan`       | 0.1 | share of the ground truth's required plan items the plan mentions |
+
+reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals.
+
+The weights must be non-negative and sum to 1, so a perfect answer scores exactly 1.0: a maximum of 0.8 would cap
+every perfect answer and blur group-normalized advantages (the handbook's warning). Targeted penalties (negative
+amounts) fire on observed failure modes, e.g. overusing a status-check tool. Each dimension is also exposed as its
+own reward function (`StepReward.reward_funcs`) so GDPO (``multi_objective_aggregation="normalize_then_sum"``)
+normalizes each dimension within the group separately.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl_stable.masking.validation import (
+    ARGUMENT_KEYS,
+    NAME_KEYS,
+    ParsedToolCall,
+    find_tool_call_spans,
+    parse_tool_call,
+)
+
+DIMENSIONS = ("tool_name", "arguments", "reasoning", "plan")
+
+DEFAULT_CONNECTIVES = (
+    "first", "then", "because", "therefore", "so that", "since", "thus", "hence", "next", "finally", "after that",
+    "as a result", "which means", "首先", "然后", "因为", "所以", "因此", "接着", "最后", "由于",
+)  # fmt: skip
+
+_SECTION = re.compile(
+    r"^\s*(thought|thinking|reasoning|plan|action input|action|final answer|answer)\s*[:：]", re.IGNORECASE | re.M
+)
+
+
+@dataclass
+class StepRewardWeights:
+    """Weights of the step-reward dimensions; they must sum to 1 so a perfect answer scores exactly 1.0.
+
+    Args:
+        tool_name: Weight of the tool-name match.
+        arguments: Weight of the argument match.
+        reasoning: Weight of the reasoning quality.
+        plan: Weight of the plan completeness.
+    """
+
+    tool_name: float = field(default=0.5, metadata={"help": "Weight of the tool-name match."})
+    arguments: float = field(default=0.2, metadata={"help": "Weight of the argument key-value match."})
+    reasoning: float = field(default=0.2, metadata={"help": "Weight of the reasoning quality."})
+    plan: float = field(default=0.1, metadata={"help": "Weight of the plan completeness."})
+
+    def __post_init__(self):
+        values = self.as_dict()
+        bad = {k: v for k, v in values.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"Step-reward weights must be finite and >= 0; fix {bad}.")
+        total = math.fsum(values.values())
+        if abs(total - 1.0) > 1e-9:
+            raise ValueError(
+                f"Step-reward weights {values} sum to {total:g}, so a perfect answer would score {total:g}, not 1.0. "
+                "Fix: scale them to sum to 1 (e.g. tool_name=0.5, arguments=0.2, reasoning=0.2, plan=0.1)."
+            )
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in DIMENSIONS}
+
+
+@dataclass
+class AgentStep:
+    """A completion read as one agent step: its tool calls (in order), thought, plan items and raw text."""
+
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    invalid_calls: int = 0
+    thought: str = ""
+    plan: list[str] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass
+class PenaltyRule:
+    """A targeted penalty: when ``applies(step, ground_truth, prompt)`` is true, `penalty` (<= 0) is added.
+
+    Args:
+        name: Shown in the per-dimension scores as ``penalty/<name>``.
+        penalty: The amount added, <= 0 (a bonus would let a perfect answer exceed 1.0).
+        applies: ``f(step: AgentStep, ground_truth, prompt_text: str) -> bool``.
+    """
+
+    name: str
+    penalty: float
+    applies: Callable[[AgentStep, Any, str], bool]
+
+    def __post_init__(self):
+        if not (math.isfinite(self.penalty) and self.penalty <= 0):
+            raise ValueError(
+                f"Penalty {self.name!r} is {self.penalty}; penalties must be <= 0 so the maximum reward stays 1.0."
+            )
+
+
+def tool_overuse_penalty(
+    tool: str, max_calls: int, penalty: float = -0.3, include_prompt: bool = False,
+    open_tag: str = "<tool_call>", close_tag: str = "</tool_call>",
+) -> PenaltyRule:  # fmt: skip
+    """Penalise calling `tool` more than `max_calls` times (e.g. polling ``check_status`` when unsure).
+
+    With `include_prompt`, calls already in the prompt (the trajectory so far) count too.
+    """
+    if max_calls < 0:
+        raise ValueError(f"max_calls must be >= 0, got {max_calls}.")
+
+    def applies(step: AgentStep, ground_truth: Any, prompt: str) -> bool:
+        count = sum(call.name == tool for call in step.calls)
+        if include_prompt and prompt:
+            count += sum(c.name == tool for c in parse_agent_step(prompt, open_tag, close_tag).calls)
+        return count > max_calls
+
+    return PenaltyRule(f"overuse_{tool}", penalty, applies)
+
+
+def invalid_call_penalty(penalty: float = -0.3) -> PenaltyRule:
+    """Penalise a completion containing a tool call that does not parse as JSON."""
+    return PenaltyRule("invalid_call", penalty, lambda step, gt, prompt: step.invalid_calls > 0)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """``Thought: ... Plan: ... Action: ...`` sections (ReAct style), keyed by lower-case header."""
+    out: dict[str, str] = {}
+    matches = list(_SECTION.finditer(text))
+    for k, m in enumerate(matches):
+        end = matches[k + 1].start() if k + 1 < len(matches) else len(text)
+        out.setdefault(m.group(1).lower(), text[m.end() : end].strip())
+    return out
+
+
+def _plan_items(plan: Any) -> list[str]:
+    if plan is None:
+        return []
+    if isinstance(plan, (list, tuple)):
+        return [str(p).strip() for p in plan if str(p).strip()]
+    items = re.split(r"\n|;|(?<=\.)\s+(?=\d)|(?:^|\s)\d+[.)]\s", str(plan))
+    return [re.sub(r"^[-*\d.)\s]+", "", i).strip() for i in items if i and i.strip(" -*.")]
+
+
+def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> AgentStep:
+    """Read a completion as an agent step.
+
+    Accepted: a JSON object (``{"thought", "plan", "tool"/"name", "arguments"/"args", "tool_calls": [...]}``), or
+    text with ``Thought:`` / ``Plan:`` sections and tool calls as ``<tool_call>{json}</tool_call>`` blocks or a
+    ReAct ``Action: name`` + ``Action Input: {json}`` pair. Without a ``Thought:`` header the thought is the text
+    outside tool calls and the plan.
+    """
+    step = AgentStep(text=text)
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            obj = json.loads(stripped)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            step.thought = str(obj.get("thought") or obj.get("reasoning") or "")
+            step.plan = _plan_items(obj.get("plan"))
+            calls = obj.get("tool_calls")
+            if calls is None and any(k in obj for k in NAME_KEYS):
+                calls = [obj]
+            for call in calls or []:
+                try:
+                    step.calls.append(parse_tool_call(json.dumps(call)))
+                except ValueError:
+                    step.invalid_calls += 1
+            return step
+    spans = find_tool_call_spans(text, open_tag, close_tag)
+    for a, b in spans:
+        try:
+            step.calls.append(parse_tool_call(text[a:b], open_tag, close_tag))
+        except ValueError:
+            step.invalid_calls += 1
+    outside = text
+    for a, b in reversed(spans):
+        outside = outside[:a] + outside[b:]
+    sections = _sections(outside)
+    if "action" in sections and not spans:
+        name = sections["action"].splitlines()[0].strip() if sections["action"] else ""
+        raw_args = sections.get("action input", "").strip() or "{}"
+        try:
+            call = parse_tool_call(json.dumps({"name": name, "arguments": json.loads(raw_args)}))
+            step.calls.append(call)
+        except (ValueError, json.JSONDecodeError):
+            step.invalid_calls += 1
+    step.plan = _plan_items(sections.get("plan"))
+    thought = sections.get("thought", sections.get("thinking", sections.get("reasoning")))
+    if thought is None:
+        thought = _SECTION.split(outside)[0] if sections else outside
+    step.thought = thought.strip()
+    return step
+
+
+def _ground_truth_calls(gt: Any) -> tuple[list[dict[str, Any]], list[str], Any]:
+    """(expected calls as {name, arguments}, required plan items, keywords) from a ground-truth value."""
+    if isinstance(gt, str):
+        gt = json.loads(gt)
+    if isinstance(gt, Sequence) and not isinstance(gt, Mapping):
+        gt = {"tool_calls": list(gt)}
+    if not isinstance(gt, Mapping):
+        raise ValueError(f"Ground truth must be a dict, a list of calls or a JSON string of one; got {gt!r}.")
+    raw_calls = gt.get("tool_calls")
+    if raw_calls is None:
+        raw_calls = [gt] if any(gt.get(k) is not None for k in NAME_KEYS) else []
+    calls = []
+    for call in raw_calls:
+        fn = call.get("function", call) if isinstance(call.get("function"), Mapping) else call
+        name = next((fn[k] for k in NAME_KEYS if fn.get(k) is not None), None)
+        args = next((fn[k] for k in ARGUMENT_KEYS if fn.get(k) is not None), {})
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        calls.append({"name": name, "arguments": dict(args or {})})
+    return calls, _plan_items(gt.get("plan")), gt.get("reasoning_keywords")
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, str) and isinstance(b, str):
+        return a.strip() == b.strip()
+    return a == b
+
+
+def argument_score(predicted: Mapping[str, Any], expected: Mapping[str, Any], exact: bool = False) -> float:
+    """Matching key-value pairs / the union of keys (1 when both are empty); with `exact`, 1 or 0."""
+    keys = set(predicted) | set(expected)
+    if not keys:
+        return 1.0
+    matched = sum(k in predicted and k in expected and _values_equal(predicted[k], expected[k]) for k in keys)
+    return float(matched == len(keys)) if exact else matched / len(keys)
+
+
+def connective_score(thought: str, connectives: Sequence[str] = DEFAULT_CONNECTIVES, required: int = 2) -> float:
+    """Distinct logical connectives in `thought` / `required`, capped at 1 (the handbook's reasoning criterion)."""
+    low = thought.lower()
+    found = 0
+    for c in connectives:
+        c = c.lower()
+        if c.isascii():
+            found += re.search(rf"\b{re.escape(c)}\b", low) is not None
+        else:
+            found += c in low
+    return min(1.0, found / required) if required > 0 else 1.0
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def plan_score(plan: Sequence[str], required: Sequence[str]) -> float:
+    """Share of the `required` plan items mentioned in `plan` (1 when nothing is required)."""
+    if not required:
+        return 1.0
+    text = _norm(" ".join(plan))
+    return sum(_norm(item) in text for item in required) / len(required)
+
+
+class StepReward:
+    """Intermediate step reward, usable as a TRL reward function.
+
+    Args:
+        weights: A `StepRewardWeights` or a dict of its fields (validated: the weights must sum to 1).
+        penalties: `PenaltyRule`s (e.g. ``tool_overuse_penalty("check_status", 2)``).
+        ground_truth_key: Dataset column holding each row's ground truth: ``{"tool"/"name", "arguments",
+            "plan": [required items], "reasoning_keywords": [...]}``, a list of such calls, or a JSON string.
+        exact_arguments: Arguments score 1 only when every key-value pair matches (default: the share matching).
+        reasoning_scorer: ``f(thought) -> [0, 1]`` replacing the connective count (e.g. an LLM judge).
+        connectives: Words counted as logical connectives (a row's ``reasoning_keywords`` override them).
+        min_connectives: Distinct connectives needed for a full reasoning score.
+        clip_min: Lower bound of the total reward (None: unbounded below).
+
+    Calling it (``reward_funcs=[StepReward()]``) returns the weighted total; `reward_funcs` returns one function
+    per dimension (plus one for the penalties) and `reward_weights` their weights, for GDPO.
+    """
+
+    def __init__(
+        self,
+        weights: StepRewardWeights | Mapping[str, float] | None = None,
+        penalties: Sequence[PenaltyRule] = (),
+        ground_truth_key: str = "ground_truth",
+        exact_arguments: bool = False,
+        reasoning_scorer: Callable[[str], float] | None = None,
+        connectives: Sequence[str] = DEFAULT_CONNECTIVES,
+        min_connectives: int = 2,
+        clip_min: float | None = None,
+        open_tag: str = "<tool_call>",
+        close_tag: str = "</tool_call>",
+    ):
+        if weights is None:
+            weights = StepRewardWeights()
+        elif isinstance(weights, Mapping):
+            unknown = set(weights) - set(DIMENSIONS)
+            if unknown:
+                raise ValueError(f"Unknown step-reward weight(s) {sorted(unknown)}; the dimensions are {DIMENSIONS}.")
+            weights = StepRewardWeights(**weights)
+        if min_connectives < 1:
+            raise ValueError(f"min_connectives must be >= 1, got {min_connectives}.")
+        self.weights = weights
+        self.penalties = list(penalties)
+        names = [p.name for p in self.penalties]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Penalty names must be unique, got {names}.")
+        self.ground_truth_key = ground_truth_key
+        self.exact_arguments = exact_arguments
+        self.reasoning_scorer = reasoning_scorer
+        self.connectives = tuple(connectives)
+        self.min_connectives = min_connectives
+        self.clip_min = clip_min
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self.__name__ = "step_reward"
+
+    def score(self, completion: Any, ground_truth: Any, prompt: Any = "") -> dict[str, float]:
+        """Per-dimension scores, ``penalty/<name>`` amounts, ``penalty`` (their sum) and ``total``."""
+        text = _text(completion)
+        step = parse_agent_step(text, self.open_tag, self.close_tag)
+        expected, required_plan, keywords = _ground_truth_calls(ground_truth)
+        n = max(len(expected), len(step.calls))
+        if n == 0:
+            name_score = args_score = 1.0  # no call expected, none made
+        else:
+            name_hits, arg_total = 0.0, 0.0
+            for k in range(min(len(expected), len(step.calls))):
+                if step.calls[k].name == expected[k]["name"]:
+                    name_hits += 1
+                    arg_total += argument_score(
+                        step.calls[k].arguments, expected[k]["arguments"], self.exact_arguments
+                    )
+            name_score, args_score = name_hits / n, arg_total / n
+        if self.reasoning_scorer is not None:
+            reasoning = float(self.reasoning_scorer(step.thought))
+            if not 0.0 <= reasoning <= 1.0:
+                raise ValueError(f"reasoning_scorer returned {reasoning}; it must return a score in [0, 1].")
+        else:
+            reasoning = connective_score(step.thought, keywords or self.connectives, self.min_connectives)
+        scores = {
+            "tool_name": name_score,
+            "arguments": args_score,
+            "reasoning": reasoning,
+            "plan": plan_score(step.plan, required_plan),
+        }
+        prompt_text = _text(prompt)
+        fired = {f"penalty/{p.name}": p.penalty for p in self.penalties if p.applies(step, ground_truth, prompt_text)}
+        penalty = math.fsum(fired.values())
+        weighted = math.fsum(w * scores[d] for d, w in self.weights.as_dict().items())
+        # fsum + rounding: decimal weights such as 0.5 + 0.2 + 0.2 + 0.1 give exactly 1.0, not 0.9999999999999999.
+        total = round(weighted + penalty, 12)
+        if self.clip_min is not None:
+            total = max(total, self.clip_min)
+        return {**scores, **fired, "penalty": penalty, "total": total}
+
+    def _batch(self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: Mapping[str, Any], key: str):
+        truths = kwargs.get(self.ground_truth_key)
+        if truths is None:
+            raise ValueError(
+                f"StepReward needs a '{self.ground_truth_key}' dataset column (or set `ground_truth_key`); the reward "
+                f"function got columns {sorted(k for k in kwargs if not k.startswith('log_'))}."
+            )
+        out: list[float | None] = []
+        for prompt, completion, truth in zip(prompts, completions, truths):
+            out.append(None if truth is None else self.score(completion, truth, prompt)[key])
+        return out
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        return self._batch(prompts, completions, kwargs, "total")
+
+    def reward_funcs(self) -> list[Callable[..., list[float | None]]]:
+        """One reward function per dimension (``step_tool_name``, ...), plus ``step_penalty`` when there are
+        penalty rules; pair with `reward_weights` and ``multi_objective_aggregation="normalize_then_sum"``."""
+        keys = list(DIMENSIONS) + (["penalty"] if self.penalties else [])
+        funcs = []
+        for key in keys:
+
+            def func(prompts, completions, _key=key, **kwargs):
+                return self._batch(prompts, completions, kwargs, _key)
+
+            func.__name__ = f"step_{key}"
+            funcs.append(func)
+        return funcs
+
+    def reward_weights(self) -> list[float]:
+        """Weights aligned with `reward_funcs` (1.0 for the penalty function)."""
+        weights = [self.weights.as_dict()[d] for d in DIMENSIONS]
+        return weights + ([1.0] if self.penalties else [])
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
+    return "" if value is None else str(value)

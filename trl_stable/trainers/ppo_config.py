@@ -1,0 +1,281 @@
+"""Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+_KL_PENALTIES = ("kl", "abs", "mse", "full")
+_LAM_SCHEDULES = ("vapo", "relative_position")
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
+
+    Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
+    report_to, bf16, gradient_checkpointing, max_grad_norm, lr_scheduler_type, ...), plus the fields of the
+    RELC-era `trl.PPOConfig` with their meanings and defaults. One "step" (`state.global_step`) is one PPO
+    iteration: a rollout of `batch_size` samples per process, then `ppo_epochs` passes over it in mini-batches.
+
+    The per-token reward of response token t is
+
+        r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score,
+
+    where `score` is the weighted sum of the sequence-level rewards (after optional scaling and clipping), and the
+    advantages come from GAE (`gamma`, `lam`). See `docs/sections/ppo.md` for the full description.
+
+    Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
+    `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front).
+    """
+
+    # --- overridden TrainingArguments defaults ---
+    learning_rate: float = field(default=1.41e-5, metadata={"help": "Adam learning rate (RELC default 1.41e-5)."})
+    seed: int = field(default=0, metadata={"help": "Random seed (sampling, shuffling, value-head init)."})
+    logging_steps: float = field(
+        default=1, metadata={"help": "Log every X PPO steps (a float in [0, 1) is a ratio of the total steps)."}
+    )
+    lr_scheduler_type: str = field(
+        default="constant", metadata={"help": "Learning-rate schedule over optimizer steps (transformers names)."}
+    )
+
+    # --- model / run identity ---
+    model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Name or path of the policy model. Used when `PPOTrainer(model=None)` and recorded in the "
+            "model card (RELC scripts pass `--ppo_config.model_name`)."
+        },
+    )
+    model_init_kwargs: dict | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a str."},
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "Load a policy given by name in 4-bit with bitsandbytes (needs CUDA and `peft_config`)."},
+    )
+    load_in_8bit: bool = field(
+        default=False,
+        metadata={"help": "Load a policy given by name in 8-bit with bitsandbytes (needs CUDA and `peft_config`)."},
+    )
+    num_shared_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "When the reference model is created from the policy, share (and freeze in the policy) its "
+            "embeddings and first `num_shared_layers` decoder layers instead of copying them. None: copy all."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={
+            "help": "Turn dropout off in the policy, reference and value models, so rollout and update passes "
+            "agree (ratio 1 at the first update)."
+        },
+    )
+    log_with: str | None = field(
+        default=None,
+        metadata={"help": "RELC-era alias of `report_to` ('wandb', 'tensorboard', ...). Overrides `report_to`."},
+    )
+
+    # --- batch geometry ---
+    batch_size: int = field(
+        default=16,
+        metadata={"help": "Rollout samples per process per PPO step (the prompts per step in `train()`)."},
+    )
+    mini_batch_size: int = field(
+        default=16,
+        metadata={
+            "help": "Samples per forward/backward pass. One optimizer step covers "
+            "`mini_batch_size * gradient_accumulation_steps` samples, which must divide `batch_size`."
+        },
+    )
+    ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
+
+    # --- KL penalty and controller ---
+    kl_penalty: str = field(
+        default="kl",
+        metadata={
+            "help": "Per-token KL estimator: 'kl' (logp - ref_logp), 'abs' (|logp - ref_logp|), 'mse' "
+            "(0.5 (logp - ref_logp)^2) or 'full' (exact KL over the vocabulary)."
+        },
+    )
+    adap_kl_ctrl: bool = field(
+        default=True, metadata={"help": "Adapt kl_coef toward `target` (Ziegler et al. 2019); else fixed."}
+    )
+    init_kl_coef: float = field(default=0.2, metadata={"help": "Initial (or fixed) KL coefficient."})
+    target: float = field(default=6.0, metadata={"help": "Target sequence KL of the adaptive controller."})
+    horizon: float = field(default=10000.0, metadata={"help": "Horizon (in samples) of the adaptive controller."})
+    target_kl: float | None = field(
+        default=6.0,
+        metadata={
+            "help": "Stop the PPO epochs of a step early when the policy KL to the rollout policy exceeds "
+            "1.5 x target_kl (with `early_stopping`). None disables."
+        },
+    )
+    early_stopping: bool = field(default=True, metadata={"help": "Enable the `target_kl` early stop."})
+
+    # --- losses ---
+    cliprange: float = field(default=0.2, metadata={"help": "PPO ratio clip range epsilon."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value predictions."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
+    ratio_threshold: float = field(
+        default=10.0, metadata={"help": "Zero a mini-batch's loss when its mean ratio exceeds this (loss spikes)."}
+    )
+
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Decoupled PPO loss (AReaL): the clipped term against the rollout-pass log-probs, times the "
+            "behaviour weight exp(logp_rollout_pass - logp_sampler); the sampler's log-probs are recorded by "
+            "`generate` (or passed to `step(sampler_logprobs=...)`)."
+        },
+    )
+    token_filter: str | None = field(
+        default=None,
+        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
+    )
+    token_filter_level: str = field(
+        default="token", metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."}
+    )
+    token_filter_action: str = field(
+        default="mask",
+        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
+    )
+    token_filter_lower: float | None = field(
+        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
+    )
+    token_filter_upper: float | None = field(
+        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
+    )
+
+    # --- advantages ---
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda (used when `lam_schedule` is None)."})
+    lam_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Per-sequence lambda from the effective length L (the number of action tokens): 'vapo' "
+            "(max(0, 1 - 1/(lam_alpha L)), VAPO) or 'relative_position' (lam_q^(1/(L-1))). A callable can be passed "
+            "as `PPOTrainer(lam_fn=...)`."
+        },
+    )
+    lam_alpha: float = field(default=0.05, metadata={"help": "alpha of the VAPO length-adaptive lambda."})
+    lam_q: float = field(
+        default=0.5, metadata={"help": "q of the relative-position lambda: weight of the last token's TD error."}
+    )
+    whiten_rewards: bool = field(
+        default=False,
+        metadata={
+            "help": "Whiten the per-token rewards over the batch before GAE, keeping their mean: "
+            "(r - mean) / std + mean (old TRL's `whiten(shift_mean=False)`)."
+        },
+    )
+    whiten_advantages: bool = field(default=True, metadata={"help": "Whiten the advantages over the batch."})
+    bootstrap_truncated: bool = field(
+        default=False,
+        metadata={
+            "help": "Bootstrap responses that did not end with EOS from the value after their last token (SPEC 3). "
+            "Off by default: with a sequence score on the last token (RELC), the cut is the episode's end."
+        },
+    )
+
+    # --- scores ---
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."},
+    )
+    use_score_scaling: bool = field(
+        default=False, metadata={"help": "Divide the sequence scores by their running std."}
+    )
+    use_score_norm: bool = field(
+        default=False,
+        metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."},
+    )
+    score_clip: float | None = field(default=None, metadata={"help": "Clip the sequence scores to +-score_clip."})
+
+    # --- generation ---
+    max_prompt_length: int | None = field(
+        default=512, metadata={"help": "Keep at most this many (rightmost) prompt tokens in `train()`."}
+    )
+    min_new_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "With `max_new_tokens`, each generation batch draws its length cap uniformly from "
+            "[min_new_tokens, max_new_tokens] (RELC's LengthSampler). None: always `max_new_tokens`."
+        },
+    )
+    max_new_tokens: int = field(default=20, metadata={"help": "Maximum number of generated tokens."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use it too)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling (0: off)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1.0: off)."})
+    generation_batch_size: int | None = field(
+        default=None, metadata={"help": "Generate in chunks of this many prompts (None: all at once)."}
+    )
+    generation_kwargs: dict | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `generate` (override the fields above)."}
+    )
+
+    def __post_init__(self):
+        if self.log_with is not None:
+            self.report_to = self.log_with
+        super().__post_init__()
+        if self.batch_size < 1 or self.mini_batch_size < 1 or self.ppo_epochs < 1:
+            raise ValueError("batch_size, mini_batch_size and ppo_epochs must be >= 1.")
+        backward = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % backward != 0:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by mini_batch_size x gradient_accumulation_steps "
+                f"({self.mini_batch_size} x {self.gradient_accumulation_steps} = {backward}); change one of them."
+            )
+        if self.kl_penalty not in _KL_PENALTIES:
+            raise ValueError(f"kl_penalty must be one of {_KL_PENALTIES}, got {self.kl_penalty!r}.")
+        if self.lam_schedule is not None and self.lam_schedule not in _LAM_SCHEDULES:
+            raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
+        if not 0.0 <= self.lam <= 1.0 or not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma ({self.gamma}) and lam ({self.lam}) must lie in [0, 1].")
+        if self.lam_alpha <= 0 or not 0.0 < self.lam_q <= 1.0:
+            raise ValueError("lam_alpha must be > 0 and lam_q in (0, 1].")
+        if self.cliprange <= 0 or self.cliprange_value <= 0:
+            raise ValueError("cliprange and cliprange_value must be > 0.")
+        if self.init_kl_coef < 0:
+            raise ValueError(f"init_kl_coef must be >= 0, got {self.init_kl_coef}.")
+        if self.adap_kl_ctrl and (self.target is None or self.target <= 0 or self.horizon <= 0):
+            raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
+        if self.use_score_norm and not self.use_score_scaling:
+            raise ValueError("use_score_norm only acts with use_score_scaling=True; set both or neither.")
+        if self.score_clip is not None and self.score_clip <= 0:
+            raise ValueError(f"score_clip must be > 0 or None, got {self.score_clip}.")
+        if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must be between 0 and max_new_tokens ({self.max_new_tokens})."
+            )
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1.")
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0.")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("Choose one of load_in_4bit and load_in_8bit.")
+        if self.token_filter is not None:
+            if self.token_filter not in ("icepop", "kpop"):
+                raise ValueError(f"token_filter must be None, 'icepop' or 'kpop', got {self.token_filter!r}.")
+            if not self.use_decoupled_loss:
+                raise ValueError("token_filter acts on the decoupled loss; set use_decoupled_loss=True.")
+        if self.token_filter_level not in ("token", "sequence"):
+            raise ValueError(f"token_filter_level must be 'token' or 'sequence', got {self.token_filter_level!r}.")
+        if self.token_filter_action not in ("mask", "clamp"):
+            raise ValueError(f"token_filter_action must be 'mask' or 'clamp', got {self.token_filter_action!r}.")
+        if self.token_filter == "kpop" and self.token_filter_action == "clamp":
+            raise ValueError("KPop only masks tokens: use token_filter_action='mask' with token_filter='kpop'.")
+        if self.num_shared_layers is not None and self.num_shared_layers < 0:
+            raise ValueError("num_shared_layers must be >= 0 or None.")
+
+    @property
+    def filter_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of the token filter with the defaults filled in: IcePop (0.5, 5.0), KPop upper 2.0."""
+        if self.token_filter == "kpop":
+            return 0.0, 2.0 if self.token_filter_upper is None else self.token_filter_upper
+        lower = 0.5 if self.token_filter_lower is None else self.token_filter_lower
+        upper = 5.0 if self.token_filter_upper is None else self.token_filter_upper
+        return lower, upper
