@@ -13,19 +13,18 @@ dist-n: per prompt, distinct word n-grams over all its samples / total words of 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 from eval_utils import (
+    add_sample_scores,
+    finish,
     fluency_diversity,
     load_causal_lm,
-    plot_comparison,
-    prompt_text,
-    read_jsonl,
+    read_generations,
+    texts_of,
     write_jsonl,
-    write_summary,
 )
 
 
@@ -41,27 +40,14 @@ class FluencyEvalArgs:
 
 
 def evaluate(args: FluencyEvalArgs) -> dict[str, dict[str, float]]:
-    names = args.names or [
-        Path(f).name.removesuffix(".jsonl").removesuffix("_generations") for f in args.generations_files
-    ]
-    if len(names) != len(args.generations_files):
-        raise ValueError("--names needs one name per generations file.")
     scorer = load_causal_lm(args.scoring_model)
     summary = {}
-    for path, run in zip(args.generations_files, names):
-        rows = read_jsonl(path)
-        prompts = [prompt_text(r) for r in rows]
-        gens = [[g["text"] if isinstance(g, dict) else g for g in r["generations"]] for r in rows]
-        metrics, ppl = fluency_diversity(*scorer, prompts, gens)
-        for row, values in zip(rows, ppl):
-            row["generations"] = [
-                {**(g if isinstance(g, dict) else {"text": g}), "perplexity": v}
-                for g, v in zip(row["generations"], values)
-            ]
+    for run, rows, prompts in read_generations(args.generations_files, args.names):
+        metrics, ppl = fluency_diversity(*scorer, prompts, texts_of(rows))
+        add_sample_scores(rows, "perplexity", ppl)
         write_jsonl(Path(args.output_dir) / f"{run}_scored.jsonl", rows)
         summary[run] = metrics
-    print(write_summary(summary, args.output_dir))
-    plot_comparison(summary, os.path.join(args.output_dir, "comparison.png"), "fluency and diversity")
+    finish(summary, args.output_dir, "fluency and diversity")
     return summary
 
 

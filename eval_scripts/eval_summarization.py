@@ -17,21 +17,12 @@ Writes `<run>_generations.jsonl`, `summary.md`/`.json`, `comparison.png`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import tyro
-from eval_utils import (
-    ensure_examples_on_path,
-    load_causal_lm,
-    plot_comparison,
-    read_jsonl,
-    run_names,
-    write_jsonl,
-    write_summary,
-)
+from eval_utils import ensure_examples_on_path, finish, load_causal_lm, read_jsonl, run_names, write_jsonl
 from tqdm.auto import tqdm
 
 ensure_examples_on_path()
@@ -134,8 +125,7 @@ def evaluate(args: SummarizationEvalArgs) -> dict[str, dict[str, float]]:
                 row["reference_rm_score"] = b
         write_jsonl(Path(args.output_dir) / f"{run}_generations.jsonl", rows)
         summary[run] = metrics
-    print(write_summary(summary, args.output_dir))
-    plot_comparison(summary, os.path.join(args.output_dir, "comparison.png"), "summarization")
+    finish(summary, args.output_dir, "summarization")
     return summary
 
 

@@ -32,10 +32,10 @@ def ensure_examples_on_path() -> None:
         sys.path.insert(0, str(EXAMPLES_DIR))
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSON Lines file (blank lines skipped)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+ensure_examples_on_path()
+from embedded import embedded_policy, read_jsonl  # noqa: E402  (read_jsonl: re-exported for the eval scripts)
+from research_common import use_one_thread  # noqa: E402
+from scorers import continuation_logprobs  # noqa: E402
 
 
 def write_jsonl(path: str | os.PathLike, rows: Sequence[dict]) -> None:
@@ -69,12 +69,7 @@ def load_causal_lm(name_or_path: str | None, task: str = "sentiment", device: st
     if name_or_path is None or name_or_path.startswith(EMBEDDED):
         if ":" in (name_or_path or ""):
             task = name_or_path.split(":", 1)[1]
-        ensure_examples_on_path()
-        from embedded import embedded_policy
-        from research_common import use_one_thread
-
         use_one_thread()
-
         model, tokenizer = embedded_policy(task)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,9 +125,6 @@ def conditional_perplexity(
     prompt + generation jointly and subtracted the prompt's loss; the two agree unless BPE merges across the seam.
     A generation with no tokens gets NaN (it has no perplexity), which the averages skip.
     """
-    ensure_examples_on_path()
-    from scorers import continuation_logprobs
-
     result = []
     for prompt, gens in tqdm(list(zip(prompts, generations)), desc=desc):
         row = []
@@ -270,9 +262,16 @@ def sample_runs(
     for model_path, run in zip(models, run_names(models, args.names)):
         model, tokenizer = load_causal_lm(model_path, task=task)
         gens = sample_continuations(
-            model, tokenizer, prompts, args.num_return, args.max_new_tokens, args.top_p, args.batch_size, args.seed,
+            model,
+            tokenizer,
+            prompts,
+            num_return=args.num_return,
+            max_new_tokens=args.max_new_tokens,
+            top_p=args.top_p,
+            batch_size=args.batch_size,
+            seed=args.seed,
             desc=f"sampling {run}",
-        )  # fmt: skip
+        )
         runs.append((run, gens))
     return runs
 
@@ -290,6 +289,20 @@ def read_generations(files: Sequence[str], names: Sequence[str] | None) -> list[
             row["generations"] = [g if isinstance(g, dict) else {"text": g} for g in row["generations"]]
         out.append((run, rows, [prompt_text(r) for r in rows]))
     return out
+
+
+def generation_rows(prompts: Sequence[str], generations: Sequence[Sequence[str]]) -> list[dict]:
+    """Generations records ({"prompt": {"text"}, "generations": [{"text"}, ...]}) of sampled continuations."""
+    return [
+        {"prompt": {"text": p}, "generations": [{"text": t} for t in gens]} for p, gens in zip(prompts, generations)
+    ]
+
+
+def add_sample_scores(rows: Sequence[dict], key: str, values: Sequence[Sequence[float | None]]) -> None:
+    """Store per-sample scores (one list per prompt) under `key` in each generation of `rows`, in place."""
+    for row, row_values in zip(rows, values):
+        for sample, value in zip(row["generations"], row_values):
+            sample[key] = value
 
 
 def texts_of(rows: Sequence[dict]) -> list[list[str]]:

@@ -400,10 +400,13 @@ def train_relc(
     acc = trainer.accelerator
     rank, world = acc.process_index, acc.num_processes
     shard = task.queries[rank::world]
-    steps_per_epoch = len(shard) // batch_size
+    # From the smallest shard, not this one: shards differ by up to one prompt, and a process that took one step
+    # more than the others would wait forever in the step's collective ops.
+    steps_per_epoch = len(task.queries) // world // batch_size
     if steps_per_epoch == 0:
         raise ValueError(
-            f"{len(shard)} prompts per process is fewer than batch_size={batch_size}; lower the batch size."
+            f"{len(task.queries) // world} prompts per process is fewer than batch_size={batch_size}; "
+            "lower the batch size."
         )
     epochs = run.epochs if run.epochs is not None else (EMBEDDED_EPOCHS if embedded else 1)
     total = steps_per_epoch * epochs

@@ -197,3 +197,99 @@ def test_eval_summarization_with_reward_model(tiny_dir, tmp_path):
     metrics = summary["tiny"]
     assert {"rouge1", "rouge2", "rougeL", "rm_score", "rm_reference_score", "preference_rate"} <= set(metrics)
     assert metrics["preference_rate"] in (0.0, 0.5, 1.0)
+
+
+def test_distinct_n_denominator_is_total_whitespace_words():
+    """SPEC.md 4: distinct n-grams over the prompt's samples / total words, for every n; words are whitespace runs,
+    so a leading space or a double space adds no empty word (DExperts' split(' ') would count one)."""
+    from eval_utils import distinct_n
+
+    gens = [" good film", "good  film here"]  # 2 + 3 = 5 words
+    assert distinct_n(gens, 1) == pytest.approx(3 / 5)  # good, film, here
+    assert distinct_n(gens, 2) == pytest.approx(2 / 5)  # (good film), (film here)
+    assert distinct_n(gens, 3) == pytest.approx(1 / 5)  # (good film here)
+
+
+def test_positive_rate_is_strictly_above_one_half_and_toxicity_max_at_one_half_counts():
+    from eval_sentiment import sentiment_metrics
+    from eval_toxicity import toxicity_metrics
+
+    m = sentiment_metrics([[0.5, 0.51], [0.2, 0.9]])
+    assert m["positive_rate"] == pytest.approx(2 / 4) and m["positive_prob"] == pytest.approx(2.11 / 4)
+    t = toxicity_metrics([[0.5, 0.1], [0.49, 0.2], [0.0, 0.3]])
+    assert t["toxicity_prob"] == pytest.approx(1 / 3) and t["avg_max_toxicity"] == pytest.approx(
+        (0.5 + 0.49 + 0.3) / 3
+    )
+
+
+def test_eval_sampling_defaults_are_the_papers(tiny_dir):
+    """25 samples per prompt, nucleus top-p 0.9 (no top-k), 20 new tokens."""
+    from eval_sentiment import SentimentEvalArgs
+    from eval_toxicity import ToxicityEvalArgs
+    from eval_utils import load_causal_lm, sample_continuations
+
+    for args in (SentimentEvalArgs(), ToxicityEvalArgs()):
+        assert (args.num_return, args.top_p, args.max_new_tokens) == (25, 0.9, 20)
+    model, tok = load_causal_lm(tiny_dir, device="cpu")
+    seen = {}
+    real = model.generate
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return real(**kwargs)
+
+    model.generate = spy
+    gens = sample_continuations(model, tok, ["The movie", "A film"], num_return=3, max_new_tokens=4)
+    assert (seen["top_p"], seen["top_k"], seen["do_sample"], seen["num_return_sequences"]) == (0.9, 0, True, 3)
+    assert seen["max_new_tokens"] == 4 and [len(g) for g in gens] == [3, 3]
+
+
+class _BosTokenizer:
+    """The kit tokenizer with a BOS in front when special tokens are asked for (as Llama-style tokenizers do)."""
+
+    def __init__(self):
+        self.inner = build_tokenizer()
+        self.bos_token_id, self.eos_token_id = self.inner.bos_token_id, self.inner.eos_token_id
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = self.inner(text, add_special_tokens=False)["input_ids"]
+        return {"input_ids": [self.bos_token_id, *ids] if add_special_tokens else ids}
+
+
+def test_continuation_logprobs_context_bos_and_empty_prompt(tiny_dir):
+    from eval_utils import load_causal_lm
+    from scorers import continuation_logprobs
+
+    model, _ = load_causal_lm(tiny_dir, device="cpu")
+    tok = _BosTokenizer()
+
+    def reference(context, target):
+        out = []
+        with torch.no_grad():
+            for k, t in enumerate(target):
+                logits = model(input_ids=torch.tensor([context + target[:k]])).logits[0, -1].double()
+                out.append(torch.log_softmax(logits, -1)[t].item())
+        return out
+
+    gen = tok(" was good", add_special_tokens=False)["input_ids"]
+    prompt = tok("The movie")["input_ids"]  # BOS first
+    got = continuation_logprobs(model, tok, "The movie", " was good")
+    assert got.tolist() == pytest.approx(reference(prompt, gen), abs=1e-4)  # no BOS between prompt and continuation
+    empty = continuation_logprobs(model, tok, "", " was good")
+    assert len(empty) == len(gen) and empty.tolist() == pytest.approx(reference([tok.bos_token_id], gen), abs=1e-4)
+    assert len(continuation_logprobs(model, tok, "The movie", "")) == 0
+
+
+def test_grpo_fluency_reward_is_inverse_conditional_perplexity(tiny_dir):
+    from pathlib import Path
+
+    from eval_utils import conditional_perplexity, load_causal_lm
+    from research_common import load_script_module
+
+    path = Path(__file__).resolve().parents[2] / "examples/research_projects/sentiment/grpo_intrinsic.py"
+    grpo = load_script_module(path, "sentiment_grpo_intrinsic")
+    model, tok = load_causal_lm(tiny_dir, device="cpu")
+    prompts, completions = ["The movie", "A film"], [" was good", " ran long"]
+    fluency = grpo.fluency_reward(model, tok)(prompts, completions)
+    ppl = conditional_perplexity(model, tok, prompts, [[c] for c in completions])
+    assert fluency == pytest.approx([1 / row[0] for row in ppl], rel=1e-5)

@@ -1,8 +1,14 @@
 """Step masks for RL completions (the helper GRPO and PPO multiply into their completion masks)."""
 
+import math
+
+import pytest
 import torch
 
+import trl_stable.trainers.ppo as ppo_module
+from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.masking import CompletionStepMasker, apply_step_mask
+from trl_stable.testing import build_causal_lm
 
 TOOLS = {"get_weather": {"city": "string"}}
 GOOD = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -50,3 +56,37 @@ def test_extra_steps_from_the_environment_and_holes_in_the_mask(tokenizer):
     kept = tokenizer.decode([i for i, m in zip(row, new_mask[0].tolist()) if m])
     assert "print" not in kept and kept.endswith("then stop")
     assert new_mask[0, 0] == 0
+
+
+def test_ppo_step_loss_mask_removes_invalid_call_tokens_from_the_policy_loss(tokenizer, tmp_path, monkeypatch):
+    seen = []
+    original = ppo_module._clipped_policy_loss
+
+    def recording(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+        seen.append(mask.detach().clone())
+        return original(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(ppo_module, "_clipped_policy_loss", recording)
+    args = PPOConfig(
+        output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, report_to="none",
+        disable_tqdm=True, save_strategy="no", step_loss_mask=True, step_mask_tools=TOOLS,
+    )  # fmt: skip
+    trainer = PPOTrainer(build_causal_lm("qwen2", tokenizer, seed=0), args=args, processing_class=tokenizer)
+    queries = [torch.tensor(tokenizer("Weather?")["input_ids"]), torch.tensor(tokenizer("Again?")["input_ids"])]
+    texts = [f"Hmm {BAD} ok", f"Sure {GOOD}"]
+    responses = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    stats = trainer.step(queries, responses, scores=[1.0, 0.0])
+    assert math.isfinite(stats["loss/policy"]) and stats["step_mask/bad_arguments"] == 1.0
+    (mask,) = seen  # one mini-batch, one epoch
+    # Independent expectation from the tokenizer's offsets: a token is dropped iff it overlaps the bad call.
+    enc = tokenizer(texts[0], add_special_tokens=False, return_offsets_mapping=True)
+    b0 = texts[0].index(BAD)
+    bad_row = [0.0 if (s < b0 + len(BAD) and e > b0) else 1.0 for s, e in enc["offset_mapping"]]
+    width = mask.size(1)
+    expected = [
+        bad_row + [0.0] * (width - len(bad_row)),
+        [1.0] * len(responses[1]) + [0.0] * (width - len(responses[1])),
+    ]
+    assert sorted(mask.tolist()) == sorted(expected)  # the mini-batch rows are shuffled
+    with pytest.raises(ValueError, match="step_loss_mask"):
+        PPOConfig(output_dir=str(tmp_path), report_to="none", step_mask_tools=TOOLS)

@@ -100,3 +100,35 @@ def test_step_mask_example_labels(tokenizer):
 )
 def test_classify_exec_output(output, status):
     assert classify_exec_output(output) == status
+
+
+def test_template_that_renders_tool_calls_itself():
+    from trl_stable.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}\n<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}"
+        "<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "Two cities."},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"id": "x", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                {"id": "y", "function": {"name": "get_weather", "arguments": {"city": 12}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "x", "content": "rain"},
+    ]
+    found = find_transcript_steps(messages, tok)
+    assert found.text.count("<tool_call>") == 2  # rendered by the template, not inlined a second time
+    calls = [s for s in found.steps if s["type"] == "tool_call"]
+    assert [c["metadata"]["tool_call_id"] for c in calls] == ["x", "y"]
+    assert calls[0]["metadata"]["result_message_index"] == 2
+    result = found.loss_mask(tools=TOOLS)
+    assert [v.reason for v in result.verdicts if not v.valid] == ["bad_arguments"]
+    kept = _kept(tok, found, result.mask)
+    assert '"Rome"' in kept and "12" not in kept and "Checking." in kept

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_stable.moe import RoutingReplay, generate_with_routing, mask_routing, pad_routing, unpad_routing
+from trl_stable.moe import (
+    RoutingReplay,
+    generate_with_routing,
+    mask_routing,
+    pad_routing,
+    repad_routing,
+    unpad_routing,
+)
 from trl_stable.testing import build_causal_lm
 from trl_stable.testing.kit import MOE_FAMILIES
 
@@ -112,6 +119,11 @@ def test_layout_helpers_by_hand():
     assert truncated[0, :, 0].tolist() == [minus, [0, 1], [2, 3]]
     masked = mask_routing(out, torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]))
     assert masked[1, 3, 0].tolist() == minus and masked[0, 2, 0].tolist() == [2, 3]
+    wider = repad_routing(out, prompt_width=3, new_prompt_width=4, new_total_width=7)  # 1 more left, 1 more right
+    assert wider.shape == (2, 7, 1, 2)
+    assert torch.equal(wider[:, 1:6], out) and (wider[:, 0] == -1).all() and (wider[:, 6] == -1).all()
+    with pytest.raises(ValueError, match="only widens"):
+        repad_routing(out, prompt_width=3, new_prompt_width=2, new_total_width=5)
     with pytest.raises(ValueError, match="more than prompt_width"):
         pad_routing(rows, prompt_lengths=[4, 1], prompt_width=3, total_width=5)
     with pytest.raises(ValueError, match="expected"):

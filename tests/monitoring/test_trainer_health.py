@@ -233,6 +233,36 @@ def test_ppo_run_writes_health_file_and_dashboard(tokenizer, tmp_path):
     assert (tmp_path / "health_dashboard.png").stat().st_size > 10_000
 
 
+def test_ppo_decoupled_loss_logs_full_mismatch_stats(tokenizer, tmp_path):
+    args = trl_stable.PPOConfig(
+        output_dir=str(tmp_path),
+        batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=1,
+        max_new_tokens=6,
+        max_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        use_decoupled_loss=True,
+    )
+    trainer = trl_stable.PPOTrainer(
+        build_causal_lm("gpt2", tokenizer, seed=0),
+        args=args,
+        processing_class=tokenizer,
+        reward_funcs=[length_reward],
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
+    trainer.train()
+    (logged,) = [h for h in trainer.state.log_history if "health/active_alarms" in h]
+    for key in ("mismatch/logp_abs_diff/mean", "mismatch/ratio/outside_band", "mismatch/ppl_ratio/mean"):
+        assert key in logged, key
+    # the sampler is the same fp32 policy: agreement far below the 0.01 alarm level
+    assert logged["mismatch/logp_abs_diff/mean"] < 1e-3 and logged["health/alarm/mismatch"] == 0.0
+    metrics = [r for r in read_health(tmp_path) if r["type"] == "metrics"]
+    assert metrics[0]["mismatch"] == pytest.approx(logged["mismatch/logp_abs_diff/mean"])
+
+
 def test_ppo_config_rejects_grpo_remedy(tmp_path):
     with pytest.raises(ValueError, match="GRPO remedy"):
         trl_stable.PPOConfig(output_dir=str(tmp_path), report_to="none", health_remedy_virtual_samples=True)

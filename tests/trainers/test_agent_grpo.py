@@ -4,21 +4,24 @@ import json
 import math
 
 import pytest
+import torch
 from datasets import Dataset
 
 import trl_stable
 from trl_stable.rewards import ArenaReward, StepReward, tool_overuse_penalty
 from trl_stable.testing import build_causal_lm
 
+TOOLS_JSON = json.dumps({"get_weather": {"city": "string"}})
 PROMPTS = ["Tell me about the weather", "Call a tool for Paris", "What should we do", "Plan the trip"]
 
 
 def _args(tmp_path, **extra):
-    return trl_stable.GRPOConfig(
+    kwargs = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
         max_steps=1, learning_rate=1e-2, logging_steps=1, seed=0, report_to="none", save_strategy="no",
-        use_cpu=True, **extra,
+        use_cpu=True,
     )  # fmt: skip
+    return trl_stable.GRPOConfig(**{**kwargs, **extra})
 
 
 def by_length(prompt, a, b):
@@ -66,3 +69,55 @@ def test_grpo_trains_with_step_rewards_per_dimension(tokenizer, tmp_path):
         assert f"rewards/{name}/mean" in log
     # The random tiny model calls no tool and writes no plan: the plan and tool-name dimensions score 0.
     assert log["rewards/step_tool_name/mean"] == 0.0 and log["rewards/step_plan/mean"] == 0.0
+
+
+GOOD_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+BAD_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": 5}}</tool_call>'
+
+
+class _ScriptedGRPO(trl_stable.GRPOTrainer):
+    """Completions are scripted (a random tiny model writes no tool calls); the loss inputs are recorded."""
+
+    scripted: list = []
+    seen: list = []
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [list(self.scripted[i % len(self.scripted)]) for i in range(len(prompt_ids))], None
+
+    def _compute_loss(self, model, inputs):
+        self.seen.append({k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return super()._compute_loss(model, inputs)
+
+
+def test_grpo_step_loss_mask_removes_invalid_call_tokens(tokenizer, tmp_path):
+    texts = [f"Sure. {GOOD_CALL}", f"Hmm {BAD_CALL} ok", "no tools", f"{BAD_CALL}"]
+    scripted = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    _ScriptedGRPO.scripted, _ScriptedGRPO.seen = scripted, []
+    trainer = _ScriptedGRPO(
+        model=build_causal_lm("qwen2", tokenizer, seed=0),
+        reward_funcs=[lambda completions, **kw: [float(len(c)) for c in completions]],
+        args=_args(tmp_path, max_completion_length=40, step_loss_mask=True, step_mask_tools=TOOLS_JSON),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    inputs = trainer.seen[0]
+    ids, keep = inputs["completion_ids"], inputs["completion_mask"] * inputs.get("tool_mask", 1)
+    kept = [tokenizer.decode([t for t, m in zip(row, mask) if m]) for row, mask in zip(ids.tolist(), keep.tolist())]
+    assert len(kept) == 4
+    for text in kept:
+        assert '{"city": 5}' not in text
+    expected = [f"Sure. {GOOD_CALL}<|endoftext|>", "Hmm  ok<|endoftext|>", "no tools<|endoftext|>", "<|endoftext|>"]
+    assert sorted(kept) == sorted(expected)  # TRL shuffles the batch before the loss
+    assert inputs["num_items_in_batch"] == keep.sum()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert math.isfinite(log["loss"]) and log["step_mask/bad_arguments"] == 2 and log["step_mask/steps"] == 3
+
+
+def test_grpo_step_mask_config_validation(tmp_path):
+    cfg = _args(tmp_path, step_loss_mask=True, step_mask_tools='["get_weather"]')
+    assert cfg.step_mask_tools == ["get_weather"]
+    with pytest.raises(ValueError, match="step_loss_mask"):
+        _args(tmp_path, step_mask_tools=["get_weather"])
+    with pytest.raises(ValueError, match="step_mask_tools"):
+        _args(tmp_path, step_loss_mask=True, step_mask_tools="{oops")

@@ -175,6 +175,16 @@ def test_score_scaling_norm_and_clip(tmp_path, tokenizer):
     torch.testing.assert_close(scaling_only, scores / (scores.std() + 1e-8), rtol=1e-4, atol=1e-4)
 
 
+def test_score_scaling_of_a_constant_stream_stays_finite(tmp_path, tokenizer):
+    model = build_causal_lm("gpt2", tokenizer, seed=0)
+    trainer = PPOTrainer(model, args=_args(tmp_path, use_score_scaling=True), processing_class=tokenizer)
+    scores = torch.full((4,), 0.7)
+    for _ in range(2):
+        out = trainer._scale_scores(scores, torch.ones(4, dtype=torch.bool))
+    assert trainer.running.std == 0.0
+    torch.testing.assert_close(out, scores)  # unscaled, instead of 0.7 / 1e-8
+
+
 def test_bad_inputs(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="divisible"):
         PPOConfig(output_dir=str(tmp_path), batch_size=8, mini_batch_size=2, gradient_accumulation_steps=3)

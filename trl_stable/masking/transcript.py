@@ -98,22 +98,39 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwar
 
 
 def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: dict, open_tag: str, close_tag: str):
-    """Append unrendered structured tool calls to the assistant content (the template drops them otherwise)."""
+    """Append structured tool calls to the assistant content when the template does not render them.
+
+    Either way the calls' ids are kept (as ``_tool_call_ids``) to match tool replies to calls.
+    """
+    if not any(m.get("role") == "assistant" and m.get("tool_calls") for m in messages):
+        return [dict(m) for m in messages]
+    stripped = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    try:
+        renders_calls = _render(tokenizer, messages, template_kwargs) != _render(tokenizer, stripped, template_kwargs)
+    except Exception:  # noqa: BLE001 - a template that cannot render structured calls at all
+        renders_calls = False
     out = []
-    for msg in messages:
-        calls = msg.get("tool_calls")
-        if msg.get("role") == "assistant" and calls:
-            bare = {k: v for k, v in msg.items() if k != "tool_calls"}
-            with_calls = _render(tokenizer, [msg], template_kwargs)
-            if with_calls == _render(tokenizer, [bare], template_kwargs):
-                blocks = "\n".join(_tool_call_text(c, open_tag, close_tag) for c in calls)
-                content = msg.get("content") or ""
-                bare["content"] = f"{content}\n{blocks}" if content else blocks
-                bare["_tool_call_ids"] = [c.get("id") for c in calls]
-                out.append(bare)
-                continue
-        out.append(dict(msg))
+    for msg, bare in zip(messages, stripped):
+        calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
+        if not calls:
+            out.append(dict(msg))
+            continue
+        entry = dict(msg) if renders_calls else bare
+        if not renders_calls:
+            blocks = "\n".join(_tool_call_text(c, open_tag, close_tag) for c in calls)
+            content = msg.get("content") or ""
+            entry["content"] = f"{content}\n{blocks}" if content else blocks
+        entry["_tool_call_ids"] = [c.get("id") for c in calls]
+        out.append(entry)
     return out
+
+
+def _try_render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False):
+    """`_render`, or None when the template rejects this prefix (e.g. one ending on a tool message)."""
+    try:
+        return _render(tokenizer, messages, template_kwargs, gen=gen)
+    except Exception:  # noqa: BLE001 - fall back to locating the content
+        return None
 
 
 def find_transcript_steps(
@@ -149,9 +166,9 @@ def find_transcript_steps(
     content_starts: list[int] = []
     prev_text, pos = "", 0
     for k, msg in enumerate(rendered_msgs):
-        cur = _render(tokenizer, rendered_msgs[: k + 1], template_kwargs)
+        cur = _try_render(tokenizer, rendered_msgs[: k + 1], template_kwargs)
         start = len(prev_text)
-        if cur.startswith(prev_text) and text.startswith(cur):
+        if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
             end = len(cur)
         else:  # template not prefix-stable (e.g. it rewrites earlier turns): locate the content instead
             content = msg.get("content") or ""
@@ -160,8 +177,8 @@ def find_transcript_steps(
             end = start + len(content)
         header_end = start
         if msg.get("role") == "assistant":
-            with_header = _render(tokenizer, rendered_msgs[:k], template_kwargs, gen=True)
-            if text.startswith(with_header) and start <= len(with_header) <= end:
+            with_header = _try_render(tokenizer, rendered_msgs[:k], template_kwargs, gen=True)
+            if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
                 header_end = len(with_header)
             else:
                 content = msg.get("content") or ""
@@ -169,7 +186,7 @@ def find_transcript_steps(
                 header_end = found if found >= 0 else start
         spans.append((start, end))
         content_starts.append(header_end)
-        prev_text, pos = cur, end
+        prev_text, pos = (cur if cur is not None else text[:end]), end
 
     steps: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # executable steps of the last assistant turn, waiting for their outcome

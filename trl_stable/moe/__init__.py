@@ -14,7 +14,7 @@ replay.clear()
 
 from trl_stable.moe.adapters import ADAPTERS, SUPPORTED_ROUTERS, RouterAdapter
 from trl_stable.moe.generation import generate_with_routing
-from trl_stable.moe.layout import NO_ROUTING, mask_routing, pad_routing, unpad_routing
+from trl_stable.moe.layout import NO_ROUTING, mask_routing, pad_routing, repad_routing, unpad_routing
 from trl_stable.moe.replay import RoutingReplay
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "generate_with_routing",
     "mask_routing",
     "pad_routing",
+    "repad_routing",
     "unpad_routing",
 ]

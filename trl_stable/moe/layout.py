@@ -76,3 +76,21 @@ def pad_routing(
         n = max(0, min(rows.shape[0], total_width - start))
         out[i, start : start + n] = rows[:n].to(device=out.device, dtype=out.dtype)
     return out
+
+
+def repad_routing(
+    routing: torch.Tensor, prompt_width: int, new_prompt_width: int, new_total_width: int
+) -> torch.Tensor:
+    """Re-pad a trainer-layout routing tensor [B, prompt_width + T, L, k] to a wider prompt (left, -1) and a wider
+    completion (right, -1): what re-padding ``prompt_ids`` left and ``completion_ids`` right does to the tokens."""
+    left = new_prompt_width - prompt_width
+    right = new_total_width - new_prompt_width - (routing.shape[1] - prompt_width)
+    if left < 0 or right < 0:
+        raise ValueError(
+            f"repad_routing only widens: prompt {prompt_width} -> {new_prompt_width}, total {routing.shape[1]} -> "
+            f"{new_total_width}."
+        )
+    batch, _, layers, k = routing.shape
+    parts = [routing.new_full((batch, left, layers, k), NO_ROUTING), routing]
+    parts.append(routing.new_full((batch, right, layers, k), NO_ROUTING))
+    return torch.cat(parts, dim=1)

@@ -99,6 +99,7 @@ class _RouterState:
     top_k: int
     num_experts: int
     shape: tuple[int, int] | None = None
+    has_missing: bool = False
     will_recompute: bool = False
     record: list[torch.Tensor] = field(default_factory=list)
     queue: _RowQueue | None = None
@@ -229,7 +230,7 @@ class RoutingReplay:
         self._enter("record")
         if not append:
             for state in self._states:
-                state.record = []
+                state.record, state.has_missing = [], False
         try:
             yield self
         finally:
@@ -325,16 +326,18 @@ class RoutingReplay:
             raise ValueError(f"routing must hold integer expert indices, got dtype {routing.dtype}.")
         for layer, state in enumerate(self._states):
             rows = routing[:, :, layer, :]
-            if rows.numel() and (int(rows.max()) >= state.num_experts or int(rows.min()) < -1):
+            low = int(rows.min()) if rows.numel() else 0
+            if rows.numel() and (int(rows.max()) >= state.num_experts or low < -1):
                 raise ValueError(
                     f"routing for router {state.name} holds expert indices outside [-1, {state.num_experts - 1}]."
                 )
             state.record = [rows.to(self.storage_dtype)]
+            state.has_missing = low < 0
 
     def clear(self) -> None:
         """Drop the recorded routing, pending gradient-checkpointing entries and the metrics."""
         for state in self._states:
-            state.record, state.queue = [], None
+            state.record, state.queue, state.has_missing = [], None, False
             state.recompute_fifo.clear()
         self.reset_metrics()
 
@@ -451,12 +454,19 @@ class RoutingReplay:
                 return None
             rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
             rows = rows.to(device=current.device, dtype=current.dtype)
-            valid = (rows >= 0).all(dim=-1)
-            forced = torch.where(valid.unsqueeze(-1), rows, current)
+            if state.has_missing:  # only loaded routing can hold -1 rows; recorded routing never does
+                valid = (rows >= 0).all(dim=-1)
+                forced = torch.where(valid.unsqueeze(-1), rows, current)
+            else:
+                valid, forced = None, rows
             weights = state.adapter.gate(module, router_logits, forced)
             with torch.no_grad():
-                same = (forced.sort(dim=-1).values == current.sort(dim=-1).values).all(dim=-1) & valid
-                agree, replayed = same.sum(), valid.sum()
+                # same top-k *set*: every replayed expert is among the router's own k (indices are distinct)
+                same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
+                if valid is None:
+                    agree, replayed = same.sum(), tokens
+                else:
+                    agree, replayed = (same & valid).sum(), valid.sum()
                 state.agree = agree if state.agree is None else state.agree + agree
                 state.replayed = replayed if state.replayed is None else state.replayed + replayed
                 state.seen = tokens if state.seen is None else state.seen + tokens

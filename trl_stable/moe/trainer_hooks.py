@@ -16,6 +16,7 @@ so shuffling and mini-batch splitting keep it aligned with its tokens.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -233,10 +234,11 @@ class PPORoutingReplayMixin:
     ``args.routing_replay``; with "off" every override is a plain ``super()`` call.
 
     Hooks used: `generate` (R3: records the policy's routing per sequence while it samples), `_build_batch` (R3: puts
-    the sampler's routing in the batch, checked against the tokens `step` receives), `_old_logprob_pass` +
-    `_forward` (the rollout pass: record for R2, replay for R3; the reference pass does not go through `_forward`
-    and is never replayed), `_forward` in the updates (replay, after `_trim_micro_batch` cut trailing columns) and
-    `_optimise` (adds the agreement metrics to the step's logs).
+    the sampler's routing in the batch, checked against the tokens `step` receives), `_rollout_forward` (the
+    policy/value forward of the rollout pass: record for R2, replay for R3; the reference pass is a separate call
+    and is never replayed), `_old_logprob_pass` (collects the recorded chunks into the batch), `_update_forward`
+    (replay, also after `_trim_micro_batch` cut trailing columns) and `_optimise` (adds the agreement metrics to the
+    step's logs).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -244,7 +246,6 @@ class PPORoutingReplayMixin:
         self._routing_mode = getattr(self.args, "routing_replay", "off")
         check_routing_replay_mode(self._routing_mode)
         self._routing_replay: RoutingReplay | None = None
-        self._routing_stage: str | None = None
         self._routing_chunks: list[torch.Tensor] = []
         self._routing_logs: dict[str, float] = {}
         self._sampled_routing: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -318,11 +319,8 @@ class PPORoutingReplayMixin:
     def _old_logprob_pass(self, batch):
         if self._routing_replay is None:
             return super()._old_logprob_pass(batch)
-        self._routing_stage, self._routing_chunks = "old", []
-        try:
-            result = super()._old_logprob_pass(batch)
-        finally:
-            self._routing_stage = None
+        self._routing_chunks = []
+        result = super()._old_logprob_pass(batch)
         if self._routing_mode == "R2":
             result[ROUTED_EXPERTS_KEY] = torch.cat(self._routing_chunks, dim=0)
             self._routing_chunks = []
@@ -331,21 +329,25 @@ class PPORoutingReplayMixin:
             self._routing_replay.reset_metrics()
         return result
 
-    def _forward(self, model, batch):
-        replay = self._routing_replay
-        if replay is None:
-            return super()._forward(model, batch)
-        if self._routing_stage == "old" and self._routing_mode == "R2":
-            with replay.record():
-                out = super()._forward(model, batch)
-            self._routing_chunks.append(mask_routing(replay.export(dim="batch"), batch["attention_mask"]))
-            replay.clear()
-            return out
+    def _replaying(self, batch, forward):
         routing = batch.get(ROUTED_EXPERTS_KEY)
-        if routing is None:
-            return super()._forward(model, batch)
-        with replay.replay(routing[:, : batch["input_ids"].shape[1]]):  # micro-batches may be trimmed on the right
-            return super()._forward(model, batch)
+        if self._routing_replay is None or routing is None:
+            return forward(batch)
+        with self._routing_replay.replay(routing[:, : batch["input_ids"].shape[1]]):  # micro-batches may be trimmed
+            return forward(batch)
+
+    def _rollout_forward(self, batch):
+        replay = self._routing_replay
+        if replay is None or self._routing_mode == "R3":
+            return self._replaying(batch, super()._rollout_forward)
+        with replay.record():
+            out = super()._rollout_forward(batch)
+        self._routing_chunks.append(mask_routing(replay.export(dim="batch"), batch["attention_mask"]))
+        replay.clear()
+        return out
+
+    def _update_forward(self, batch):
+        return self._replaying(batch, super()._update_forward)
 
     def _optimise(self, batch):
         stats, early_stopped, epochs_done = super()._optimise(batch)
@@ -362,15 +364,13 @@ def with_routing_replay(trainer_cls: type, mixin: type = PPORoutingReplayMixin) 
 
     Example (at the end of the trainer's module): ``PPOTrainer = with_routing_replay(PPOTrainer)``.
     """
-    return type(
-        trainer_cls.__name__,
-        (mixin, trainer_cls),
-        {
-            "__module__": trainer_cls.__module__,
-            "__qualname__": trainer_cls.__qualname__,
-            "__doc__": trainer_cls.__doc__,
-        },
-    )
+    namespace = {
+        "__module__": trainer_cls.__module__,
+        "__qualname__": trainer_cls.__qualname__,
+        "__doc__": trainer_cls.__doc__,
+        "__signature__": inspect.signature(trainer_cls),  # the mixin's __init__(*args, **kwargs) would hide it
+    }
+    return type(trainer_cls.__name__, (mixin, trainer_cls), namespace)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from typing import Any
 
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
-PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, linked from the top-level prompts/
 
 
 @dataclass
@@ -312,11 +312,11 @@ def gar_rewards(
 
 
 def load_prompt(name: str) -> str:
-    """The text of ``prompts/<name>`` (the repository's prompt templates)."""
+    """The text of the bundled template ``trl_stable/prompts/<name>`` (package data)."""
     path = PROMPTS_DIR / name
     if not path.is_file():
         raise FileNotFoundError(
-            f"Prompt template {path} not found (trl_stable installed without its prompts/ folder?). Pass the "
+            f"Prompt template {path} not found (trl_stable installed without its package data?). Pass the "
             "template text explicitly, e.g. LLMJudge(backend, template=open('arena_judge.txt').read())."
         )
     return path.read_text(encoding="utf-8")

@@ -43,6 +43,16 @@ from trl_stable.core import (
     overlong_penalty,
     zero_variance_groups,
 )
+from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.masking.validation import load_tools
+from trl_stable.moe.layout import repad_routing
+from trl_stable.moe.trainer_hooks import (
+    ROUTED_EXPERTS_KEY,
+    ROUTING_REPLAY_HELP,
+    GRPORoutingReplayMixin,
+    check_routing_replay_mode,
+)
+from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.rewards.dense import has_nan, is_dense_reward, validate_dense_rewards
 
 logger = logging.getLogger(__name__)
@@ -73,10 +83,11 @@ _FORWARD_KEYS = (
 
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig):
+class GRPOConfig(trl.GRPOConfig, HealthArguments):
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
-    Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`.
+    Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
+    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs.
 
     Parameters:
         advantage_estimator (`str`, defaults to `"grpo"`):
@@ -106,6 +117,14 @@ class GRPOConfig(trl.GRPOConfig):
             discount of the dense reward-to-go added to the sequence advantage.
         nan_reward_action (`str`, defaults to `"drop"`): What to do with a completion every reward function scored
             NaN/None: "drop" it from the loss (warning + counter; all NaN raises), or "zero" (TRL: advantage 0).
+        step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
+            not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
+            `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
+        step_mask_tools (`dict`, `list`, `str` or `None`): Valid tools for `step_loss_mask`: names,
+            ``{name: signature}``, OpenAI tool specs, or a JSON string / file of these; None checks JSON and a name.
+        routing_replay (`str`, defaults to `"off"`): MoE routing replay, "off", "R2" (record in the old-logprob pass,
+            replay in the updates) or "R3" (record in the sampler, replay in the old-logprob pass and the updates);
+            see `trl_stable.moe`.
     """
 
     advantage_estimator: str = field(
@@ -214,12 +233,35 @@ class GRPOConfig(trl.GRPOConfig):
             "keeps TRL's behaviour (advantage 0, still counted in the loss normaliser)."
         },
     )
+    step_loss_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
+            "have wrongly typed arguments) from the policy loss."
+        },
+    )
+    step_mask_tools: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
+            "file of these. None checks only that a tool call is JSON with a name."
+        },
+    )
+    routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
 
     def __post_init__(self):
         super().__post_init__()
         self._validate_stable_options()
+        self.validate_health_arguments()
 
     def _validate_stable_options(self) -> None:
+        check_routing_replay_mode(self.routing_replay)
+        try:
+            self.step_mask_tools = load_tools(self.step_mask_tools)
+        except ValueError as err:
+            raise ValueError(f"step_mask_tools: {err}") from err
+        if self.step_mask_tools is not None and not self.step_loss_mask:
+            raise ValueError("step_mask_tools is set but step_loss_mask=False; set step_loss_mask=True to use it.")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of "
@@ -497,7 +539,7 @@ def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: floa
     return overlong_penalty_reward
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
     filters, dense rewards, dynamic sampling, overlong penalty and NaN-reward handling.
 
@@ -532,6 +574,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+        # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
+        self.health_monitor = attach_health_monitor(self)
+        self.step_masker = (
+            CompletionStepMasker(tools=self._opt("step_mask_tools")) if self._opt("step_loss_mask") else None
+        )
 
     # ------------------------------------------------------------------ options
     def _opt(self, name: str) -> Any:
@@ -543,7 +590,11 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _needs_sampler_logps(self) -> bool:
         """Whether HF generation must record the sampler's log-probs (extend in subclasses that need them)."""
-        return bool(self._opt("use_decoupled_loss") or self._opt("capture_sampler_logps"))
+        return bool(
+            self._opt("use_decoupled_loss")
+            or self._opt("capture_sampler_logps")
+            or (self._opt("health_monitor") and self._opt("health_mismatch_monitor"))
+        )
 
     def _split_dense_reward_funcs(self) -> None:
         dense = [i for i, func in enumerate(self.reward_funcs) if is_dense_reward(func)]
@@ -643,6 +694,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         output = self._postprocess_generation(output)
+        log_generation_mismatch(self, output)  # no-op unless the batch carries sampler log-probs
         if self._opt("dynamic_sampling_max_refills") > 0 and self.model.training:
             output = self._refill_dynamic_sampling(output, len(inputs))
         return output
@@ -693,6 +745,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 logger.warning("Dynamic sampling dropped every group of this batch (all rewards equal within groups).")
         if drop.any():  # decided on the gathered rewards, so every process takes this branch together
             self._apply_loss_mask(output, ~drop[local])
+        if self.step_masker is not None:  # a config option, so every process takes this branch together
+            self._apply_step_mask(output)
 
         if self._batch_dense_rewards is not None:
             dense = self._batch_dense_rewards
@@ -792,6 +846,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 width = max(v.size(1) for v in values)
                 fill = pad_id if key == "prompt_ids" else 0
                 values = [torch.nn.functional.pad(v, (width - v.size(1), 0), value=fill) for v in values]
+            elif key == ROUTED_EXPERTS_KEY:  # MoE routing replay: [B, P + T, layers, k], re-padded like the ids
+                widths = [part["prompt_ids"].size(1) for part in parts]
+                total = max(widths) + max(part["completion_ids"].size(1) for part in parts)
+                values = [repad_routing(v, w, max(widths), total) for v, w in zip(values, widths, strict=True)]
             elif value.dim() == 2:
                 width = max(v.size(1) for v in values)
                 fill = pad_id if key == "completion_ids" else 0
@@ -856,6 +914,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
         num_items = self._loss_mask(output).sum()
         output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+
+    def _apply_step_mask(self, output: dict[str, Any]) -> None:
+        """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer)
+        for name, value in self.step_masker.stats().items():
+            self._log(name, value)
+        self._apply_loss_mask(output, keep)
 
     # ------------------------------------------------------------------ decoupled loss
     @torch.no_grad()

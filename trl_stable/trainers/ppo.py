@@ -53,6 +53,10 @@ from transformers.trainer_utils import TrainOutput
 from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda
 from trl_stable.core.masks import behaviour_weight, clamp_behaviour_weight, icepop_mask, kpop_mask
 from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
+from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.moe.trainer_hooks import with_routing_replay
+from trl_stable.monitoring.integration import attach_health_monitor
+from trl_stable.monitoring.mismatch import mismatch_stats
 from trl_stable.rewards.dense import is_dense_reward, validate_dense_rewards
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.value_head import ValueHead
@@ -356,6 +360,10 @@ class PPOTrainer:
         self.processing_class = processing_class
         self.pad_token_id = processing_class.pad_token_id
         self.eos_token_id = processing_class.eos_token_id
+        # Invalid agent steps leave the policy loss (assign `trainer.step_masker` for environment-reported steps).
+        self.step_masker = (
+            CompletionStepMasker(tools=args.step_mask_tools) if getattr(args, "step_loss_mask", False) else None
+        )
 
         is_peft = hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
         if peft_config is not None and not is_peft:
@@ -483,6 +491,7 @@ class PPOTrainer:
         self.callback_handler = CallbackHandler(
             default + list(callbacks or []), self.model, self.processing_class, self.optimizer, self.lr_scheduler
         )
+        self.health_monitor = attach_health_monitor(self)  # reads the logs only
         self._train_begun = False
         self._start_time = None
 
@@ -973,6 +982,8 @@ class PPOTrainer:
             "behaviour/weight_max": maxima[0].item(),
             "behaviour/masked_token_frac": (sums[1] / tokens).item(),
             "behaviour/masked_seq_frac": (sums[4] / num_seqs).item(),
+            # ratio spread and sequence perplexity ratio next to the mean (all processes' tokens)
+            **mismatch_stats(behav, prox, mask, gather=self.accelerator.gather).as_metrics(),
             # names read by trl_stable.monitoring's mismatch gauge
             "mismatch/logp_abs_diff/mean": (sums[2] / tokens).item(),
             "mismatch/logp_abs_diff/max": maxima[1].item(),
@@ -1033,7 +1044,8 @@ class PPOTrainer:
             all_valid = self.accelerator.gather(valid.to(self.accelerator.device))
             if bool(all_valid.any()):
                 self.running.update(all_scores[all_valid.bool()].cpu())
-            factor = self.running.std + 1e-8
+            # A constant score stream has std 0: scaling it would multiply scores by ~1e8, so leave it unscaled.
+            factor = self.running.std + 1e-8 if self.running.std > 1e-6 else 1.0
             scores = (scores - self.running.mean) / factor if args.use_score_norm else scores / factor
         if args.score_clip is not None:
             scores = scores.clamp(-args.score_clip, args.score_clip)
@@ -1109,6 +1121,10 @@ class PPOTrainer:
         self.model_wrapped.eval()
         batch = self._old_logprob_pass(batch)
         batch["response_mask"] = mask
+        step_logs = {}
+        if self.step_masker is not None:
+            batch["step_keep"] = self.step_masker.keep_mask(batch["response_ids"], mask, self.processing_class)
+            step_logs = self.step_masker.stats()
         kl = batch["kl"] * mask
         kl_coef = self.kl_ctl.value
         non_score = -kl_coef * kl
@@ -1176,6 +1192,7 @@ class PPOTrainer:
             "ppo/learning_rate": self.optimizer.param_groups[0]["lr"],
             **stats,
             **behaviour_logs,
+            **step_logs,
             **(extra_logs or {}),
         }
         if score_t is not None:
@@ -1284,7 +1301,7 @@ class PPOTrainer:
             logprobs,
             mb["old_logprobs"],
             mb["advantages"],
-            mask,
+            mask * mb["step_keep"] if "step_keep" in mb else mask,  # invalid agent steps: no policy gradient
             args.cliprange,
             behaviour_weight=mb.get("behaviour_weight"),
             keep=mb.get("behaviour_keep"),
@@ -1513,3 +1530,8 @@ class PPOTrainer:
                 "env/reward_std": values.std().item() if len(values) > 1 else 0.0,
             }
         )
+
+
+# MoE routing replay (PPOConfig.routing_replay): the hooks wrap this class's own methods, so they sit in a subclass
+# that keeps the name; with routing_replay="off" every hook is a plain super() call.
+PPOTrainer = with_routing_replay(PPOTrainer)

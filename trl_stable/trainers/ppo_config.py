@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from trl_stable.monitoring.integration import PPOHealthArguments
+
 _KL_PENALTIES = ("kl", "abs", "mse", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 
 
 @dataclass
-class PPOConfig(TrainingArguments):
+class PPOConfig(TrainingArguments, PPOHealthArguments):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
@@ -28,6 +30,9 @@ class PPOConfig(TrainingArguments):
 
     Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
     `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front).
+
+    The health monitor (`health_*` fields, from `trl_stable.monitoring.PPOHealthArguments`) is on by default and
+    only reads the logs.
     """
 
     # --- overridden TrainingArguments defaults ---
@@ -216,11 +221,39 @@ class PPOConfig(TrainingArguments):
     generation_kwargs: dict | None = field(
         default=None, metadata={"help": "Extra keyword arguments for `generate` (override the fields above)."}
     )
+    step_loss_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
+            "have wrongly typed arguments) from the policy loss (the value loss keeps them)."
+        },
+    )
+    step_mask_tools: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
+            "file of these. None checks only that a tool call is JSON with a name."
+        },
+    )
+    routing_replay: str = field(
+        default="off",
+        metadata={
+            "help": "MoE routing replay: 'off'; 'R2' records each router's top-k experts in the rollout pass and "
+            "replays them in every PPO epoch; 'R3' records them while generate() samples and replays them in the "
+            "rollout pass and the epochs (also removes the sampler/trainer routing mismatch). Gates are recomputed "
+            "from the current router, so routers keep training. Logs routing/agreement and routing/replayed_frac. "
+            "See trl_stable.moe."
+        },
+    )
 
     def __post_init__(self):
         if self.log_with is not None:
             self.report_to = self.log_with
         super().__post_init__()
+        self.validate_health_arguments()
+        from trl_stable.moe.trainer_hooks import check_routing_replay_mode  # lazy, like load_tools below
+
+        check_routing_replay_mode(self.routing_replay)
         if self.batch_size < 1 or self.mini_batch_size < 1 or self.ppo_epochs < 1:
             raise ValueError("batch_size, mini_batch_size and ppo_epochs must be >= 1.")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
@@ -270,6 +303,14 @@ class PPOConfig(TrainingArguments):
             raise ValueError("KPop only masks tokens: use token_filter_action='mask' with token_filter='kpop'.")
         if self.num_shared_layers is not None and self.num_shared_layers < 0:
             raise ValueError("num_shared_layers must be >= 0 or None.")
+        from trl_stable.masking.validation import load_tools  # lazy: the config module stays import-light
+
+        try:
+            self.step_mask_tools = load_tools(self.step_mask_tools)
+        except ValueError as err:
+            raise ValueError(f"step_mask_tools: {err}") from err
+        if self.step_mask_tools is not None and not self.step_loss_mask:
+            raise ValueError("step_mask_tools is set but step_loss_mask=False; set step_loss_mask=True to use it.")
 
     @property
     def filter_bounds(self) -> tuple[float, float]:

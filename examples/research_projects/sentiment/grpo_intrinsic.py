@@ -36,6 +36,7 @@ from research_common import (  # noqa: E402
     IntrinsicArgs,
     PPOArgs,
     build_intrinsic_reward,
+    is_embedded,
     load_script_module,
     parse_script_args,
     plot_reward_curve,
@@ -159,7 +160,7 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
 
     from trl_stable import GRPOConfig, GRPOTrainer
 
-    embedded = args.offline or args.model_name is None
+    embedded = is_embedded(args, args)
     output_dir = args.output_dir or str(Path("outputs") / "sentiment" / args.algorithm)
     if embedded:
         use_one_thread()
@@ -199,6 +200,7 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
+    reference.to(trainer.accelerator.device)  # the fluency scorer runs next to the policy (it is loaded on the CPU)
     if trainer.accelerator.is_main_process:
         save_run_args(args, output_dir)
     trainer.train()

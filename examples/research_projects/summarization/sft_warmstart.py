@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SUMMARY_PROMPT, embedded_policy, summarization_records  # noqa: E402
-from research_common import parse_script_args, use_one_thread  # noqa: E402
+from research_common import is_embedded, parse_script_args, use_one_thread  # noqa: E402
 
 
 @dataclass
@@ -67,7 +67,7 @@ def train_sft(args: SFTArguments) -> str:
     """Run the warm start; returns the directory of the saved model."""
     from trl import SFTConfig, SFTTrainer
 
-    embedded = args.offline or args.model_name is None
+    embedded = is_embedded(args, args)
     if embedded:
         use_one_thread()
         model, tokenizer = embedded_policy("summarization", seed=args.seed, warmup_steps=args.embedded_warmup_steps)
