@@ -15,7 +15,17 @@ from trl_stable._compat import check_trl_version
 
 check_trl_version(_trl.__version__)
 
+# The SFT trainer costs nothing extra: the GRPO trainer's step masks already import trl_stable.masking.
+from trl_stable.masking.sft import StepMaskedSFTConfig, StepMaskedSFTTrainer  # noqa: E402
 from trl_stable.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_stable.trainers.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "__version__"]
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "PPOConfig",
+    "PPOTrainer",
+    "StepMaskedSFTConfig",
+    "StepMaskedSFTTrainer",
+    "__version__",
+]

@@ -127,25 +127,6 @@ def local_toxicity(texts: Sequence[str]) -> list[float]:
     return [float(p) for p in predict_prob([t if t.strip() else "." for t in texts])]
 
 
-class RateLimiter:
-    """At most `rate` acquisitions per second across threads (evenly spaced: Perspective's quota is per second)."""
-
-    def __init__(self, rate: float):
-        if rate <= 0:
-            raise ValueError(f"rate must be > 0 requests per second, got {rate}.")
-        self.interval = 1.0 / rate
-        self._next = time.monotonic()
-        self._lock = threading.Lock()
-
-    def acquire(self) -> None:
-        with self._lock:
-            now = time.monotonic()
-            wait = self._next - now
-            self._next = max(self._next, now) + self.interval
-        if wait > 0:
-            time.sleep(wait)
-
-
 class PerspectiveScorer:
     """Toxicity from Google's Perspective API, threaded and rate-limited.
 
@@ -182,6 +163,9 @@ class PerspectiveScorer:
         self.max_retries = max_retries
         self.backoff = backoff
         self.num_threads = num_threads
+        # imported here so that the scorers stay import-light (trl_stable pulls in torch and TRL)
+        from trl_stable.rewards.critic_backends import RateLimiter
+
         self.limiter = RateLimiter(rate)
         self.requests = 0
         self.failures = 0

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from trl_stable.core import behaviour_weight, binary_kl, clamp_behaviour_weight, icepop_mask, kpop_mask
+from trl_stable.core import (
+    behaviour_weight,
+    binary_kl,
+    clamp_behaviour_weight,
+    filter_behaviour_weight,
+    icepop_mask,
+    kpop_mask,
+)
 
 LN = math.log
 
@@ -138,3 +145,22 @@ def test_kpop_takes_the_larger_direction():
     assert kpop_mask(a, b, torch.ones(1, 1), upper=1.0).tolist() == [[False]]
     assert kpop_mask(b, a, torch.ones(1, 1), upper=1.0).tolist() == [[False]]
     assert kpop_mask(a, b, torch.ones(1, 1), upper=1.7).tolist() == [[True]]
+
+
+def test_filter_behaviour_weight_picks_the_filter():
+    prox, behav = lp(0.4, 1.0, 6.0)
+    mask = torch.tensor([[1, 1, 1]])
+    w, keep = filter_behaviour_weight(prox, behav, mask, None)
+    torch.testing.assert_close(w, torch.tensor([[0.4, 1.0, 6.0]]))
+    assert keep is None
+    w, keep = filter_behaviour_weight(prox, behav, mask, "icepop", "mask", 0.5, 5.0)
+    torch.testing.assert_close(w, torch.tensor([[0.4, 1.0, 6.0]]))
+    assert keep.tolist() == [[False, True, False]]
+    w, keep = filter_behaviour_weight(prox, behav, mask, "icepop", "clamp", 0.5, 5.0)
+    torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 5.0]]))
+    assert keep is None
+    # prox 0.6 vs behav 0.1: max binary KL = 0.6 ln 6 + 0.4 ln(0.4 / 0.9) ~ 0.751 > 0.5; 0.04 vs 0.1: ~ 0.034
+    w, keep = filter_behaviour_weight(prox, behav, mask, "kpop", upper=0.5)
+    assert keep.tolist() == [[True, True, False]]
+    with pytest.raises(ValueError, match="kind"):
+        filter_behaviour_weight(prox, behav, mask, "tis")

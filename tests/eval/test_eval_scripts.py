@@ -121,7 +121,10 @@ def test_perspective_scorer_threads_rate_limit_retries_and_hides_key(perspective
     assert "SECRET" not in repr(scorer)
     starts = sorted(t for t, *_ in handler.calls)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert min(gaps) >= 1 / 20 - 0.01  # never faster than the rate limit, though 4 threads were ready
+    # never faster than the rate limit, though 4 threads were ready (unlimited, they would arrive together); the
+    # server's clock adds scheduling jitter to each gap, so the per-gap bound is loose and the span is checked tightly
+    assert starts[-1] - starts[0] >= (len(starts) - 1) / 20 - 0.01
+    assert min(gaps) >= 1 / 20 - 0.025
 
 
 def test_perspective_failure_scores_none_and_eval_skips_it(perspective_server, tmp_path, monkeypatch):

@@ -94,6 +94,14 @@ def test_code_step_exec_status(status, valid):
     assert validate_step({"start": 0, "end": 3, "type": "code", "exec_status": status}).valid is valid
 
 
+@pytest.mark.parametrize(
+    "status, reason",
+    [("Error", "exec_crash"), ("timed-out", "exec_timeout"), ("OOMKilled", "exec_oom"), ("success", "ok")],
+)
+def test_exec_status_aliases(status, reason):
+    assert validate_step({"start": 0, "end": 1, "type": "code", "exec_status": status}).reason == reason
+
+
 def test_other_step_types_always_train_and_explicit_verdicts_win():
     assert validate_step({"start": 0, "end": 1, "type": "thought"}).valid
     assert not validate_step({"start": 0, "end": 1, "type": "thought", "metadata": {"valid": False}}).valid
@@ -189,6 +197,27 @@ def test_decode_offsets_with_multibyte_characters(tokenizer):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     decoded, offsets = decode_offsets(tokenizer, ids)
     assert decoded == text
-    assert len(offsets) == len(ids)
-    assert offsets[0][0] == 0 and offsets[-1][1] == len(text)
-    assert all(a <= b for a, b in offsets) and all(offsets[k][1] == offsets[k + 1][0] for k in range(len(ids) - 1))
+    # Independent reference: the fast tokenizer's own offsets, where every byte token of a character spans it.
+    reference = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert offsets == [tuple(o) for o in reference]
+
+
+def test_rl_step_starting_with_a_multibyte_character_masks_its_first_byte_tokens(tokenizer):
+    """A step beginning with "é" (two byte tokens): the token holding its first byte is masked too."""
+    text = "ok é€ crashed"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoded, offsets = decode_offsets(tokenizer, ids)
+    start = text.index("é")
+    step = {"start": start, "end": len(text), "unit": "char", "type": "code", "metadata": {"exec_status": "crash"}}
+    mask = build_step_loss_mask(ids, [step], text=decoded, offsets=offsets).mask.tolist()
+    ref = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    assert mask == [0.0 if e > start else 1.0 for s, e in ref]
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "ok "
+
+
+def test_nan_infinity_and_boolean_enum_are_rejected():
+    tools = normalize_signatures({"f": {"type": "object", "properties": {"x": {"enum": [1, 2]}}}})
+    assert validate_tool_call('{"name": "f", "arguments": {"x": NaN}}', tools).reason == "invalid_json"
+    assert validate_tool_call('{"name": "f", "arguments": "{\\"x\\": -Infinity}"}', tools).reason == "invalid_json"
+    assert validate_tool_call('{"name": "f", "arguments": {"x": true}}', tools).reason == "bad_arguments"
+    assert validate_tool_call('{"name": "f", "arguments": {"x": 1}}', tools).valid

@@ -135,3 +135,20 @@ def test_generate_with_routing_refuses_beam_search(tokenizer):
     enc = tokenizer(PROMPTS[:1], return_tensors="pt")
     with pytest.raises(ValueError, match="num_beams=2"):
         generate_with_routing(model, RoutingReplay(model), input_ids=enc.input_ids, num_beams=2)
+
+
+def test_r3_rows_follow_num_return_sequences(tokenizer):
+    """Several samples per prompt: generate repeats each prompt row, and the routing rows follow the sequences."""
+    model = build_causal_lm("qwen3_moe", tokenizer).eval()
+    replay = RoutingReplay(model)
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    sequences, routing = generate_with_routing(
+        model, replay, **enc, max_new_tokens=4, min_new_tokens=4, do_sample=True, num_return_sequences=2
+    )
+    assert routing.shape[:2] == sequences.shape == (6, enc.input_ids.shape[1] + 4)
+    attention_mask = torch.cat([enc.attention_mask.repeat_interleave(2, 0), torch.ones(6, 4, dtype=torch.long)], 1)
+    with torch.no_grad(), replay.record():
+        model(input_ids=sequences, attention_mask=attention_mask)
+    real = attention_mask[:, :-1].bool()
+    assert torch.equal(routing[:, :-1][real], replay.export()[:, :-1][real])

@@ -193,6 +193,86 @@ def test_gradient_checkpointing_recomputes_with_replayed_experts(tokenizer, use_
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-8)
 
 
+def _checkpointed_grads(tokenizer, checkpointing, run):
+    """Gradients of every parameter after `run(model, replay, routing, enc)` on a perturbed qwen3_moe."""
+    enc = _batch(tokenizer)
+    model = build_causal_lm("qwen3_moe", tokenizer).train()
+    replay = RoutingReplay(model)
+    with torch.no_grad(), replay.record():
+        model(**enc)
+    routing = replay.export()
+    _perturb_routers(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    run(model, replay, routing, enc)
+    assert all(not s.recompute_fifo for s in replay._states)
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_gradient_checkpointing_with_one_backward_over_two_forwards(tokenizer):
+    """Accumulating a loss over two same-shape forwards, then one backward: autograd recomputes the second forward
+    first, so a plain FIFO would hand it the first forward's experts; each recomputation must get its own."""
+
+    def run(model, replay, routing, enc):
+        loss = 0.0
+        for chunk in (slice(0, 2), slice(2, 4)):
+            with replay.replay(routing[chunk]):
+                loss = loss - _logps(model, enc.input_ids[chunk], enc.attention_mask[chunk]).mean()
+        loss.backward()
+
+    plain, checkpointed = (_checkpointed_grads(tokenizer, flag, run) for flag in (False, True))
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-8)
+
+
+def test_gradient_checkpointing_without_graph_task_api_is_refused(tokenizer, monkeypatch):
+    """Without torch's graph-task id a recomputation would route freely: replay must refuse, not mis-train."""
+    from trl_stable.moe import replay as replay_module
+
+    monkeypatch.setattr(replay_module, "_current_graph_task_id", None)
+
+    def run(model, replay, routing, enc):
+        with replay.replay(routing):
+            (-_logps(model, enc.input_ids, enc.attention_mask).mean()).backward()
+
+    with pytest.raises(RuntimeError, match="_current_graph_task_id"):
+        _checkpointed_grads(tokenizer, True, run)
+    assert _checkpointed_grads(tokenizer, False, run).abs().sum() > 0  # no checkpointing: nothing to tell apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_gate_equals_the_family_router_at_forced_experts(tokenizer, family, norm_topk_prob, dtype):
+    """Unit check of each adapter's gate against the family's own router forward (its top-k forced to random
+    experts): softmax vs sigmoid, norm_topk_prob both ways, Mixtral's fp32 renormalisation, DeepSeek's unbiased
+    scores times routed_scaling_factor under group-limited selection, and every dtype cast."""
+    from trl_stable.moe.adapters import adapter_for
+
+    router = _routers(build_causal_lm(family, tokenizer))[0].to(dtype)
+    if hasattr(router, "norm_topk_prob"):
+        router.norm_topk_prob = norm_topk_prob
+    elif norm_topk_prob is False:
+        pytest.skip("Mixtral always renormalises")
+    if hasattr(router, "e_score_correction_bias"):
+        router.e_score_correction_bias.copy_(torch.tensor([0.5, -0.2, 0.1, 0.0]))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, router.weight.shape[1], generator=generator).to(dtype)
+    index = torch.rand(64, router.num_experts, generator=generator).argsort(-1)[:, : router.top_k]
+    module = importlib.import_module(MODELING[family])
+    original_torch = module.torch
+    module.torch = _ForcedTopk([index], router.num_experts)
+    try:
+        logits, want, got_index = router(hidden)
+    finally:
+        module.torch = original_torch
+    assert torch.equal(got_index, index)
+    gate = adapter_for(router).gate
+    got = gate(router, logits, index)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    if hasattr(router, "norm_topk_prob"):  # the check can fail: the other normalisation gives other weights
+        router.norm_topk_prob = not norm_topk_prob
+        assert not torch.allclose(gate(router, logits, index), want)
+
+
 def test_chunks_and_shuffled_minibatches_stay_aligned(tokenizer, family):
     model = build_causal_lm(family, tokenizer).eval()
     enc = _batch(tokenizer)
@@ -361,3 +441,23 @@ def test_errors(tokenizer):
         router.forward = lambda hidden, router=router: torch.nn.functional.linear(hidden, router.weight)
     with pytest.raises(RuntimeError, match="routes differently"), torch.no_grad():
         other(**enc)
+
+
+def test_disabled_jitter_stays_off_in_checkpoint_recomputation(tokenizer):
+    """`disable_router_jitter` must hold for backward's recomputation too, which runs after the context exits:
+    a jittered recomputation would differentiate another function than the forward computed."""
+    enc = _batch(tokenizer)
+    grads = {}
+    for checkpointing in (False, True):
+        model = build_causal_lm("mixtral", tokenizer, router_jitter_noise=0.5).train()
+        replay = RoutingReplay(model, disable_router_jitter=True)
+        with torch.no_grad(), replay.record():
+            model(**enc)
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        with replay.replay():
+            loss = -_logps(model, enc.input_ids, enc.attention_mask).mean()
+        loss.backward()
+        grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        assert all(m.jitter_noise == 0.5 for m in model.modules() if hasattr(m, "jitter_noise"))
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-8)

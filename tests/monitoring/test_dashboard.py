@@ -99,3 +99,84 @@ def test_python_dash_m(tmp_path, monkeypatch):
         runpy.run_module("trl_stable.monitoring.dashboard", run_name="__main__", alter_sys=True)
     assert exit_info.value.code == 0
     assert_png(tmp_path / "health_dashboard.png")
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "nope", "does not exist"),
+        (lambda d: _write(d / "run" / "notes.txt", "hello"), "is not JSON"),
+        (lambda d: _write(d / "run" / "trainer_state.json", '{"log_history": 5}'), "has no log history"),
+        (lambda d: _write(d / "run" / "health.jsonl", "[1, 2]\nnot json\n"), "is not a health file"),
+    ],
+)
+def test_cli_bad_source_is_a_one_line_error(tmp_path, capsys, make, message):
+    source = make(tmp_path)
+    assert main([str(source)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_cli_unwritable_output_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history(5)}))
+    blocker = _write(tmp_path / "file", "x")
+    assert main([str(tmp_path), "-o", str(blocker / "sub" / "x.png")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_truncated_last_health_line_is_skipped_with_a_warning(tmp_path):
+    # A run killed mid-write (or read while it writes) leaves half a line at the end.
+    lines = [{"type": "meta", "max_completion_length": 64}] + [
+        {"type": "metrics", "step": i, "reward": i / 4} for i in range(1, 4)
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"type": "metr'
+    _write(tmp_path / "health.jsonl", text)
+    with pytest.warns(UserWarning, match=r"skipped 1 malformed line\(s\): \[5\]"):
+        run = load_run(tmp_path)
+    assert run.series("reward") == ([1, 2, 3], [0.25, 0.5, 0.75])
+
+
+def test_missing_metrics_and_eval_logs_render(tmp_path):
+    # Only the reward is logged (a custom trainer), with evaluation records mixed in: other panels say "no data".
+    records = [{"step": i, "reward": 0.1 * i} for i in range(1, 6)]
+    records.insert(2, {"step": 2, "eval_loss": 1.0, "eval_reward": 0.0})
+    run = load_run(records)
+    assert set(run.steps) == {"reward"}
+    assert_png(render_dashboard(run, tmp_path / "sparse.png"))
+    assert_png(render_dashboard([], tmp_path / "empty.png"))
+
+
+def test_console_entry_point_targets_main():
+    import configparser
+    import importlib
+    from pathlib import Path
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    scripts = dict(
+        line.split("=", 1) for line in setup["options.entry_points"]["console_scripts"].strip().splitlines()
+    )
+    module, function = scripts["trl-stable-dashboard "].strip().split(":")
+    assert getattr(importlib.import_module(module), function) is main
+
+
+def test_bands_follow_the_thresholds_the_run_recorded(tmp_path):
+    from trl_stable.monitoring import HealthConfig
+    from trl_stable.monitoring.dashboard import _config_of
+
+    args = SimpleNamespace(output_dir=str(tmp_path), max_completion_length=32)
+    monitor = HealthMonitor(zero_std_alarm=0.6, entropy_relative_floor=0.2, mismatch_band=(0.8, 1.25))
+    state, control = TrainerState(), TrainerControl()
+    monitor.on_train_begin(args, state, control)
+    run = load_run(tmp_path)
+    cfg = _config_of(run, HealthConfig())
+    assert (cfg.zero_std_alarm, cfg.entropy_relative_floor, cfg.mismatch_band) == (0.6, 0.2, (0.8, 1.25))
+    assert run.meta["max_completion_length"] == 32
+    run.meta["plateau_window"] = 1  # a corrupt or foreign meta line: the given thresholds are used
+    assert _config_of(run, HealthConfig()) == HealthConfig()

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from trl_stable.monitoring import ALARMS, HealthConfig, HealthTracker, extract_gauges
+from trl_stable.monitoring.health import floor_from_reference
 
 CAP = 64
 
@@ -88,7 +89,7 @@ def test_every_alarm_has_a_fault():
 @pytest.mark.parametrize("alarm", sorted(FAULTS))
 def test_fault_trips_its_alarm_once(alarm):
     key, values = FAULTS[alarm]
-    tracker, events = replay(with_fault(key, values, start=30))
+    tracker, events = replay(with_fault(key, values, start=30, n=120))
     names = raised(events)
     assert alarm in names
     assert names.count(alarm) == 1  # debounced: raised once, not every step
@@ -101,8 +102,8 @@ def test_fault_trips_its_alarm_once(alarm):
         assert event.step == 31  # no patience for NaN
         assert event.severity == "critical"
     elif alarm == "reward_plateau":
-        # The window (20) must first fill with the flat reward; then patience (3).
-        assert 31 < event.step <= 31 + 20 + 3
+        # The window (50) must first fill with the flat reward; then the plateau's patience (50 // 5).
+        assert 31 < event.step <= 31 + 50 + 10
         assert "best reward reached" in event.symptom
     else:
         assert event.step == 31 + 2  # patience 3: the third consecutive record
@@ -152,10 +153,69 @@ def test_grad_norm_relative_floor_uses_early_reference():
 
 
 def test_plateau_needs_declared_max_and_converged_is_not_plateau():
-    history = with_fault("reward", lambda i: 0.55)
+    history = with_fault("reward", lambda i: 0.55, n=120)
+    assert raised(replay(history)[1]) == ["reward_plateau"]
     assert raised(replay(history, reward_max=None)[1]) == []
-    history = with_fault("reward", lambda i: 0.97)
+    history = with_fault("reward", lambda i: 0.97, n=120)
     assert raised(replay(history)[1]) == []
+
+
+def noisy_reward(n, rise, noise, seed):
+    rng = random.Random(seed)
+    return [{"step": i + 1, "reward": 0.2 + rise * i / n + rng.gauss(0, noise)} for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_noisy_but_rising_reward_is_not_a_plateau(seed):
+    # A realistic per-step reward/mean: +0.5 over 150 records under noise of std 0.06 (a window of 20 records
+    # raised the plateau alarm on every one of these seeds).
+    assert raised(replay(noisy_reward(150, rise=0.5, noise=0.06, seed=seed))[1]) == []
+
+
+def test_noisy_flat_reward_is_a_plateau_and_stays_raised():
+    _, events = replay(noisy_reward(150, rise=0.0, noise=0.06, seed=0))
+    assert [(e.kind, e.alarm) for e in events if e.kind != "repeated"] == [("raised", "reward_plateau")]
+
+
+def test_clipped_ratio_alarm_needs_no_cap():
+    # A plain TRL run whose cap is unknown still reports truncation; the mean length alone needs the cap.
+    tracker = HealthTracker(HealthConfig())
+    events = []
+    for step in range(1, 5):
+        events += tracker.update({"completions/mean_length": 500.0, "completions/clipped_ratio": 0.6}, step=step)
+    assert raised(events) == ["length_near_cap"]
+    assert events[0].symptom == "60% of completions truncated at the cap (alarm >= 30%)"
+    tracker = HealthTracker(HealthConfig())
+    assert not any(tracker.update({"completions/mean_length": 500.0}, step=s) for s in range(1, 5))
+
+
+def test_length_symptom_names_what_tripped():
+    _, events = replay(with_fault("completions/mean_length", lambda i: 0.95 * CAP))
+    assert events[0].symptom.startswith(f"mean completion length {0.95 * CAP:.1f} is 95% of the cap {CAP}")
+    _, events = replay(with_fault("completions/clipped_ratio", lambda i: 0.5))
+    # the mean length (~30) is far from the cap: the symptom gives its share, it does not call it "near"
+    assert "near" not in events[0].symptom and "50% of completions truncated" in events[0].symptom
+
+
+def test_ppo_per_token_entropy_is_preferred_over_the_summed_one():
+    # PPO's objective/entropy sums over a response, so it halves when responses halve: not a collapse.
+    assert extract_gauges({"objective/entropy": 12.0, "policy/entropy": 1.5}) == {"entropy": 1.5}
+
+
+def test_first_steps_eval_logs_and_sparse_records_raise_nothing():
+    history = healthy_history(n=60)
+    # The first two steps of a run can look bad (all groups solved or failed): shorter than the patience.
+    history[0].update(frac_reward_zero_std=0.9, grad_norm=0.0)
+    history[1].update(frac_reward_zero_std=0.8, grad_norm=0.0)
+    mixed = []
+    for i, record in enumerate(history):
+        mixed.append(record)
+        if i % 10 == 0:  # evaluation logs, a learning-rate-only record and a record with some gauges missing
+            mixed.append({"step": record["step"], "eval_loss": 9.0, "eval_reward": 0.0, "eval_entropy": 0.0})
+            mixed.append({"step": record["step"], "learning_rate": 0.0, "epoch": 0.1})
+            mixed.append({"step": record["step"], "reward": record["reward"]})
+    tracker, events = replay(mixed)
+    assert events == [] and tracker.active == []
 
 
 def test_trl_vllm_and_ppo_keys_are_read():
@@ -225,3 +285,26 @@ def test_critical_set_is_configurable():
     assert HealthConfig().critical == {"grad_norm_vanishing", "entropy_collapse", "nonfinite"}
     assert HealthConfig(critical_alarms=["zero_std"]).critical == {"zero_std"}
     assert math.isfinite(HealthConfig().mismatch_threshold)
+
+
+def test_zero_std_symptom_uses_the_configured_bands():
+    history = with_fault("frac_reward_zero_std", lambda i: 0.7)
+    (event,) = replay(history, zero_std_healthy=0.2, zero_std_alarm=0.6)[1]
+    assert event.symptom == "70% of the groups have zero reward variance (healthy < 20%, alarm > 60%)"
+
+
+def test_confident_model_is_not_an_entropy_collapse():
+    # An instruct model can start at 0.04 nats/token, below the absolute floor (0.05): judged by its own start.
+    steady = [{"step": i, "entropy": 0.04} for i in range(1, 40)]
+    assert replay(steady)[1] == []
+    falling = steady[:10] + [{"step": i, "entropy": 0.01} for i in range(11, 20)]  # 0.01 < 0.5 x 0.04
+    assert raised(replay(falling)[1]) == ["entropy_collapse"]
+
+
+@pytest.mark.parametrize(
+    "reference, expected",
+    [(None, 0.05), (2.0, 0.2), (0.3, 0.05), (0.04, 0.02), (0.0, 0.0)],
+)
+def test_floor_from_reference_by_hand(reference, expected):
+    # entropy defaults: absolute 0.05, relative 10%; the floor never exceeds half the reference
+    assert floor_from_reference(reference, 0.05, 0.1) == pytest.approx(expected)

@@ -86,6 +86,67 @@ def test_eval_and_summary_logs_are_ignored(tmp_path):
     assert [r["type"] for r in read_health(tmp_path / "health.jsonl")] == ["meta"]
 
 
+def test_only_the_main_process_writes_and_logs(tmp_path, caplog):
+    # Every process sees the same (gathered) logs and applies the remedy; only process zero writes and logs.
+    args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")
+    monitor = HealthMonitor(remedy_virtual_samples=True)
+    state, control = TrainerState(), TrainerControl()
+    state.is_world_process_zero = False
+    with caplog.at_level(logging.INFO, logger="trl_stable.monitoring"):
+        monitor.on_train_begin(args, state, control)
+        for step, logs in enumerate(records(6, frac_reward_zero_std=lambda i: 0.9), start=1):
+            state.global_step = step
+            state.log_history.append({**logs, "step": step})
+            monitor.on_log(args, state, control, logs=logs)
+        assert args.advantage_estimator == "ngrpo" and logs["health/alarm/zero_std"] == 1.0
+        monitor.on_train_end(args, state, control)
+    assert list(tmp_path.iterdir()) == [] and caplog.records == []
+    assert args.advantage_estimator == "grpo"
+
+
+def test_resumed_run_appends_valid_json_lines(tmp_path):
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    simulate(HealthMonitor(), args, records(2, grad_norm=lambda i: float("nan")))
+    monitor = HealthMonitor()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 2  # Trainer loads the checkpoint's state before on_train_begin
+    monitor.on_train_begin(args, state, control)
+    state.global_step = 3
+    monitor.on_log(args, state, control, logs=records(1)[0])
+    text = (tmp_path / "health.jsonl").read_text()
+    assert text.endswith("\n")
+
+    def strict(token):
+        raise AssertionError(f"non-standard JSON constant {token}")
+
+    for line in text.splitlines():  # strict JSON, one record per line
+        json.loads(line, parse_constant=strict)
+    lines = read_health(tmp_path / "health.jsonl")
+    assert [(r["type"], r["step"]) for r in lines if r["type"] != "alarm"] == [
+        ("meta", 0),
+        ("metrics", 1),
+        ("metrics", 2),
+        ("meta", 2),
+        ("metrics", 3),
+    ]
+    assert [r for r in lines if r["type"] == "metrics"][0]["grad_norm"] == "nan"
+
+
+def test_unwritable_health_file_warns_once_and_training_goes_on(tmp_path, caplog):
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    monitor = HealthMonitor()
+    state, control = TrainerState(), TrainerControl()
+    monitor.on_train_begin(args, state, control)
+    (tmp_path / "health.jsonl").unlink()
+    (tmp_path / "health.jsonl").mkdir()  # open() now fails with IsADirectoryError
+    with caplog.at_level(logging.WARNING, logger="trl_stable.monitoring"):
+        for step, logs in enumerate(records(3), start=1):
+            state.global_step = step
+            monitor.on_log(args, state, control, logs=logs)
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+    assert monitor.health_path is None and logs["health/active_alarms"] == 0.0
+
+
 def test_virtual_samples_remedy_switches_on_and_off(tmp_path):
     args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")
     monitor = HealthMonitor(remedy_virtual_samples=True, reward_max=None)

@@ -40,6 +40,33 @@ def test_sequence_perplexity_ratio_per_sequence():
     assert stats.ppl_ratio_mean == pytest.approx((math.exp(0.3) + 1) / 2)
 
 
+def test_random_batch_against_a_numpy_reference():
+    rng = np.random.default_rng(0)
+    sampler = -rng.uniform(0.01, 4, size=(4, 9))
+    trainer = sampler + rng.normal(0, 0.15, size=(4, 9))
+    mask = rng.uniform(size=(4, 9)) < 0.7
+    mask[:, 0] = True
+    stats = mismatch_stats(torch.tensor(sampler), torch.tensor(trainer), torch.tensor(mask), band=(0.9, 1.1))
+    d = (trainer - sampler)[mask]
+    ratio = np.exp(d)
+    ppl = [np.exp(-(trainer[i] - sampler[i])[mask[i]].mean()) for i in range(4)]
+    expected = {
+        "abs_diff_mean": np.abs(d).mean(),
+        "abs_diff_max": np.abs(d).max(),
+        "ratio_min": ratio.min(),
+        "ratio_mean": ratio.mean(),
+        "ratio_max": ratio.max(),
+        "ratio_outside_band": np.mean((ratio < 0.9) | (ratio > 1.1)),
+        "ppl_ratio_mean": np.mean(ppl),
+        "ppl_ratio_min": np.min(ppl),
+        "ppl_ratio_max": np.max(ppl),
+    }
+    got = stats.to_dict()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
+    assert stats.num_tokens == mask.sum() and 0 < stats.ratio_outside_band < 1
+
+
 def test_nonfinite_and_empty():
     sampler = torch.tensor([[-1.0, -float("inf"), -1.0]])
     trainer = torch.tensor([[-1.0, -1.0, float("nan")]])

@@ -48,6 +48,20 @@ def test_wrong_weights_raise(weights):
         StepReward(weights=weights)
 
 
+def test_weights_within_float_tolerance_are_rescaled_to_score_exactly_one():
+    # 0.1 + 5e-10 is within the 1e-9 tolerance: accepted, rescaled by the sum, and a perfect answer is exactly 1.0.
+    weights = StepRewardWeights(plan=0.1 + 5e-10)
+    assert weights.plan == pytest.approx(0.1 + 5e-10) and weights.plan != 0.1 + 5e-10
+    assert StepReward(weights=weights).score(PERFECT, GT)["total"] == 1.0
+    # Thirds: not exact in binary either.
+    thirds = {"tool_name": 1 / 3, "arguments": 1 / 3, "reasoning": 1 / 3, "plan": 0.0}
+    assert StepReward(weights=thirds).score(PERFECT, GT)["total"] == 1.0
+    with pytest.raises(ValueError, match="sum to"):
+        StepRewardWeights(plan=0.1 + 2e-9)  # off by more than the tolerance
+    with pytest.raises(ValueError, match="real numbers"):
+        StepRewardWeights(tool_name=True, arguments=0.0, reasoning=0.0, plan=0.0)  # a bool is not a weight
+
+
 def test_unknown_weight_name_raises():
     with pytest.raises(ValueError, match="Unknown step-reward weight"):
         StepReward(weights={"tool": 1.0})
@@ -139,4 +153,12 @@ def test_trl_reward_function_interface_and_gdpo_dimensions():
     assert per_dim[0][1] == 0.0 and per_dim[3][1] == 0.0  # "nothing": no call, no plan items covered
     with pytest.raises(ValueError, match="ground_truth"):
         sr(prompts=prompts, completions=completions)
+    # The per-dimension functions share one parse of the batch; a new batch is scored afresh.
+    parsed = []
+    sr.penalties[0] = PenaltyRule("spy", 0.0, lambda step, gt, prompt: parsed.append(step.text) or False)
+    sr._cache = None
+    for f in funcs:
+        f(prompts=prompts, completions=completions, ground_truth=truths)
+    assert len(parsed) == 2  # two rows with ground truth, parsed once for five functions
+    assert funcs[0](prompts=prompts, completions=["nothing", PERFECT, "x"], ground_truth=truths)[:2] == [0.0, 1.0]
     assert StepReward().reward_weights() == [0.5, 0.2, 0.2, 0.1] and len(StepReward().reward_funcs()) == 4

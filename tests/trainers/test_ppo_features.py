@@ -133,6 +133,22 @@ def test_decoupled_loss_masks_mismatched_tokens(tmp_path, tokenizer):
         PPOConfig(output_dir=str(tmp_path), use_decoupled_loss=True, token_filter="kpop", token_filter_action="clamp")
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"token_filter_level": "sequence"}, "token_filter_level only apply"),
+        ({"use_decoupled_loss": True, "token_filter": "kpop", "token_filter_lower": 0.1}, "token_filter_lower"),
+        ({"use_decoupled_loss": True, "token_filter": "icepop", "token_filter_lower": 6.0}, "token_filter_lower"),
+        ({"step_mask_tools": ["search"]}, "step_loss_mask=True"),
+    ],
+)
+def test_ppo_config_shares_the_grpo_filter_and_step_mask_checks(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PPOConfig(output_dir=str(tmp_path), **kwargs)
+    bounds = PPOConfig(output_dir=str(tmp_path), use_decoupled_loss=True, token_filter="kpop").filter_bounds
+    assert bounds == (None, 2.0)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3"])
 def test_every_kit_family_steps(tmp_path, tokenizer, family):
     model = build_causal_lm(family, tokenizer, seed=0)

@@ -14,6 +14,7 @@ from trl_stable.core.masks import (  # noqa: F401
     behaviour_weight,
     binary_kl,
     clamp_behaviour_weight,
+    filter_behaviour_weight,
     icepop_mask,
     kpop_mask,
 )

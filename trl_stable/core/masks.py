@@ -19,6 +19,7 @@ __all__ = [
     "behaviour_weight",
     "binary_kl",
     "clamp_behaviour_weight",
+    "filter_behaviour_weight",
     "icepop_mask",
     "kpop_mask",
 ]
@@ -44,6 +45,13 @@ def behaviour_weight(prox_logps: torch.Tensor, behav_logps: torch.Tensor, mask: 
     masked positions are 1. Shape [B, T].
     """
     return torch.exp(behaviour_log_ratio(prox_logps, behav_logps, mask))
+
+
+def _log_band(lower: float, upper: float, what: str) -> tuple[float, float]:
+    """(log lower, log upper) of an IcePop band, after checking 0 < lower < upper."""
+    if not (0 < lower < upper):
+        raise ValueError(f"{what} needs 0 < lower < upper, got lower={lower}, upper={upper}.")
+    return torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
 
 
 def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,11 +83,9 @@ def icepop_mask(
         Bool [B, T], True = keep; False where `mask` is 0.
     """
     _check_level(level)
-    if not (0 < lower < upper):
-        raise ValueError(f"IcePop needs 0 < lower < upper, got lower={lower}, upper={upper}.")
+    lo, hi = _log_band(lower, upper, "IcePop")
     mask_b = mask.bool()
     log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
-    lo, hi = torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
     if level == "sequence":
         seq = _sequence_mean(log_ratio, mask)
         keep_seq = (seq >= lo) & (seq <= hi)
@@ -148,14 +154,41 @@ def clamp_behaviour_weight(
     mean is clamped, $\tilde w_t = w_t \cdot \text{clamp}(w_{seq}, l, u) / w_{seq}$. Masked positions are 1.
     """
     _check_level(level)
-    if not (0 < lower < upper):
-        raise ValueError(f"IcePop clamp needs 0 < lower < upper, got lower={lower}, upper={upper}.")
+    lo, hi = _log_band(lower, upper, "IcePop clamp")
     mask_b = mask.bool()
     log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
-    lo, hi = torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
     if level == "token":
         out = torch.exp(log_ratio.clamp(lo, hi))
     else:
         seq = _sequence_mean(log_ratio, mask)
         out = torch.exp(log_ratio + (seq.clamp(lo, hi) - seq).unsqueeze(1))
     return torch.where(mask_b, out, torch.ones_like(out))
+
+
+def filter_behaviour_weight(
+    prox_logps: torch.Tensor,
+    behav_logps: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str | None,
+    action: str = "mask",
+    lower: float | None = None,
+    upper: float | None = None,
+    level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""The decoupled loss's behaviour weight after the token filter `kind` (None, "icepop" or "kpop").
+
+    Returns `(weight, keep)`: `weight` is `behaviour_weight` $w$, or for IcePop with action "clamp" the
+    `clamp_behaviour_weight` $\text{clamp}(w, \text{lower}, \text{upper})$; `keep` is `icepop_mask` (keep iff
+    lower <= w <= upper, Ring-1T arXiv 2510.18855) or `kpop_mask` (keep iff the symmetric binary KL <= upper, AReaL
+    arXiv 2505.24298), and None when nothing is masked (no filter, or clamp). KPop has no lower bound.
+    """
+    weight = behaviour_weight(prox_logps, behav_logps, mask)
+    if kind is None:
+        return weight, None
+    if kind == "icepop" and action == "clamp":
+        return clamp_behaviour_weight(prox_logps, behav_logps, mask, lower, upper, level), None
+    if kind == "icepop":
+        return weight, icepop_mask(prox_logps, behav_logps, mask, lower, upper, level)
+    if kind == "kpop":
+        return weight, kpop_mask(prox_logps, behav_logps, mask, upper, level)
+    raise ValueError(f"kind={kind!r} is unknown; use 'icepop', 'kpop' or None.")

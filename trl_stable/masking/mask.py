@@ -59,8 +59,9 @@ def char_span_to_tokens(offsets: Sequence[Sequence[int]], start: int, end: int) 
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
     """The decoded text of `ids` and each token's character span in it.
 
-    Offsets come from decoding growing prefixes, so a multi-byte character split across byte-level tokens is
-    attributed to the token that completes it. Used where only ids are known (RL completions).
+    Offsets come from decoding growing prefixes. A multi-byte character split across byte-level tokens belongs to
+    every token carrying one of its bytes (as in a fast tokenizer's own offsets), so a step that starts with such a
+    character also masks the tokens holding its first bytes. Used where only ids are known (RL completions).
     """
     ids = [int(i) for i in ids]
     kwargs = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
@@ -72,15 +73,21 @@ def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[
             offsets.append((pos, pos + len(piece)))
             pos += len(piece)
         return full, offsets
-    offsets = []
+    offsets: list[tuple[int, int]] = []
+    pending: list[int] = []  # tokens whose bytes start a character that is not complete yet
     prev = 0
     text = ""
     for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = tokenizer.decode(ids[:k], **kwargs)
         # A prefix that ends inside a multi-byte character decodes to a replacement char that later vanishes.
-        cur = len(text.rstrip("\ufffd"))
-        cur = max(cur, prev)
+        cur = max(len(text.rstrip("\ufffd")), prev)
         offsets.append((prev, cur))
+        if text.endswith("\ufffd"):
+            pending.append(k - 1)
+        else:
+            for p in pending:  # they carry bytes of the characters this token completes
+                offsets[p] = (offsets[p][0], cur)
+            pending = []
         prev = cur
     return text, offsets
 

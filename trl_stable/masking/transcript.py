@@ -160,96 +160,113 @@ def find_transcript_steps(
     msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
     rendered_msgs = [{k: v for k, v in m.items() if not k.startswith("_")} for m in msgs]
     text = _render(tokenizer, rendered_msgs, template_kwargs)
-
-    # Character span of each message, and where an assistant turn's own content starts (after the role header).
-    spans: list[tuple[int, int]] = []
-    content_starts: list[int] = []
-    prev_text, pos = "", 0
-    for k, msg in enumerate(rendered_msgs):
-        cur = _try_render(tokenizer, rendered_msgs[: k + 1], template_kwargs)
-        start = len(prev_text)
-        if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
-            end = len(cur)
-        else:  # template not prefix-stable (e.g. it rewrites earlier turns): locate the content instead
-            content = msg.get("content") or ""
-            found = text.find(content, pos) if content else -1
-            start = found if found >= 0 else pos
-            end = start + len(content)
-        header_end = start
-        if msg.get("role") == "assistant":
-            with_header = _try_render(tokenizer, rendered_msgs[:k], template_kwargs, gen=True)
-            if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
-                header_end = len(with_header)
-            else:
-                content = msg.get("content") or ""
-                found = text.find(content, start, end) if content else -1
-                header_end = found if found >= 0 else start
-        spans.append((start, end))
-        content_starts.append(header_end)
-        prev_text, pos = (cur if cur is not None else text[:end]), end
+    spans, content_starts = _message_spans(tokenizer, rendered_msgs, text, template_kwargs)
+    # Each assistant turn's own content: after its role header, trailing whitespace (end-of-turn newline) excluded.
+    bodies = {
+        k: (content_starts[k], content_starts[k] + len(text[content_starts[k] : spans[k][1]].rstrip()))
+        for k, msg in enumerate(msgs)
+        if msg.get("role") == "assistant"
+    }
 
     steps: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # executable steps of the last assistant turn, waiting for their outcome
     for k, msg in enumerate(msgs):
         role = msg.get("role")
         if role == "assistant":
-            pending = []
-            body_start = content_starts[k]
-            body_end = body_start + len(text[body_start : spans[k][1]].rstrip())
-            body = text[body_start:body_end]
-            blocks = [(a, b, "tool_call") for a, b in find_tool_call_spans(body, open_tag, close_tag)]
-            blocks += [
-                (m.start(), m.end(), "code")
-                for m in _CODE_FENCE.finditer(body)
-                if not any(a <= m.start() < b for a, b, _ in blocks)
-            ]
-            blocks.sort()
-            ids = list(msg.get("_tool_call_ids", []))
-            cursor = 0
-            for a, b, kind in blocks:
-                if a > cursor:
-                    steps.append(_step(body_start + cursor, body_start + a, "text", message_index=k))
-                step = _step(body_start + a, body_start + b, kind, message_index=k)
-                if kind == "tool_call":
-                    call_id = ids.pop(0) if ids else None
-                    step["metadata"]["tool_call_id"] = call_id
-                    try:
-                        name = parse_tool_call(body[a:b], open_tag, close_tag).name
-                    except ValueError:
-                        name = None
-                    step["metadata"]["tool_name"] = name
-                pending.append(step)
-                steps.append(step)
-                cursor = b
-            if cursor < len(body):
-                steps.append(_step(body_start + cursor, body_end, "text", message_index=k))
+            turn = _assistant_steps(text, *bodies[k], k, list(msg.get("_tool_call_ids", [])), open_tag, close_tag)
+            steps += turn
+            pending = [step for step in turn if step["type"] != "text"]
         elif role in TOOL_ROLES and pending:
-            target = None
-            call_id = msg.get("tool_call_id")
-            if call_id is not None:
-                target = next((s for s in pending if s["metadata"].get("tool_call_id") == call_id), None)
-            if target is None:
-                target = pending[0]
-            pending.remove(target)
-            status = msg.get("exec_status", msg.get("status"))
-            is_code = target["type"] == "code" or target["metadata"].get("tool_name") in code_tools
-            if status is None and infer_exec_status and is_code:
-                status = classify_exec_output(str(msg.get("content") or ""))
-            if status is not None:
-                target["metadata"]["exec_status"] = str(status)
-            target["metadata"]["result_message_index"] = k
+            _attach_outcome(pending, msg, k, code_tools, infer_exec_status)
 
     input_ids, offsets = token_offsets(tokenizer, text)
-    assistant = [0] * len(input_ids)
-    for k, msg in enumerate(msgs):
-        if msg.get("role") != "assistant":
-            continue
-        a = content_starts[k]
-        b = a + len(text[a : spans[k][1]].rstrip())
-        for t, (s, e) in enumerate(offsets):
-            if s < b and e > a and e > s:
-                assistant[t] = 1
+    assistant = [int(any(s < b and e > a and e > s for a, b in bodies.values())) for s, e in offsets]
     return TranscriptSteps(text=text, input_ids=input_ids, offsets=offsets, steps=steps, assistant_mask=assistant)
+
+
+def _message_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], text: str, template_kwargs: dict
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Each message's character span in `text`, and where each one's own content starts (after an assistant's role
+    header), from rendering growing prefixes; falls back to locating the content when the template is not
+    prefix-stable (e.g. it rewrites earlier turns)."""
+    spans: list[tuple[int, int]] = []
+    content_starts: list[int] = []
+    prev_text, pos = "", 0
+    for k, msg in enumerate(messages):
+        cur = _try_render(tokenizer, messages[: k + 1], template_kwargs)
+        content = msg.get("content") or ""
+        start = len(prev_text)
+        if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
+            end = len(cur)
+        else:
+            found = text.find(content, pos) if content else -1
+            start = found if found >= 0 else pos
+            end = start + len(content)
+        header_end = start
+        if msg.get("role") == "assistant":
+            with_header = _try_render(tokenizer, messages[:k], template_kwargs, gen=True)
+            if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
+                header_end = len(with_header)
+            else:
+                found = text.find(content, start, end) if content else -1
+                header_end = found if found >= 0 else start
+        spans.append((start, end))
+        content_starts.append(header_end)
+        prev_text, pos = (cur if cur is not None else text[:end]), end
+    return spans, content_starts
+
+
+def _assistant_steps(
+    text: str, body_start: int, body_end: int, index: int, call_ids: list, open_tag: str, close_tag: str
+) -> list[dict[str, Any]]:
+    """The steps of one assistant turn ``text[body_start:body_end]``: tool-call blocks, fenced code blocks (outside
+    tool calls) and the text between them. Tool calls get the structured call ids in order, and their tool name."""
+    body = text[body_start:body_end]
+    blocks = [(a, b, "tool_call") for a, b in find_tool_call_spans(body, open_tag, close_tag)]
+    blocks += [
+        (m.start(), m.end(), "code")
+        for m in _CODE_FENCE.finditer(body)
+        if not any(a <= m.start() < b for a, b, _ in blocks)
+    ]
+    steps: list[dict[str, Any]] = []
+    cursor = 0
+    for a, b, kind in sorted(blocks):
+        if a > cursor:
+            steps.append(_step(body_start + cursor, body_start + a, "text", message_index=index))
+        step = _step(body_start + a, body_start + b, kind, message_index=index)
+        if kind == "tool_call":
+            step["metadata"]["tool_call_id"] = call_ids.pop(0) if call_ids else None
+            step["metadata"]["tool_name"] = _tool_name(body[a:b], open_tag, close_tag)
+        steps.append(step)
+        cursor = b
+    if cursor < len(body):
+        steps.append(_step(body_start + cursor, body_end, "text", message_index=index))
+    return steps
+
+
+def _tool_name(block: str, open_tag: str, close_tag: str) -> str | None:
+    try:
+        return parse_tool_call(block, open_tag, close_tag).name
+    except ValueError:
+        return None
+
+
+def _attach_outcome(
+    pending: list[dict[str, Any]], msg: Mapping[str, Any], index: int, code_tools: Sequence[str], infer: bool
+) -> None:
+    """Record a tool reply's outcome on the call it answers (by ``tool_call_id``, else the oldest unanswered one)."""
+    call_id = msg.get("tool_call_id")
+    target = next((s for s in pending if call_id is not None and s["metadata"].get("tool_call_id") == call_id), None)
+    target = target if target is not None else pending[0]
+    pending.remove(target)
+    status = msg.get("exec_status", msg.get("status"))
+    is_code = target["type"] == "code" or target["metadata"].get("tool_name") in code_tools
+    if status is None and infer and is_code:
+        status = classify_exec_output(str(msg.get("content") or ""))
+    if status is not None:
+        target["metadata"]["exec_status"] = str(status)
+    target["metadata"]["result_message_index"] = index
 
 
 def _step(start: int, end: int, kind: str, **metadata: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ A step is invalid (its tokens get loss mask 0) when
 - it names a tool that is not in the valid list (``unknown_tool``),
 - its arguments do not match the tool's JSON-schema-like signature (``bad_arguments``),
 - it is a code step whose execution ended in a crash, a timeout or out of memory (``exec_crash`` /
-  ``exec_timeout`` / ``exec_oom``).
+  ``exec_timeout`` / ``exec_oom``; common spellings such as "error", "timed_out", "OOMKilled" are aliases).
 
 Everything else is valid. The checks are plain functions over text and dicts so that SFT (masks baked into the
 labels), GRPO and PPO (masks multiplied into the completion mask) share them.
@@ -24,6 +24,12 @@ from typing import Any
 TOOL_CALL_TYPES = ("tool_call", "function_call", "action")
 CODE_TYPES = ("code", "code_exec", "code_execution")
 FAILED_EXEC_STATUSES = ("crash", "timeout", "oom")
+# Spellings environments use for the three failures; any other status (e.g. "ok", "success") trains.
+EXEC_STATUS_ALIASES = {
+    "error": "crash", "exception": "crash", "failed": "crash", "failure": "crash", "segfault": "crash",
+    "timed_out": "timeout", "time_out": "timeout", "deadline_exceeded": "timeout",
+    "out_of_memory": "oom", "memory_error": "oom", "oomkilled": "oom",
+}  # fmt: skip
 
 # Keys under which the tool-call formats in the wild (OpenAI, Hermes/Qwen, the handbook) put the name and arguments.
 NAME_KEYS = ("name", "tool", "tool_name", "function")
@@ -77,6 +83,15 @@ def strip_tool_call_wrapper(text: str, open_tag: str = "<tool_call>", close_tag:
     return payload
 
 
+def _reject_constant(name: str) -> None:
+    raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)
+
+
+def _strict_json(payload: str) -> Any:
+    """`json.loads` that rejects NaN / Infinity / -Infinity: Python accepts them, JSON (and tool servers) do not."""
+    return json.loads(payload, parse_constant=_reject_constant)
+
+
 def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
     """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence).
 
@@ -89,7 +104,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     """
     payload = strip_tool_call_wrapper(text, open_tag, close_tag)
     try:
-        obj = json.loads(payload)
+        obj = _strict_json(payload)
     except json.JSONDecodeError as err:
         raise ValueError(f"tool call is not valid JSON: {err.msg} at position {err.pos}") from err
     if not isinstance(obj, dict):
@@ -100,7 +115,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     arguments: Any = next((obj[k] for k in ARGUMENT_KEYS if k in obj), {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = _strict_json(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise ValueError(f"tool-call arguments are not valid JSON: {err.msg}") from err
     if arguments is None:
@@ -197,7 +212,7 @@ def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arg
         names = [expected] if isinstance(expected, str) else list(expected)
         if not any(_is_type(value, _SHORTHAND_TYPES.get(n, n)) for n in names):
             return [f"{path}: expected {'/'.join(names)}, got {type(value).__name__}"]
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema and not any(_json_equal(value, option) for option in schema["enum"]):
         errors.append(f"{path}: {value!r} not in {schema['enum']!r}")
     if isinstance(value, dict):
         properties = schema.get("properties", {}) or {}
@@ -213,6 +228,13 @@ def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arg
         for k, item in enumerate(value):
             errors.extend(schema_errors(item, schema["items"], f"{path}[{k}]"))
     return errors
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON sees it: ``true`` is not ``1`` (Python's ``True == 1`` would let a boolean pass an enum)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
 
 
 def _is_type(value: Any, name: str) -> bool:
@@ -279,7 +301,8 @@ def validate_step(
         return StepVerdict(False, str(meta.get("reason", "marked_invalid")))
     kind = str(meta.get("type", "text"))
     if kind in CODE_TYPES or (kind in TOOL_CALL_TYPES and meta.get("exec_status", meta.get("status")) is not None):
-        status = str(meta.get("exec_status", meta.get("status", "ok")) or "ok").lower()
+        status = str(meta.get("exec_status", meta.get("status", "ok")) or "ok").strip().lower().replace("-", "_")
+        status = EXEC_STATUS_ALIASES.get(status, status)
         if status in FAILED_EXEC_STATUSES:
             return StepVerdict(False, f"exec_{status}", f"code step ended in {status}")
     if kind in TOOL_CALL_TYPES:

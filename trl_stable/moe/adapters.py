@@ -69,10 +69,6 @@ class RouterAdapter:
     gate: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     jitter_attribute: str | None = None
 
-    @property
-    def qualified_name(self) -> str:
-        return f"{self.module}.{self.class_name}"
-
     def load_class(self) -> type[nn.Module] | None:
         """The router class, or None when this transformers install lacks the family."""
         try:

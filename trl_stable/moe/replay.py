@@ -11,7 +11,9 @@ Mechanics: a forward hook on every supported router (see `adapters.py`) sees the
 recomputes ``weights`` from ``logits`` with the family's normalisation. A pre-hook on the MoE block gives the
 ``[B, S]`` shape of each call, so rows are stored per sequence and consumed batch-row by batch-row: a batch recorded
 in one pass and replayed in chunks or shuffled mini-batches stays aligned with its tokens as long as the routing
-tensor travels with the batch (see `export` / `replay(routing)`).
+tensor travels with the batch (see `export` / `replay(routing)`). A pre-hook on the decoder layer tells whether
+gradient checkpointing will recompute the call in backward; the experts it used then wait, per router, for that
+recomputation (told from a forward by autograd's graph-task id) and are matched to it by the router logits.
 """
 
 from __future__ import annotations
@@ -39,13 +41,53 @@ def _owner(module: nn.Module) -> RoutingReplay | None:
     return owner
 
 
+# Private but present since torch 1.13 (-1 outside a backward pass). Without it a recomputation cannot be told from a
+# forward, so replay refuses gradient checkpointing instead of letting the recomputation route freely (silently wrong
+# gradients).
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass, i.e. when a gradient-checkpointed layer is being recomputed."""
-    return _current_graph_task_id() != -1
+    return _current_graph_task_id is not None and _current_graph_task_id() != -1
 
 
-# Private but stable since torch 1.13; without it recomputations cannot be told apart, so none is assumed.
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+def _fingerprint(router_logits: torch.Tensor) -> torch.Tensor:
+    """One float per token (the sum of its router logits): tells which forward a checkpoint recomputation repeats."""
+    return router_logits.detach().float().sum(dim=-1)
+
+
+@dataclass
+class _Pending:
+    """Experts a checkpointed forward used, kept until backward recomputes that forward."""
+
+    index: torch.Tensor
+    fingerprint: torch.Tensor
+
+
+def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.Tensor:
+    """Remove and return the experts of the pending forward that this recomputation repeats.
+
+    Backward usually recomputes forwards in order (one backward per forward), but a loss summed over several forwards
+    (gradient accumulation by hand) is recomputed in another order; the recomputed router logits equal those of the
+    original forward, so among pending forwards of the same token count the one with the closest fingerprint wins.
+    """
+    tokens = router_logits.shape[0]
+    candidates = [i for i, pending in enumerate(fifo) if pending.index.shape[0] == tokens]
+    if not candidates:
+        raise RuntimeError(
+            f"Routing replay at router {name}: a gradient-checkpointing recomputation sees {tokens} tokens but no "
+            f"pending forward had that many ({[p.index.shape[0] for p in fifo]}). Call `clear()` after an aborted "
+            f"step."
+        )
+    best = candidates[0]
+    if len(candidates) > 1:
+        fingerprint = _fingerprint(router_logits)
+        distance = [float((fifo[i].fingerprint.to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
+        best = candidates[distance.index(min(distance))]
+    pending = fifo[best]
+    del fifo[best]
+    return pending.index
 
 
 class _RowQueue:
@@ -60,11 +102,8 @@ class _RowQueue:
         self.segment = 0
         self.row = 0
 
-    @property
-    def remaining(self) -> int:
-        return sum(s.shape[0] for s in self.segments[self.segment :]) - self.row
-
     def take(self, batch: int, seq_len: int, layer: str) -> torch.Tensor:
+        """The next `batch` rows [batch, seq_len, k]; ValueError when they run out or their length differs."""
         parts, needed = [], batch
         while needed > 0:
             if self.segment >= len(self.segments):
@@ -91,6 +130,8 @@ class _RowQueue:
 
 @dataclass
 class _RouterState:
+    """One hooked router: where it sits, what was recorded for it, and its agreement counters."""
+
     name: str
     module: nn.Module
     adapter: RouterAdapter
@@ -107,6 +148,51 @@ class _RouterState:
     agree: torch.Tensor | None = None
     replayed: torch.Tensor | None = None
     seen: torch.Tensor | None = None
+
+
+def _checkpoint_layer(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
+    """The closest enclosing ``GradientCheckpointingLayer`` of module `name` (the decoder layer), or None."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    prefix = name.rpartition(".")[0]
+    while prefix:
+        if isinstance(modules.get(prefix), GradientCheckpointingLayer):
+            return modules[prefix]
+        prefix = prefix.rpartition(".")[0]
+    return None
+
+
+def _find_routers(model: nn.Module) -> list[_RouterState]:
+    """A state for every router of a supported class in `model`, in module order (= layer order)."""
+    modules = dict(model.named_modules())
+    states = []
+    for name, module in modules.items():
+        adapter = adapter_for(module)
+        if adapter is None:
+            continue
+        if _owner(module) is not None:
+            raise ValueError(
+                f"Router {name} is already hooked by another RoutingReplay. Fix: call `.remove()` on the old "
+                f"RoutingReplay before creating a new one for the same model."
+            )
+        parent_name = name.rpartition(".")[0]
+        states.append(
+            _RouterState(
+                name=name,
+                module=module,
+                adapter=adapter,
+                block=modules[parent_name] if parent_name else module,
+                layer=_checkpoint_layer(name, modules),
+                top_k=int(module.top_k),
+                num_experts=int(module.num_experts),
+            )
+        )
+    return states
+
+
+def _same_topk_set(forced: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the replayed experts are the router's own top-k set (indices within a row are distinct)."""
+    return (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
 
 
 class RoutingReplay:
@@ -139,39 +225,8 @@ class RoutingReplay:
         self.disable_router_jitter = disable_router_jitter
         self._mode = "off"
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._states: list[_RouterState] = []
-        self._saved_jitter: list[tuple[nn.Module, str, float]] = []
-        modules = dict(model.named_modules())
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        for name, module in modules.items():
-            adapter = adapter_for(module)
-            if adapter is None:
-                continue
-            if _owner(module) is not None:
-                raise ValueError(
-                    f"Router {name} is already hooked by another RoutingReplay. Fix: call `.remove()` on the old "
-                    f"RoutingReplay before creating a new one for the same model."
-                )
-            parent_name = name.rpartition(".")[0]
-            layer = None
-            prefix = parent_name
-            while prefix:
-                if isinstance(modules.get(prefix), GradientCheckpointingLayer):
-                    layer = modules[prefix]
-                    break
-                prefix = prefix.rpartition(".")[0]
-            self._states.append(
-                _RouterState(
-                    name=name,
-                    module=module,
-                    adapter=adapter,
-                    block=modules[parent_name] if parent_name else module,
-                    layer=layer,
-                    top_k=int(module.top_k),
-                    num_experts=int(module.num_experts),
-                )
-            )
+        self._jitter_off: dict[int, tuple[nn.Module, str, float]] = {}  # id(block) -> (block, attribute, value)
+        self._states: list[_RouterState] = _find_routers(model)
         if not self._states:
             raise unsupported_error(model)
         top_ks = {s.top_k for s in self._states}
@@ -266,18 +321,32 @@ class RoutingReplay:
             raise RuntimeError("This RoutingReplay was removed; create a new one.")
         self._mode = mode
         if self.disable_router_jitter:
-            for state in self._states:
-                attribute = state.adapter.jitter_attribute
-                if attribute is not None and hasattr(state.block, attribute):
-                    self._saved_jitter.append((state.block, attribute, getattr(state.block, attribute)))
-                    setattr(state.block, attribute, 0.0)
+            self._disable_jitter()
+
+    def _disable_jitter(self) -> None:
+        """Switch off each MoE block's router jitter, remembering its value (once, while already off)."""
+        for state in self._states:
+            block, attribute = state.block, state.adapter.jitter_attribute
+            if attribute is not None and hasattr(block, attribute) and id(block) not in self._jitter_off:
+                self._jitter_off[id(block)] = (block, attribute, getattr(block, attribute))
+                setattr(block, attribute, 0.0)
 
     def _exit(self) -> None:
         self._mode = "off"
         for state in self._states:
             state.shape, state.will_recompute = None, False
-        while self._saved_jitter:
-            block, attribute, value = self._saved_jitter.pop()
+        self._restore_jitter(only_settled=True)
+
+    def _restore_jitter(self, only_settled: bool) -> None:
+        """Give back the router jitter switched off by `disable_router_jitter`.
+
+        With `only_settled`, a block whose checkpointed forward still awaits its backward recomputation keeps jitter
+        off (the recomputation, after the context exited, must compute what the forward did); the router hook
+        restores it once that recomputation ran.
+        """
+        pending = {id(s.block) for s in self._states if s.recompute_fifo} if only_settled else set()
+        for key in [key for key in self._jitter_off if key not in pending]:
+            block, attribute, value = self._jitter_off.pop(key)
             setattr(block, attribute, value)
 
     # ------------------------------------------------------------------ import / export
@@ -339,6 +408,7 @@ class RoutingReplay:
         for state in self._states:
             state.record, state.queue, state.has_missing = [], None, False
             state.recompute_fifo.clear()
+        self._restore_jitter(only_settled=False)
         self.reset_metrics()
 
     def remove(self) -> None:
@@ -428,50 +498,69 @@ class RoutingReplay:
                 return None
             router_logits, _, current = output
             if _in_backward():
-                # Recomputation of a checkpointed layer: reuse what its first forward used (FIFO per layer).
+                # Recomputation of a checkpointed layer: reuse what its forward used.
                 if not state.recompute_fifo:
                     return None
-                forced = state.recompute_fifo.popleft()
-                if forced.shape != current.shape:
-                    raise RuntimeError(
-                        f"Routing replay at router {state.name}: a gradient-checkpointing recomputation sees "
-                        f"{current.shape[0]} tokens but its forward had {forced.shape[0]}. Run backward once per "
-                        f"forward, in order, or call `clear()` after an aborted step."
-                    )
+                forced = _pop_matching(state.recompute_fifo, router_logits, state.name)
+                if self._mode == "off":
+                    self._restore_jitter(only_settled=True)
                 return router_logits, state.adapter.gate(module, router_logits, forced), forced
             will_recompute, state.will_recompute = state.will_recompute, False
+            shape, state.shape = state.shape, None
             if self._mode == "off":
                 return None
-            tokens = current.shape[0]
-            batch, seq_len = state.shape if state.shape is not None else (1, tokens)
-            if batch * seq_len != tokens:
-                batch, seq_len = 1, tokens
-            state.shape = None
+            batch, seq_len = shape if shape is not None and shape[0] * shape[1] == current.shape[0] else (1, -1)
             if self._mode == "record":
-                state.record.append(current.detach().to(self.storage_dtype).view(batch, seq_len, -1))
-                if will_recompute:
-                    state.recompute_fifo.append(current.detach())
+                self._record_call(state, router_logits, current, batch, will_recompute)
                 return None
-            rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
-            rows = rows.to(device=current.device, dtype=current.dtype)
-            if state.has_missing:  # only loaded routing can hold -1 rows; recorded routing never does
-                valid = (rows >= 0).all(dim=-1)
-                forced = torch.where(valid.unsqueeze(-1), rows, current)
-            else:
-                valid, forced = None, rows
-            weights = state.adapter.gate(module, router_logits, forced)
-            with torch.no_grad():
-                # same top-k *set*: every replayed expert is among the router's own k (indices are distinct)
-                same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
-                if valid is None:
-                    agree, replayed = same.sum(), tokens
-                else:
-                    agree, replayed = (same & valid).sum(), valid.sum()
-                state.agree = agree if state.agree is None else state.agree + agree
-                state.replayed = replayed if state.replayed is None else state.replayed + replayed
-                state.seen = tokens if state.seen is None else state.seen + tokens
-            if will_recompute:
-                state.recompute_fifo.append(forced)
-            return router_logits, weights, forced
+            return self._replay_call(state, router_logits, current, batch, seq_len, will_recompute)
 
         return hook
+
+    def _record_call(
+        self, state: _RouterState, router_logits: torch.Tensor, current: torch.Tensor, batch: int, will_recompute: bool
+    ) -> None:
+        """Store the router's own experts as [batch, seq, k] rows (and for the recomputation, if checkpointed)."""
+        state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
+        if will_recompute:
+            state.recompute_fifo.append(_Pending(current.detach(), _fingerprint(router_logits)))
+
+    def _replay_call(
+        self,
+        state: _RouterState,
+        router_logits: torch.Tensor,
+        current: torch.Tensor,
+        batch: int,
+        seq_len: int,
+        will_recompute: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router output with the next recorded rows as experts and the family's gates at those experts."""
+        if will_recompute and _current_graph_task_id is None:
+            raise RuntimeError(
+                "Routing replay with gradient checkpointing needs torch._C._current_graph_task_id (torch >= 1.13) "
+                "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
+                "gradient checkpointing."
+            )
+        tokens = current.shape[0]
+        seq_len = tokens // batch if seq_len < 0 else seq_len
+        rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
+        rows = rows.to(device=current.device, dtype=current.dtype)
+        valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
+        forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
+        self._count_agreement(state, forced, current, valid)
+        if will_recompute:
+            state.recompute_fifo.append(_Pending(forced, _fingerprint(router_logits)))
+        return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
+
+    @staticmethod
+    @torch.no_grad()
+    def _count_agreement(
+        state: _RouterState, forced: torch.Tensor, current: torch.Tensor, valid: torch.Tensor | None
+    ) -> None:
+        """Add this call's agreeing / replayed / seen token counts to the router's counters (kept on device)."""
+        same = _same_topk_set(forced, current)
+        agree = same.sum() if valid is None else (same & valid).sum()
+        replayed = current.shape[0] if valid is None else valid.sum()
+        state.agree = agree if state.agree is None else state.agree + agree
+        state.replayed = replayed if state.replayed is None else state.replayed + replayed
+        state.seen = current.shape[0] if state.seen is None else state.seen + current.shape[0]

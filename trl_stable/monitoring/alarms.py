@@ -13,7 +13,8 @@ CRITICAL = "critical"
 
 @dataclass(frozen=True)
 class AlarmSpec:
-    """What an alarm means. `symptom` is a template filled with the measured `value` and the `threshold`."""
+    """What an alarm means. `symptom` is a template filled with the measured `value`, the `threshold` and the
+    `healthy` bound of the zero-std gauge."""
 
     name: str
     severity: str
@@ -28,7 +29,8 @@ _SPECS = [
         name="zero_std",
         severity=WARNING,
         metric="frac_reward_zero_std",
-        symptom="{value:.0%} of the groups have zero reward variance (healthy < 30%, alarm > {threshold:.0%})",
+        symptom="{value:.0%} of the groups have zero reward variance "
+        "(healthy < {healthy:.0%}, alarm > {threshold:.0%})",
         cause="every completion of a prompt gets the same reward, so group-normalised advantages are 0: "
         "the model has no learning signal (prompts too easy or too hard, or a reward too coarse)",
         remedy="inject virtual samples (NGRPO, advantage_estimator='ngrpo'), refine the reward (partial credit, "

@@ -20,7 +20,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from trl_stable.monitoring.health import HealthConfig, HealthEvent, HealthTracker
+from trl_stable.monitoring.health import HealthConfig, HealthEvent, HealthTracker, json_number
 
 __all__ = ["HealthMonitor", "health_config_from_args"]
 
@@ -106,8 +106,14 @@ class HealthMonitor(TrainerCallback):
     def _write(self, record: dict[str, Any], mode: str = "a") -> None:
         if self.health_path is None:
             return
-        with open(self.health_path, mode, encoding="utf-8") as f:
-            f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        # One complete line per write call, so a reader (the dashboard) never sees half a record.
+        line = json.dumps(record, allow_nan=False, default=str) + "\n"
+        try:
+            with open(self.health_path, mode, encoding="utf-8") as f:
+                f.write(line)
+        except OSError as err:  # a full disk or a vanished output dir must not kill the training run
+            logger.warning("[health] cannot write %s (%s); the health file is switched off.", self.health_path, err)
+            self.health_path = None
 
     # ---- callback events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -117,18 +123,7 @@ class HealthMonitor(TrainerCallback):
             os.makedirs(args.output_dir, exist_ok=True)
             self.health_path = os.path.join(args.output_dir, self.config.health_file)
             self._write(
-                {
-                    "type": "meta",
-                    "step": state.global_step,
-                    "max_completion_length": self.tracker.max_completion_length,
-                    "reward_max": self.config.reward_max,
-                    "zero_std_healthy": self.config.zero_std_healthy,
-                    "zero_std_alarm": self.config.zero_std_alarm,
-                    "mismatch_threshold": self.config.mismatch_threshold,
-                    "grad_norm_floor": self.config.grad_norm_floor,
-                    "entropy_floor": self.config.entropy_floor,
-                    "length_cap_ratio": self.config.length_cap_ratio,
-                },
+                {"type": "meta", "step": state.global_step, **self.tracker.meta()},
                 # A fresh run starts a fresh file; a resumed one (global_step > 0) appends to its history.
                 mode="w" if state.global_step == 0 else "a",
             )
@@ -160,7 +155,7 @@ class HealthMonitor(TrainerCallback):
             # Trainer.log appended a copy of `logs` to the history before calling the callbacks.
             if state.log_history and state.log_history[-1].get("step") == step:
                 state.log_history[-1].update(flags)
-        record = {"type": "metrics", "step": step, **_json_safe(self.tracker.last_gauges)}
+        record = {"type": "metrics", "step": step, **{k: json_number(v) for k, v in self.tracker.last_gauges.items()}}
         self._write({**record, "active": self.tracker.active})
         return control
 
@@ -248,7 +243,3 @@ class HealthMonitor(TrainerCallback):
         if state.is_world_process_zero:
             logger.error(message)
         self._write({"type": "stop", "step": state.global_step, "alarms": critical, "since": since})
-
-
-def _json_safe(values: dict[str, float]) -> dict[str, Any]:
-    return {k: (v if v == v and abs(v) != float("inf") else str(v)) for k, v in values.items()}

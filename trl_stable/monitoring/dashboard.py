@@ -18,12 +18,13 @@ import os
 import re
 import statistics
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl_stable.monitoring.health import HealthConfig, HealthTracker
+from trl_stable.monitoring.health import HealthConfig, HealthTracker, floor_from_reference
 
 __all__ = ["RunHealth", "load_run", "main", "render_dashboard"]
 
@@ -77,36 +78,62 @@ def _from_log_history(history: Sequence[Mapping[str, Any]], config: HealthConfig
             run.events.append(event.to_record())
         if tracker.last_gauges:
             run.add(step, tracker.last_gauges)
-    run.meta = {
-        "max_completion_length": tracker.max_completion_length,
-        "reward_max": config.reward_max,
-        "zero_std_healthy": config.zero_std_healthy,
-        "zero_std_alarm": config.zero_std_alarm,
-        "mismatch_threshold": config.mismatch_threshold,
-        "grad_norm_floor": config.grad_norm_floor,
-        "entropy_floor": config.entropy_floor,
-        "length_cap_ratio": config.length_cap_ratio,
-    }
+    run.meta = tracker.meta()
     return run
+
+
+def _health_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a health file. A line that is not a JSON object (the last line of a run killed while
+    writing, or read while it writes) is skipped with a warning naming it; a file with no record at all is an error."""
+    records, bad = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                bad.append(number)
+    if bad and not records:
+        raise ValueError(f"{path} is not a health file: no line is a JSON record (written by HealthMonitor).")
+    if bad:
+        warnings.warn(f"{path}: skipped {len(bad)} malformed line(s): {bad[:5]}", stacklevel=3)
+    return records
 
 
 def _from_health_file(path: Path) -> RunHealth:
     run = RunHealth()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            record = json.loads(line)
-            kind = record.get("type")
-            if kind == "meta":
-                run.meta.update({k: v for k, v in record.items() if k not in ("type", "step")})
-            elif kind == "metrics":
-                gauges = {k: v for k, v in record.items() if k not in ("type", "step", "active")}
-                run.add(int(record["step"]), gauges)
-            elif kind in ("alarm", "remedy", "stop"):
-                run.events.append(record)
+    for record in _health_records(path):
+        kind = record.get("type")
+        if kind == "meta":
+            run.meta.update({k: v for k, v in record.items() if k not in ("type", "step")})
+        elif kind == "metrics":
+            gauges = {k: v for k, v in record.items() if k not in ("type", "step", "active")}
+            run.add(int(record.get("step", 0)), gauges)
+        elif kind in ("alarm", "remedy", "stop"):
+            run.events.append(record)
     return run
+
+
+def _log_history(path: Path) -> list[Mapping[str, Any]]:
+    """The `log_history` of a `trainer_state.json` (or a bare JSON list of log records)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{path} is not JSON ({err}): pass a run's output_dir, health.jsonl or trainer_state.json."
+        ) from err
+    history = state.get("log_history") if isinstance(state, dict) else state
+    if not isinstance(history, list) or not all(isinstance(record, dict) for record in history):
+        raise ValueError(
+            f"{path} has no log history (expected a trainer_state.json with a `log_history` list of records)."
+        )
+    return history
 
 
 def _latest_trainer_state(directory: Path) -> Path | None:
@@ -151,14 +178,176 @@ def load_run(
         if max_completion_length:
             run.meta["max_completion_length"] = max_completion_length
         return run
-    with open(path, encoding="utf-8") as f:
-        state = json.load(f)
-    history = state.get("log_history", state) if isinstance(state, dict) else state
-    return _from_log_history(history, config, max_completion_length)
+    return _from_log_history(_log_history(path), config, max_completion_length)
+
+
+_PANELS = ("reward", "frac_reward_zero_std", "grad_norm", "completion_length", "entropy", "mismatch")
+_GREEN, _AMBER, _RED = "tab:green", "tab:orange", "tab:red"
 
 
 def _shade(ax, low, high, color, label=None):
     ax.axhspan(low, high, color=color, alpha=0.12, lw=0, label=label)
+
+
+def _plot(ax, run: RunHealth, name: str, label: str | None = None, **kwargs) -> tuple[list[int], list[float]]:
+    x, y = run.series(name)
+    if x:
+        ax.plot(x, y, marker="." if len(x) < 30 else None, label=label or name, **kwargs)
+    return x, y
+
+
+def _floor(values: list[float], absolute: float, relative: float, window: int) -> float:
+    """The tracker's floor for a gauge: its reference is the median of the first `window` finite values."""
+    early = [v for v in values if math.isfinite(v)][:window]
+    return floor_from_reference(statistics.median(early) if len(early) == window else None, absolute, relative)
+
+
+def _draw_reward(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    _, y = _plot(ax, run, "reward", "reward/mean", color="tab:blue")
+    reward_max = cfg.reward_max
+    if reward_max is not None:
+        _shade(ax, reward_max - cfg.ceiling_margin, reward_max, _GREEN, "at the maximum")
+        ax.axhline(reward_max, color=_GREEN, ls="--", lw=1, label=f"declared max {reward_max:g}")
+    finite = [v for v in y if math.isfinite(v)]
+    if finite:
+        ax.axhline(max(finite), color="grey", ls=":", lw=1, label=f"ceiling reached {max(finite):.3f}")
+    ax.set_title("reward/mean (healthy: rising)")
+
+
+def _draw_zero_std(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    healthy, alarm = cfg.zero_std_healthy, cfg.zero_std_alarm
+    _shade(ax, 0, healthy, _GREEN, f"healthy < {healthy:.0%}")
+    _shade(ax, healthy, alarm, _AMBER)
+    _shade(ax, alarm, 1, _RED, f"alarm > {alarm:.0%}")
+    _plot(ax, run, "frac_reward_zero_std", color="tab:blue")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"frac_reward_zero_std (healthy < {healthy:.0%})")
+
+
+def _draw_grad_norm(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    # log scale: exact zeros are drawn at the bottom of the "near zero" band
+    x, y = run.series("grad_norm")
+    floor = _floor(y, cfg.grad_norm_floor, cfg.grad_norm_relative_floor, cfg.reference_window)
+    if x:
+        lowest = min([v for v in y if math.isfinite(v) and v > 0] + [floor]) / 10
+        shown = [max(v, lowest) if math.isfinite(v) else float("nan") for v in y]
+        ax.plot(x, shown, marker="." if len(x) < 30 else None, color="tab:blue", label="grad_norm")
+        ax.set_yscale("log")
+        _shade(ax, lowest, floor, _RED, f"near zero < {floor:.3g}")
+    ax.set_title("grad_norm (healthy: steady, non-zero)")
+
+
+def _draw_length(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    _plot(ax, run, "completion_length", "mean length", color="tab:blue")
+    cap = run.meta.get("max_completion_length")
+    if cap:
+        ratio = cfg.length_cap_ratio
+        _shade(ax, 0, ratio * cap, _GREEN, "healthy")
+        _shade(ax, ratio * cap, cap, _RED, f"> {ratio:.0%} of cap")
+        ax.axhline(cap, color=_RED, ls="--", lw=1, label=f"cap {cap}")
+        ax.set_ylim(0, cap * 1.05)
+    _draw_share(ax, run, "clipped_ratio", "truncated share", ":")
+    ax.set_title("completion length vs cap (healthy: steady)")
+
+
+def _draw_share(ax, run: RunHealth, name: str, label: str, ls: str) -> None:
+    """A share in [0, 1] on a right-hand axis of `ax`."""
+    x, y = run.series(name)
+    if not x:
+        return
+    twin = ax.twinx()
+    twin.plot(x, y, color="tab:purple", ls=ls, label=label)
+    twin.set_ylim(0, 1)
+    twin.set_ylabel(label)
+    twin.legend(loc="upper right", fontsize=7)
+
+
+def _draw_entropy(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    _, y = _plot(ax, run, "entropy", color="tab:blue")
+    floor = _floor(y, cfg.entropy_floor, cfg.entropy_relative_floor, cfg.reference_window)
+    _shade(ax, 0, floor, _RED, f"collapsed < {floor:.3g}")
+    ax.set_ylim(bottom=0)
+    ax.set_title("entropy (healthy: slow decline)")
+
+
+def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig) -> None:
+    x, _ = _plot(ax, run, "mismatch", "mean |logp diff|", color="tab:blue")
+    _plot(ax, run, "mismatch_max", "max |logp diff|", color="tab:blue", ls=":", lw=1)
+    threshold = cfg.mismatch_threshold
+    values = run.series("mismatch")[1] + run.series("mismatch_max")[1]
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    if positive:
+        ax.set_yscale("log")
+        low, high = min(min(positive), threshold) / 10, max(max(positive), threshold) * 10
+        _shade(ax, low, threshold, _GREEN, f"healthy < {threshold:g}")
+        _shade(ax, threshold, high, _RED)
+        ax.set_ylim(low, high)
+    elif not x:
+        ax.text(
+            0.5,
+            0.5,
+            "no sampler log-probs recorded\n(enable an option that captures them, or vLLM)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=9,
+            color="grey",
+        )
+    _draw_share(ax, run, "masked_fraction", "IcePop/KPop masked", "--")
+    ax.set_title(f"sampler vs trainer mismatch (alarm > {threshold:g})")
+
+
+def _mark_events(axes, panels: dict, events: list[dict[str, Any]]) -> list[str]:
+    """Raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; returns the names
+    of the alarms raised."""
+    raised = []
+    for event in events:
+        if event.get("type") == "stop":
+            for ax in axes.flat:
+                ax.axvline(event["step"], color="black", lw=1.5)
+        if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
+            continue
+        name = event.get("alarm")
+        ax = panels.get(_ALARM_PANEL.get(name, ""))
+        color = _RED if event.get("severity") == "critical" else _AMBER
+        if event["kind"] == "cleared":
+            if ax is not None:
+                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
+            continue
+        raised.append(name)
+        if ax is not None:
+            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
+            ax.annotate(
+                name,
+                (event["step"], 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+                zorder=6,  # above the legend box, which may sit where the label starts
+            )
+    return raised
+
+
+def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
+    """`config` with the thresholds the run recorded (its health file's meta line), so the bands match its alarms."""
+    recorded = {k: v for k, v in run.meta.items() if k in HealthConfig.__dataclass_fields__}
+    try:
+        return HealthConfig(**{**config.to_dict(), **recorded})
+    except (TypeError, ValueError):  # a file from another version: fall back to the given thresholds
+        return config
+
+
+_DRAW = {
+    "reward": _draw_reward,
+    "frac_reward_zero_std": _draw_zero_std,
+    "grad_norm": _draw_grad_norm,
+    "completion_length": _draw_length,
+    "entropy": _draw_entropy,
+    "mismatch": _draw_mismatch,
+}
 
 
 def render_dashboard(
@@ -175,7 +364,8 @@ def render_dashboard(
         source: an output dir, a `health.jsonl`, a `trainer_state.json`, a log-history list, or a [`RunHealth`].
         path: where to write the PNG; defaults to `<output dir>/health_dashboard.png` for a directory source, else
             `health_dashboard.png` in the current directory.
-        config ([`HealthConfig`], *optional*): thresholds used when replaying a log history.
+        config ([`HealthConfig`], *optional*): thresholds used when replaying a log history, and for the bands the
+            source does not record.
         max_completion_length (`int`, *optional*): the completion cap, when the source does not record it.
         title (`str`, *optional*): figure title.
 
@@ -192,149 +382,13 @@ def render_dashboard(
         is_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
         path = Path(source) / DASHBOARD_FILE if is_dir else Path(DASHBOARD_FILE)
     path = Path(path)
-    meta = run.meta
-    cfg = config or HealthConfig()
+    cfg = _config_of(run, config or HealthConfig())
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    panels = dict(
-        zip(
-            ["reward", "frac_reward_zero_std", "grad_norm", "completion_length", "entropy", "mismatch"],
-            axes.flat,
-            strict=True,
-        )
-    )
-    green, amber, red = "tab:green", "tab:orange", "tab:red"
-
-    def plot(name, ax, label=None, **kwargs):
-        x, y = run.series(name)
-        if x:
-            ax.plot(x, y, marker="." if len(x) < 30 else None, label=label or name, **kwargs)
-        return x, y
-
-    # reward
-    ax = panels["reward"]
-    x, y = plot("reward", ax, "reward/mean", color="tab:blue")
-    reward_max = meta.get("reward_max", cfg.reward_max)
-    if reward_max is not None:
-        _shade(ax, reward_max - cfg.ceiling_margin, reward_max, green, "at the maximum")
-        ax.axhline(reward_max, color=green, ls="--", lw=1, label=f"declared max {reward_max:g}")
-    finite = [v for v in y if math.isfinite(v)]
-    if finite:
-        ax.axhline(max(finite), color="grey", ls=":", lw=1, label=f"ceiling reached {max(finite):.3f}")
-    ax.set_title("reward/mean (healthy: rising)")
-
-    # zero-std share
-    ax = panels["frac_reward_zero_std"]
-    healthy, alarm = meta.get("zero_std_healthy", 0.3), meta.get("zero_std_alarm", 0.5)
-    _shade(ax, 0, healthy, green, f"healthy < {healthy:.0%}")
-    _shade(ax, healthy, alarm, amber)
-    _shade(ax, alarm, 1, red, f"alarm > {alarm:.0%}")
-    plot("frac_reward_zero_std", ax, color="tab:blue")
-    ax.set_ylim(0, 1)
-    ax.set_title("frac_reward_zero_std (healthy < 30%)")
-
-    # grad norm (log scale: exact zeros are drawn at the bottom of the "near zero" band)
-    ax = panels["grad_norm"]
-    x, y = run.series("grad_norm")
-    floor = meta.get("grad_norm_floor", cfg.grad_norm_floor)
-    early = [v for v in y if math.isfinite(v)][: cfg.reference_window]
-    if len(early) == cfg.reference_window:  # the tracker's relative floor, once its reference exists
-        floor = max(floor, cfg.grad_norm_relative_floor * statistics.median(early))
-    positive = [v for v in y if math.isfinite(v) and v > 0]
-    if x:
-        lowest = min(positive + [floor]) / 10
-        shown = [max(v, lowest) if math.isfinite(v) else float("nan") for v in y]
-        ax.plot(x, shown, marker="." if len(x) < 30 else None, color="tab:blue", label="grad_norm")
-        ax.set_yscale("log")
-        _shade(ax, lowest, floor, red, f"near zero < {floor:.3g}")
-    ax.set_title("grad_norm (healthy: steady, non-zero)")
-
-    # completion length vs cap
-    ax = panels["completion_length"]
-    plot("completion_length", ax, "mean length", color="tab:blue")
-    cap = meta.get("max_completion_length")
-    if cap:
-        ratio = meta.get("length_cap_ratio", cfg.length_cap_ratio)
-        _shade(ax, 0, ratio * cap, green, "healthy")
-        _shade(ax, ratio * cap, cap, red, f"> {ratio:.0%} of cap")
-        ax.axhline(cap, color=red, ls="--", lw=1, label=f"cap {cap}")
-        ax.set_ylim(0, cap * 1.05)
-    cx, cy = run.series("clipped_ratio")
-    if cx:
-        twin = ax.twinx()
-        twin.plot(cx, cy, color="tab:purple", ls=":", label="clipped ratio")
-        twin.set_ylim(0, 1)
-        twin.set_ylabel("clipped ratio")
-        twin.legend(loc="upper right", fontsize=7)
-    ax.set_title("completion length vs cap (healthy: steady)")
-
-    # entropy
-    ax = panels["entropy"]
-    x, y = plot("entropy", ax, color="tab:blue")
-    floor = meta.get("entropy_floor", cfg.entropy_floor)
-    early = [v for v in y if math.isfinite(v)][: cfg.reference_window]
-    if len(early) == cfg.reference_window:
-        floor = max(floor, cfg.entropy_relative_floor * statistics.median(early))
-    _shade(ax, 0, floor, red, f"collapsed < {floor:.3g}")
-    ax.set_ylim(bottom=0)
-    ax.set_title("entropy (healthy: slow decline)")
-
-    # mismatch
-    ax = panels["mismatch"]
-    x, y = plot("mismatch", ax, "mean |logp diff|", color="tab:blue")
-    plot("mismatch_max", ax, "max |logp diff|", color="tab:blue", ls=":", lw=1)
-    threshold = meta.get("mismatch_threshold", cfg.mismatch_threshold)
-    positive = [v for v in run.series("mismatch")[1] + run.series("mismatch_max")[1] if math.isfinite(v) and v > 0]
-    if positive:
-        ax.set_yscale("log")
-        low, high = min(min(positive), threshold) / 10, max(max(positive), threshold) * 10
-        _shade(ax, low, threshold, green, f"healthy < {threshold:g}")
-        _shade(ax, threshold, high, red)
-        ax.set_ylim(low, high)
-    elif not x:
-        ax.text(
-            0.5,
-            0.5,
-            "no sampler log-probs recorded\n(enable an option that captures them, or vLLM)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=9,
-            color="grey",
-        )
-    mx, my = run.series("masked_fraction")
-    if mx:
-        twin = ax.twinx()
-        twin.plot(mx, my, color="tab:purple", ls="--", label="IcePop/KPop masked")
-        twin.set_ylim(0, 1)
-        twin.legend(loc="upper right", fontsize=7)
-    ax.set_title("sampler vs trainer mismatch (alarm > 0.01)")
-
-    # alarms
-    raised_names = []
-    for event in run.events:
-        if event.get("type") == "stop":
-            for a in axes.flat:
-                a.axvline(event["step"], color="black", lw=1.5)
-        if event.get("type") != "alarm" or event.get("kind") != "raised":
-            continue
-        name = event.get("alarm")
-        raised_names.append(name)
-        ax = panels.get(_ALARM_PANEL.get(name, ""))
-        if ax is not None:
-            color = red if event.get("severity") == "critical" else amber
-            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
-            ax.annotate(
-                name,
-                (event["step"], 1.0),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                va="top",
-                ha="right",
-                fontsize=7,
-                color=color,
-            )
-
+    panels = dict(zip(_PANELS, axes.flat, strict=True))
+    for name, ax in panels.items():
+        _DRAW[name](ax, run, cfg)
+    raised = _mark_events(axes, panels, run.events)
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -342,7 +396,7 @@ def render_dashboard(
             ax.legend(loc="best", fontsize=7)
         if not ax.lines:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-    summary = ", ".join(sorted(set(raised_names))) or "none"
+    summary = ", ".join(sorted(set(raised))) or "none"
     fig.suptitle(f"{title or 'training health'} — alarms raised: {summary}", fontsize=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -376,19 +430,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
 
-    config = HealthConfig(reward_max=args.reward_max) if args.reward_max is not None else HealthConfig()
-    try:
-        run = load_run(args.source, config, args.max_completion_length)
-    except (FileNotFoundError, json.JSONDecodeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.reward_max is not None:
-        run.meta["reward_max"] = args.reward_max
     output = args.output
     if output is None:
         base = Path(args.source) if Path(args.source).is_dir() else Path(args.source).parent
         output = base / DASHBOARD_FILE
-    written = render_dashboard(run, output, config=config, title=args.title or str(args.source))
+    try:
+        config = HealthConfig(reward_max=args.reward_max) if args.reward_max is not None else HealthConfig()
+        run = load_run(args.source, config, args.max_completion_length)
+        if args.reward_max is not None:
+            run.meta["reward_max"] = args.reward_max
+        written = render_dashboard(run, output, config=config, title=args.title or str(args.source))
+    except (OSError, ValueError) as err:  # a missing, unreadable or foreign file, an unwritable -o: no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"alarms:\n{_alarm_summary(run)}")
     print(f"dashboard written to {written}")
     return 0

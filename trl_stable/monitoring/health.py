@@ -17,7 +17,14 @@ from typing import Any
 
 from trl_stable.monitoring.alarms import ALARMS, CRITICAL
 
-__all__ = ["DEFAULT_METRIC_KEYS", "HealthConfig", "HealthEvent", "HealthTracker", "extract_gauges"]
+__all__ = [
+    "DEFAULT_METRIC_KEYS",
+    "HealthConfig",
+    "HealthEvent",
+    "HealthTracker",
+    "extract_gauges",
+    "floor_from_reference",
+]
 
 # gauge -> log keys that may carry it, first present wins. TRL GRPO names first, then trl_stable PPO names.
 DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
@@ -27,7 +34,8 @@ DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "loss/total"),
     "completion_length": ("completions/mean_length", "tokens/response_len_mean"),
     "clipped_ratio": ("completions/clipped_ratio",),
-    "entropy": ("entropy", "objective/entropy"),
+    # per-token entropy first: PPO's `objective/entropy` is summed over a response, so it shrinks with the length
+    "entropy": ("entropy", "policy/entropy", "objective/entropy"),
     "mismatch": ("mismatch/logp_abs_diff/mean", "sampling/sampling_logp_difference/mean"),
     "mismatch_max": ("mismatch/logp_abs_diff/max", "sampling/sampling_logp_difference/max"),
     "mismatch_outside_band": ("mismatch/ratio/outside_band",),
@@ -63,7 +71,10 @@ class HealthConfig:
         },
     )
     plateau_window: int = field(
-        default=20, metadata={"help": "Log records over which the reward trend is measured for plateau detection."}
+        # A noisy reward (std ~0.06 per record) that rises ~0.08 per 25 records is told apart from a flat one
+        # only over ~50 records; a window of 20 raised the alarm on such healthy runs.
+        default=50,
+        metadata={"help": "Log records over which the reward trend is measured for plateau detection."},
     )
     plateau_min_rise: float = field(
         default=0.01,
@@ -101,7 +112,13 @@ class HealthConfig:
     clipped_ratio_alarm: float = field(
         default=0.3, metadata={"help": "Alarm when this share of completions is truncated at the cap."}
     )
-    entropy_floor: float = field(default=0.05, metadata={"help": "Entropy (nats/token) below this has collapsed."})
+    entropy_floor: float = field(
+        default=0.05,
+        metadata={
+            "help": "Entropy (nats/token) below this has collapsed, unless the run started below twice this: then "
+            "half its reference is the floor."
+        },
+    )
     entropy_relative_floor: float = field(
         default=0.1, metadata={"help": "Entropy below this fraction of its reference has collapsed."}
     )
@@ -247,10 +264,7 @@ class HealthEvent:
 
     def to_record(self) -> dict[str, Any]:
         record = {"type": "alarm", **asdict(self)}
-        for key in ("value", "threshold"):
-            if isinstance(record[key], float) and not math.isfinite(record[key]):
-                record[key] = str(record[key])  # strict JSON has no NaN/inf
-        return record
+        return {key: json_number(value) for key, value in record.items()}
 
     def message(self) -> str:
         if self.kind == "cleared":
@@ -261,6 +275,22 @@ class HealthEvent:
             f"[health] step {self.step}: {self.severity.upper()} {self.alarm}: {self.symptom}. "
             f"Likely cause: {self.cause}. Remedy: {self.remedy}."
         )
+
+
+def json_number(value: Any) -> Any:
+    """`value` as strict JSON allows it: NaN/inf become their string ("nan", "inf"), anything else is unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def floor_from_reference(reference: float | None, absolute: float, relative: float) -> float:
+    """The "near zero" floor of a gauge whose typical size is `reference` (median of its first values; None while
+    unknown): `absolute`, raised to `relative * reference`, and never above half the reference, so a run that starts
+    small (a confident model's entropy) is judged by how far it falls, not by where it starts."""
+    if reference is None:
+        return absolute
+    return max(relative * reference, min(absolute, 0.5 * reference))
 
 
 def _finite_float(value: Any) -> float | None:
@@ -384,26 +414,20 @@ class HealthTracker:
         if "grad_norm" in finite:
             value = finite["grad_norm"]
             reference = self._reference("grad_norm", value)
-            floor = cfg.grad_norm_floor
-            if reference is not None:
-                floor = max(floor, cfg.grad_norm_relative_floor * reference)
+            floor = floor_from_reference(reference, cfg.grad_norm_floor, cfg.grad_norm_relative_floor)
             out["grad_norm_vanishing"] = (value < floor, value, floor)
 
         if "entropy" in finite:
             value = finite["entropy"]
             reference = self._reference("entropy", value)
-            floor = cfg.entropy_floor
+            # A confident model starts below the absolute floor: entropy is judged only against the run's own start.
             if reference is not None:
-                floor = max(floor, cfg.entropy_relative_floor * reference)
-            out["entropy_collapse"] = (value < floor, value, floor)
+                floor = floor_from_reference(reference, cfg.entropy_floor, cfg.entropy_relative_floor)
+                out["entropy_collapse"] = (value < floor, value, floor)
 
-        cap = self.max_completion_length
-        if cap and ("completion_length" in finite or "clipped_ratio" in finite):
-            length = finite.get("completion_length")
-            clipped = finite.get("clipped_ratio")
-            near = length is not None and length >= cfg.length_cap_ratio * cap
-            truncated = clipped is not None and clipped >= cfg.clipped_ratio_alarm
-            out["length_near_cap"] = (near or truncated, length if length is not None else float("nan"), cap)
+        length_condition = self._length_condition(finite)
+        if length_condition is not None:
+            out["length_near_cap"] = length_condition
 
         if "mismatch" in finite:
             out["mismatch"] = (finite["mismatch"] > cfg.mismatch_threshold, finite["mismatch"], cfg.mismatch_threshold)
@@ -413,6 +437,17 @@ class HealthTracker:
         if "retokenization" in finite:
             out["retokenization"] = (finite["retokenization"] > 0, finite["retokenization"], 0.0)
         return out
+
+    def _length_condition(self, finite: dict[str, float]) -> tuple[bool, float | None, float | None] | None:
+        """Completions near the cap: the mean length (needs the cap) or the truncated share (needs no cap)."""
+        cap = self.max_completion_length
+        length = finite.get("completion_length") if cap else None
+        clipped = finite.get("clipped_ratio")
+        if length is None and clipped is None:
+            return None
+        near = length is not None and length >= self.config.length_cap_ratio * cap
+        truncated = clipped is not None and clipped >= self.config.clipped_ratio_alarm
+        return near or truncated, length, cap
 
     def update(self, logs: Mapping[str, Any], step: int | None = None) -> list[HealthEvent]:
         """Feed one log record; return the alarm events it triggers (raised, repeated, cleared).
@@ -424,58 +459,102 @@ class HealthTracker:
         if not gauges:
             return []
         step = int(step if step is not None else logs.get("step", 0) or 0)
-        cfg = self.config
         events = []
         for name, (holds, value, threshold) in self._conditions(gauges).items():
             state = self.states.get(name)
             if state is None:
                 continue
-            # Failures that corrupt the weights must not wait for patience.
-            patience = 1 if name == "nonfinite" else cfg.patience
-            if holds:
-                state.hits, state.misses = state.hits + 1, 0
-                if not state.active and state.hits >= patience:
-                    state.active, state.raised_step, state.since_emit = True, step, 0
-                    events.append(self._event(step, "raised", name, value, threshold))
-                elif state.active:
-                    state.since_emit += 1
-                    if cfg.repeat_every and state.since_emit >= cfg.repeat_every:
-                        state.since_emit = 0
-                        events.append(self._event(step, "repeated", name, value, threshold))
-            else:
-                state.hits, state.misses = 0, state.misses + 1
-                # A trend measured over a window flickers with noise: clear it only after half a window of rise.
-                clear_after = max(cfg.clear_patience, cfg.plateau_window // 2) if name == "reward_plateau" else None
-                if state.active and state.misses >= (clear_after or cfg.clear_patience):
-                    state.active, state.raised_step = False, None
-                    events.append(self._event(step, "cleared", name, value, threshold))
+            kind = self._advance(name, state, holds, step)
+            if kind is not None:
+                events.append(self._event(step, kind, name, value, threshold))
         return events
+
+    def _patience(self, name: str) -> tuple[int, int]:
+        """(records to raise, records to clear) for alarm `name`."""
+        cfg = self.config
+        if name == "nonfinite":  # failures that corrupt the weights must not wait
+            return 1, cfg.clear_patience
+        if name == "reward_plateau":
+            # A trend measured over a sliding window flickers with the reward's noise: a plateau must hold for a
+            # fifth of a window before it is raised and give way to half a window of rise before it clears.
+            return max(cfg.patience, cfg.plateau_window // 5), max(cfg.clear_patience, cfg.plateau_window // 2)
+        return cfg.patience, cfg.clear_patience
+
+    def _advance(self, name: str, state: _AlarmState, holds: bool, step: int) -> str | None:
+        """Debounce one alarm's condition; return the event kind it emits now ("raised", "repeated", "cleared")."""
+        raise_after, clear_after = self._patience(name)
+        if not holds:
+            state.hits, state.misses = 0, state.misses + 1
+            if state.active and state.misses >= clear_after:
+                state.active, state.raised_step = False, None
+                return "cleared"
+            return None
+        state.hits, state.misses = state.hits + 1, 0
+        if not state.active:
+            if state.hits < raise_after:
+                return None
+            state.active, state.raised_step, state.since_emit = True, step, 0
+            return "raised"
+        state.since_emit += 1
+        if self.config.repeat_every and state.since_emit >= self.config.repeat_every:
+            state.since_emit = 0
+            return "repeated"
+        return None
 
     def _event(self, step: int, kind: str, name: str, value, threshold) -> HealthEvent:
         spec = ALARMS[name]
         severity = CRITICAL if name in self.config.critical else "warning"
+        symptom = self._symptom(name, value, threshold)
+        value = value if isinstance(value, (int, float)) else None
+        since = self.states[name].raised_step if kind == "repeated" else None
+        return HealthEvent(step, kind, name, severity, value, threshold, symptom, spec.cause, spec.remedy, since)
+
+    def _symptom(self, name: str, value, threshold) -> str:
+        """The catalogue's symptom filled with the measured values, plus what the other gauges add to it."""
+        if name == "length_near_cap":
+            return self._length_symptom(value, threshold)
+        spec = ALARMS[name]
         try:
-            symptom = spec.symptom.format(value=value, threshold=threshold)
+            symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
         except (TypeError, ValueError):
             symptom = f"{spec.metric} = {value} (threshold {threshold})"
         if name == "reward_plateau" and self.reward_ceiling is not None:
             symptom += f"; best reward reached {self.reward_ceiling:.3f}"
-        if name == "length_near_cap":
-            clipped = self.last_gauges.get("clipped_ratio")
-            if clipped is not None:
-                symptom += f", {clipped:.0%} of completions truncated"
         if name == "mismatch":
-            extra = [f"max {self.last_gauges['mismatch_max']:.3f}"] if "mismatch_max" in self.last_gauges else []
-            if "mismatch_outside_band" in self.last_gauges:
-                low, high = self.config.mismatch_band
-                extra.append(
-                    f"{self.last_gauges['mismatch_outside_band']:.1%} of token ratios outside [{low}, {high}]"
-                )
-            if extra:
-                symptom += " (" + ", ".join(extra) + ")"
-        value = value if isinstance(value, (int, float)) else None
-        since = self.states[name].raised_step if kind == "repeated" else None
-        return HealthEvent(step, kind, name, severity, value, threshold, symptom, spec.cause, spec.remedy, since)
+            symptom += self._mismatch_detail()
+        return symptom
+
+    def _mismatch_detail(self) -> str:
+        """The spread behind the mean |diff|: its max and the share of token ratios outside the band."""
+        gauges = self.last_gauges
+        extra = [f"max {gauges['mismatch_max']:.3f}"] if "mismatch_max" in gauges else []
+        if "mismatch_outside_band" in gauges:
+            low, high = self.config.mismatch_band
+            extra.append(f"{gauges['mismatch_outside_band']:.1%} of token ratios outside [{low}, {high}]")
+        return f" ({', '.join(extra)})" if extra else ""
+
+    def _length_symptom(self, length: float | None, cap: float | None) -> str:
+        parts = []
+        if length is not None and cap:
+            parts.append(f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}")
+        clipped = self.last_gauges.get("clipped_ratio")
+        if clipped is not None:
+            parts.append(
+                f"{clipped:.0%} of completions truncated at the cap (alarm >= {self.config.clipped_ratio_alarm:.0%})"
+            )
+        return ", ".join(parts)
+
+    def meta(self) -> dict[str, Any]:
+        """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
+        and the completion cap in use."""
+        scalars = {
+            k: v for k, v in self.config.to_dict().items() if isinstance(v, (bool, int, float, str, type(None)))
+        }
+        return {
+            **scalars,
+            "mismatch_band": list(self.config.mismatch_band),
+            "max_completion_length": self.max_completion_length,
+        }
 
     def flags(self) -> dict[str, float]:
         """`health/*` metrics for the trainer's logs: the number of active alarms and one 0/1 flag per alarm."""

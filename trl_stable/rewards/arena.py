@@ -11,8 +11,10 @@ Pairings:
 - ``swiss``: ceil(log2 G) rounds (or `rounds`). Round 1 pairs a seeded random order; later rounds sort players by
   score, then Buchholz (sum of the current scores of the opponents met), then the seeded order, and pair neighbours
   without rematches (backtracking when the greedy choice would force one). With odd G, the lowest-ranked player
-  without a bye sits out. About G/2 matches per round. If no rematch-free pairing exists (more rounds than
-  opponents), the tournament stops early.
+  without a bye sits out. A bye is not a match: it scores no points and does not count in the player's matches, so
+  it neither raises nor lowers that player's reward (a chess-style free point would inflate it). About G/2 matches
+  per round. If no rematch-free pairing exists (more rounds than opponents) or none is found within a bounded
+  search, the tournament stops early.
 
 ``both_orders`` judges (a, b) and (b, a) and averages p(a) = (p_ab + 1 - p_ba) / 2, which cancels a judge's
 preference for a position. A failed judge call (an exception, None or NaN) counts as a draw (0.5) and is counted.
@@ -36,6 +38,19 @@ from typing import Any
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, linked from the top-level prompts/
+# Backtracking steps allowed to find one round's rematch-free pairing: the search is exponential in the worst case
+# (many rounds for a large G, e.g. 31 rounds of G = 32 took seconds), and a round that needs more stops the arena.
+MAX_PAIRING_SEARCH = 20_000
+
+
+def check_arena_args(pairing: str, rounds: int | None) -> None:
+    """Raise ValueError for an unknown `pairing` or a `rounds` that is not a positive Swiss round count."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}.")
+    if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
+        raise ValueError(f"rounds must be an int >= 1 or None (ceil(log2 G)), got {rounds!r}.")
+    if rounds is not None and pairing == "round_robin":
+        raise ValueError("`rounds` applies to pairing='swiss' only; round robin plays every pair once.")
 
 
 @dataclass
@@ -86,6 +101,7 @@ class _Tournament:
         random.Random(seed).shuffle(self.seed_order)
         self.seed_rank = {player: rank for rank, player in enumerate(self.seed_order)}
         self.done = n < 2 or self.max_rounds == 0
+        self._budget = MAX_PAIRING_SEARCH
 
     def buchholz(self, i: int) -> float:
         return sum(self.wins[j] for j in self.opponents[i])
@@ -107,11 +123,13 @@ class _Tournament:
 
     def _pair_with_bye(self, order: list[int]) -> list[tuple[int, int]] | None:
         if len(order) % 2 == 0:
+            self._budget = MAX_PAIRING_SEARCH
             return self._pair(order)
         # Odd: the lowest-ranked player without a bye sits out (all had one: the lowest-ranked), if the rest pair.
         ranked = list(reversed(order))
         candidates = [p for p in ranked if p not in self.byes] + [p for p in ranked if p in self.byes]
         for bye in candidates:
+            self._budget = MAX_PAIRING_SEARCH
             pairs = self._pair([p for p in order if p != bye])
             if pairs is not None:
                 self.byes.add(bye)
@@ -119,9 +137,15 @@ class _Tournament:
         return None
 
     def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
-        """Pair neighbours in rank order with no rematch; backtrack when a greedy choice strands a player."""
+        """Pair neighbours in rank order with no rematch; backtrack when a greedy choice strands a player.
+
+        None when no pairing exists or the search budget (`MAX_PAIRING_SEARCH` steps) runs out.
+        """
         if not players:
             return []
+        self._budget -= 1
+        if self._budget < 0:
+            return None
         first, rest = players[0], players[1:]
         for k, other in enumerate(rest):
             if (min(first, other), max(first, other)) in self.played:
@@ -199,6 +223,30 @@ def _call_judges(judge: Any, triples: list[tuple[str, str, str]], max_workers: i
     return [_check_prob(v) for v in raw]
 
 
+def _round_triples(
+    groups: Sequence[tuple[str, Sequence[str]]], pending: list[tuple[int, list[tuple[int, int]]]], both_orders: bool
+) -> tuple[list[tuple[str, str, str]], list[int]]:
+    """The judge calls of one round of every pending arena, ``(prompt, a, b)`` (then ``(prompt, b, a)`` with
+    `both_orders`), and the arena each call belongs to."""
+    triples, owners = [], []
+    for k, pairs in pending:
+        prompt, responses = groups[k]
+        for i, j in pairs:
+            orders = [(i, j), (j, i)] if both_orders else [(i, j)]
+            triples += [(prompt, responses[a], responses[b]) for a, b in orders]
+            owners += [k] * len(orders)
+    return triples, owners
+
+
+def _match_score(outcomes: Sequence[float | None]) -> float:
+    """The first player's score from P(first wins) [, P(second wins) with the order swapped]; a failed call is 0.5.
+
+    Both orders: p = (p_ab + 1 - p_ba) / 2, which cancels a constant bonus for the first slot.
+    """
+    p_ab, *rest = (0.5 if p is None else p for p in outcomes)
+    return 0.5 * (p_ab + 1.0 - rest[0]) if rest else p_ab
+
+
 def run_arenas(
     groups: Sequence[tuple[str, Sequence[str]]],
     judge: Judge | Any,
@@ -213,12 +261,7 @@ def run_arenas(
 
     Group k is seeded with ``seed + k``. See `gar_rewards` for the arguments.
     """
-    if pairing not in PAIRINGS:
-        raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}.")
-    if rounds is not None and rounds < 1:
-        raise ValueError(f"rounds must be >= 1 or None (ceil(log2 G)), got {rounds}.")
-    if rounds is not None and pairing == "round_robin":
-        raise ValueError("`rounds` applies to pairing='swiss' only; round robin plays every pair once.")
+    check_arena_args(pairing, rounds)
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
     calls = [0] * len(groups)
     failed = [0] * len(groups)
@@ -227,35 +270,18 @@ def run_arenas(
         pending = [(k, pairs) for k, pairs in pending if pairs]
         if not pending:
             break
-        triples, owners = [], []
-        for k, pairs in pending:
-            prompt, responses = groups[k]
-            for i, j in pairs:
-                triples.append((prompt, responses[i], responses[j]))
-                owners.append(k)
-                if both_orders:
-                    triples.append((prompt, responses[j], responses[i]))
-                    owners.append(k)
+        triples, owners = _round_triples(groups, pending, both_orders)
         outcomes = _call_judges(judge, triples, max_workers)
-        for k in owners:
-            calls[k] += 1
         for k, p in zip(owners, outcomes):
+            calls[k] += 1
             failed[k] += p is None
+        per_order = 2 if both_orders else 1
         cursor = 0
         for k, pairs in pending:
-            probs = []
-            for _ in pairs:
-                p_ab = outcomes[cursor]
-                p_ab = 0.5 if p_ab is None else p_ab
-                if both_orders:
-                    p_ba = outcomes[cursor + 1]
-                    p_ba = 0.5 if p_ba is None else p_ba
-                    probs.append(0.5 * (p_ab + 1.0 - p_ba))
-                    cursor += 2
-                else:
-                    probs.append(p_ab)
-                    cursor += 1
-            tournaments[k].record(pairs, probs)
+            chunk = outcomes[cursor : cursor + per_order * len(pairs)]
+            scores = [_match_score(chunk[m : m + per_order]) for m in range(0, len(chunk), per_order)]
+            tournaments[k].record(pairs, scores)
+            cursor += len(chunk)
     return [t.result(calls[k], failed[k]) for k, t in enumerate(tournaments)]
 
 
@@ -337,8 +363,10 @@ def parse_verdict(answer: str | None) -> float | None:
     return verdict
 
 
-def _completion_text(value: Any) -> str:
+def completion_text(value: Any) -> str:
     """A completion as plain text: a conversational one is the concatenation of its messages' contents."""
+    if value is None:
+        return ""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
     return _as_text(value)
@@ -438,7 +466,9 @@ class ArenaReward:
     round-1 pairings change from step to step but are reproducible.
 
     With several processes TRL scores each process's slice of the batch, so keep ``per_device_train_batch_size``
-    a multiple of ``num_generations``: a group split across processes would play as two smaller arenas.
+    a multiple of ``num_generations``: a group split across processes would play as two smaller arenas. Groups are
+    found by prompt text (a reward function is not told ``num_generations``), so a prompt drawn twice into one
+    batch plays one arena of 2G completions: rewards stay in [0, 1] and comparable, at the cost of more calls.
 
     Args:
         judge: A pairwise judge (see `gar_rewards`) or an `LLMJudge`.
@@ -460,8 +490,7 @@ class ArenaReward:
         seed: int = 0,
         max_workers: int = 8,
     ):
-        if pairing not in PAIRINGS:
-            raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}.")
+        check_arena_args(pairing, rounds)
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}.")
         self.judge = judge
@@ -482,7 +511,7 @@ class ArenaReward:
         for idx, key in enumerate(keys):
             order.setdefault(key, []).append(idx)
         members = list(order.values())
-        groups = [(_as_text(prompts[m[0]]), [_completion_text(completions[i]) for i in m]) for m in members]
+        groups = [(_as_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
         with self._lock:
             base_seed = self.seed + self._num_calls * 100003
             self._num_calls += 1

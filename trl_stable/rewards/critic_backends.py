@@ -158,21 +158,31 @@ class CriticBackend(ABC):
 # OpenAI-compatible backend
 
 
-class _RateLimiter:
-    """At most `rate` request starts per second, evenly spaced (a token bucket of depth one), shared by all threads."""
+class RateLimiter:
+    """At most `rate` request starts per second, evenly spaced (a token bucket of depth one), shared by all threads.
+
+    Args:
+        rate: Request starts per second, > 0.
+    """
 
     def __init__(self, rate: float) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0 requests per second, got {rate}.")
         self.interval = 1.0 / rate
         self._lock = threading.Lock()
         self._next = 0.0
 
-    def acquire(self, stop: threading.Event) -> None:
+    def acquire(self, stop: threading.Event | None = None) -> None:
+        """Block until this caller's slot; a set `stop` event ends the wait early (e.g. on close)."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)
             self._next = start + self.interval
         if start > now:
-            stop.wait(start - now)
+            if stop is None:
+                time.sleep(start - now)
+            else:
+                stop.wait(start - now)
 
 
 class _MemoryCache:
@@ -360,7 +370,7 @@ class OpenAICritic(CriticBackend):
         self.system_prompt = system_prompt
         self.batch_timeout = batch_timeout
         self.rate_limit = rate_limit
-        self._rate = _RateLimiter(rate_limit) if rate_limit else None
+        self._rate = RateLimiter(rate_limit) if rate_limit else None
         self._cache = DiskCache(cache_dir) if cache_dir is not None else None
         self._memory = _MemoryCache(memory_cache_size)
         self._rng = random.Random(seed)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from trl_stable.masking.validation import (
     find_tool_call_spans,
     parse_tool_call,
 )
+from trl_stable.rewards.arena import completion_text
 
 DIMENSIONS = ("tool_name", "arguments", "reasoning", "plan")
 
@@ -48,9 +50,19 @@ _SECTION = re.compile(
 )
 
 
+WEIGHT_SUM_TOLERANCE = 1e-9
+
+
+def _is_weight(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 @dataclass
 class StepRewardWeights:
     """Weights of the step-reward dimensions; they must sum to 1 so a perfect answer scores exactly 1.0.
+
+    A sum within `WEIGHT_SUM_TOLERANCE` (1e-9) of 1 is accepted and the weights are rescaled by it; anything further
+    off is a ValueError.
 
     Args:
         tool_name: Weight of the tool-name match.
@@ -66,15 +78,19 @@ class StepRewardWeights:
 
     def __post_init__(self):
         values = self.as_dict()
-        bad = {k: v for k, v in values.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)}
+        bad = {k: v for k, v in values.items() if not _is_weight(v)}
         if bad:
-            raise ValueError(f"Step-reward weights must be finite and >= 0; fix {bad}.")
+            raise ValueError(f"Step-reward weights must be finite real numbers >= 0; fix {bad}.")
         total = math.fsum(values.values())
-        if abs(total - 1.0) > 1e-9:
+        if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             raise ValueError(
-                f"Step-reward weights {values} sum to {total:g}, so a perfect answer would score {total:g}, not 1.0. "
+                f"Step-reward weights {values} sum to {total!r}, so a perfect answer would score {total!r}, not 1.0. "
                 "Fix: scale them to sum to 1 (e.g. tool_name=0.5, arguments=0.2, reasoning=0.2, plan=0.1)."
             )
+        # Within the tolerance (decimal weights such as 0.1 are not exact in binary), rescale so the sum is 1 up to
+        # one rounding: the total's rounding to 12 decimals then makes a perfect answer exactly 1.0.
+        for name, value in values.items():
+            setattr(self, name, float(value) / total)
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in DIMENSIONS}
@@ -328,37 +344,20 @@ class StepReward:
         self.clip_min = clip_min
         self.open_tag, self.close_tag = open_tag, close_tag
         self.__name__ = "step_reward"
+        self._cache: tuple[str, list[dict[str, float] | None]] | None = None
 
     def score(self, completion: Any, ground_truth: Any, prompt: Any = "") -> dict[str, float]:
         """Per-dimension scores, ``penalty/<name>`` amounts, ``penalty`` (their sum) and ``total``."""
-        text = _text(completion)
-        step = parse_agent_step(text, self.open_tag, self.close_tag)
+        step = parse_agent_step(completion_text(completion), self.open_tag, self.close_tag)
         expected, required_plan, keywords = _ground_truth_calls(ground_truth)
-        n = max(len(expected), len(step.calls))
-        if n == 0:
-            name_score = args_score = 1.0  # no call expected, none made
-        else:
-            name_hits, arg_total = 0.0, 0.0
-            for k in range(min(len(expected), len(step.calls))):
-                if step.calls[k].name == expected[k]["name"]:
-                    name_hits += 1
-                    arg_total += argument_score(
-                        step.calls[k].arguments, expected[k]["arguments"], self.exact_arguments
-                    )
-            name_score, args_score = name_hits / n, arg_total / n
-        if self.reasoning_scorer is not None:
-            reasoning = float(self.reasoning_scorer(step.thought))
-            if not 0.0 <= reasoning <= 1.0:
-                raise ValueError(f"reasoning_scorer returned {reasoning}; it must return a score in [0, 1].")
-        else:
-            reasoning = connective_score(step.thought, keywords or self.connectives, self.min_connectives)
+        name_score, args_score = self._call_scores(step.calls, expected)
         scores = {
             "tool_name": name_score,
             "arguments": args_score,
-            "reasoning": reasoning,
+            "reasoning": self._reasoning_score(step.thought, keywords),
             "plan": plan_score(step.plan, required_plan),
         }
-        prompt_text = _text(prompt)
+        prompt_text = completion_text(prompt)
         fired = {f"penalty/{p.name}": p.penalty for p in self.penalties if p.applies(step, ground_truth, prompt_text)}
         penalty = math.fsum(fired.values())
         weighted = math.fsum(w * scores[d] for d, w in self.weights.as_dict().items())
@@ -368,6 +367,26 @@ class StepReward:
             total = max(total, self.clip_min)
         return {**scores, **fired, "penalty": penalty, "total": total}
 
+    def _call_scores(self, calls: Sequence[ParsedToolCall], expected: Sequence[Mapping[str, Any]]):
+        """(tool-name score, argument score): calls aligned in order, both over max(#expected, #made)."""
+        n = max(len(expected), len(calls))
+        if n == 0:
+            return 1.0, 1.0  # no call expected, none made
+        name_hits, arg_total = 0, 0.0
+        for call, want in zip(calls, expected):
+            if call.name == want["name"]:
+                name_hits += 1
+                arg_total += argument_score(call.arguments, want["arguments"], self.exact_arguments)
+        return name_hits / n, arg_total / n
+
+    def _reasoning_score(self, thought: str, keywords: Sequence[str] | None) -> float:
+        if self.reasoning_scorer is None:
+            return connective_score(thought, keywords or self.connectives, self.min_connectives)
+        reasoning = float(self.reasoning_scorer(thought))
+        if not 0.0 <= reasoning <= 1.0:
+            raise ValueError(f"reasoning_scorer returned {reasoning}; it must return a score in [0, 1].")
+        return reasoning
+
     def _batch(self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: Mapping[str, Any], key: str):
         truths = kwargs.get(self.ground_truth_key)
         if truths is None:
@@ -375,10 +394,20 @@ class StepReward:
                 f"StepReward needs a '{self.ground_truth_key}' dataset column (or set `ground_truth_key`); the reward "
                 f"function got columns {sorted(k for k in kwargs if not k.startswith('log_'))}."
             )
-        out: list[float | None] = []
-        for prompt, completion, truth in zip(prompts, completions, truths):
-            out.append(None if truth is None else self.score(completion, truth, prompt)[key])
-        return out
+        return [None if scores is None else scores[key] for scores in self._batch_scores(prompts, completions, truths)]
+
+    def _batch_scores(self, prompts: Sequence[Any], completions: Sequence[Any], truths: Sequence[Any]):
+        """`score` of each row (None without ground truth). The per-dimension functions of `reward_funcs` are called
+        one after the other on the same batch, so the last batch's scores are kept rather than parsed again."""
+        cache_key = repr((list(prompts), list(completions), list(truths)))
+        if self._cache is not None and self._cache[0] == cache_key:
+            return self._cache[1]
+        scores = [
+            None if truth is None else self.score(completion, truth, prompt)
+            for prompt, completion, truth in zip(prompts, completions, truths)
+        ]
+        self._cache = (cache_key, scores)
+        return scores
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         return self._batch(prompts, completions, kwargs, "total")
@@ -401,11 +430,3 @@ class StepReward:
         """Weights aligned with `reward_funcs` (1.0 for the penalty function)."""
         weights = [self.weights.as_dict()[d] for d in DIMENSIONS]
         return weights + ([1.0] if self.penalties else [])
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Sequence):
-        return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
-    return "" if value is None else str(value)

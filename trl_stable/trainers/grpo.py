@@ -33,18 +33,15 @@ from trl.trainer.utils import is_async_callable, nanstd
 from trl_stable.core import (
     NORMALIZATION_PRESETS,
     behaviour_weight,
-    clamp_behaviour_weight,
     dense_advantages,
+    filter_behaviour_weight,
     fold_behaviour_weight,
-    icepop_mask,
-    kpop_mask,
     ngrpo_advantages,
     normalize,
     overlong_penalty,
     zero_variance_groups,
 )
 from trl_stable.masking.rl import CompletionStepMasker
-from trl_stable.masking.validation import load_tools
 from trl_stable.moe.layout import repad_routing
 from trl_stable.moe.trainer_hooks import (
     ROUTED_EXPERTS_KEY,
@@ -54,12 +51,12 @@ from trl_stable.moe.trainer_hooks import (
 )
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.rewards.dense import has_nan, is_dense_reward, validate_dense_rewards
+from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.step_mask_args import StepMaskArguments
 
 logger = logging.getLogger(__name__)
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "liteppo", "rloo", "gdpo", "ngrpo")
-TOKEN_FILTERS = ("icepop", "kpop")
-_FILTER_DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "kpop": (None, 2.0)}
 # TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).
 _PRESET_TRL_FIELDS = {
     "dr_grpo": {"scale_rewards": "none", "loss_type": "dr_grpo"},
@@ -83,7 +80,7 @@ _FORWARD_KEYS = (
 
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig, HealthArguments):
+class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
     Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
@@ -169,23 +166,7 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments):
             "are recorded during generation."
         },
     )
-    token_filter: str | None = field(
-        default=None,
-        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
-    )
-    token_filter_level: str = field(
-        default="token", metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."}
-    )
-    token_filter_action: str = field(
-        default="mask",
-        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
-    )
-    token_filter_lower: float | None = field(
-        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
-    )
-    token_filter_upper: float | None = field(
-        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
-    )
+    # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
     capture_sampler_logps: bool = field(
         default=False,
         metadata={
@@ -233,20 +214,7 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments):
             "keeps TRL's behaviour (advantage 0, still counted in the loss normaliser)."
         },
     )
-    step_loss_mask: bool = field(
-        default=False,
-        metadata={
-            "help": "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
-            "have wrongly typed arguments) from the policy loss."
-        },
-    )
-    step_mask_tools: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
-            "file of these. None checks only that a tool call is JSON with a name."
-        },
-    )
+    # step_loss_mask, step_mask_tools: from StepMaskArguments
     routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
 
     def __post_init__(self):
@@ -256,12 +224,7 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments):
 
     def _validate_stable_options(self) -> None:
         check_routing_replay_mode(self.routing_replay)
-        try:
-            self.step_mask_tools = load_tools(self.step_mask_tools)
-        except ValueError as err:
-            raise ValueError(f"step_mask_tools: {err}") from err
-        if self.step_mask_tools is not None and not self.step_loss_mask:
-            raise ValueError("step_mask_tools is set but step_loss_mask=False; set step_loss_mask=True to use it.")
+        self.validate_step_mask_arguments()
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of "
@@ -344,53 +307,7 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments):
                 "use_decoupled_loss=True needs the sampler's log-probs, which transformers' continuous batching does "
                 "not return; set use_transformers_continuous_batching=False (or use vLLM)."
             )
-        if self.token_filter is not None:
-            if self.token_filter not in TOKEN_FILTERS:
-                raise ValueError(f"token_filter={self.token_filter!r} is unknown; use 'icepop', 'kpop' or None.")
-            if not self.use_decoupled_loss:
-                raise ValueError(
-                    f"token_filter={self.token_filter!r} filters the decoupled loss's tokens; set "
-                    "use_decoupled_loss=True (or token_filter=None)."
-                )
-        if self.token_filter is None:
-            unused = [
-                name
-                for name in ("token_filter_level", "token_filter_action", "token_filter_lower", "token_filter_upper")
-                if getattr(self, name) != _STABLE_DEFAULTS[name]
-            ]
-            if unused:
-                raise ValueError(
-                    f"{', '.join(unused)} only apply to a token filter, but token_filter=None; set "
-                    "token_filter='icepop' or 'kpop' (with use_decoupled_loss=True), or unset them."
-                )
-        if self.token_filter_level not in ("token", "sequence"):
-            raise ValueError(f"token_filter_level={self.token_filter_level!r} is invalid; use 'token' or 'sequence'.")
-        if self.token_filter_action not in ("mask", "clamp"):
-            raise ValueError(f"token_filter_action={self.token_filter_action!r} is invalid; use 'mask' or 'clamp'.")
-        if self.token_filter == "kpop":
-            if self.token_filter_action == "clamp":
-                raise ValueError(
-                    "token_filter='kpop' supports only token_filter_action='mask' (a KL has no band to clamp a "
-                    "weight into); set token_filter_action='mask' or use token_filter='icepop'."
-                )
-            if self.token_filter_lower is not None:
-                raise ValueError(
-                    "token_filter='kpop' has only an upper KL threshold; unset token_filter_lower (use "
-                    "token_filter_upper)."
-                )
-            if self.token_filter_upper is not None and not self.token_filter_upper > 0:
-                raise ValueError(f"token_filter_upper={self.token_filter_upper} must be > 0 for KPop.")
-        if self.token_filter == "icepop":
-            lower, upper = self.filter_bounds
-            if not (lower > 0 and upper > 0):
-                raise ValueError(
-                    "IcePop bounds must be positive ratios, got "
-                    f"token_filter_lower={lower}, token_filter_upper={upper}."
-                )
-            if lower >= upper:
-                raise ValueError(
-                    f"token_filter_lower ({lower}) must be < token_filter_upper ({upper}); swap or widen the band."
-                )
+        self.validate_decoupled_loss_arguments()
 
         # Rewards
         if self.overlong_penalty_tokens is not None:
@@ -425,14 +342,6 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments):
                 "advantage_eps",
             )
         )
-
-    @property
-    def filter_bounds(self) -> tuple[float | None, float | None]:
-        """(lower, upper) of the token filter, defaults filled in."""
-        default_lower, default_upper = _FILTER_DEFAULT_BOUNDS.get(self.token_filter, (None, None))
-        lower = self.token_filter_lower if self.token_filter_lower is not None else default_lower
-        upper = self.token_filter_upper if self.token_filter_upper is not None else default_upper
-        return lower, upper
 
     @property
     def advantage_settings(self) -> dict[str, Any] | None:
@@ -956,17 +865,12 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             prox = self._compute_proximal_logps(output)
             output["old_per_token_logps"] = prox
         mask = self._loss_mask(output)
-        weight = raw_weight = behaviour_weight(prox, behav, mask)
+        raw_weight = behaviour_weight(prox, behav, mask)
         name = self._opt("token_filter")
-        level = self._opt("token_filter_level")
         lower, upper = self.args.filter_bounds if name else (None, None)
-        keep = None
-        if name == "icepop" and self._opt("token_filter_action") == "clamp":
-            weight = clamp_behaviour_weight(prox, behav, mask, lower, upper, level)
-        elif name == "icepop":
-            keep = icepop_mask(prox, behav, mask, lower, upper, level)
-        elif name == "kpop":
-            keep = kpop_mask(prox, behav, mask, upper, level)
+        weight, keep = filter_behaviour_weight(
+            prox, behav, mask, name, self._opt("token_filter_action"), lower, upper, self._opt("token_filter_level")
+        )
         output["advantages"] = fold_behaviour_weight(output["advantages"], weight, keep)
         self._log_behaviour_metrics(mask, raw_weight, weight, keep, name)
 

@@ -51,7 +51,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import TrainOutput
 
 from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda
-from trl_stable.core.masks import behaviour_weight, clamp_behaviour_weight, icepop_mask, kpop_mask
+from trl_stable.core.masks import filter_behaviour_weight
 from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
 from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.trainer_hooks import with_routing_replay
@@ -942,51 +942,36 @@ class PPOTrainer:
         for i, row in enumerate(sampler_logprobs):
             behav[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32).to(behav.device)
         prox = batch["old_logprobs"]
-        weight = behaviour_weight(prox, behav, mask)
-        keep = mask.bool()
-        lower, upper = args.filter_bounds if args.token_filter else (None, None)
-        level = args.token_filter_level
-        if args.token_filter == "icepop" and args.token_filter_action == "clamp":
-            weight = clamp_behaviour_weight(prox, behav, mask, lower, upper, level)
-        elif args.token_filter == "icepop":
-            keep = icepop_mask(prox, behav, mask, lower, upper, level)
-        elif args.token_filter == "kpop":
-            keep = kpop_mask(prox, behav, mask, upper, level)
+        lower, upper = args.filter_bounds
+        weight, keep = filter_behaviour_weight(
+            prox, behav, mask, args.token_filter, args.token_filter_action, lower, upper, args.token_filter_level
+        )
+        if keep is None:
+            keep = mask.bool()
         batch["behaviour_weight"] = weight
         batch["behaviour_keep"] = keep
-        # statistics over all processes' tokens: sums and counts are reduced, maxima gathered
+        # statistics over all processes' tokens: sums and counts are reduced, the maximum gathered
         maskb = mask.bool()
         seqs = maskb.any(1)
-        diff = (prox - behav).abs()
         sums = torch.stack(
             [
                 torch.where(maskb, weight, torch.zeros_like(weight)).sum(),
                 (maskb & ~keep).float().sum(),
-                torch.where(maskb, diff, torch.zeros_like(diff)).sum(),
                 maskb.float().sum(),
                 (seqs & ~(keep & maskb).any(1)).float().sum(),  # sequences with every token filtered out
                 seqs.float().sum(),
             ]
         )
         sums = self.accelerator.reduce(sums, reduction="sum")
-        maxima = torch.stack(
-            [
-                torch.where(maskb, weight, torch.ones_like(weight)).max(),
-                torch.where(maskb, diff, torch.zeros_like(diff)).max(),
-            ]
-        )
-        maxima = self.accelerator.gather(maxima.unsqueeze(0)).max(0).values
-        tokens, num_seqs = sums[3].clamp(min=1), sums[5].clamp(min=1)
+        weight_max = self.accelerator.gather(torch.where(maskb, weight, torch.ones_like(weight)).max().unsqueeze(0))
+        tokens, num_seqs = sums[2].clamp(min=1), sums[4].clamp(min=1)
         return {
-            "behaviour/weight_mean": (sums[0] / tokens).item() if sums[3] > 0 else 1.0,
-            "behaviour/weight_max": maxima[0].item(),
+            "behaviour/weight_mean": (sums[0] / tokens).item() if sums[2] > 0 else 1.0,
+            "behaviour/weight_max": weight_max.max().item(),
             "behaviour/masked_token_frac": (sums[1] / tokens).item(),
-            "behaviour/masked_seq_frac": (sums[4] / num_seqs).item(),
-            # ratio spread and sequence perplexity ratio next to the mean (all processes' tokens)
+            "behaviour/masked_seq_frac": (sums[3] / num_seqs).item(),
+            # |diff| mean/max, ratio spread and sequence perplexity ratio over all processes' tokens
             **mismatch_stats(behav, prox, mask, gather=self.accelerator.gather).as_metrics(),
-            # names read by trl_stable.monitoring's mismatch gauge
-            "mismatch/logp_abs_diff/mean": (sums[2] / tokens).item(),
-            "mismatch/logp_abs_diff/max": maxima[1].item(),
         }
 
     def _rollout_forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from trl_stable.monitoring.integration import PPOHealthArguments
+from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.step_mask_args import StepMaskArguments
 
 _KL_PENALTIES = ("kl", "abs", "mse", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 
 
 @dataclass
-class PPOConfig(TrainingArguments, PPOHealthArguments):
+class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
@@ -137,23 +139,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments):
             "`generate` (or passed to `step(sampler_logprobs=...)`)."
         },
     )
-    token_filter: str | None = field(
-        default=None,
-        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
-    )
-    token_filter_level: str = field(
-        default="token", metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."}
-    )
-    token_filter_action: str = field(
-        default="mask",
-        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
-    )
-    token_filter_lower: float | None = field(
-        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
-    )
-    token_filter_upper: float | None = field(
-        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
-    )
+    # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 
     # --- advantages ---
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
@@ -228,13 +214,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments):
             "have wrongly typed arguments) from the policy loss (the value loss keeps them)."
         },
     )
-    step_mask_tools: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
-            "file of these. None checks only that a tool call is JSON with a name."
-        },
-    )
+    # step_mask_tools: from StepMaskArguments
     routing_replay: str = field(
         default="off",
         metadata={
@@ -251,7 +231,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments):
             self.report_to = self.log_with
         super().__post_init__()
         self.validate_health_arguments()
-        from trl_stable.moe.trainer_hooks import check_routing_replay_mode  # lazy, like load_tools below
+        from trl_stable.moe.trainer_hooks import check_routing_replay_mode  # lazy: keeps this module import-light
 
         check_routing_replay_mode(self.routing_replay)
         if self.batch_size < 1 or self.mini_batch_size < 1 or self.ppo_epochs < 1:
@@ -290,33 +270,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments):
             raise ValueError("temperature must be > 0.")
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("Choose one of load_in_4bit and load_in_8bit.")
-        if self.token_filter is not None:
-            if self.token_filter not in ("icepop", "kpop"):
-                raise ValueError(f"token_filter must be None, 'icepop' or 'kpop', got {self.token_filter!r}.")
-            if not self.use_decoupled_loss:
-                raise ValueError("token_filter acts on the decoupled loss; set use_decoupled_loss=True.")
-        if self.token_filter_level not in ("token", "sequence"):
-            raise ValueError(f"token_filter_level must be 'token' or 'sequence', got {self.token_filter_level!r}.")
-        if self.token_filter_action not in ("mask", "clamp"):
-            raise ValueError(f"token_filter_action must be 'mask' or 'clamp', got {self.token_filter_action!r}.")
-        if self.token_filter == "kpop" and self.token_filter_action == "clamp":
-            raise ValueError("KPop only masks tokens: use token_filter_action='mask' with token_filter='kpop'.")
+        self.validate_decoupled_loss_arguments()
         if self.num_shared_layers is not None and self.num_shared_layers < 0:
             raise ValueError("num_shared_layers must be >= 0 or None.")
-        from trl_stable.masking.validation import load_tools  # lazy: the config module stays import-light
-
-        try:
-            self.step_mask_tools = load_tools(self.step_mask_tools)
-        except ValueError as err:
-            raise ValueError(f"step_mask_tools: {err}") from err
-        if self.step_mask_tools is not None and not self.step_loss_mask:
-            raise ValueError("step_mask_tools is set but step_loss_mask=False; set step_loss_mask=True to use it.")
-
-    @property
-    def filter_bounds(self) -> tuple[float, float]:
-        """(lower, upper) of the token filter with the defaults filled in: IcePop (0.5, 5.0), KPop upper 2.0."""
-        if self.token_filter == "kpop":
-            return 0.0, 2.0 if self.token_filter_upper is None else self.token_filter_upper
-        lower = 0.5 if self.token_filter_lower is None else self.token_filter_lower
-        upper = 5.0 if self.token_filter_upper is None else self.token_filter_upper
-        return lower, upper
+        self.validate_step_mask_arguments()

@@ -1,0 +1,109 @@
+"""Decoupled-loss and token-filter fields shared by trl_stable's GRPO and PPO configs (a dataclass mixin).
+
+The configs inherit [`DecoupledLossArguments`] and call `validate_decoupled_loss_arguments()` in `__post_init__`,
+as they do with `trl_stable.monitoring.HealthArguments`. The module imports nothing heavy: `ppo_config` stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["TOKEN_FILTERS", "DecoupledLossArguments"]
+
+TOKEN_FILTERS = ("icepop", "kpop")
+# (lower, upper) when the field is None; KPop has only an upper KL threshold.
+_FILTER_DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "kpop": (None, 2.0)}
+_FILTER_FIELD_DEFAULTS = {
+    "token_filter_level": "token",
+    "token_filter_action": "mask",
+    "token_filter_lower": None,
+    "token_filter_upper": None,
+}
+
+
+@dataclass
+class DecoupledLossArguments:
+    """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (see `trl_stable.core.masks`).
+
+    A config may redeclare `use_decoupled_loss` to say how its trainer gets the sampler's log-probs.
+    """
+
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Decoupled PPO loss (AReaL): the clipped term times the behaviour weight "
+            "exp(logp_prox - logp_sampler)."
+        },
+    )
+    token_filter: str | None = field(
+        default=None,
+        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
+    )
+    token_filter_level: str = field(
+        default=_FILTER_FIELD_DEFAULTS["token_filter_level"],
+        metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."},
+    )
+    token_filter_action: str = field(
+        default=_FILTER_FIELD_DEFAULTS["token_filter_action"],
+        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
+    )
+    token_filter_lower: float | None = field(
+        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
+    )
+    token_filter_upper: float | None = field(
+        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
+    )
+
+    def validate_decoupled_loss_arguments(self) -> None:
+        """Raise ValueError on an unknown or contradictory token filter (called from the config's `__post_init__`)."""
+        if self.token_filter is not None:
+            if self.token_filter not in TOKEN_FILTERS:
+                raise ValueError(f"token_filter={self.token_filter!r} is unknown; use 'icepop', 'kpop' or None.")
+            if not self.use_decoupled_loss:
+                raise ValueError(
+                    f"token_filter={self.token_filter!r} filters the decoupled loss's tokens; set "
+                    "use_decoupled_loss=True (or token_filter=None)."
+                )
+        if self.token_filter is None:
+            unused = [name for name, default in _FILTER_FIELD_DEFAULTS.items() if getattr(self, name) != default]
+            if unused:
+                raise ValueError(
+                    f"{', '.join(unused)} only apply to a token filter, but token_filter=None; set "
+                    "token_filter='icepop' or 'kpop' (with use_decoupled_loss=True), or unset them."
+                )
+        if self.token_filter_level not in ("token", "sequence"):
+            raise ValueError(f"token_filter_level={self.token_filter_level!r} is invalid; use 'token' or 'sequence'.")
+        if self.token_filter_action not in ("mask", "clamp"):
+            raise ValueError(f"token_filter_action={self.token_filter_action!r} is invalid; use 'mask' or 'clamp'.")
+        if self.token_filter == "kpop":
+            if self.token_filter_action == "clamp":
+                raise ValueError(
+                    "KPop only masks tokens: token_filter='kpop' supports only token_filter_action='mask' (a KL has "
+                    "no band to clamp a weight into); set token_filter_action='mask' or use token_filter='icepop'."
+                )
+            if self.token_filter_lower is not None:
+                raise ValueError(
+                    "token_filter='kpop' has only an upper KL threshold; unset token_filter_lower (use "
+                    "token_filter_upper)."
+                )
+            if self.token_filter_upper is not None and not self.token_filter_upper > 0:
+                raise ValueError(f"token_filter_upper={self.token_filter_upper} must be > 0 for KPop.")
+        if self.token_filter == "icepop":
+            lower, upper = self.filter_bounds
+            if not (lower > 0 and upper > 0):
+                raise ValueError(
+                    "IcePop bounds must be positive ratios, got "
+                    f"token_filter_lower={lower}, token_filter_upper={upper}."
+                )
+            if lower >= upper:
+                raise ValueError(
+                    f"token_filter_lower ({lower}) must be < token_filter_upper ({upper}); swap or widen the band."
+                )
+
+    @property
+    def filter_bounds(self) -> tuple[float | None, float | None]:
+        """(lower, upper) of the token filter, defaults filled in: IcePop (0.5, 5.0), KPop (None, 2.0)."""
+        default_lower, default_upper = _FILTER_DEFAULT_BOUNDS.get(self.token_filter, (None, None))
+        lower = self.token_filter_lower if self.token_filter_lower is not None else default_lower
+        upper = self.token_filter_upper if self.token_filter_upper is not None else default_upper
+        return lower, upper
