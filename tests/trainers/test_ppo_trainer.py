@@ -372,3 +372,13 @@ def test_train_conversational_prompts(tmp_path, tokenizer):
     assert tokenizer.decode(ids[0]).endswith("<|im_start|>assistant\n")
     trainer.train()
     assert seen["prompt"][0]["role"] == "user" and seen["completion"][0]["role"] == "assistant"
+
+
+def test_truncated_share_is_logged(tmp_path, tokenizer):
+    model = build_causal_lm("qwen2", tokenizer, seed=0)
+    trainer = PPOTrainer(model, args=_args(tmp_path, logging_steps=1), processing_class=tokenizer)
+    eos = tokenizer.eos_token_id
+    # one of four responses ends with EOS, three were cut at the cap
+    responses = [torch.tensor([5, 6, eos]), torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10]), torch.tensor([11, 12])]
+    trainer.step(_queries(tokenizer), responses, [[0.0] * len(r) for r in responses], scores=[1.0, 0.0, 0.5, 0.2])
+    assert trainer.state.log_history[-1]["tokens/truncated_frac"] == pytest.approx(0.75)

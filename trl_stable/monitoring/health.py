@@ -33,7 +33,7 @@ DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "grad_norm": ("grad_norm", "policy/grad_norm"),
     "loss": ("loss", "loss/total"),
     "completion_length": ("completions/mean_length", "tokens/response_len_mean"),
-    "clipped_ratio": ("completions/clipped_ratio",),
+    "clipped_ratio": ("completions/clipped_ratio", "tokens/truncated_frac"),
     # per-token entropy first: PPO's `objective/entropy` is summed over a response, so it shrinks with the length
     "entropy": ("entropy", "policy/entropy", "objective/entropy"),
     "mismatch": ("mismatch/logp_abs_diff/mean", "sampling/sampling_logp_difference/mean"),

@@ -1131,8 +1131,8 @@ class PPOTrainer:
             rewards = kl_part + env_part
         values = batch["values"] * mask
         bootstrap = None
+        ended = batch["response_ids"].gather(1, last.unsqueeze(1)).squeeze(1) == self.eos_token_id
         if args.bootstrap_truncated:
-            ended = batch["response_ids"].gather(1, last.unsqueeze(1)).squeeze(1) == self.eos_token_id
             bootstrap = torch.where(ended, torch.zeros_like(batch["bootstrap_values"]), batch["bootstrap_values"])
         lam = self._lambda(mask.sum(1).long())  # effective length: the action tokens
         if turns is None:
@@ -1168,6 +1168,8 @@ class PPOTrainer:
             "dense/reward_mean": gmean(dense.sum(1)[valid]),
             "dense/token_reward_mean": gmean(dense[mask.bool()]) if bool(mask.any()) else 0.0,
             "tokens/response_len_mean": gmean(lengths[valid].float()),
+            # share of responses cut at the length cap (no EOS), read by the health monitor's length gauge
+            "tokens/truncated_frac": gmean((~ended)[valid].float()),
             "val/mean": gmean(values[mask.bool()]),
             "returns/mean": gmean(returns[mask.bool()]),
             "advantages/mean": gmean(advantages[mask.bool()]),
