@@ -172,28 +172,18 @@ def test_router_gets_gradient_in_replay(tokenizer, family):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_with_replayed_experts(tokenizer, use_reentrant):
     """Checkpointed layers are recomputed in backward: the recomputation must use the replayed experts too."""
-    grads = {}
-    enc = _batch(tokenizer)
-    for checkpointing in (False, True):
-        model = build_causal_lm("qwen3_moe", tokenizer).train()
-        replay = RoutingReplay(model)
-        with torch.no_grad(), replay.record():
-            model(**enc)
-        routing = replay.export()
-        _perturb_routers(model)
-        if checkpointing:
-            model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
-            model.enable_input_require_grads()
+
+    def run(model, replay, routing, enc):
         for chunk in (slice(0, 2), slice(2, 4)):  # two micro-batches: forward, backward, forward, backward
             with replay.replay(routing[chunk]):
                 loss = -_logps(model, enc.input_ids[chunk], enc.attention_mask[chunk]).mean()
             loss.backward()  # outside the context, as in a trainer
-        assert all(not s.recompute_fifo for s in replay._states)
-        grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-8)
+
+    plain, checkpointed = (_checkpointed_grads(tokenizer, flag, run, use_reentrant) for flag in (False, True))
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-8)
 
 
-def _checkpointed_grads(tokenizer, checkpointing, run):
+def _checkpointed_grads(tokenizer, checkpointing, run, use_reentrant=False):
     """Gradients of every parameter after `run(model, replay, routing, enc)` on a perturbed qwen3_moe."""
     enc = _batch(tokenizer)
     model = build_causal_lm("qwen3_moe", tokenizer).train()
@@ -203,7 +193,8 @@ def _checkpointed_grads(tokenizer, checkpointing, run):
     routing = replay.export()
     _perturb_routers(model)
     if checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
+        model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
     run(model, replay, routing, enc)
     assert all(not s.recompute_fifo for s in replay._states)
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -50,6 +50,29 @@ def length_reward(completions, **kwargs):
     return [min(len(c) / 20.0, 1.0) for c in completions]
 
 
+def ppo(tokenizer, tmp_path, max_steps, **extra):
+    """A tiny gpt2 PPO run of `max_steps` steps (one pass over PROMPTS each) rewarded by `length_reward`."""
+    args = trl_stable.PPOConfig(
+        output_dir=str(tmp_path),
+        batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=1,
+        max_new_tokens=6,
+        max_steps=max_steps,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        **extra,
+    )
+    return trl_stable.PPOTrainer(
+        build_causal_lm("gpt2", tokenizer, seed=0),
+        args=args,
+        processing_class=tokenizer,
+        reward_funcs=[length_reward],
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * max_steps}),
+    )
+
+
 def test_grpo_default_run_writes_health_file_and_dashboard(tokenizer, tmp_path):
     trainer = grpo(tokenizer, tmp_path, length_reward)
     assert isinstance(trainer.callback_handler.callbacks[0], HealthMonitor)  # ahead of the reporters
@@ -202,25 +225,8 @@ def test_grpo_mismatch_alarm_on_injected_sampler_offset(tokenizer, tmp_path):
 
 
 def test_ppo_run_writes_health_file_and_dashboard(tokenizer, tmp_path):
-    args = trl_stable.PPOConfig(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=1,
-        max_new_tokens=6,
-        max_steps=2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-    )
-    assert args.health_monitor and args.health_reward_max is None
-    trainer = trl_stable.PPOTrainer(
-        build_causal_lm("gpt2", tokenizer, seed=0),
-        args=args,
-        processing_class=tokenizer,
-        reward_funcs=[length_reward],
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
-    )
+    trainer = ppo(tokenizer, tmp_path, max_steps=2)
+    assert trainer.args.health_monitor and trainer.args.health_reward_max is None
     assert isinstance(trainer.callback_handler.callbacks[0], HealthMonitor)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "health/active_alarms" in h]
@@ -234,25 +240,7 @@ def test_ppo_run_writes_health_file_and_dashboard(tokenizer, tmp_path):
 
 
 def test_ppo_decoupled_loss_logs_full_mismatch_stats(tokenizer, tmp_path):
-    args = trl_stable.PPOConfig(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=1,
-        max_new_tokens=6,
-        max_steps=1,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        use_decoupled_loss=True,
-    )
-    trainer = trl_stable.PPOTrainer(
-        build_causal_lm("gpt2", tokenizer, seed=0),
-        args=args,
-        processing_class=tokenizer,
-        reward_funcs=[length_reward],
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-    )
+    trainer = ppo(tokenizer, tmp_path, max_steps=1, use_decoupled_loss=True)
     trainer.train()
     (logged,) = [h for h in trainer.state.log_history if "health/active_alarms" in h]
     for key in ("mismatch/logp_abs_diff/mean", "mismatch/ratio/outside_band", "mismatch/ppl_ratio/mean"):

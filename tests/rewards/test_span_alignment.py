@@ -83,13 +83,7 @@ def test_token_char_offsets_cover_the_decoded_text(tokenizer, text):
     assert decoded == text
     assert len(offsets) == len(ids)
     assert offsets[-1][0] == offsets[-1][1]  # EOS: no characters
-    # Every character belongs to some token, offsets are in range and never go backwards.
-    covered = set()
-    for s, e in offsets:
-        assert 0 <= s <= e <= len(text)
-        covered.update(range(s, e))
-    assert covered == set(range(len(text)))
-    assert all(a[0] <= b[0] for a, b in zip(offsets, offsets[1:]))
+    _check_offsets(text, offsets)
 
 
 def test_token_char_offsets_non_canonical_tokenization_uses_incremental_decoding(tokenizer):
@@ -132,6 +126,7 @@ def test_end_to_end_with_kit_tokenizer_prompt_words_excluded(tokenizer):
 
 
 def _check_offsets(text, offsets):
+    """Every character belongs to some token, offsets are in range and never go backwards."""
     covered = set()
     for s, e in offsets:
         assert 0 <= s <= e <= len(text)

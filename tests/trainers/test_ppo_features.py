@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from ppo_test_args import tiny_ppo_args
 
 import trl_stable.trainers.ppo as ppo_mod
 from trl_stable import PPOConfig, PPOTrainer
@@ -9,19 +10,7 @@ from trl_stable.testing import build_causal_lm
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=1,
-        max_new_tokens=5,
-        learning_rate=1e-3,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-    )
-    base.update(kw)
-    return PPOConfig(**base)
+    return tiny_ppo_args(tmp_path, **{"learning_rate": 1e-3, **kw})
 
 
 QUERIES = [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9, 10]), torch.tensor([11])]

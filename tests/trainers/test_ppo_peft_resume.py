@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from ppo_test_args import tiny_ppo_args
 
-from trl_stable import PPOConfig, PPOTrainer
+from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.testing import build_causal_lm, save_tiny
 from trl_stable.trainers.value_head import ValueHead
@@ -19,19 +20,7 @@ def low_ids(prompts, completions, completion_ids, **kw):
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=2,
-        max_new_tokens=5,
-        learning_rate=1e-3,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-    )
-    base.update(kw)
-    return PPOConfig(**base)
+    return tiny_ppo_args(tmp_path, **{"ppo_epochs": 2, "learning_rate": 1e-3, **kw})
 
 
 def _dataset():

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from ppo_test_args import tiny_ppo_args
 from transformers import TrainerCallback
 
 from trl_stable import PPOConfig, PPOTrainer
@@ -16,18 +17,7 @@ from trl_stable.trainers.value_head import ValueHead
 
 
 def _args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=1,
-        max_new_tokens=6,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-    )
-    base.update(kw)
-    return PPOConfig(**base)
+    return tiny_ppo_args(tmp_path, **{"max_new_tokens": 6, **kw})
 
 
 def _queries(tokenizer, n=4):

@@ -28,10 +28,8 @@ logger = logging.getLogger("trl_stable.monitoring")
 
 # Trainer-argument fields (trl_stable GRPOConfig / PPOConfig) that map onto HealthConfig fields.
 _ARG_FIELDS = {
-    "health_reward_max": "reward_max",
-    "health_mismatch_threshold": "mismatch_threshold",
-    "health_remedy_virtual_samples": "remedy_virtual_samples",
-    "health_stop_after_critical_steps": "stop_after_critical_steps",
+    f"health_{name}": name
+    for name in ("reward_max", "mismatch_threshold", "remedy_virtual_samples", "stop_after_critical_steps")
 }
 
 

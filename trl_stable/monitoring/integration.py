@@ -14,9 +14,17 @@ from typing import Any
 import torch
 
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
+from trl_stable.monitoring.health import HealthConfig
 from trl_stable.monitoring.mismatch import mismatch_stats
 
 __all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor", "log_generation_mismatch"]
+
+
+def _shortcut(name: str, help: str | None = None) -> Any:
+    """The `health_<name>` trainer-argument field: `HealthConfig.<name>`'s default and, unless `help` says it for a
+    trainer, its help (one definition, so the two cannot drift apart)."""
+    source = HealthConfig.__dataclass_fields__[name]
+    return field(default=source.default, metadata={"help": help or source.metadata["help"]})
 
 
 @dataclass
@@ -30,30 +38,17 @@ class HealthArguments:
             "flags). It only reads the logs: training numbers are unchanged. False switches it off."
         },
     )
-    health_reward_max: float | None = field(
-        default=1.0,
-        metadata={
-            "help": "Declared maximum of the total reward (what a perfect answer scores). None disables the "
-            "reward-plateau-below-maximum and reward-above-maximum alarms."
-        },
+    health_reward_max: float | None = _shortcut("reward_max")
+    health_mismatch_threshold: float = _shortcut("mismatch_threshold")
+    health_remedy_virtual_samples: bool = _shortcut(
+        "remedy_virtual_samples",
+        "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), train with NGRPO virtual samples "
+        "(advantage_estimator='ngrpo'); the estimator is restored when it clears.",
     )
-    health_mismatch_threshold: float = field(
-        default=0.01,
-        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (handbook: 0.01)."},
-    )
-    health_remedy_virtual_samples: bool = field(
-        default=False,
-        metadata={
-            "help": "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), train with NGRPO "
-            "virtual samples (advantage_estimator='ngrpo'); the estimator is restored when it clears."
-        },
-    )
-    health_stop_after_critical_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "Save a checkpoint and stop training once a critical alarm (grad_norm_vanishing, "
-            "entropy_collapse, nonfinite) has held this many steps. None: never stop."
-        },
+    health_stop_after_critical_steps: int | None = _shortcut(
+        "stop_after_critical_steps",
+        "Save a checkpoint and stop training once a critical alarm (grad_norm_vanishing, entropy_collapse, "
+        "nonfinite) has held this many steps. None: never stop.",
     )
     health_mismatch_monitor: bool = field(
         default=False,

@@ -634,16 +634,16 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             self._log_per_reward_advantages(rewards_per_func, group_ids)
 
         drop = torch.zeros_like(unscorable)
-        if self._opt("nan_reward_action") == "drop" and unscorable.any():
-            count = int(unscorable.sum().item())
-            self._nan_dropped_total += count
-            logger.warning(
-                f"{count} completion(s) got NaN/None from every reward function; they are dropped from the loss "
-                f"({self._nan_dropped_total} so far)."
-            )
-            drop |= unscorable
         if self._opt("nan_reward_action") == "drop":
-            self._log("rewards/nan_dropped", float(unscorable.sum().item()))
+            count = int(unscorable.sum().item())
+            if count:
+                self._nan_dropped_total += count
+                logger.warning(
+                    f"{count} completion(s) got NaN/None from every reward function; they are dropped from the "
+                    f"loss ({self._nan_dropped_total} so far)."
+                )
+                drop |= unscorable
+            self._log("rewards/nan_dropped", float(count))
             self._log("rewards/nan_dropped_total", float(self._nan_dropped_total))
         if self._opt("dynamic_sampling"):
             zero_var = zero_variance_groups(_weighted_reward_sum(rewards_per_func, self.reward_weights), group_ids)

@@ -1294,21 +1294,22 @@ class PPOTrainer:
             keep=mb.get("behaviour_keep"),
         )
         vf_loss, vf_clipfrac = _clipped_value_loss(vpred, mb["values"], mb["returns"], mask, args.cliprange_value)
-        avg_ratio = _masked_mean(ratio, mask).detach()
-        scale = 0.0 if avg_ratio.item() > args.ratio_threshold else 1.0
+        avg_ratio = _masked_mean(ratio, mask).item()
+        scale = 0.0 if avg_ratio > args.ratio_threshold else 1.0
         loss = scale * (pg_loss + args.vf_coef * vf_loss)
         log_ratio = (logprobs - mb["old_logprobs"]).detach()
+        policykl = _masked_mean(-log_ratio, mask)
         stats = {
-            "_policykl": _masked_mean(-log_ratio, mask),
+            "_policykl": policykl,
             "loss/policy": pg_loss.item(),
             "loss/value": vf_loss.item(),
             "loss/total": loss.item(),
             "policy/approxkl": (0.5 * _masked_mean(log_ratio.square(), mask)).item(),
-            "policy/policykl": _masked_mean(-log_ratio, mask).item(),
+            "policy/policykl": policykl.item(),
             "policy/clipfrac": pg_clipfrac.item(),
             "policy/entropy": _masked_mean(out["entropy"], mask).item(),
             "val/clipfrac": vf_clipfrac.item(),
-            "val/ratio": avg_ratio.item(),
+            "val/ratio": avg_ratio,
             "val/vpred": _masked_mean(vpred.detach(), mask).item(),
             "val/error": _masked_mean((vpred.detach() - mb["returns"]).square(), mask).item(),
             "ppo/loss_zeroed": 1.0 - scale,
