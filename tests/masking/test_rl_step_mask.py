@@ -60,13 +60,13 @@ def test_extra_steps_from_the_environment_and_holes_in_the_mask(tokenizer):
 
 def test_ppo_step_loss_mask_removes_invalid_call_tokens_from_the_policy_loss(tokenizer, tmp_path, monkeypatch):
     seen = []
-    original = ppo_module._clipped_policy_loss
+    original = ppo_module.pre_mask_token_mean
 
-    def recording(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+    def recording(term, mask, *args, **kwargs):  # the policy term's token mean: its mask is the policy mask
         seen.append(mask.detach().clone())
-        return original(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+        return original(term, mask, *args, **kwargs)
 
-    monkeypatch.setattr(ppo_module, "_clipped_policy_loss", recording)
+    monkeypatch.setattr(ppo_module, "pre_mask_token_mean", recording)
     args = PPOConfig(
         output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, report_to="none",
         disable_tqdm=True, save_strategy="no", step_loss_mask=True, step_mask_tools=TOOLS,

@@ -1,41 +1,18 @@
-"""Routing replay inside trl_stable's PPOTrainer through PPORoutingReplayMixin (R2 and R3)."""
+"""Routing replay inside trl_stable's PPOTrainer: the `RoutingHook` points of its step (R2 and R3)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from trl_stable.moe.trainer_hooks import (
-    ROUTED_EXPERTS_KEY,
-    ROUTING_REPLAY_HELP,
-    PPORoutingReplayMixin,
-    check_routing_replay_mode,
-    with_routing_replay,
-)
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.ppo import PPOTrainer
 from trl_stable.trainers.ppo_config import PPOConfig
 
-_BASE_HAS_FIELD = "routing_replay" in PPOConfig.__dataclass_fields__
-
-
-@dataclass
-class _Config(PPOConfig):
-    if not _BASE_HAS_FIELD:  # until PPOConfig carries the field itself
-        routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
-
-        def __post_init__(self):
-            super().__post_init__()
-            check_routing_replay_mode(self.routing_replay)
-
-
-_Trainer = PPOTrainer if issubclass(PPOTrainer, PPORoutingReplayMixin) else with_routing_replay(PPOTrainer)
-
 
 def _trainer(tmp_path, tokenizer, mode, learning_rate):
-    args = _Config(
+    args = PPOConfig(
         output_dir=str(tmp_path),
         routing_replay=mode,
         batch_size=4,
@@ -48,7 +25,7 @@ def _trainer(tmp_path, tokenizer, mode, learning_rate):
         save_strategy="no",
         seed=0,
     )
-    return _Trainer(build_causal_lm("qwen2_moe", tokenizer, seed=0), args=args, processing_class=tokenizer)
+    return PPOTrainer(build_causal_lm("qwen2_moe", tokenizer, seed=0), args=args, processing_class=tokenizer)
 
 
 def _queries(tokenizer):
@@ -74,7 +51,7 @@ def test_ppo_routing_replay_logs_agreement(tmp_path, tokenizer, mode):
 
     # a real step: the routers move, replay keeps the experts, agreement reports the drift
     trainer = _trainer(tmp_path / "train", tokenizer, mode, learning_rate=5e-2)
-    router = trainer._unwrapped().policy.model.layers[0].mlp.gate.weight
+    router = trainer.unwrapped().policy.model.layers[0].mlp.gate.weight
     before = router.detach().clone()
     for _ in range(2):
         responses = trainer.generate(queries, return_prompt=False)
@@ -88,54 +65,52 @@ def test_ppo_r3_refuses_responses_it_did_not_generate(tmp_path, tokenizer):
     queries = _queries(tokenizer)
     responses = trainer.generate(queries, return_prompt=False)
     edited = [torch.cat([r[:-1], torch.tensor([5])]) if len(r) > 1 else torch.tensor([5, 5]) for r in responses]
+    with pytest.raises(ValueError, match="needs the sampler's routing"):
+        trainer.step(queries, edited, [[0.0] * len(r) for r in edited])  # a plain list carries no routing
+    longer = [torch.cat([q, q]) for q in queries]
     with pytest.raises(ValueError, match="not the one generate"):
-        trainer.step(queries, edited, [[0.0] * len(r) for r in edited])
-    with pytest.raises(ValueError, match="last generate"):
-        trainer.step(queries, responses, [[0.0] * len(r) for r in responses])  # routing was consumed
+        trainer.step(longer, responses, [[0.0] * len(r) for r in responses])
+    # the Rollout carries its routing: stepping it (again) needs no bookkeeping in the trainer
+    stats = trainer.step(queries, responses, [[0.0] * len(r) for r in responses])
+    assert stats["routing/agreement"] == 1.0
 
 
 def test_ppo_r2_puts_routing_in_the_rollout_batch(tmp_path, tokenizer):
     trainer = _trainer(tmp_path, tokenizer, "R2", learning_rate=0.0)
     queries = _queries(tokenizer)
     responses = trainer.generate(queries, return_prompt=False)
-    batch = trainer._build_batch(queries, responses)
-    result = trainer._old_logprob_pass(batch)
+    batch = trainer.make_batch(queries, responses)
+    result, _ = trainer.rollout_pass(batch)
     routing = result[ROUTED_EXPERTS_KEY]
     assert routing.shape == (*batch["input_ids"].shape, 2, 2)
     assert torch.equal((routing >= 0).all(-1).all(-1), batch["attention_mask"].bool())
 
 
-def test_ppo_off_is_the_plain_trainer_step_for_step(tmp_path, tokenizer):
-    """With routing_replay="off" the mixin changes nothing: same losses as the class without it."""
+def test_ppo_off_and_r2_agree_on_frozen_weights(tmp_path, tokenizer):
+    """At learning rate 0 replaying the rollout pass's own routing changes no forward: the same losses as "off"."""
     stats = []
-    base = next(
-        c for c in PPOTrainer.__mro__ if c.__name__ == "PPOTrainer" and PPORoutingReplayMixin not in c.__bases__
-    )
-    for cls in (base, _Trainer):
+    for mode in ("off", "R2"):
         torch.manual_seed(0)
-        args = _Config(
-            output_dir=str(tmp_path), batch_size=4, mini_batch_size=2, ppo_epochs=2, max_new_tokens=5,
-            report_to="none", disable_tqdm=True, save_strategy="no", seed=0,
-        )  # fmt: skip
-        trainer = cls(build_causal_lm("qwen2_moe", tokenizer, seed=0), args=args, processing_class=tokenizer)
+        trainer = _trainer(tmp_path / mode, tokenizer, mode, learning_rate=0.0)
         queries = _queries(tokenizer)
         responses = trainer.generate(queries, return_prompt=False)
         stats.append(trainer.step(queries, responses, [[0.0] * (len(r) - 1) + [1.0] for r in responses]))
     for key in ("loss/total", "policy/approxkl", "objective/kl"):
-        assert stats[0][key] == stats[1][key]
-    assert not any(key.startswith("routing/") for key in stats[1])
+        assert stats[0][key] == pytest.approx(stats[1][key], abs=1e-6)
+    assert not any(key.startswith("routing/") for key in stats[0])
+    assert stats[1]["routing/agreement"] == 1.0
 
 
 def test_ppo_train_with_r3_logs_agreement(tmp_path, tokenizer):
     from datasets import Dataset
 
-    args = _Config(
+    args = PPOConfig(
         output_dir=str(tmp_path), routing_replay="R3", batch_size=4, mini_batch_size=2, ppo_epochs=2,
         max_new_tokens=5, max_steps=2, logging_steps=1, learning_rate=1e-2, report_to="none", disable_tqdm=True,
         save_strategy="no", seed=0,
     )  # fmt: skip
     dataset = Dataset.from_dict({"prompt": ["The movie was", "I think that the", "A story", "We saw"]})
-    trainer = _Trainer(
+    trainer = PPOTrainer(
         build_causal_lm("olmoe", tokenizer, seed=0), reward_funcs=lambda completions, **kw: [1.0] * len(completions),
         args=args, train_dataset=dataset, processing_class=tokenizer,
     )  # fmt: skip

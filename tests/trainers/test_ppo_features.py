@@ -92,10 +92,10 @@ def test_early_stop_and_ratio_threshold(tmp_path, tokenizer):
     # the first mini-batch sees ratio 1 (KL 0) and steps; a later one exceeds 1.5 x target_kl and stops the epochs
     assert stats["ppo/early_stop"] == 1.0 and stats["ppo/epochs_done"] < 4
     zeroed = _trainer(tmp_path, tokenizer, ratio_threshold=0.5)  # mean ratio 1 > 0.5: every loss is zeroed
-    before = {n: p.detach().clone() for n, p in zeroed._unwrapped().named_parameters()}
+    before = {n: p.detach().clone() for n, p in zeroed.unwrapped().named_parameters()}
     stats = zeroed.step(QUERIES, RESPONSES, scores=[1.0, -1.0, 0.5, 0.0])
     assert stats["ppo/loss_zeroed"] == 1.0
-    assert all(torch.equal(p, before[n]) for n, p in zeroed._unwrapped().named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in zeroed.unwrapped().named_parameters())
 
 
 def test_decoupled_loss_with_generate_and_icepop(tmp_path, tokenizer):
@@ -103,19 +103,19 @@ def test_decoupled_loss_with_generate_and_icepop(tmp_path, tokenizer):
     responses = trainer.generate(QUERIES, return_prompt=False)
     stats = trainer.step(QUERIES, responses, scores=[1.0, -1.0, 0.5, 0.0])
     # the same weights sample and score: w ~ 1, nothing filtered
-    assert stats["behaviour/weight_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert stats["behaviour/masked_token_frac"] == 0.0
+    assert stats["behaviour_weight/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert stats["token_filter/icepop/masked_token_frac"] == 0.0
     with pytest.raises(ValueError, match="sampler's log-probs"):
         trainer.step(QUERIES, [r.clone() for r in responses], scores=[1.0] * 4)
 
 
 def test_decoupled_loss_masks_mismatched_tokens(tmp_path, tokenizer):
     trainer = _trainer(tmp_path, tokenizer, use_decoupled_loss=True, token_filter="kpop", mini_batch_size=4)
-    batch = trainer._old_logprob_pass(trainer._build_batch(QUERIES, RESPONSES))
+    batch, _ = trainer.rollout_pass(trainer.make_batch(QUERIES, RESPONSES))
     sampler = [batch["old_logprobs"][i, : len(r)].clone() for i, r in enumerate(RESPONSES)]
     sampler[0][1] = 0.0  # the sampler claims probability 1 for a token the trainer finds unlikely
     stats = trainer.step(QUERIES, RESPONSES, scores=[1.0, -1.0, 0.5, 0.0], sampler_logprobs=sampler)
-    assert stats["behaviour/masked_token_frac"] == pytest.approx(1 / 10)
+    assert stats["token_filter/kpop/masked_token_frac"] == pytest.approx(1 / 10)
     with pytest.raises(ValueError, match="use_decoupled_loss"):
         PPOConfig(output_dir=str(tmp_path), token_filter="icepop")
     with pytest.raises(ValueError, match="KPop only masks"):
@@ -150,8 +150,9 @@ def test_every_kit_family_steps(tmp_path, tokenizer, family):
     assert stats["val/ratio"] == pytest.approx(1.0, abs=1e-3)  # mixtral's router jitter moves it a little
 
 
-def test_turn_gae_lambda_from_action_tokens_and_whitened_rewards(tmp_path, tokenizer, monkeypatch):
-    """Turn mode: the lambda schedule sees the action-token count, and whiten_rewards whitens the whole reward
+def test_turn_gae_lambda_from_turn_count_and_whitened_rewards(tmp_path, tokenizer, monkeypatch):
+    """Turn mode: the lambda schedule sees the number of turns (the steps its recursion runs over, as AReaL counts
+    them; not the action tokens), and whiten_rewards whitens the whole reward
     (score + dense - kl_coef KL) exactly as token mode does, even though the KL share stays out of the recursion."""
     seen = {}
     real_gae, real_turn = ppo_mod.compute_gae, ppo_mod.compute_turn_gae
@@ -178,6 +179,8 @@ def test_turn_gae_lambda_from_action_tokens_and_whitened_rewards(tmp_path, token
     assert seen["token"][mask].std().item() == pytest.approx(1.0, abs=1e-4)  # whitened; the mean is kept
     assert (seen["token"][~mask] == 0).all()
 
-    with_tools = [[0, -1, -1, 0], [0, 0], [0, 0, -1], [0]]  # 2, 2, 2 and 1 action tokens
+    # 2, 2, 2 and 1 action tokens in 2, 1, 1 and 1 turns: relative-position lambda q^(1/(L-1)) = 0.5 for L = 2 turns,
+    # 1 for a single turn (counting action tokens instead would give 0.5, 0.5, 0.5, 1)
+    with_tools = [[0, -1, -1, 1], [0, 0], [0, 0, -1], [0]]
     _trainer(tmp_path, tokenizer, **kw).step(QUERIES, RESPONSES, dense, scores=scores, turn_ids=with_tools)
-    torch.testing.assert_close(seen["lam"], torch.tensor([0.5, 0.5, 0.5, 1.0]))
+    torch.testing.assert_close(seen["lam"], torch.tensor([0.5, 1.0, 1.0, 1.0]))

@@ -39,12 +39,12 @@ SCRIPT = textwrap.dedent(
         len(c) / 5 for c in completion_ids], low_ids], args=args, processing_class=tok, train_dataset=ds)
     trainer.train()
     rank = trainer.accelerator.process_index
-    weights = trainer._unwrapped().state_dict()
+    weights = trainer.unwrapped().state_dict()
     checksum = float(sum(v.double().sum() for v in weights.values()))
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "checksum": checksum,
               "steps": trainer.state.global_step, "kl_coef": trainer.kl_ctl.value, "count": trainer.running.count,
               "logs": {k: v for k, v in trainer.state.log_history[-1].items()
-                       if k.startswith(("objective/", "behaviour/", "mismatch/", "loss/"))}}
+                       if k.startswith(("objective/", "behaviour_weight/", "mismatch/", "loss/"))}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     # an orderly shutdown: a process group left to the interpreter's exit can abort ("terminate called ...")
@@ -107,5 +107,5 @@ def test_two_process_accelerate_run(tmp_path):
     assert records[0]["count"] == pytest.approx(16.0)  # 2 steps x 2 processes x 4 samples
     # logged statistics are reduced over processes: every rank reports the same numbers
     logs = [r["logs"] for r in records]
-    assert "behaviour/weight_max" in logs[0] and "objective/kl" in logs[0] and "loss/policy" in logs[0]
+    assert "behaviour_weight/max" in logs[0] and "objective/kl" in logs[0] and "loss/policy" in logs[0]
     assert logs[0] == pytest.approx(logs[1])

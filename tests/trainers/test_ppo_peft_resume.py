@@ -41,9 +41,9 @@ def test_lora_trains_only_adapter_and_value_head(tmp_path, tokenizer):
         peft_config=peft_config,
     )
     assert trainer.ref_model is None  # the reference is the adapter-free policy
-    before = {n: p.detach().clone() for n, p in trainer._unwrapped().named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped().named_parameters()}
     trainer.train()
-    changed = {n for n, p in trainer._unwrapped().named_parameters() if not torch.equal(p, before[n])}
+    changed = {n for n, p in trainer.unwrapped().named_parameters() if not torch.equal(p, before[n])}
     assert changed, "nothing trained"
     assert all("lora_" in n or n.startswith("value_head.") for n in changed), changed
     assert any("lora_" in n for n in changed) and "value_head.summary.weight" in changed
@@ -63,7 +63,7 @@ def test_save_model_roundtrip(tmp_path, tokenizer):
     for (n, p), (_, q) in zip(trainer.model.named_parameters(), loaded.named_parameters()):
         assert torch.equal(p.detach(), q), n
     head = ValueHead.from_pretrained(tmp_path / "out")
-    assert torch.equal(head.summary.weight, trainer._unwrapped().value_head.summary.weight.detach())
+    assert torch.equal(head.summary.weight, trainer.unwrapped().value_head.summary.weight.detach())
 
 
 def test_resume_reproduces_state(tmp_path, tokenizer):
@@ -87,7 +87,7 @@ def test_resume_reproduces_state(tmp_path, tokenizer):
     resumed = make(tmp_path / "b")
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 3
-    for (n, p), (_, q) in zip(straight._unwrapped().named_parameters(), resumed._unwrapped().named_parameters()):
+    for (n, p), (_, q) in zip(straight.unwrapped().named_parameters(), resumed.unwrapped().named_parameters()):
         torch.testing.assert_close(p, q, msg=n)
     assert resumed.kl_ctl.value == pytest.approx(straight.kl_ctl.value)
     assert resumed.running.state_dict() == pytest.approx(straight.running.state_dict())
@@ -100,9 +100,9 @@ def test_gradient_checkpointing_and_model_by_name(tmp_path, tokenizer):
     path = save_tiny(tmp_path / "policy", build_causal_lm("qwen2", tokenizer, seed=0), tokenizer)
     args = _args(tmp_path, gradient_checkpointing=True, model_name=path)
     trainer = PPOTrainer(args=args)  # model and tokenizer from args.model_name
-    before = {n: p.detach().clone() for n, p in trainer._unwrapped().named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped().named_parameters()}
     trainer.step([torch.tensor([5, 6])] * 4, [torch.tensor([7, 8, 9])] * 4, scores=[1.0, 0.0, 0.5, 0.2])
-    assert any(not torch.equal(p, before[n]) for n, p in trainer._unwrapped().named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.unwrapped().named_parameters())
 
 
 def test_bitsandbytes_guard(tmp_path, tokenizer):

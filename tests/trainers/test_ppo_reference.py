@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from trl_stable import PPOConfig, PPOTrainer
+from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
+from trl_stable.core.ppo_objective import clipped_value_loss, masked_whiten, policy_clip_fraction
 from trl_stable.testing import build_causal_lm
-from trl_stable.trainers.ppo import RunningMoments, _clipped_policy_loss, _clipped_value_loss
+from trl_stable.trainers.ppo import RunningMoments
 
 
 def _reference(trainer, queries, responses, dense, scores, kl_coef, gamma, lam, temperature, kl_penalty, bootstrap):
     policy, ref = trainer.model, trainer.ref_model
-    head = trainer._unwrapped().value_head
+    head = trainer.unwrapped().value_head
     eos = trainer.eos_token_id
     seq_kl, seq_reward, all_adv, all_ret, all_v = [], [], [], [], []
     with torch.no_grad():
@@ -119,37 +121,35 @@ def test_clipped_losses_hand_values():
     old = torch.zeros(1, 4)
     adv = torch.tensor([[2.0, -1.0, 3.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, clipfrac, ratio = _clipped_policy_loss(logp, old, adv, mask, clip=0.2)
+    loss = pre_mask_token_mean(ppo_clip_term(logp, old, adv, eps_low=0.2), mask)
+    clipfrac = policy_clip_fraction(torch.exp(logp - old), adv, mask, clip=0.2)
     # max(-A r, -A clip(r)): -2 * 1.2, 1 * 0.8, -3 * 1 (the 4th token is masked out)
     assert loss.item() == pytest.approx((-2.4 + 0.8 - 3.0) / 3)
     assert clipfrac.item() == pytest.approx(2 / 3)
-    torch.testing.assert_close(ratio[0, :3], torch.exp(logp[0, :3]))
     # a decoupled weight w scales each token's term; the keep filter drops a token but not from the denominator
     w = torch.tensor([[0.5, 2.0, 1.0, 1.0]])
     keep = torch.tensor([[True, True, False, True]])
-    loss_w, _, _ = _clipped_policy_loss(logp, old, adv, mask, clip=0.2, behaviour_weight=w, keep=keep)
+    loss_w = decoupled_ppo_loss(logp, old, w, adv, mask, keep, eps_low=0.2)
     assert loss_w.item() == pytest.approx((0.5 * -2.4 + 2.0 * 0.8) / 3)
 
     values = torch.tensor([[1.0, 0.0, 2.0]])
     old_values = torch.tensor([[0.5, 0.0, 2.5]])
     returns = torch.tensor([[2.0, 1.0, 2.0]])
-    vloss, vclip = _clipped_value_loss(values, old_values, returns, torch.ones(1, 3), clip=0.2)
+    vloss, vclip = clipped_value_loss(values, old_values, returns, torch.ones(1, 3), clip=0.2)
     # token 0: V moved +0.5, clipped to 0.7: max((1-2)^2, (0.7-2)^2) = 1.69; token 1: 1; token 2: 2.3 -> 0.09 vs 0
     assert vloss.item() == pytest.approx(0.5 * (1.69 + 1.0 + 0.09) / 3)
     assert vclip.item() == pytest.approx(2 / 3)
 
 
-def test_global_whiten_hand_values(tmp_path, tokenizer):
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, report_to="none", disable_tqdm=True)
-    trainer = PPOTrainer(build_causal_lm("gpt2", tokenizer, seed=0), args=args, processing_class=tokenizer)
+def test_masked_whiten_hand_values():
     x = torch.tensor([[1.0, 2.0, 99.0], [3.0, 6.0, -50.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     kept = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, unbiased std sqrt(14/3)
     white = (kept - 3.0) / (14 / 3 + 1e-8) ** 0.5
-    out = trainer._global_whiten(x, mask)
+    out = masked_whiten(x, mask)
     torch.testing.assert_close(out[mask.bool()], white)
     assert out[0, 2].item() == 0.0 and out[1, 2].item() == 0.0
-    torch.testing.assert_close(trainer._global_whiten(x, mask, shift_mean=False)[mask.bool()], white + 3.0)
+    torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False)[mask.bool()], white + 3.0)
 
 
 def test_running_moments_single_sample_batches():

@@ -10,6 +10,7 @@ from ppo_test_args import tiny_ppo_args
 from transformers import TrainerCallback
 
 from trl_stable import PPOConfig, PPOTrainer
+from trl_stable.core.kl import kl_estimate
 from trl_stable.rewards import dense_reward
 from trl_stable.testing import build_causal_lm, build_reward_model
 from trl_stable.trainers.ppo import AdaptiveKLController, RunningMoments
@@ -26,11 +27,11 @@ def _queries(tokenizer, n=4):
 
 
 def _snapshot(trainer):
-    return {n: p.detach().clone() for n, p in trainer._unwrapped().named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.unwrapped().named_parameters()}
 
 
 def _changed(trainer, before):
-    return {n for n, p in trainer._unwrapped().named_parameters() if not torch.equal(p, before[n])}
+    return {n for n, p in trainer.unwrapped().named_parameters() if not torch.equal(p, before[n])}
 
 
 def test_one_step_changes_policy_and_value_weights(tmp_path, tokenizer):
@@ -90,14 +91,14 @@ def test_per_token_rewards_kl_and_score(tmp_path, tokenizer):
         return real(rewards, values, mask, gamma, lam, bootstrap)
 
     ppo_mod.compute_gae = spy
-    original_pass = trainer._old_logprob_pass
+    original_pass = trainer.rollout_pass
 
     def fake_kl(batch):
-        out = original_pass(batch)
+        out, logs = original_pass(batch)
         out["kl"] = torch.full_like(out["kl"], 0.2)
-        return out
+        return out, logs
 
-    trainer._old_logprob_pass = fake_kl
+    trainer.rollout_pass = fake_kl
     try:
         queries = _queries(tokenizer)
         responses = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([10]), torch.tensor([11, 12, 13])]
@@ -117,14 +118,16 @@ def test_per_token_rewards_kl_and_score(tmp_path, tokenizer):
     torch.testing.assert_close(seen["mask"], torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]))
 
 
-@pytest.mark.parametrize("kl_penalty", ["kl", "abs", "mse", "full"])
+@pytest.mark.parametrize("kl_penalty", ["kl", "abs", "mse", "k3", "low_var_kl", "full"])
 def test_kl_estimators(tmp_path, tokenizer, kl_penalty):
     model = build_causal_lm("gpt2", tokenizer, seed=0)
     trainer = PPOTrainer(model, args=_args(tmp_path, kl_penalty=kl_penalty), processing_class=tokenizer)
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     if kl_penalty != "full":
-        expected = {"kl": [0.5, -1.0], "abs": [0.5, 1.0], "mse": [0.125, 0.5]}[kl_penalty]
-        torch.testing.assert_close(trainer._kl_estimate(logp, ref), torch.tensor(expected))
+        # k3 = exp(ref - logp) - (ref - logp) - 1: e^-0.5 + 0.5 - 1 and e^1 - 1 - 1 (low_var_kl: the same, in range)
+        k3 = [math.exp(-0.5) - 0.5, math.e - 2.0]
+        expected = {"kl": [0.5, -1.0], "abs": [0.5, 1.0], "mse": [0.125, 0.5], "k3": k3, "low_var_kl": k3}
+        torch.testing.assert_close(kl_estimate(logp, ref, kl_penalty), torch.tensor(expected[kl_penalty]))
     # with the reference equal to the initial policy, every estimator gives KL 0 on the first rollout
     stats = trainer.step(_queries(tokenizer), [torch.tensor([5, 6])] * 4, scores=[1.0, 0.0, 1.0, 0.0])
     assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-5)
@@ -149,19 +152,19 @@ def test_score_scaling_norm_and_clip(tmp_path, tokenizer):
     args = _args(tmp_path, use_score_scaling=True, use_score_norm=True, score_clip=0.5)
     trainer = PPOTrainer(model, args=args, processing_class=tokenizer)
     scores = torch.tensor([1.0, 2.0, 3.0, 6.0])
-    out = trainer._scale_scores(scores, torch.ones(4, dtype=torch.bool))
+    out = trainer.scale_scores(scores, torch.ones(4, dtype=torch.bool))
     expected = ((scores - scores.mean()) / (scores.std() + 1e-8)).clamp(-0.5, 0.5)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # the next batch is scaled by the running statistics of both batches; its invalid (NaN-reward) sample is left out
     nxt = torch.tensor([0.0, 10.0, 999.0])
     seen = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 10.0])
-    out = trainer._scale_scores(nxt, torch.tensor([True, True, False]))
+    out = trainer.scale_scores(nxt, torch.tensor([True, True, False]))
     expected = ((nxt[:2] - seen.mean()) / (seen.std() + 1e-8)).clamp(-0.5, 0.5)
     torch.testing.assert_close(out[:2], expected, rtol=1e-4, atol=1e-4)
     assert trainer.running.count == 6
     scaling_only = PPOTrainer(
         model, args=_args(tmp_path, use_score_scaling=True), processing_class=tokenizer
-    )._scale_scores(scores, torch.ones(4, dtype=torch.bool))
+    ).scale_scores(scores, torch.ones(4, dtype=torch.bool))
     torch.testing.assert_close(scaling_only, scores / (scores.std() + 1e-8), rtol=1e-4, atol=1e-4)
 
 
@@ -170,7 +173,7 @@ def test_score_scaling_of_a_constant_stream_stays_finite(tmp_path, tokenizer):
     trainer = PPOTrainer(model, args=_args(tmp_path, use_score_scaling=True), processing_class=tokenizer)
     scores = torch.full((4,), 0.7)
     for _ in range(2):
-        out = trainer._scale_scores(scores, torch.ones(4, dtype=torch.bool))
+        out = trainer.scale_scores(scores, torch.ones(4, dtype=torch.bool))
     assert trainer.running.std == 0.0
     torch.testing.assert_close(out, scores)  # unscaled, instead of 0.7 / 1e-8
 
@@ -205,23 +208,33 @@ def test_nan_sample_is_dropped(tmp_path, tokenizer):
     assert math.isfinite(stats["loss/total"]) and stats["dense/reward_mean"] == pytest.approx(1 / 3)
 
 
-def test_train_drops_nan_and_inf_rewards(tmp_path, tokenizer):
+def test_train_drops_nan_and_none_rewards_and_refuses_inf(tmp_path, tokenizer):
     calls = []
 
     def flaky(completion_ids, **kw):
         calls.append(1)
-        return [float("nan"), 1.0, float("inf"), 0.5] if len(calls) == 1 else [float("nan")] * len(completion_ids)
+        return [float("nan"), 1.0, None, 0.5] if len(calls) == 1 else [float("nan")] * len(completion_ids)
 
     model = build_causal_lm("qwen2", tokenizer, seed=0)
     ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 2})
     trainer = PPOTrainer(
         model, reward_funcs=flaky, args=_args(tmp_path, max_steps=2), processing_class=tokenizer, train_dataset=ds
     )
+    # NaN and None both mean "does not apply": with a single reward function those samples have no reward
     with pytest.warns(UserWarning, match="Dropping 2 of 4"), pytest.raises(ValueError, match="Every sample"):
         trainer.train()
     first = trainer.state.log_history[0]
     assert first["ppo/dropped_samples"] == 2.0 and first["env/reward_mean"] == pytest.approx(0.75)
     assert math.isfinite(first["loss/total"]) and math.isfinite(first["objective/kl"])
+
+    def infinite(completion_ids, **kw):
+        return [1.0, float("inf"), 0.0, 0.0]
+
+    trainer = PPOTrainer(
+        model, reward_funcs=infinite, args=_args(tmp_path, max_steps=1), processing_class=tokenizer, train_dataset=ds
+    )
+    with pytest.raises(ValueError, match="'infinite' returned inf for completion 1"):
+        trainer.train()
 
 
 def test_callbacks_see_logs(tmp_path, tokenizer):
@@ -285,7 +298,7 @@ def test_separate_value_model(tmp_path, tokenizer):
     trainer.step(_queries(tokenizer), [torch.tensor([5, 6, 7])] * 4, scores=[1.0, 0.0, 0.0, 1.0])
     changed = _changed(trainer, before)
     assert any(n.startswith("value_backbone.") for n in changed) and "value_head.summary.weight" in changed
-    assert trainer._unwrapped().value_head.summary is critic.score  # the 1-label head is reused
+    assert trainer.unwrapped().value_head.summary is critic.score  # the 1-label head is reused
     assert critic.score.bias is None  # llama's classifier head has no bias: the saved head must still load
     trainer.save_model(str(tmp_path / "saved"))
     head = ValueHead.from_pretrained(tmp_path / "saved")
@@ -315,7 +328,7 @@ def test_train_with_reward_functions(tmp_path, tokenizer):
     out = trainer.train()
     assert out.global_step == 2
     logs = trainer.state.log_history
-    assert len(logs) == 2 and "rewards/length_reward/mean" in logs[0] and "rewards/dense/mean" in logs[0]
+    assert len(logs) == 2 and "rewards/length_reward/mean" in logs[0] and "rewards/dense/sum_mean" in logs[0]
     assert len(seen["topic"]) == 4 and len(seen["env"]) == 4
     assert logs[-1]["dense/reward_mean"] == pytest.approx(0.5 * logs[-1]["tokens/response_len_mean"], rel=1e-5)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_gae", "compute_turn_gae", "relative_position_lambda", "vapo_lambda"]
+__all__ = ["compute_gae", "compute_turn_gae", "count_turns", "relative_position_lambda", "vapo_lambda"]
 
 
 def _lam_column(lam: float | torch.Tensor, batch: int, like: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,16 @@ def compute_turn_gae(
     if token_rewards is not None:
         advantages = advantages + token_rewards.float() * active
     return advantages, returns
+
+
+def count_turns(turn_ids: torch.Tensor) -> torch.Tensor:
+    """[B] number of distinct turns (ids >= 0) per row: the effective length L of turn-level GAE, the number of steps
+    its recursion runs over, which a lambda schedule must see (AReaL counts turns in turn mode, not tokens)."""
+    active = turn_ids >= 0
+    # carry the last active id over inactive positions, so a turn interrupted by tool output is counted once
+    seen = torch.where(active, turn_ids, torch.full_like(turn_ids, -1)).cummax(dim=1).values
+    previous_seen = torch.cat([torch.full_like(seen[:, :1], -1), seen[:, :-1]], dim=1)
+    return (active & (turn_ids != previous_seen)).sum(dim=1)
 
 
 def vapo_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:

@@ -19,17 +19,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from trl_stable.moe.layout import mask_routing, unpad_routing
+from trl_stable.moe.layout import mask_routing, pad_routing, unpad_routing
 from trl_stable.moe.replay import RoutingReplay
 
 __all__ = [
     "ROUTED_EXPERTS_KEY",
     "ROUTING_REPLAY_HELP",
     "ROUTING_REPLAY_MODES",
+    "batch_routing",
     "RolloutRouting",
     "RoutingHook",
     "SampledRouting",
@@ -52,6 +54,14 @@ def check_routing_replay_mode(value: str, field: str = "routing_replay") -> None
     """Raise ValueError unless `value` is one of `ROUTING_REPLAY_MODES` (case-sensitive, as written in configs)."""
     if value not in ROUTING_REPLAY_MODES:
         raise ValueError(f"{field} must be one of {', '.join(repr(m) for m in ROUTING_REPLAY_MODES)}, got {value!r}.")
+
+
+def batch_routing(sequences: Sequence[Any], attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """Per-sequence sampler routing placed in a trainer batch: prompts left-padded to `prompt_width`, completions
+    right-padded to ``attention_mask.shape[1]``, padding rows -1."""
+    prompt_lengths = attention_mask[:, :prompt_width].sum(dim=1).tolist()
+    routing = pad_routing(sequences, prompt_lengths, prompt_width, attention_mask.shape[1])
+    return mask_routing(routing.to(attention_mask.device), attention_mask)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-_KL_PENALTIES = ("kl", "abs", "mse", "full")
+_KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 
 
@@ -104,8 +104,9 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
     kl_penalty: str = field(
         default="kl",
         metadata={
-            "help": "Per-token KL estimator: 'kl' (logp - ref_logp), 'abs' (|logp - ref_logp|), 'mse' "
-            "(0.5 (logp - ref_logp)^2) or 'full' (exact KL over the vocabulary)."
+            "help": "Per-token KL estimator (trl_stable.core.kl): 'kl' (logp - ref_logp), 'abs' (|logp - ref_logp|), "
+            "'mse' (0.5 (logp - ref_logp)^2), 'k3' (exp(ref_logp - logp) - (ref_logp - logp) - 1, unbiased and >= 0), "
+            "'low_var_kl' (k3 clamped to [-10, 10], verl) or 'full' (exact KL over the vocabulary)."
         },
     )
     adap_kl_ctrl: bool = field(
@@ -231,7 +232,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
             self.report_to = self.log_with
         super().__post_init__()
         self.validate_health_arguments()
-        from trl_stable.moe.trainer_hooks import check_routing_replay_mode  # lazy: keeps this module import-light
+        from trl_stable.moe.hook import check_routing_replay_mode  # lazy: keeps this module import-light
 
         check_routing_replay_mode(self.routing_replay)
         if self.batch_size < 1 or self.mini_batch_size < 1 or self.ppo_epochs < 1:

@@ -1,0 +1,249 @@
+"""PPO's model wiring: the policy, its value model, the frozen reference, and their log-prob forward.
+
+Kept apart from `trl_stable.trainers.ppo` so that the trainer reads as the PPO iteration; everything here is built
+once in `PPOTrainer.__init__`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from trl.trainer.utils import disable_dropout_in_model, selective_log_softmax_and_entropy
+
+from trl_stable.trainers.value_head import ValueHead
+
+__all__ = [
+    "PolicyAndValue",
+    "backbone",
+    "build_value_head",
+    "create_reference_model",
+    "hidden_size",
+    "load_policy",
+    "prepare_policy",
+    "response_logprobs",
+]
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The transformer body (no LM/classification head) of a (possibly PEFT-wrapped) HF model."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "base_model", inner)
+
+
+def hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if size is None:
+        raise ValueError(f"Cannot read the hidden size of {type(model).__name__}: its config has no hidden_size.")
+    return int(size)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(name)` with `args.model_init_kwargs`, 4/8-bit when asked."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if args.load_in_4bit or args.load_in_8bit:
+        if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
+            raise ValueError(
+                "load_in_4bit/load_in_8bit need bitsandbytes and a CUDA GPU; install bitsandbytes "
+                "(pip install 'trl_stable[quantization]') or turn the option off."
+            )
+        if peft_config is None:
+            raise ValueError("A quantised policy can only be trained through an adapter: pass `peft_config`.")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=args.load_in_4bit,
+            load_in_8bit=args.load_in_8bit,
+            bnb_4bit_compute_dtype=torch.bfloat16 if args.bf16 else torch.float16,
+            bnb_4bit_quant_type="nf4",
+        )
+        kwargs.setdefault("device_map", {"": device_index})
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+def prepare_policy(model: nn.Module, peft_config: Any | None, args: Any) -> tuple[nn.Module, bool]:
+    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantised models) and
+    switch dropout off when asked; returns (model, is_peft)."""
+    is_peft = is_peft_model(model)
+    if peft_config is not None and not is_peft:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if is_quantized(model):
+            checkpointing = bool(args.gradient_checkpointing)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        model = get_peft_model(model, peft_config)
+        is_peft = True
+    if args.disable_dropout:
+        disable_dropout_in_model(model)
+    return model, is_peft
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.search(r"\.(?:h|layers|layer|blocks)\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | None = None) -> PreTrainedModel:
+    """A frozen copy of `policy`. With `num_shared_layers`, the embeddings and the first layers are the policy's own
+    parameters (frozen in the policy too) instead of copies, as RELC's `create_reference_model` did."""
+    ref = copy.deepcopy(policy)
+    for param in ref.parameters():
+        param.requires_grad_(False)
+    if num_shared_layers is None:
+        return ref.eval()
+    names = [name for name, _ in policy.named_parameters()]
+    layer_ids = [_layer_index(n) for n in names]
+    num_layers = 1 + max((i for i in layer_ids if i is not None), default=-1)
+    if num_shared_layers > num_layers:
+        raise ValueError(f"num_shared_layers={num_shared_layers} but the policy has only {num_layers} layers.")
+    first_layer = next((k for k, i in enumerate(layer_ids) if i is not None), len(names))
+    shared = {
+        n
+        for k, (n, i) in enumerate(zip(names, layer_ids))
+        if (i is None and k < first_layer) or (i is not None and i < num_shared_layers)
+    }
+    policy_params = dict(policy.named_parameters())
+    for name in shared:
+        param = policy_params[name]
+        param.requires_grad_(False)
+        module_name, _, attr = name.rpartition(".")
+        setattr(ref.get_submodule(module_name), attr, param)
+    return ref.eval()
+
+
+def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: bool, args: Any) -> nn.Module | None:
+    """The frozen reference: `ref_model` if given; None for a PEFT policy (the policy with its adapter disabled);
+    else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
+    if ref_model is not None:
+        ref = ref_model.eval().requires_grad_(False)
+    elif is_peft:
+        if args.num_shared_layers is not None:
+            warnings.warn("num_shared_layers is ignored with PEFT: the reference is the adapter-free policy.")
+        return None
+    else:
+        ref = create_reference_model(policy, args.num_shared_layers)
+    disable_dropout_in_model(ref)
+    return ref
+
+
+def build_value_head(
+    policy: nn.Module, value_model: nn.Module | None, disable_dropout: bool
+) -> tuple[ValueHead, nn.Module | None]:
+    """The value head and, for a separate critic, its backbone (None: the head reads the policy's hidden states).
+
+    `value_model` None: a new head on the policy's last hidden state (RELC style). A `ValueHead`: that head on the
+    policy (its width must match). A transformers model: a separate critic; a 1-output `score` head is reused.
+    """
+    if value_model is None:
+        return ValueHead(hidden_size(policy)), None
+    if isinstance(value_model, ValueHead):
+        if value_model.hidden_size != hidden_size(policy):
+            raise ValueError(
+                f"The value head reads hidden states of size {value_model.hidden_size} but the policy's hidden "
+                f"size is {hidden_size(policy)}; build it as ValueHead({hidden_size(policy)})."
+            )
+        return value_model, None
+    if not isinstance(value_model, nn.Module):
+        raise ValueError("value_model must be None, a ValueHead or a transformers PreTrainedModel.")
+    value_backbone = backbone(value_model)
+    score = getattr(value_model, "score", None)
+    width = hidden_size(value_model)
+    head = ValueHead(width)
+    if isinstance(score, nn.Linear) and score.out_features == 1:
+        if score.in_features != width:
+            raise ValueError(
+                f"The value model's score head reads size {score.in_features} but its hidden size is {width}; fix "
+                "the value model's config."
+            )
+        head.summary = score
+    if disable_dropout:
+        disable_dropout_in_model(value_backbone)
+    return head, value_backbone
+
+
+def enable_gradient_checkpointing(model: nn.Module, value_backbone: nn.Module | None, is_peft: bool, args) -> None:
+    kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if is_peft and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    if value_backbone is not None and hasattr(value_backbone, "gradient_checkpointing_enable"):
+        value_backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class PolicyAndValue(nn.Module):
+    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronises them together.
+
+    forward returns the logits and values of the last `logits_to_keep` positions.
+    """
+
+    def __init__(self, policy: nn.Module, value_head: ValueHead, value_backbone: nn.Module | None):
+        super().__init__()
+        self.policy = policy
+        self.value_head = value_head
+        self.value_backbone = value_backbone
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int):
+        captured: dict[str, torch.Tensor] = {}
+        handle = None
+        if self.value_backbone is None:
+
+            def grab(module, args, output):
+                captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+            handle = backbone(self.policy).register_forward_hook(grab)
+        try:
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=logits_to_keep,
+                use_cache=False,
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
+        if self.value_backbone is None:
+            hidden = captured["hidden"]
+        else:
+            hidden = self.value_backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+        values = self.value_head(hidden[:, -logits_to_keep:])
+        return out.logits[:, -logits_to_keep:], values
+
+
+def response_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`.
+
+    TRL's `selective_log_softmax_and_entropy` (fused kernel where available, chunked otherwise). Half-precision
+    logits are upcast one sequence at a time: PPO's ratio needs fp32 log-probs, but the fp32 log-softmax of the whole
+    [B, T, V] batch is never built at once.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        rows = [(logits, tokens)]
+    else:
+        rows = [(row.float().unsqueeze(0), row_tokens.unsqueeze(0)) for row, row_tokens in zip(logits, tokens)]
+    parts = [
+        selective_log_softmax_and_entropy(
+            row, row_tokens, entropy_requires_grad=with_entropy_grad, temperature=temperature
+        )
+        for row, row_tokens in rows
+    ]
+    return torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()

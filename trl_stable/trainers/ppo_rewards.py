@@ -1,0 +1,192 @@
+"""PPO's reward functions for `train()`: set up once, called on each batch under `trl_stable.rewards.dense`'s contract.
+
+GRPO gets the same contract through TRL's own reward calling plus `trl_stable.rewards.dense`; PPO has no TRL trainer
+to inherit that from, so this module calls the functions itself, with TRL's signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from trl.trainer.utils import get_callable_name
+
+from trl_stable.rewards.dense import (
+    DenseRewards,
+    collect_dense_rewards,
+    is_dense_reward,
+    sequence_reward_values,
+    weighted_reward_sum,
+)
+
+__all__ = ["BatchRewards", "RewardFunctions"]
+
+
+@dataclass
+class BatchRewards:
+    """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
+    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics."""
+
+    scores: torch.Tensor | None
+    dense: DenseRewards | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _resolve(result: Any) -> Any:
+    return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+class RewardFunctions:
+    """Reward functions (sequence-level callables and models, dense callables) with their weights and tokenizers.
+
+    Args:
+        reward_funcs: A callable with TRL's reward signature, a sequence-classification model (or its name), a dense
+            callable (`trl_stable.rewards.dense_reward`), or a list of these.
+        weights: One weight per function (None: all 1).
+        processing_classes: Tokenizers of the reward models (None entries: the policy tokenizer when the
+            vocabularies agree, else loaded from the model's name).
+        policy_tokenizer: The policy's tokenizer.
+    """
+
+    def __init__(
+        self,
+        reward_funcs: Any | Sequence[Any] | None,
+        weights: Sequence[float] | None,
+        processing_classes: Any | Sequence[Any] | None,
+        policy_tokenizer: Any,
+    ):
+        if reward_funcs is None:
+            reward_funcs = []
+        elif not isinstance(reward_funcs, (list, tuple)):
+            reward_funcs = [reward_funcs]
+        funcs = [
+            AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
+            for f in reward_funcs
+        ]
+        for func in funcs:
+            if not (isinstance(func, nn.Module) or callable(func)):
+                raise ValueError(f"A reward function must be a callable, an nn.Module or a model name; got {func!r}.")
+        if weights is not None and len(weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; "
+                "give one weight per reward function."
+            )
+        self.funcs = funcs
+        self.names = [self._name(f) for f in funcs]
+        self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+        self.processing_classes = self._processing_classes(processing_classes, policy_tokenizer)
+        self.tokenizer = policy_tokenizer
+
+    def __len__(self) -> int:
+        return len(self.funcs)
+
+    @staticmethod
+    def _name(func: Any) -> str:
+        if isinstance(func, nn.Module):
+            return getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
+        return get_callable_name(func)
+
+    def _processing_classes(self, classes: Any, policy_tokenizer: Any) -> list[Any]:
+        if classes is None:
+            classes = [None] * len(self.funcs)
+        elif not isinstance(classes, (list, tuple)):
+            classes = [classes]
+        if len(classes) != len(self.funcs):
+            raise ValueError("reward_processing_classes must have one entry per reward function.")
+        out = []
+        for func, proc in zip(self.funcs, classes):
+            if isinstance(func, nn.Module) and proc is None:
+                config = getattr(func, "config", None)
+                name = getattr(config, "_name_or_path", "")
+                if getattr(config, "vocab_size", None) == len(policy_tokenizer) or not name:
+                    proc = policy_tokenizer
+                else:
+                    proc = AutoTokenizer.from_pretrained(name)
+                if proc.pad_token_id is None:
+                    proc.pad_token = proc.eos_token
+            out.append(proc)
+        return out
+
+    def to(self, device: torch.device) -> RewardFunctions:
+        for func in self.funcs:
+            if isinstance(func, nn.Module):
+                func.to(device).eval().requires_grad_(False)
+        return self
+
+    def __call__(
+        self, rows: list[dict], prompts: list[Any], responses: list[torch.Tensor], trainer_state: Any
+    ) -> BatchRewards:
+        """Score one batch: sequence-level functions first, then the dense ones with ``env_rewards``."""
+        completion_ids = [r.tolist() for r in responses]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        metrics: dict[str, float] = {}
+        n = len(responses)
+
+        sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
+        scores = None
+        if sequence:
+            columns_out = []
+            for i in sequence:
+                func, name = self.funcs[i], self.names[i]
+                if isinstance(func, nn.Module):
+                    values = self._score_with_model(func, self.processing_classes[i], prompts, texts)
+                else:
+                    values = sequence_reward_values(_resolve(func(trainer_state=trainer_state, **kwargs)), n, name)
+                finite = values[~torch.isnan(values)]
+                metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
+                columns_out.append(values)
+            scores = weighted_reward_sum(torch.stack(columns_out, dim=1), [self.weights[i] for i in sequence])
+
+        dense_idx = [i for i, f in enumerate(self.funcs) if is_dense_reward(f)]
+        dense = None
+        if dense_idx:
+            env = scores.tolist() if scores is not None else [0.0] * n
+            dense = collect_dense_rewards(
+                [self.funcs[i] for i in dense_idx],
+                [self.names[i] for i in dense_idx],
+                [self.weights[i] for i in dense_idx],
+                [len(r) for r in responses],
+                call=lambda func: _resolve(
+                    func(
+                        env_rewards=env,
+                        trainer_state=trainer_state,
+                        log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
+                        **kwargs,
+                    )
+                ),
+            )
+            metrics.update(dense.metrics)
+        return BatchRewards(scores, dense, metrics)
+
+    def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
+        conversational = isinstance(prompts[0], list)
+        if conversational:
+            full = [
+                proc.apply_chat_template(p + [{"role": "assistant", "content": t}], tokenize=False)
+                for p, t in zip(prompts, texts)
+            ]
+        else:
+            full = [p + t for p, t in zip(prompts, texts)]
+        side = proc.padding_side
+        proc.padding_side = "right"
+        try:
+            # chat templates carry their special tokens; plain text gets the classifier's own ([CLS]/[SEP], ...)
+            device = next(model.parameters()).device
+            enc = proc(
+                full, return_tensors="pt", padding=True, truncation=True, add_special_tokens=not conversational
+            ).to(device)
+        finally:
+            proc.padding_side = side
+        with torch.no_grad():
+            logits = model(**enc).logits
+        return logits[:, 0].double().cpu()
