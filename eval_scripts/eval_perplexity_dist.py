@@ -8,7 +8,8 @@ runs (e.g. baseline vs intrinsic) are compared side by side:
 
 perplexity: mean over prompts of the mean over samples of exp(mean token NLL of the sample given its prompt).
 dist-n: per prompt, distinct word n-grams over all its samples / total words of those samples; mean over prompts
-(SPEC.md 4). Writes `<run>_scored.jsonl` (each sample with its perplexity), `summary.md`/`.json`, `comparison.png`.
+(definitions: docs/evaluation.md). Writes `<run>_scored.jsonl` (each sample with its perplexity), `summary.md`/`.json`,
+`comparison.png`.
 """
 
 from __future__ import annotations

@@ -138,11 +138,11 @@ def conditional_perplexity(
 def distinct_n(generations: Sequence[str], n: int) -> float:
     """dist-n of one prompt's samples: distinct word n-grams over all samples / total words of the samples.
 
-    SPEC.md 4: dist-n = |{n-grams of all samples}| / sum_i |words(sample_i)|, words = `str.split()` (whitespace
-    runs). The denominator is the total word count for every n (not the n-gram count), as in the DExperts/RELC
-    code; that code split on single spaces (`split(' ')`), which also counts an empty "word" for the leading
-    space of a continuation and for double spaces, giving slightly lower values than here. 0 when there are no
-    words.
+    dist-n (docs/evaluation.md) = |{n-grams of all samples}| / sum_i |words(sample_i)|, words = `str.split()`
+    (whitespace runs). The denominator is the total word count for every n (not the n-gram count), as in the
+    DExperts/RELC code; that code split on single spaces (`split(' ')`), which also counts an empty "word" for the
+    leading space of a continuation and for double spaces, giving slightly lower values than here. 0 when there are
+    no words.
     """
     ngrams = set()
     total_words = 0

@@ -28,7 +28,7 @@ def test_ngrpo_group_at_rmax_keeps_zero():
     assert torch.all(out == 0)
 
 
-def test_ngrpo_handbook_example():
+def test_ngrpo_worked_example():
     # four 0.8s + a virtual 1.0: mean 0.84, SS = 4*0.04^2 + 0.16^2 = 0.032, std = sqrt(0.032/4)
     out = ngrpo_advantages(t(0.8, 0.8, 0.8, 0.8), torch.zeros(4, dtype=torch.long), eps=0.0)
     expected = (0.8 - 0.84) / math.sqrt(0.032 / 4)

@@ -203,8 +203,8 @@ def test_eval_summarization_with_reward_model(tiny_dir, tmp_path):
 
 
 def test_distinct_n_denominator_is_total_whitespace_words():
-    """SPEC.md 4: distinct n-grams over the prompt's samples / total words, for every n; words are whitespace runs,
-    so a leading space or a double space adds no empty word (DExperts' split(' ') would count one)."""
+    """docs/evaluation.md: distinct n-grams over the prompt's samples / total words, for every n; words are
+    whitespace runs, so a leading space or a double space adds no empty word (DExperts' split(' ') would count one)."""
     from eval_utils import distinct_n
 
     gens = [" good film", "good  film here"]  # 2 + 3 = 5 words

@@ -22,7 +22,7 @@ WEATHER = {"get_weather": {"city": "string", "days": "integer"}, "check_status":
     [
         ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}', "ok"),
         ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>', "ok"),
-        ('{"tool": "get_weather", "args": {"city": "Paris", "days": 3}}', "ok"),  # the handbook's keys
+        ('{"tool": "get_weather", "args": {"city": "Paris", "days": 3}}', "ok"),  # flat tool/args keys
         ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\", \\"days\\": 1}"}', "ok"),  # OpenAI string
         ('{"name": "check_status", "arguments": {"anything": [1, 2]}}', "ok"),  # no signature: any arguments
         ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}', "invalid_json"),  # missing brace
@@ -90,7 +90,7 @@ def test_code_step_exec_status(status, valid):
     verdict = validate_step(step)
     assert verdict.valid is valid
     assert verdict.reason == ("ok" if valid else f"exec_{status}")
-    # The handbook's flat form (metadata keys on the step itself) works too.
+    # The flat form (metadata keys on the step itself) works too.
     assert validate_step({"start": 0, "end": 3, "type": "code", "exec_status": status}).valid is valid
 
 

@@ -36,8 +36,8 @@ def test_round_robin_matches_hand_totals():
     assert run_arena(responses, "p", bradley_terry).judge_calls == 12
 
 
-def test_handbook_example_lengths():
-    # The handbook's mock judge: 0.6 if a is longer else 0.4, one order only.
+def test_mock_judge_by_length():
+    # A mock judge: 0.6 if a is longer else 0.4, one order only.
     def mock(prompt, a, b):
         return 0.6 if len(a) > len(b) else 0.4
 

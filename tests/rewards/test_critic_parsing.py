@@ -1,4 +1,4 @@
-"""Critic answer parsing: every format of SPEC.md section 4, plus the ways LLMs deviate from it."""
+"""Critic answer parsing: every format of docs/critic_rewards.md#prompts, plus the ways LLMs deviate from it."""
 
 import pytest
 

@@ -1,4 +1,7 @@
-"""SFT step loss masks, masked cross-entropy, the step-masked SFT trainer and step masks for RL (SPEC section 5)."""
+"""SFT step loss masks, masked cross-entropy, the step-masked SFT trainer and step masks for RL.
+
+Documentation: docs/agent_steps.md.
+"""
 
 from trl_stable.masking.loss import masked_cross_entropy
 from trl_stable.masking.mask import StepMask, build_step_loss_mask, char_span_to_tokens, decode_offsets

@@ -1,4 +1,4 @@
-"""Masked cross-entropy for step-masked SFT (handbook 16.6.2)."""
+"""Masked cross-entropy for step-masked SFT (docs/agent_steps.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-token loss masks from step boundaries (handbook 16.6.2).
+"""Per-token loss masks from step boundaries (docs/agent_steps.md).
 
 A sequence is split into steps ``{"start", "end", "type", "metadata"}``; boundaries are token indices
 (``"unit": "token"``, the default) or character offsets into the sequence's text (``"unit": "char"``), mapped to

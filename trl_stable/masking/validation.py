@@ -1,4 +1,4 @@
-"""Step validation: decide whether one step of an agent trace may train (handbook 16.6.2, SPEC section 5).
+"""Step validation: decide whether one step of an agent trace may train (docs/agent_steps.md).
 
 A step is invalid (its tokens get loss mask 0) when
 
@@ -31,7 +31,7 @@ EXEC_STATUS_ALIASES = {
     "out_of_memory": "oom", "memory_error": "oom", "oomkilled": "oom",
 }  # fmt: skip
 
-# Keys under which the tool-call formats in the wild (OpenAI, Hermes/Qwen, the handbook) put the name and arguments.
+# Keys under which the tool-call formats in the wild (OpenAI, Hermes/Qwen, flat tool/args) put the name and arguments.
 NAME_KEYS = ("name", "tool", "tool_name", "function")
 ARGUMENT_KEYS = ("arguments", "args", "parameters", "tool_input", "input")
 
@@ -95,8 +95,8 @@ def _strict_json(payload: str) -> Any:
 def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
     """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence).
 
-    Accepts ``{"name": ..., "arguments": {...}}`` (OpenAI / Hermes), ``{"tool": ..., "args": {...}}`` (the
-    handbook's format) and ``{"function": {"name": ..., "arguments": "<json string>"}}`` (OpenAI's message format).
+    Accepts ``{"name": ..., "arguments": {...}}`` (OpenAI / Hermes), ``{"tool": ..., "args": {...}}`` (a flat
+    format) and ``{"function": {"name": ..., "arguments": "<json string>"}}`` (OpenAI's message format).
     Arguments given as a JSON string are decoded.
 
     Raises:

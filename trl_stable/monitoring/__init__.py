@@ -1,5 +1,6 @@
-"""Training-health monitoring: the four-gauge dashboard of the RL-stability handbook (16.6.5), the sampler/trainer
-mismatch monitor (16.6.1), debounced alarms with their remedies, and the dashboard PNG.
+"""Training-health monitoring: the four-gauge dashboard (reward, zero-variance share, grad norm, completion length),
+the sampler/trainer mismatch monitor, debounced alarms with their remedies, and the dashboard PNG
+(docs/health_monitoring.md).
 
 - [`HealthMonitor`]: a `transformers.TrainerCallback` (on by default in trl_stable's trainers, usable with any TRL
   trainer) that reads the logs and raises alarms.

@@ -1,5 +1,5 @@
-"""The alarm catalogue: for each alarm, the symptom, the likely cause and the remedy (RL-stability handbook 16.6.5,
-table 16-6, and 16.6.1 for the mismatch alarms)."""
+"""The alarm catalogue: for each alarm, the symptom, the likely cause and the remedy (the alarm table of
+docs/health_monitoring.md)."""
 
 from __future__ import annotations
 

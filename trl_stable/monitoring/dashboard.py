@@ -1,5 +1,5 @@
-"""The training-health dashboard: one PNG with the four gauges of the RL-stability handbook (16.6.5) plus entropy and
-the sampler/trainer mismatch, healthy bands shaded and alarms marked.
+"""The training-health dashboard: one PNG with the four gauges (reward, zero-variance share, grad norm, completion
+length vs cap) plus entropy and the sampler/trainer mismatch, healthy bands shaded and alarms marked.
 
 From the command line::
 

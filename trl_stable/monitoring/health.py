@@ -1,4 +1,4 @@
-"""The health rules of the four-gauge dashboard (RL-stability handbook 16.6.5) plus the mismatch gauges, as a
+"""The health rules of the four-gauge dashboard (docs/health_monitoring.md) plus the mismatch gauges, as a
 framework-free tracker: feed it one log record at a time, get alarm events back.
 
 [`HealthMonitor`](callback) wraps it as a `transformers.TrainerCallback`; tests and the dashboard replay log
@@ -55,7 +55,8 @@ GAUGES = tuple(DEFAULT_METRIC_KEYS)
 class HealthConfig:
     """Thresholds, debouncing and remedies of the health monitor.
 
-    Windows and patience count log records (one per `logging_steps`). Every threshold has the handbook's default.
+    Windows and patience count log records (one per `logging_steps`). The defaults are those of the alarm table in
+    docs/health_monitoring.md.
     """
 
     zero_std_healthy: float = field(
@@ -125,7 +126,7 @@ class HealthConfig:
     )
     mismatch_threshold: float = field(
         default=0.01,
-        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (handbook: 0.01)."},
+        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (default 0.01)."},
     )
     mismatch_band: tuple[float, float] = field(
         default=(0.9, 1.1), metadata={"help": "Healthy band of the token ratio pi_trainer / pi_sampler."}

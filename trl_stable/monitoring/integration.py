@@ -29,7 +29,7 @@ def _shortcut(name: str, help: str | None = None) -> Any:
 
 @dataclass
 class HealthArguments:
-    """Health-monitor fields of a trl_stable trainer config (see `docs/sections/monitoring.md`)."""
+    """Health-monitor fields of a trl_stable trainer config (see `docs/health_monitoring.md`)."""
 
     health_monitor: bool = field(
         default=True,

@@ -2,7 +2,7 @@
 
 Pure torch (no TRL import), so the same functions serve GRPO (vLLM or HF generation), PPO and custom loops.
 
-The handbook (RL-stability handbook 16.6.1) asks for the mean absolute log-prob difference with an alarm above 0.01;
+The health monitor alarms on the mean absolute log-prob difference above 0.01 (docs/health_monitoring.md);
 a mean hides the spread, so the ratio's extremes, the share of tokens outside a band and the sequence-level
 perplexity ratio are reported next to it.
 """
@@ -81,7 +81,7 @@ def mismatch_stats(
 
     With $d_t = \log\pi_{\text{train}}(y_t) - \log\pi_{\text{sampler}}(y_t)$ over the masked tokens:
 
-    - `abs_diff_mean` $= \text{mean}_t |d_t|$, `abs_diff_max` $= \max_t |d_t|$ (handbook 16.6.1: alarm above 0.01);
+    - `abs_diff_mean` $= \text{mean}_t |d_t|$, `abs_diff_max` $= \max_t |d_t|$ (the `mismatch` alarm: above 0.01);
     - the token ratio $w_t = e^{d_t} = \pi_{\text{train}} / \pi_{\text{sampler}}$ (the behaviour weight of the
       decoupled loss, AReaL; IcePop, arXiv 2510.18855, masks on it): min, mean, max and the share outside `band`;
     - the sequence perplexity ratio $\text{PPL}_{\text{train}} / \text{PPL}_{\text{sampler}}

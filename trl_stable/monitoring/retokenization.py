@@ -1,9 +1,9 @@
 """Re-tokenization check for multi-turn and agent runs.
 
 When the trainer re-encodes a conversation (prompt, tool outputs, earlier turns) to score it, the token ids must be
-the ones the sampler produced; otherwise the log-probs the loss uses belong to a different sequence (RL-stability
-handbook 16.6.1 (3)). This module compares the two id sequences per sample, reports where they first differ, and
-gives a keep-mask to drop the mismatching samples from the loss.
+the ones the sampler produced; otherwise the log-probs the loss uses belong to a different sequence (the
+`retokenization` alarm of docs/health_monitoring.md). This module compares the two id sequences per sample, reports
+where they first differ, and gives a keep-mask to drop the mismatching samples from the loss.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging (handbook 16.6.4, SPEC section 5).
+"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging (docs/agent_steps.md).
 
 A judge compares two responses to one prompt: ``judge(prompt, a, b)`` returns the probability that `a` wins, in
 [0, 1] (0.5 = draw). Each completion's reward is its win total over the number of matches it played, in [0, 1]:

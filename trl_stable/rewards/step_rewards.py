@@ -1,4 +1,4 @@
-"""Intermediate step rewards for agent tasks (handbook 16.6.3, SPEC section 5).
+"""Intermediate step rewards for agent tasks (docs/agent_steps.md).
 
 A completion is one agent step (a thought, a plan and one or more tool calls); it is scored against the
 ground-truth step on four dimensions, each in [0, 1]:
@@ -13,7 +13,7 @@ ground-truth step on four dimensions, each in [0, 1]:
 reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals.
 
 The weights must be non-negative and sum to 1, so a perfect answer scores exactly 1.0: a maximum of 0.8 would cap
-every perfect answer and blur group-normalized advantages (the handbook's warning). Targeted penalties (negative
+every perfect answer and blur group-normalized advantages. Targeted penalties (negative
 amounts) fire on observed failure modes, e.g. overusing a status-check tool. Each dimension is also exposed as its
 own reward function (`StepReward.reward_funcs`) so GDPO (``multi_objective_aggregation="normalize_then_sum"``)
 normalizes each dimension within the group separately.
@@ -267,7 +267,7 @@ def argument_score(predicted: Mapping[str, Any], expected: Mapping[str, Any], ex
 
 
 def connective_score(thought: str, connectives: Sequence[str] = DEFAULT_CONNECTIVES, required: int = 2) -> float:
-    """Distinct logical connectives in `thought` / `required`, capped at 1 (the handbook's reasoning criterion)."""
+    """Distinct logical connectives in `thought` / `required`, capped at 1 (the reasoning criterion)."""
     low = thought.lower()
     found = 0
     for c in connectives:
