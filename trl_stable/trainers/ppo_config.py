@@ -28,7 +28,7 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
         r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score,
 
     where `score` is the weighted sum of the sequence-level rewards (after optional scaling and clipping), and the
-    advantages come from GAE (`gamma`, `lam`). See `docs/sections/ppo.md` for the full description.
+    advantages come from GAE (`gamma`, `lam`). See `docs/ppo.md` for the full description.
 
     Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
     `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front).
@@ -168,7 +168,8 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
     bootstrap_truncated: bool = field(
         default=False,
         metadata={
-            "help": "Bootstrap responses that did not end with EOS from the value after their last token (SPEC 3). "
+            "help": "Bootstrap responses that did not end with EOS from the value after their last token (partial-episode "
+            "bootstrapping, Pardo et al. 2018, arXiv 1712.00378). "
             "Off by default: with a sequence score on the last token (RELC), the cut is the episode's end."
         },
     )
