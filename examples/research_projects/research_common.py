@@ -360,33 +360,35 @@ class PromptBatches:
 
 
 class RunLog:
-    """What a step loop records: the per-step history (environment and intrinsic reward, KL, ...), a progress bar,
-    the critic's counters, a checkpoint every `save_freq` steps; `finish` saves the model, `reward_history.jsonl`
-    and `reward_curve.png` under `save_path`.
+    """What a step loop records: `run_args.json`, the per-step history (environment and intrinsic reward, KL, ...),
+    a progress bar, the critic's counters, a checkpoint every `--save_freq` steps; `finish` saves the model,
+    `reward_history.jsonl` and `reward_curve.png` under `save_path`.
 
-    With `resume_from` (a checkpoint-N directory) it restores the trainer from it first: `start` is then N.
+    `args` are a PPO script's arguments (`RunArgs` with a `ppo_config`). With `--resume_from_checkpoint` it restores
+    the trainer first, and `batches` continues after the checkpoint's step.
     """
 
-    def __init__(
-        self,
-        trainer,
-        task: str,
-        save_path: str,
-        total: int,
-        save_freq: int | None = None,
-        critic=None,
-        resume_from: str | None = None,
-    ):
-        self.trainer, self.task, self.save_path = trainer, task, save_path
-        self.save_freq, self.critic = save_freq, critic
+    def __init__(self, trainer, task: str, args: Any, save_path: str, embedded: bool, critic=None):
+        self.trainer, self.task, self.args, self.save_path = trainer, task, args, save_path
+        self.embedded, self.save_freq, self.critic = embedded, args.save_freq, critic
+        if trainer.accelerator.is_main_process:
+            save_run_args(args, save_path)
         self.history: list[dict] = []
         self.start = self.step = 0
+        resume_from = args.ppo_config.resume_from_checkpoint
         if resume_from:
             trainer.load_checkpoint(resume_from)
             self.start = self.step = trainer.state.global_step
             self.history = _read_history(save_path)[: self.start]
-        acc = trainer.accelerator
-        self.bar = tqdm(total=total, initial=self.start, desc=f"PPO {task}", disable=not acc.is_local_main_process)
+
+    def batches(self, records: Sequence[dict]) -> Iterator[list[dict]]:
+        """The prompt batches of this process (`PromptBatches`), from the step the run starts at."""
+        ppo, acc = self.args.ppo_config, self.trainer.accelerator
+        epochs = epochs_for(self.args, self.embedded)
+        batches = PromptBatches(records, acc, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+        desc = f"PPO {self.task}"
+        self.bar = tqdm(total=len(batches), initial=self.start, desc=desc, disable=not acc.is_local_main_process)
+        return batches.from_step(self.start)
 
     def record(self, env_scores: Sequence[float], token_rewards: Sequence[Sequence[float]], stats: dict) -> dict:
         acc = self.trainer.accelerator

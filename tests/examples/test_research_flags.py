@@ -19,7 +19,7 @@ def captured(monkeypatch):
     seen = {"rows": []}
 
     def spy_on(module):
-        trainer_cls, build, batches_cls = module.PPOTrainer, module.build_intrinsic_reward, module.PromptBatches
+        trainer_cls, build, log_cls = module.PPOTrainer, module.build_intrinsic_reward, module.RunLog
 
         class Trainer(trainer_cls):
             def __init__(self, *args, **kwargs):
@@ -40,13 +40,14 @@ def captured(monkeypatch):
 
             return None if critic is None else Recording()
 
-        def prompt_batches(records, *args, **kwargs):
-            seen["queries"] = records
-            return batches_cls(records, *args, **kwargs)
+        class RunLog(log_cls):
+            def batches(self, records):
+                seen["queries"] = records
+                return super().batches(records)
 
         monkeypatch.setattr(module, "PPOTrainer", Trainer)
         monkeypatch.setattr(module, "build_intrinsic_reward", build_intrinsic_reward)
-        monkeypatch.setattr(module, "PromptBatches", prompt_batches)
+        monkeypatch.setattr(module, "RunLog", RunLog)
 
     seen["spy_on"] = spy_on
     return seen

@@ -42,19 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SENTIMENT_REVIEWS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
-    PromptBatches,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
     critic_token_rewards,
     default_save_path,
-    epochs_for,
     is_embedded,
     load_policy,
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
-    save_run_args,
     truncate_queries,
 )
 from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
@@ -130,16 +127,12 @@ def main(args: ScriptArguments) -> list[dict]:
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "sentiment", embedded)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, ppo.seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
-    if trainer.accelerator.is_main_process:
-        save_run_args(args, save_path)
     critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
-    epochs = epochs_for(args, embedded)
-    batches = PromptBatches(prompts, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = RunLog(trainer, "sentiment", save_path, len(batches), args.save_freq, critic, ppo.resume_from_checkpoint)
+    log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
 
     # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
     # the spans that made it positive or negative, and take a PPO step on the sum
-    for records in batches.from_step(log.start):
+    for records in log.batches(prompts):
         queries = [torch.tensor(r["input_ids"]) for r in records]
         responses = trainer.generate(queries, return_prompt=False)
         query_texts = [r["query"] for r in records]

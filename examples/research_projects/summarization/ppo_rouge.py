@@ -42,20 +42,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SUMMARY_PROMPT, read_jsonl, summarization_records  # noqa: E402
 from research_common import (  # noqa: E402
-    PromptBatches,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
     critic_token_rewards,
     default_save_path,
-    epochs_for,
     is_embedded,
     load_policy,
     load_script_module,
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
-    save_run_args,
     tokenize_queries,
 )
 from scorers import RougeScorer  # noqa: E402
@@ -176,16 +173,12 @@ def main(args: SummarizationArguments) -> list[dict]:
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "summarization", embedded)
     records = tokenize_queries(tokenizer, prompts, [{"reference": r} for r in refs])
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path, **lengths), processing_class=tokenizer)
-    if trainer.accelerator.is_main_process:
-        save_run_args(args, save_path)
     critic = build_intrinsic_reward(critic_config, "summarization", tokenizer, backend=backend)
-    epochs = epochs_for(args, embedded)
-    batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = RunLog(trainer, "summarization", save_path, len(batches), args.save_freq, critic, ppo.resume_from_checkpoint)
+    log = RunLog(trainer, "summarization", args, save_path, embedded, critic)
 
     # RELC summarization: summarize each article, reward the mean ROUGE F-measure against the reference, let the
     # critic label good and bad spans of the summary, PPO step
-    for batch in batches.from_step(log.start):
+    for batch in log.batches(records):
         query_ids = [torch.tensor(r["input_ids"]) for r in batch]
         summary_ids = trainer.generate(query_ids, return_prompt=False)
         summaries = tokenizer.batch_decode(summary_ids, skip_special_tokens=True)

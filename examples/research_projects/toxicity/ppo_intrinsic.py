@@ -39,20 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import TOXICITY_PROMPTS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
-    PromptBatches,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
     critic_token_rewards,
     default_save_path,
-    epochs_for,
     is_embedded,
     load_policy,
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
     redact_argv,
-    save_run_args,
     tokenize_queries,
 )
 from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
@@ -130,16 +127,12 @@ def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
     lengths = {"min_new_tokens": args.output_min_length, "max_new_tokens": args.output_max_length}
     config = loop_ppo_config(ppo, save_path, **lengths)
     trainer = PPOTrainer(model, args=config, processing_class=tokenizer, peft_config=peft_config)
-    if trainer.accelerator.is_main_process:
-        save_run_args(args, save_path)
     critic = build_intrinsic_reward(args.critic, "toxicity", tokenizer)
-    epochs = epochs_for(args, embedded)
-    batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = RunLog(trainer, "toxicity", save_path, len(batches), args.save_freq, critic, ppo.resume_from_checkpoint)
+    log = RunLog(trainer, "toxicity", args, save_path, embedded, critic)
 
     # RELC detox: continue a toxic prompt, reward 1 - toxicity of the continuation, let the critic name the toxic
     # spans (their tokens get --negative_reward_value), PPO step
-    for batch in batches.from_step(log.start):
+    for batch in log.batches(records):
         queries = [torch.tensor(r["input_ids"]) for r in batch]
         responses = trainer.generate(queries, return_prompt=False)
         continuations = tokenizer.batch_decode(responses, skip_special_tokens=True)
