@@ -1,5 +1,7 @@
-"""Code shared by the RELC reproduction scripts: argument dataclasses, policy and data loading, the intrinsic
-reward, the RELC training loop on trl_stable's step API, checkpoints and the reward curve.
+"""Helpers shared by the RELC reproduction scripts: argument parsing (`--config FILE` + flags), mode defaults,
+policy and data loading, the intrinsic reward, prompt batches, the run log (history, checkpoints, reward curve).
+
+The algorithm itself (generate -> environment reward -> critic -> PPO step) is written out in each script.
 
 Each script runs in one of two modes:
 
@@ -8,8 +10,8 @@ Each script runs in one of two modes:
   local environment rewards (VADER, alt-profanity-check, rouge-score) and the offline lexicon critic. It runs on
   a laptop CPU in minutes and is what the smoke tests run.
 
-Hyper-parameters left at None take the value of the mode (`PAPER_DEFAULTS` / `EMBEDDED_DEFAULTS`): the paper's
-learning rate of 1.41e-5 moves a 64-wide model nowhere in a few minutes.
+A few defaults depend on the mode (`ppo_mode_defaults`): the paper's learning rate of 1.41e-5 moves a 64-wide model
+nowhere in a few minutes.
 """
 
 from __future__ import annotations
@@ -20,124 +22,39 @@ import os
 import random
 import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+import typing
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
 import torch
 import tyro
+import yaml
 from tqdm.auto import tqdm
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the task scripts import this module and its neighbours by name
+if str(HERE) not in sys.path:  # the task scripts import this module and its neighbors by name
     sys.path.insert(0, str(HERE))
 
 from embedded import embedded_policy  # noqa: E402
 
-# RELC's values (its README commands) for paper mode; values that learn within minutes for the embedded policy.
-PAPER_DEFAULTS = {"learning_rate": 1.41e-5, "init_kl_coef": 0.2, "batch_size": 16, "mini_batch_size": 16}
-EMBEDDED_DEFAULTS = {"learning_rate": 3e-4, "init_kl_coef": 0.1, "batch_size": 16, "mini_batch_size": 8}
+T = TypeVar("T")
+# RELC's values are PPOConfig's own defaults (learning rate 1.41e-5, init KL coefficient 0.2, batch 16), with the
+# mini-batch following the batch; these learn within minutes on the embedded policy.
+EMBEDDED_PPO = {"learning_rate": 3e-4, "init_kl_coef": 0.1, "batch_size": 16, "mini_batch_size": 8}
 EMBEDDED_EPOCHS = 40
 
 
 @dataclass
-class PPOArgs:
-    """The PPO fields of the RELC scripts (`--ppo_config.<field>` in the sentiment script, flat in the others).
-
-    They map onto `trl_stable.PPOConfig` with the same names and meanings. None means "the mode's default".
-    """
-
-    model_name: str | None = None
-    """Policy: hub id or local path (paper: gpt2-large). None: the embedded tiny policy."""
-    learning_rate: float | None = None
-    """Adam learning rate (paper 1.41e-5; embedded 3e-4)."""
-    batch_size: int | None = None
-    """Samples per PPO step and process (paper 16; embedded 16)."""
-    mini_batch_size: int | None = None
-    """Samples per optimisation mini-batch (paper = batch_size; embedded 8)."""
-    gradient_accumulation_steps: int = 1
-    ppo_epochs: int = 4
-    """Optimisation passes over each batch."""
-    target_kl: float | None = 6.0
-    """Early-stop the PPO epochs of a step once its KL to the rollout policy passes 1.5 x target_kl (None: never)."""
-    early_stopping: bool = True
-    """Apply the target_kl early stop. RELC ran TRL 0.x, whose early_stopping defaulted to False, so its
-    `--ppo_config.target_kl 6.0` never fired; here it does (the per-step policy KL rarely reaches 9)."""
-    kl_penalty: str = "kl"
-    """KL estimator of the per-token penalty: kl, abs, mse or full."""
-    init_kl_coef: float | None = None
-    """Initial KL coefficient of the adaptive controller (paper 0.2; embedded 0.1)."""
-    adap_kl_ctrl: bool = True
-    target: float = 6.0
-    """Target KL of the adaptive controller."""
-    horizon: float = 10000.0
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
-    use_score_scaling: bool = False
-    """Divide the environment scores by their running std."""
-    use_score_norm: bool = False
-    """Also subtract their running mean (needs use_score_scaling)."""
-    score_clip: float | None = None
-    seed: int = 0
-    log_with: str | None = None
-    """"wandb" or "tensorboard" (None: no tracker)."""
-    bf16: bool | None = None
-    """bf16 autocast; None: on when `accelerate launch --mixed_precision bf16` asked for it."""
-    num_shared_layers: int | None = None
-    """Layers the frozen reference model shares with the policy (paper: 20 of gpt2-large's 36)."""
-
-
-@dataclass
-class IntrinsicArgs:
-    """RELC's intrinsic-reward flags and the critic backend flags."""
-
-    use_intrinsic_reward: Annotated[bool, tyro.conf.arg(aliases=("--use_instric_reward",))] = False
-    """Add the critic's per-token intrinsic rewards (RELC's misspelling --use_instric_reward also works)."""
-    positive_reward_value: float = 0.5
-    """Reward of a token inside a positive span."""
-    negative_reward_value: float = -0.5
-    """Reward of a token inside a negative (or toxic) span."""
-    intrinsic_reward_threshold: float = 10.0
-    """Only samples whose environment reward is <= this are critiqued."""
-    prompt_file: str | None = None
-    """Few-shot critic template with a "{}" placeholder; default prompts/critic_<task>.txt."""
-    critic_backend: str | None = None
-    """lexicon (offline), openai (OpenAI or any compatible server, e.g. vLLM) or transformers (local model).
-    None: lexicon in embedded mode (reference-overlap critic for summarization), openai in paper mode."""
-    critic_model: str | None = None
-    """Served model name (openai; default gpt-4o-mini) or local path (transformers)."""
-    critic_base_url: str | None = None
-    """Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1."""
-    critic_api_key_env: str = "OPENAI_API_KEY"
-    """Environment variable holding the critic's API key (never put keys on the command line)."""
-    critic_concurrency: int = 32
-    critic_cache_dir: str | None = None
-    """On-disk critic answer cache: a restarted run does not pay twice."""
-    critic_timeout: float = 30.0
-    critic_max_retries: int = 4
-    """Retries of a critic request on 429/5xx/timeouts (openai)."""
-    critic_rate_limit: float | None = None
-    """Most critic requests started per second (openai; None: unlimited)."""
-    critic_max_tokens: int = 128
-
-
-@dataclass
 class RunArgs:
-    """Loop, saving and embedded-mode flags shared by every script."""
+    """Loop, saving and embedded-mode flags of the PPO scripts (the PPO settings themselves are `PPOConfig`'s)."""
 
     epochs: int | None = None
     """Passes over the prompt set (None: 1 in paper mode, as RELC; EMBEDDED_EPOCHS over the small embedded set)."""
-    max_steps: int | None = None
-    """Stop after this many PPO steps (default: `epochs` full passes)."""
     save_freq: int | None = None
     """Save a resumable checkpoint every N steps under <model_save_path>/checkpoint-N."""
-    resume_from_checkpoint: str | None = None
-    """A checkpoint-N directory of an earlier run with the same flags: restore weights, optimizer, KL controller,
-    score statistics and RNG, and continue at step N+1 with the same prompt order."""
     model_save_path: str | None = None
     """Where the final model, tokenizer, value head, reward history and curve go (default outputs/<task>/<run>)."""
     offline: bool = False
@@ -148,83 +65,154 @@ class RunArgs:
     """Embedded policy: width."""
     embedded_warmup_steps: int = 300
     """Embedded policy: LM warm-up steps on the shipped text (cached after the first run)."""
-    top_k: int = 0
-    top_p: float = 1.0
-    """Sampling of the rollouts (RELC: top_k 0, top_p 1.0, do_sample)."""
 
 
-# ---------------------------------------------------------------------------------------------------------- config
+# ------------------------------------------------------------------------------------------------------- arguments
 
 
-def is_embedded(ppo: PPOArgs, run: RunArgs) -> bool:
-    return run.offline or ppo.model_name is None
+def parse_script_args(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+    file_values: Mapping[str, Any] | None = None,
+) -> T:
+    """A script's arguments from `--config FILE` (YAML) and the command line, with RELC's underscore flag names.
+
+    Precedence: the dataclass defaults, then its mode defaults, then the YAML file, then the command line. YAML values
+    are converted to each field's declared type by the same parser that reads the flags (so `learning_rate: 1e-4`
+    is a float, not YAML's string), nested mappings go to nested dataclasses (`ppo_config:`, `grpo:`, ...).
+
+    Args:
+        cls: The script's argument dataclass. Defaults that depend on other flags (the embedded or paper mode) come
+            from its static method `mode_defaults`, if it has one: `cls.mode_defaults(first)` gives nested field
+            values for a second parse, `first` being a parse with `cls.mode_defaults(None)` (defaults loose enough
+            for any flags the second parse accepts).
+        argv: The flags (default `sys.argv[1:]`).
+        description: The help text's headline.
+        file_values: Values already read from a config file (instead of a `--config` flag).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file, argv = pop_config_flag(argv)
+    values = dict(file_values or {})
+    values.update(read_config(config_file))
+    base = cls()
+
+    def parse(extra: Mapping[str, Any]) -> T:
+        default = with_values(with_values(base, extra, "mode defaults"), values, config_file or "config")
+        with warnings.catch_warnings():
+            # TrainingArguments turns its accelerator_config into an object its own annotation does not name
+            warnings.filterwarnings("ignore", message=".*AcceleratorConfig.*does not match", category=UserWarning)
+            return tyro.cli(cls, args=argv, use_underscores=True, description=description, default=default)
+
+    mode_defaults = getattr(cls, "mode_defaults", None)
+    if mode_defaults is None or "-h" in argv or "--help" in argv:
+        return parse({})
+    return parse(mode_defaults(parse(mode_defaults(None))))
 
 
-def ppo_args_of(args: Any) -> PPOArgs:
-    """The PPO fields of a script's arguments: nested (`--ppo_config.*`, sentiment) or flat (the other scripts)."""
-    if isinstance(getattr(args, "ppo_config", None), PPOArgs):
-        return args.ppo_config
-    return PPOArgs(**{f.name: getattr(args, f.name) for f in fields(PPOArgs)})
+def pop_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """(the file of `--config FILE` or `--config=FILE`, the other flags)."""
+    rest, config = [], None
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name == "--config":
+            config = value if eq else next(args, None)
+            if not config:
+                raise ValueError("--config needs a YAML file.")
+        else:
+            rest.append(arg)
+    return config, rest
 
 
-def resolve_ppo_args(ppo: PPOArgs, embedded: bool) -> PPOArgs:
-    """Fill the None hyper-parameters with the mode's defaults (mini_batch_size follows batch_size in paper mode)."""
-    defaults = EMBEDDED_DEFAULTS if embedded else PAPER_DEFAULTS
-    values = asdict(ppo)
-    for name, value in defaults.items():
-        if values[name] is None:
-            values[name] = value
-    if ppo.mini_batch_size is None and not embedded:
-        values["mini_batch_size"] = values["batch_size"]
-    values["mini_batch_size"] = min(values["mini_batch_size"], values["batch_size"])
-    if values["bf16"] is None:
-        values["bf16"] = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
-    return PPOArgs(**values)
+def read_config(path: str | None) -> dict[str, Any]:
+    """The mapping of a YAML config file ({} for None)."""
+    if path is None:
+        return {}
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path!r} does not exist.")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file is a mapping of field names to values.")
+    return data
 
 
-def build_ppo_config(
-    ppo: PPOArgs, output_dir: str, min_new_tokens: int, max_new_tokens: int, run: RunArgs, **overrides: Any
-):
-    """A `trl_stable.PPOConfig` from the script flags: every `PPOArgs` field under its own name (`overrides`: further
-    PPOConfig fields)."""
-    from trl_stable import PPOConfig
-
-    values = asdict(ppo)
-    values["bf16"] = bool(values["bf16"])
-    return PPOConfig(
-        output_dir=output_dir,
-        **values,
-        report_to=ppo.log_with or "none",
-        min_new_tokens=min_new_tokens,
-        max_new_tokens=max_new_tokens,
-        top_k=run.top_k,
-        top_p=run.top_p,
-        disable_tqdm=True,  # the loop shows its own bar with the reward in it
-        save_strategy="no",  # the loop saves every --save_freq steps
-        **overrides,
-    )
+def with_values(instance: T, values: Mapping[str, Any], source: str = "config") -> T:
+    """`instance` with `values` (nested mappings for nested dataclasses), each converted to its field's type."""
+    if not values:
+        return instance
+    hints = typing.get_type_hints(type(instance))
+    names = {f.name for f in fields(instance) if f.init}
+    changes = {}
+    for name, value in values.items():
+        if name not in names:
+            raise ValueError(f"{source}: {type(instance).__name__} has no field {name!r}.")
+        current = getattr(instance, name)
+        if is_dataclass(current) and isinstance(value, Mapping):
+            changes[name] = with_values(current, value, source)
+        else:
+            changes[name] = typed_value(hints[name], value)
+    return replace(instance, **changes)
 
 
-def load_policy(ppo: PPOArgs, run: RunArgs, task: str, embedded: bool):
+def typed_value(hint: Any, value: Any) -> Any:
+    """`value` read as a command-line value of type `hint` (tyro's conversion; YAML reads `1e-4` as a string)."""
+    if isinstance(value, Mapping):  # dict fields (generation_kwargs, ...) have no command-line form to go through
+        return dict(value)
+    if isinstance(value, str) and str in (typing.get_args(hint) or (hint,)):
+        return value  # a string field takes the text as it is (tyro would read "-x" as a flag)
+    tokens = [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return tyro.cli(hint, args=tokens)
+
+
+def is_embedded(model_name: str | None, offline: bool) -> bool:
+    return offline or model_name is None
+
+
+def ppo_mode_defaults(args: Any) -> dict:
+    """The `mode_defaults` of the PPO scripts, whose arguments hold `ppo_config` (a `PPOConfig`), `critic` (a
+    `CriticRewardConfig`) and `offline`.
+
+    Embedded mode: `EMBEDDED_PPO` (the mini-batch at most the batch). Paper mode: PPOConfig's RELC defaults, the
+    mini-batch equal to the batch, the OpenAI-compatible critic. Both: bf16 when `accelerate launch
+    --mixed_precision bf16` asked for it.
+    """
+    if args is None:  # the first parse only learns the mode: any batch size divides into mini-batches of 1
+        return {"ppo_config": {"mini_batch_size": 1}}
+    # the batch size of the first parse keeps these defaults a valid PPOConfig whatever batch size was asked for
+    batch_size = args.ppo_config.batch_size
+    ppo = {"bf16": os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16", "batch_size": batch_size}
+    if is_embedded(args.ppo_config.model_name, args.offline):
+        mini_batch_size = min(EMBEDDED_PPO["mini_batch_size"], batch_size)
+        return {"ppo_config": {**EMBEDDED_PPO, **ppo, "mini_batch_size": mini_batch_size}}
+    return {"ppo_config": {**ppo, "mini_batch_size": batch_size}, "critic": {"critic_backend": "openai"}}
+
+
+def loop_ppo_config(ppo, output_dir: str, **overrides: Any):
+    """The PPOConfig a step loop runs with: its own progress bar and checkpoints instead of the trainer's."""
+    return replace(ppo, output_dir=output_dir, disable_tqdm=True, save_strategy="no", **overrides)
+
+
+def load_policy(model_name: str | None, seed: int, run: RunArgs, task: str, embedded: bool):
     """(model or model name, tokenizer) of the policy for the mode."""
     if embedded:
         use_one_thread()
-    if embedded and ppo.model_name is None:
-        model, tokenizer = embedded_policy(
+    if embedded and model_name is None:
+        return embedded_policy(
             task,
-            seed=ppo.seed,
+            seed=seed,
             num_layers=run.embedded_layers,
             hidden_size=run.embedded_hidden_size,
             warmup_steps=run.embedded_warmup_steps,
         )
-        return model, tokenizer
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ppo.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return ppo.model_name, tokenizer
+    return model_name, tokenizer
 
 
 def load_script_module(path: str | os.PathLike, name: str):
@@ -252,13 +240,7 @@ def default_save_path(task: str, intrinsic: bool, given: str | None) -> str:
     return given or str(Path("outputs") / task / ("ppo_intrinsic" if intrinsic else "ppo_baseline"))
 
 
-def parse_script_args(cls, argv: Sequence[str] | None = None, description: str | None = None, default: Any = None):
-    """tyro with RELC's underscore flag names (``--ppo_config.learning_rate``, ``--use_instric_reward``); `default`
-    is an instance whose values replace the dataclass defaults (e.g. read from a YAML config)."""
-    return tyro.cli(cls, args=argv, use_underscores=True, description=description, default=default)
-
-
-SECRET_FIELDS = ("perspective_api", "perspective_api_key", "api_key")
+SECRET_FIELDS = ("perspective_api", "perspective_api_key", "api_key", "hub_token")
 REDACTED = "<redacted>"
 _URL_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
 
@@ -300,187 +282,148 @@ def save_run_args(args: Any, save_path: str) -> None:
 # ----------------------------------------------------------------------------------------------- intrinsic reward
 
 
-def build_intrinsic_reward(args: IntrinsicArgs, task: str, tokenizer, embedded: bool, backend=None):
-    """The dense critic reward (`trl_stable.rewards.CriticIntrinsicReward`), or None when it is off."""
-    if not args.use_intrinsic_reward:
+def build_intrinsic_reward(config, task: str, tokenizer, backend=None):
+    """The dense critic reward (`trl_stable.rewards.CriticIntrinsicReward`) a `CriticRewardConfig` asks for, for
+    `task`, or None when it is off. `backend` replaces the backend the config names."""
+    if not config.use_intrinsic_reward:
         return None
-    from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
+    from trl_stable.rewards import CriticIntrinsicReward
 
-    name = args.critic_backend or ("lexicon" if embedded else "openai")
-    lexicon_summary = name == "lexicon" and task == "summarization"
-    if lexicon_summary and backend is None:
+    if backend is None and config.critic_backend == "lexicon" and task == "summarization":
         raise ValueError("critic_backend='lexicon' for summarization needs the script's offline backend.")
-    # every critic flag under its own name; task and backend are resolved here
-    shared = {
-        f.name: getattr(args, f.name)
-        for f in fields(CriticRewardConfig)
-        if hasattr(args, f.name) and f.name not in ("critic_task", "critic_backend")
-    }
-    config = CriticRewardConfig(
-        **shared,
-        critic_task=task,
-        # the library's lexicon critic has no summarization lexicon; the script passes its own offline backend
-        critic_backend="openai" if lexicon_summary else name,
+    # CriticRewardConfig has no summarization lexicon and rejects the pair; a backend passed in stands in for it
+    name = "openai" if backend is not None else config.critic_backend
+    return CriticIntrinsicReward(replace(config, critic_task=task, critic_backend=name), tokenizer, backend=backend)
+
+
+def critic_token_rewards(critic, prompts: Sequence[str], completions: Sequence[str], responses, env_scores):
+    """Per-token intrinsic rewards of `responses` (1-D token tensors): the critic's, or zeros without a critic and
+    for the samples it did not critique (environment reward above the threshold, failed request)."""
+    rewards = [[0.0] * len(r) for r in responses]
+    if critic is None:
+        return rewards
+    rows = critic(
+        prompts=list(prompts),
+        completions=list(completions),
+        completion_ids=[r.tolist() for r in responses],
+        env_rewards=list(env_scores),
     )
-    return CriticIntrinsicReward(config, tokenizer, backend=backend)
+    for sample, row in zip(rewards, rows):
+        if row is not None:
+            sample[:] = [float(v) for v in row]
+    return rewards
 
 
-# ------------------------------------------------------------------------------------------------------ the loop
+# ---------------------------------------------------------------------------------------------- loop helpers
 
 
-@dataclass
-class Task:
-    """What a script plugs into `train_relc`."""
-
-    name: str
-    queries: list[dict]
-    """Prompt records: {"query": text, "input_ids": list[int], ...extra columns for the reward}."""
-    env_reward: Callable[[list[dict], list[str], list[str]], list[float]]
-    """(records, query texts, response texts) -> one environment reward per sample."""
-    intrinsic: Any = None
-    """A dense reward callable (or None)."""
+def epochs_for(run: RunArgs, embedded: bool) -> int:
+    return run.epochs if run.epochs is not None else (EMBEDDED_EPOCHS if embedded else 1)
 
 
-def run_relc(
-    args: Any,
-    task: str,
-    embedded: bool,
-    build_queries: Callable[[Any], list[dict]],
-    env_reward: Callable[[list[dict], list[str], list[str]], list[float]],
-    min_new_tokens: int,
-    max_new_tokens: int,
-    peft_config: Any = None,
-    config_overrides: dict | None = None,
-    critic_backend: Any = None,
-) -> list[dict]:
-    """Everything a RELC script does after reading its task data: policy, PPOTrainer, critic, `train_relc`.
-
-    Args:
-        args: The script's arguments (`IntrinsicArgs` + `RunArgs` + PPO fields, nested or flat).
-        task: "sentiment", "toxicity" or "summarization" (embedded policy, critic format, default save path).
-        embedded: Embedded mode (see `is_embedded`).
-        build_queries: tokenizer -> prompt records for `Task.queries`.
-        env_reward: The environment reward of `Task.env_reward`.
-        min_new_tokens, max_new_tokens: Response length range.
-        peft_config: A peft config: train a LoRA adapter (the reference is the adapter-free policy).
-        config_overrides: Further `PPOConfig` fields.
-        critic_backend: A `CriticBackend` replacing the one `--critic_backend` names (offline summarization critic).
-
-    Returns:
-        The per-step history of `train_relc`.
+class PromptBatches:
+    """This process's batches of prompt records: `epochs` shuffled passes over its shard of `records`, stopped
+    after `max_steps` batches (when > 0). `from_step(start)` replays the shuffles of the skipped steps, so a
+    resumed run sees the prompts in the order the uninterrupted one did.
     """
-    from trl_stable import PPOTrainer
 
-    ppo = resolve_ppo_args(ppo_args_of(args), embedded)
-    save_path = default_save_path(task, args.use_intrinsic_reward, args.model_save_path)
-    model, tokenizer = load_policy(ppo, args, task, embedded)
-    queries = build_queries(tokenizer)
-    config = build_ppo_config(ppo, save_path, min_new_tokens, max_new_tokens, args, **(config_overrides or {}))
-    trainer = PPOTrainer(model, args=config, processing_class=tokenizer, peft_config=peft_config)
-    if trainer.accelerator.is_main_process:
-        save_run_args(args, save_path)
-    intrinsic = build_intrinsic_reward(args, task, tokenizer, embedded, backend=critic_backend)
-    spec = Task(name=task, queries=queries, env_reward=env_reward, intrinsic=intrinsic)
-    return train_relc(trainer, spec, args, save_path, ppo.batch_size, ppo.seed, embedded)
+    def __init__(
+        self, records: Sequence[dict], accelerator, batch_size: int, epochs: int, max_steps: int | None, seed: int
+    ):
+        rank, world = accelerator.process_index, accelerator.num_processes
+        self.shard = list(records[rank::world])
+        self.batch_size, self.seed, self.rank = batch_size, seed, rank
+        # From the smallest shard, not this one: shards differ by up to one prompt, and a process that took one step
+        # more than the others would wait forever in the step's collective ops.
+        self.steps_per_epoch = len(records) // world // batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(records) // world} prompts per process is fewer than batch_size={batch_size}; "
+                "lower the batch size."
+            )
+        self.total = self.steps_per_epoch * epochs
+        if max_steps is not None and max_steps > 0:
+            self.total = min(self.total, max_steps)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def from_step(self, start: int = 0) -> Iterator[list[dict]]:
+        rng = random.Random(self.seed + self.rank)
+        for step in range(self.total):
+            b = step % self.steps_per_epoch
+            if b == 0:
+                order = list(range(len(self.shard)))
+                rng.shuffle(order)
+            if step >= start:
+                yield [self.shard[i] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
 
 
-def train_relc(
-    trainer, task: Task, run: RunArgs, save_path: str, batch_size: int, seed: int, embedded: bool
-) -> list[dict]:
-    """RELC's training loop on the step API: generate, score, add intrinsic rewards, `trainer.step`.
+class RunLog:
+    """What a step loop records: `run_args.json`, the per-step history (environment and intrinsic reward, KL, ...),
+    a progress bar, the critic's counters, a checkpoint every `--save_freq` steps; `finish` saves the model,
+    `reward_history.jsonl` and `reward_curve.png` under `save_path`.
 
-    Per sample: the environment score goes to `step(scores=...)` (so PPOConfig's score scaling/clipping apply) and
-    lands on the last response token; the critic's per-token rewards go to `token_rewards`. Each process takes its
-    own shard of the prompts. Saves a checkpoint every `run.save_freq` steps, and at the end the model, the reward
-    history (`reward_history.jsonl`) and the reward curve (`reward_curve.png`) under `save_path`.
-
-    Returns:
-        The per-step history: env reward mean, intrinsic reward mean, KL, ...
+    `args` are a PPO script's arguments (`RunArgs` with a `ppo_config`). With `--resume_from_checkpoint` it restores
+    the trainer first, and `batches` continues after the checkpoint's step.
     """
-    acc = trainer.accelerator
-    rank, world = acc.process_index, acc.num_processes
-    shard = task.queries[rank::world]
-    # From the smallest shard, not this one: shards differ by up to one prompt, and a process that took one step
-    # more than the others would wait forever in the step's collective ops.
-    steps_per_epoch = len(task.queries) // world // batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{len(task.queries) // world} prompts per process is fewer than batch_size={batch_size}; "
-            "lower the batch size."
-        )
-    epochs = run.epochs if run.epochs is not None else (EMBEDDED_EPOCHS if embedded else 1)
-    total = steps_per_epoch * epochs
-    if run.max_steps is not None:
-        total = min(total, run.max_steps) if run.max_steps > 0 else total
-    tokenizer = trainer.processing_class
-    history: list[dict] = []
-    rng = random.Random(seed + rank)
-    start = 0
-    if run.resume_from_checkpoint:
-        trainer.load_checkpoint(run.resume_from_checkpoint)
-        start = trainer.state.global_step
-        history = _read_history(save_path)[:start]
-    bar = tqdm(total=total, initial=start, desc=f"PPO {task.name}", disable=not acc.is_local_main_process)
-    step = 0
-    for _epoch in range(math.ceil(total / steps_per_epoch)):
-        order = list(range(len(shard)))
-        rng.shuffle(order)
-        for b in range(steps_per_epoch):
-            if step >= total:
-                break
-            if step < start:  # resuming: replay the prompt order up to the checkpoint
-                step += 1
-                continue
-            records = [shard[i] for i in order[b * batch_size : (b + 1) * batch_size]]
-            queries = [torch.tensor(r["input_ids"], dtype=torch.long) for r in records]
-            responses = trainer.generate(queries, return_prompt=False)
-            query_texts = [r["query"] for r in records]
-            response_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = [float(s) for s in task.env_reward(records, query_texts, response_texts)]
-            token_rewards = [[0.0] * len(r) for r in responses]
-            intrinsic_mean = 0.0
-            if task.intrinsic is not None:
-                rows = task.intrinsic(
-                    prompts=query_texts,
-                    completions=response_texts,
-                    completion_ids=[r.tolist() for r in responses],
-                    env_rewards=scores,
-                )
-                for acc_row, row in zip(token_rewards, rows):
-                    if row is not None:
-                        acc_row[:] = [float(v) for v in row]
-                intrinsic_mean = sum(sum(r) for r in token_rewards) / len(token_rewards)
-            stats = trainer.step(queries, responses, token_rewards, scores=scores)
-            step += 1
-            record = {
-                "step": step,
-                "env_reward": _global_mean(acc, scores),
-                "intrinsic_reward": _global_mean(acc, [intrinsic_mean]),
-                "kl": stats.get("objective/kl", float("nan")),
-                "kl_coef": stats.get("objective/kl_coef", float("nan")),
-                "response_len": stats.get("tokens/response_len_mean", float("nan")),
-            }
-            if task.intrinsic is not None and hasattr(task.intrinsic, "metrics"):
-                record["critic_rewarded_token_fraction"] = task.intrinsic.metrics().get(
-                    "critic/last_rewarded_token_fraction", float("nan")
-                )
-            history.append(record)
-            if task.intrinsic is not None and hasattr(task.intrinsic, "metrics"):
-                trainer.log(task.intrinsic.metrics())  # critic counters to the trackers (request/failure counts)
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['env_reward']:.3f}", kl=f"{record['kl']:.2f}")
-            if run.save_freq and step % run.save_freq == 0:
-                trainer.save_checkpoint(os.path.join(save_path, f"checkpoint-{step}"))
-                if acc.is_main_process:  # a resumed run picks its curve up from here
-                    write_history(history, save_path)
-    bar.close()
-    trainer.save_model(save_path)
-    if acc.is_main_process:
-        write_history(history, save_path)
-        plot_reward_curve({task.name: history}, os.path.join(save_path, "reward_curve.png"))
-    if task.intrinsic is not None and hasattr(task.intrinsic, "close"):
-        task.intrinsic.close()
-    return history
+
+    def __init__(self, trainer, task: str, args: Any, save_path: str, embedded: bool, critic=None):
+        self.trainer, self.task, self.args, self.save_path = trainer, task, args, save_path
+        self.embedded, self.save_freq, self.critic = embedded, args.save_freq, critic
+        if trainer.accelerator.is_main_process:
+            save_run_args(args, save_path)
+        self.history: list[dict] = []
+        self.start = self.step = 0
+        resume_from = args.ppo_config.resume_from_checkpoint
+        if resume_from:
+            trainer.load_checkpoint(resume_from)
+            self.start = self.step = trainer.state.global_step
+            self.history = _read_history(save_path)[: self.start]
+
+    def batches(self, records: Sequence[dict]) -> Iterator[list[dict]]:
+        """The prompt batches of this process (`PromptBatches`), from the step the run starts at."""
+        ppo, acc = self.args.ppo_config, self.trainer.accelerator
+        epochs = epochs_for(self.args, self.embedded)
+        batches = PromptBatches(records, acc, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+        desc = f"PPO {self.task}"
+        self.bar = tqdm(total=len(batches), initial=self.start, desc=desc, disable=not acc.is_local_main_process)
+        return batches.from_step(self.start)
+
+    def record(self, env_scores: Sequence[float], token_rewards: Sequence[Sequence[float]], stats: dict) -> dict:
+        acc = self.trainer.accelerator
+        self.step += 1
+        intrinsic_mean = sum(sum(r) for r in token_rewards) / len(token_rewards)
+        row = {
+            "step": self.step,
+            "env_reward": _global_mean(acc, env_scores),
+            "intrinsic_reward": _global_mean(acc, [intrinsic_mean]),
+            "kl": stats.get("objective/kl", float("nan")),
+            "kl_coef": stats.get("objective/kl_coef", float("nan")),
+            "response_len": stats.get("tokens/response_len_mean", float("nan")),
+        }
+        if self.critic is not None and hasattr(self.critic, "metrics"):
+            metrics = self.critic.metrics()
+            row["critic_rewarded_token_fraction"] = metrics.get("critic/last_rewarded_token_fraction", float("nan"))
+            self.trainer.log(metrics)  # critic counters to the trackers (request/failure counts)
+        self.history.append(row)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row['env_reward']:.3f}", kl=f"{row['kl']:.2f}")
+        if self.save_freq and self.step % self.save_freq == 0:
+            self.trainer.save_checkpoint(os.path.join(self.save_path, f"checkpoint-{self.step}"))
+            if acc.is_main_process:  # a resumed run picks its curve up from here
+                write_history(self.history, self.save_path)
+        return row
+
+    def finish(self) -> list[dict]:
+        self.bar.close()
+        self.trainer.save_model(self.save_path)
+        if self.trainer.accelerator.is_main_process:
+            write_history(self.history, self.save_path)
+            plot_reward_curve({self.task: self.history}, os.path.join(self.save_path, "reward_curve.png"))
+        if self.critic is not None and hasattr(self.critic, "close"):
+            self.critic.close()
+        return self.history
 
 
 def _global_mean(acc, values: Sequence[float]) -> float:

@@ -43,16 +43,20 @@ def test_relc_sentiment_command_parses(load_script):
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     args = parse_script_args(mod.ScriptArguments, shlex.split(RELC_SENTIMENT))
-    assert args.use_intrinsic_reward is True  # through RELC's misspelled alias
-    assert (args.positive_reward_value, args.negative_reward_value, args.intrinsic_reward_threshold) == (0.5, -0.5, 10)
-    assert (args.epochs, args.query_dataset, args.min_new_tokens, args.max_new_tokens) == (2, "imdb", 15, 20)
-    assert (args.num_shared_layers, args.save_freq) == (20, 50)
-    ppo = args.ppo_config
+    critic, ppo = args.critic, args.ppo_config
+    assert critic.use_intrinsic_reward is True  # through RELC's misspelled alias
+    assert (critic.positive_reward_value, critic.negative_reward_value, critic.intrinsic_reward_threshold) == (
+        0.5,
+        -0.5,
+        10,
+    )
+    assert (args.epochs, args.query_dataset, ppo.min_new_tokens, ppo.max_new_tokens) == (2, "imdb", 15, 20)
+    assert (ppo.num_shared_layers, args.save_freq) == (20, 50)
     assert ppo.model_name == "gpt2-large" and ppo.learning_rate == 1.41e-5
     assert (ppo.batch_size, ppo.mini_batch_size, ppo.gradient_accumulation_steps, ppo.ppo_epochs) == (16, 16, 1, 4)
     assert (ppo.target_kl, ppo.kl_penalty) == (6.0, "kl")
-    assert parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).use_intrinsic_reward is True
-    assert parse_script_args(mod.ScriptArguments, []).use_intrinsic_reward is False
+    assert parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).critic.use_intrinsic_reward is True
+    assert parse_script_args(mod.ScriptArguments, []).critic.use_intrinsic_reward is False
 
 
 def test_relc_toxicity_and_summarization_commands_parse_and_key_is_redacted(load_script, tmp_path):
@@ -60,30 +64,41 @@ def test_relc_toxicity_and_summarization_commands_parse_and_key_is_redacted(load
 
     tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     args = parse_script_args(tox.ToxicityArguments, shlex.split(RELC_TOXICITY))
-    assert args.use_intrinsic_reward and args.positive_reward_value == 0.0 and args.prompt_toxicity_level == 0.6
-    assert (args.output_min_length, args.output_max_length, args.batch_size) == (10, 14, 32)
+    assert args.critic.use_intrinsic_reward and args.critic.positive_reward_value == 0.0
+    assert args.prompt_toxicity_level == 0.6 and args.ppo_config.learning_rate == 1.41e-5
+    assert (args.output_min_length, args.output_max_length, args.ppo_config.batch_size) == (10, 14, 32)
     save_run_args(args, str(tmp_path))
     saved = (tmp_path / "run_args.json").read_text()
     assert "SECRET-KEY-123" not in saved and json.loads(saved)["perspective_api"] == "<redacted>"
 
     summ = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
     args = parse_script_args(summ.SummarizationArguments, shlex.split(RELC_SUMMARIZATION))
-    assert args.use_intrinsic_reward and args.use_score_scaling and args.intrinsic_reward_threshold == 100
-    assert (args.num_shared_layers, args.output_min_length, args.batch_size) == (12, 30, 8)
+    assert args.critic.use_intrinsic_reward and args.ppo_config.use_score_scaling
+    assert args.critic.intrinsic_reward_threshold == 100
+    assert (args.ppo_config.num_shared_layers, args.output_min_length, args.ppo_config.batch_size) == (12, 30, 8)
 
 
-def test_mode_defaults_and_bf16_from_accelerate(monkeypatch):
-    from research_common import EMBEDDED_DEFAULTS, PAPER_DEFAULTS, PPOArgs, resolve_ppo_args
+def test_mode_defaults_and_bf16_from_accelerate(load_script, monkeypatch):
+    from research_common import EMBEDDED_PPO, parse_script_args
 
-    paper = resolve_ppo_args(PPOArgs(model_name="gpt2-large", batch_size=32), embedded=False)
-    assert paper.learning_rate == PAPER_DEFAULTS["learning_rate"] == 1.41e-5
-    assert paper.mini_batch_size == 32  # RELC: mini-batch = batch unless told otherwise
-    embedded = resolve_ppo_args(PPOArgs(learning_rate=1e-3), embedded=True)
+    tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
+
+    def ppo(*flags):
+        return parse_script_args(tox.ToxicityArguments, list(flags)).ppo_config
+
+    paper = ppo("--model_name", "gpt2-large", "--batch_size", "12")
+    assert (paper.learning_rate, paper.init_kl_coef) == (1.41e-5, 0.2)  # RELC's values, PPOConfig's defaults
+    assert paper.mini_batch_size == 12  # RELC: mini-batch = batch unless told otherwise
+    assert parse_script_args(tox.ToxicityArguments, ["--model_name", "m"]).critic.critic_backend == "openai"
+    embedded = ppo("--learning_rate", "1e-3", "--batch_size", "4")
     assert embedded.learning_rate == 1e-3  # an explicit flag wins over the mode default
-    assert embedded.init_kl_coef == EMBEDDED_DEFAULTS["init_kl_coef"]
+    assert embedded.init_kl_coef == EMBEDDED_PPO["init_kl_coef"] and embedded.mini_batch_size == 4
+    assert ppo().mini_batch_size == EMBEDDED_PPO["mini_batch_size"]
+    assert ppo("--offline", "--model_name", "local").learning_rate == EMBEDDED_PPO["learning_rate"]
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    assert resolve_ppo_args(PPOArgs(), embedded=True).bf16 is True
-    assert resolve_ppo_args(PPOArgs(bf16=False), embedded=True).bf16 is False
+    monkeypatch.setattr(tox.PPOConfig, "__post_init__", lambda self: None)  # bf16 needs a GPU to validate
+    assert ppo().bf16 is True
+    assert ppo("--no_bf16").bf16 is False
 
 
 def test_truncated_queries_and_smoothing():
@@ -193,34 +208,105 @@ def test_article_overlap_critic_labels_supported_and_unsupported_spans(load_scri
     assert parsed.positive == ["council approved a", "park"] and parsed.negative == ["purple dragon"]
 
 
-def test_every_algorithm_yaml_builds_a_valid_config(load_script, tmp_path):
-    from trl_stable import GRPOConfig
+def _declared_type_ok(value, hint) -> bool:
+    import types
+    import typing
+
+    if hint is typing.Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_declared_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) is float
+    return isinstance(value, origin or hint)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (EXAMPLES / "sentiment" / "configs").glob("*.yaml")))
+def test_every_algorithm_yaml_loads_with_its_declared_types(load_script, name):
+    """Each YAML's values reach the arguments of the script it runs, each with its field's declared type."""
+    import typing
+
+    import yaml
+    from research_common import parse_script_args
 
     mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
-    files = sorted((EXAMPLES / "sentiment" / "configs").glob("*.yaml"))
-    assert {f.stem for f in files} == set(mod.ALGORITHMS)
-    for f in files:
-        data = mod.load_yaml(str(f))
-        assert data["algorithm"] == f.stem
-        if f.stem == "ppo":
-            sentiment = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
-            ppo = mod.PPOArgs(**data.pop("ppo_config"))
-            sentiment.ScriptArguments(**{k: v for k, v in data.items() if k != "algorithm"}, ppo_config=ppo)
-            continue
-        grpo = data.pop("grpo")
-        mod.GRPOScriptArguments(**data, grpo=grpo)
-        GRPOConfig(**{**mod.EMBEDDED_GRPO, **grpo, "output_dir": str(tmp_path / f.stem)})
+    path = EXAMPLES / "sentiment" / "configs" / name
+    raw = yaml.safe_load(path.read_text())
+    assert raw["algorithm"] == path.stem and path.stem in mod.ALGORITHMS
+    values = mod.load_yaml(name)  # a bare name is looked up in configs/
+    algorithm = values.pop("algorithm")
+    if algorithm == "ppo":
+        ppo_script = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+        args = parse_script_args(ppo_script.ScriptArguments, [], file_values=values)
+    else:
+        args = parse_script_args(mod.GRPOScriptArguments, [], file_values={**values, "algorithm": algorithm})
+        assert args.algorithm == algorithm and args.grpo.output_dir == f"outputs/sentiment/{algorithm}"
+    for key, value in values.items():
+        section = getattr(args, key)
+        for field, expected in (value.items() if isinstance(value, dict) else [(None, value)]):
+            got, owner = (getattr(section, field), section) if field else (section, args)
+            hint = typing.get_type_hints(type(owner))[field or key]
+            assert got == expected and _declared_type_ok(got, hint), (key, field, got, hint)
 
 
-def test_config_argv_split_and_cli_overrides(load_script):
+def test_config_flag_and_missing_files(load_script):
+    from research_common import pop_config_flag
+
     mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
-    config, grpo, rest = mod.split_config_argv(
-        ["--config", "dapo.yaml", "--grpo.epsilon_high=0.3", "--max_steps", "5", "--grpo.use_decoupled_loss", "true"]
-    )
-    assert config == "dapo.yaml" and grpo == {"epsilon_high": 0.3, "use_decoupled_loss": True}
-    assert rest == ["--max_steps", "5"]
+    assert pop_config_flag(["--config", "dapo.yaml", "--max_steps", "5"]) == ("dapo.yaml", ["--max_steps", "5"])
+    assert pop_config_flag(["--config=x.yaml", "--grpo.beta", "0.1"]) == ("x.yaml", ["--grpo.beta", "0.1"])
     with pytest.raises(ValueError, match="does not exist"):
         mod.load_yaml("no_such_algorithm.yaml")
+
+
+def test_yaml_and_flags_take_the_declared_type(load_script, tmp_path):
+    """`learning_rate: 1e-4` is a string to YAML; the file and the flag both arrive as the field's float."""
+    from research_common import parse_script_args
+
+    mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "epochs: 3\nppo_config:\n  learning_rate: 1e-4\n  init_kl_coef: 1\ncritic:\n  use_intrinsic_reward: true\n"
+    )
+    args = parse_script_args(mod.ScriptArguments, ["--config", str(config)])
+    assert args.ppo_config.learning_rate == 1e-4 and type(args.ppo_config.learning_rate) is float
+    assert type(args.ppo_config.init_kl_coef) is float and args.epochs == 3 and args.critic.use_intrinsic_reward
+    assert args.ppo_config.mini_batch_size == 8  # the mode defaults still apply to what the file leaves out
+    args = parse_script_args(mod.ScriptArguments, ["--config", str(config), "--ppo_config.learning_rate", "2e-4"])
+    assert args.ppo_config.learning_rate == 2e-4  # the command line wins over the file
+    config.write_text("ppo_config:\n  no_such_field: 1\n")
+    with pytest.raises(ValueError, match="no_such_field"):
+        parse_script_args(mod.ScriptArguments, ["--config", str(config)])
+
+
+def test_readme_icepop_command_runs_with_float_learning_rate(load_script, tmp_path, monkeypatch):
+    """The README's command, verbatim but for fewer steps and an output directory."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
+    seen, real = {}, mod.run_grpo
+
+    def run_grpo(args):
+        seen["args"] = args
+        return real(args)
+
+    monkeypatch.setattr(mod, "run_grpo", run_grpo)
+    command = "--config examples/research_projects/sentiment/configs/icepop.yaml --max_steps 100"
+    command += " --grpo.learning_rate 1e-4"
+    history = mod.main([*shlex.split(command), "--max_steps", "2", "--output_dir", str(tmp_path / "icepop")])
+    grpo = seen["args"].grpo
+    assert grpo.learning_rate == 1e-4 and type(grpo.learning_rate) is float
+    assert (grpo.use_decoupled_loss, grpo.token_filter, grpo.token_filter_lower, grpo.token_filter_upper) == (
+        True,
+        "icepop",
+        0.5,
+        5.0,
+    )
+    assert seen["args"].algorithm == "icepop" and grpo.max_steps == 2 and len(history) == 2
+    saved = json.loads((tmp_path / "icepop" / "run_args.json").read_text())["grpo"]
+    assert saved["learning_rate"] == 1e-4 and saved["token_filter"] == "icepop"
 
 
 def test_grpo_gdpo_yaml_with_dense_critic_trains(load_script, tmp_path):

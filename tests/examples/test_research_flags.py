@@ -15,16 +15,19 @@ SMALL = ["--embedded_warmup_steps", "20"]
 
 @pytest.fixture()
 def captured(monkeypatch):
-    """Run the real `train_relc`, keeping the trainer, the task and every intrinsic reward row it produced."""
-    import research_common
-
+    """Run a script's real loop, keeping its trainer, prompt records and every intrinsic reward row of its critic."""
     seen = {"rows": []}
-    real = research_common.train_relc
 
-    def spy(trainer, task, *args, **kwargs):
-        seen["trainer"], seen["task"] = trainer, task
-        if task.intrinsic is not None:
-            critic = task.intrinsic
+    def spy_on(module):
+        trainer_cls, build, log_cls = module.PPOTrainer, module.build_intrinsic_reward, module.RunLog
+
+        class Trainer(trainer_cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                seen["trainer"] = self
+
+        def build_intrinsic_reward(*args, **kwargs):
+            critic = build(*args, **kwargs)
 
             class Recording:
                 def __call__(self, **kw):
@@ -35,10 +38,18 @@ def captured(monkeypatch):
                 def __getattr__(self, name):
                     return getattr(critic, name)
 
-            task.intrinsic = Recording()
-        return real(trainer, task, *args, **kwargs)
+            return None if critic is None else Recording()
 
-    monkeypatch.setattr(research_common, "train_relc", spy)
+        class RunLog(log_cls):
+            def batches(self, records):
+                seen["queries"] = records
+                return super().batches(records)
+
+        monkeypatch.setattr(module, "PPOTrainer", Trainer)
+        monkeypatch.setattr(module, "build_intrinsic_reward", build_intrinsic_reward)
+        monkeypatch.setattr(module, "RunLog", RunLog)
+
+    seen["spy_on"] = spy_on
     return seen
 
 
@@ -56,6 +67,7 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
     from research_common import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    captured["spy_on"](mod)
     texts = [f"The film number {i} was a slow story about a family and a farm near the sea." for i in range(5)]
     data = tmp_path / "reviews.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -90,7 +102,7 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
     # --epochs 2 over 5 prompts in batches of 4: one step per epoch; --save_freq 2
     assert len(history) == 2 and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-1").exists()
     # --query_dataset: the prompts are openings of the given texts
-    assert all(any(t.startswith(q["query"]) for t in texts) for q in captured["task"].queries)
+    assert all(any(t.startswith(q["query"]) for t in texts) for q in captured["queries"])
     # critic: every sample critiqued (threshold 10), through the given server, model, template and key
     assert len(received) == 8
     assert all(r.body["model"] == "my-critic" and "CUSTOM CRITIC TEMPLATE:" in r.prompt for r in received)
@@ -113,8 +125,9 @@ def test_intrinsic_threshold_and_backend_choice(load_script, tmp_path, tiny_dir)
     tok = build_tokenizer()
 
     def critic(*flags, embedded=True):
-        args = parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward", *flags])
-        return build_intrinsic_reward(args, "sentiment", tok, embedded)
+        paper = [] if embedded else ["--ppo_config.model_name", "gpt2-large"]
+        args = parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward", *flags, *paper])
+        return build_intrinsic_reward(args.critic, "sentiment", tok)
 
     assert isinstance(critic().backend, LexiconCritic)  # embedded default
     paper = critic("--critic_base_url", "http://127.0.0.1:9/v1", embedded=False)
@@ -123,8 +136,8 @@ def test_intrinsic_threshold_and_backend_choice(load_script, tmp_path, tiny_dir)
     assert isinstance(local.backend, TransformersCritic)
     tuned = critic("--critic_base_url", "http://127.0.0.1:9/v1", "--critic_rate_limit", "3", embedded=False)
     assert tuned.backend.rate_limit == 3.0
-    assert parse_script_args(mod.ScriptArguments, []).use_intrinsic_reward is False
-    assert build_intrinsic_reward(parse_script_args(mod.ScriptArguments, []), "sentiment", tok, True) is None
+    assert parse_script_args(mod.ScriptArguments, []).critic.use_intrinsic_reward is False
+    assert build_intrinsic_reward(parse_script_args(mod.ScriptArguments, []).critic, "sentiment", tok) is None
 
     # --intrinsic_reward_threshold: a sample whose environment reward is above it is not critiqued
     lexicon = critic("--intrinsic_reward_threshold", "0.0")
@@ -141,24 +154,27 @@ def tiny_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny_critic"), build_causal_lm("gpt2", tok, seed=0), tok)
 
 
-def test_every_ppo_flag_lands_in_ppo_config(tmp_path):
-    from dataclasses import fields
+def test_every_ppo_flag_lands_in_ppo_config(load_script, tmp_path):
+    """The flat RELC flags of the toxicity script are PPOConfig's own fields; the loop's config keeps them."""
+    from research_common import loop_ppo_config, parse_script_args
 
-    from research_common import PPOArgs, RunArgs, build_ppo_config, resolve_ppo_args
-
-    ppo = resolve_ppo_args(
-        PPOArgs(model_name="m", target_kl=None, early_stopping=False, kl_penalty="mse", vf_coef=0.3, gamma=0.9),
-        embedded=False,
-    )
-    config = build_ppo_config(ppo, str(tmp_path), 2, 4, RunArgs(top_p=0.8))
-    for f in fields(PPOArgs):
-        if f.name != "bf16":
-            assert getattr(config, f.name) == getattr(ppo, f.name), f.name
-    assert (config.min_new_tokens, config.max_new_tokens, config.top_p, config.report_to) == (2, 4, 0.8, [])
+    tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
+    flags = {"model_name": "m", "target_kl": "None", "kl_penalty": "mse", "vf_coef": "0.3", "gamma": "0.9"}
+    flags.update(learning_rate="2e-5", batch_size="8", mini_batch_size="4", ppo_epochs="2", top_p="0.8")
+    argv = [token for name, value in flags.items() for token in (f"--{name}", value)] + ["--no_early_stopping"]
+    args = parse_script_args(tox.ToxicityArguments, argv)
+    config = loop_ppo_config(args.ppo_config, str(tmp_path), min_new_tokens=2, max_new_tokens=4)
+    expected = {"model_name": "m", "target_kl": None, "kl_penalty": "mse", "vf_coef": 0.3, "gamma": 0.9}
+    expected.update(learning_rate=2e-5, batch_size=8, mini_batch_size=4, ppo_epochs=2, top_p=0.8, early_stopping=False)
+    assert {name: getattr(config, name) for name in expected} == expected
+    assert (config.min_new_tokens, config.max_new_tokens, config.report_to) == (2, 4, [])
+    assert config.output_dir == str(tmp_path)
 
 
 def test_secrets_are_redacted_from_run_args_and_argv(tmp_path):
-    from research_common import IntrinsicArgs, redact_argv, save_run_args
+    from research_common import redact_argv, save_run_args
+
+    from trl_stable.rewards import CriticRewardConfig
 
     argv = ["script.py", "--perspective_api", "KEY-1", "--perspective_api=KEY-2", "--model_name", "gpt2"]
     redact_argv(argv)
@@ -170,7 +186,7 @@ def test_secrets_are_redacted_from_run_args_and_argv(tmp_path):
         "--model_name",
         "gpt2",
     ]
-    save_run_args(IntrinsicArgs(critic_base_url="https://user:KEY-3@host.example/v1"), str(tmp_path))
+    save_run_args(CriticRewardConfig(critic_base_url="https://user:KEY-3@host.example/v1"), str(tmp_path))
     saved = json.loads((tmp_path / "run_args.json").read_text())
     assert saved["critic_base_url"] == "https://host.example/v1"
 
@@ -203,10 +219,10 @@ def test_paper_mode_loaders_read_the_hub_columns(load_script, monkeypatch):
     sentiment = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     assert sentiment.load_review_texts("imdb", embedded=False) == ["x" * 300]  # RELC drops reviews <= 200 chars
     tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
-    args = tox.ToxicityArguments(model_name="gpt2-large", prompt_toxicity_level=0.6)
+    args = tox.ToxicityArguments(prompt_toxicity_level=0.6)
     assert tox.load_prompts(args, embedded=False) == ["toxic one"]
     summ = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
-    prompts, refs = summ.load_pairs(summ.SummarizationArguments(model_name="sft"), embedded=False)
+    prompts, refs = summ.load_pairs(summ.SummarizationArguments(), embedded=False)
     assert prompts == ["SUBREDDIT: r/x POST: long story TL;DR:"] and refs == [" short"]
     assert calls == [
         ("imdb", "train"),
@@ -244,41 +260,16 @@ def test_classifier_label_conventions(tmp_path):
 def test_every_process_takes_the_same_number_of_steps(tmp_path):
     """63 prompts over 2 processes are shards of 32 and 31; with batch 16 both must take 1 step per epoch (a
     process taking a second step would hang in the step's collective ops)."""
-    import torch
-    from research_common import RunArgs, Task, train_relc
-
-    from trl_stable.testing import build_tokenizer
+    from research_common import PromptBatches
 
     class Accelerator:
-        num_processes, is_local_main_process, is_main_process, device = 2, False, False, "cpu"
+        num_processes = 2
 
         def __init__(self, rank):
             self.process_index = rank
 
-        def reduce(self, t, reduction):
-            return t
-
-    class Trainer:
-        processing_class = build_tokenizer()
-
-        def __init__(self, rank):
-            self.accelerator, self.steps = Accelerator(rank), 0
-
-        def generate(self, queries, return_prompt=False):
-            return [torch.tensor([5, 6]) for _ in queries]
-
-        def step(self, queries, responses, token_rewards, scores):
-            self.steps += 1
-            return {}
-
-        def save_model(self, path):
-            pass
-
     queries = [{"query": "q", "input_ids": [5]} for _ in range(63)]
-    task = Task(name="t", queries=queries, env_reward=lambda recs, q, r: [0.0] * len(recs))
-    steps = []
-    for rank in (0, 1):
-        trainer = Trainer(rank)
-        train_relc(trainer, task, RunArgs(epochs=2), str(tmp_path), batch_size=16, seed=0, embedded=True)
-        steps.append(trainer.steps)
-    assert steps == [2, 2]
+    batches = [PromptBatches(queries, Accelerator(rank), 16, epochs=2, max_steps=None, seed=0) for rank in (0, 1)]
+    assert [len(list(b.from_step(0))) for b in batches] == [len(b) for b in batches] == [2, 2]
+    # a resumed run replays the shuffles it skips: its batches are the uninterrupted run's
+    assert list(batches[0].from_step(1)) == list(batches[0].from_step(0))[1:]

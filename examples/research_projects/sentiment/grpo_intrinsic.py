@@ -4,9 +4,10 @@
     python examples/research_projects/sentiment/grpo_intrinsic.py --config .../configs/icepop.yaml --max_steps 40 \
         --grpo.learning_rate 1e-4 --use_intrinsic_reward
 
-Each YAML names its `algorithm` and holds `grpo:` fields (any `trl_stable.GRPOConfig` field) and script fields
-(top level). Command-line flags override both: script flags as usual (`--max_steps 40`), GRPOConfig fields as
-`--grpo.<field> <value>` (the value is read as YAML: `--grpo.epsilon_high 0.28`, `--grpo.use_decoupled_loss true`).
+Each YAML names its `algorithm` and holds `grpo:` fields (any `trl_stable.GRPOConfig` field), `critic:` fields (any
+`CriticRewardConfig` field) and script fields (top level). Command-line flags override them: script and critic
+flags as usual (`--max_steps 40`, `--use_intrinsic_reward`), GRPOConfig fields as `--grpo.<field> <value>`
+(`--grpo.epsilon_high 0.28`, `--grpo.use_decoupled_loss True`); file and flag values both take the field's type.
 `configs/ppo.yaml` (`algorithm: ppo`) runs `ppo_intrinsic.py` with its fields instead.
 
 Rewards: sentiment (VADER compound of the completion, or a hub classifier's positive logit), fluency (exp of the mean
@@ -23,23 +24,22 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import tyro
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from research_common import (  # noqa: E402
-    IntrinsicArgs,
-    PPOArgs,
     build_intrinsic_reward,
     is_embedded,
     load_script_module,
     parse_script_args,
     plot_reward_curve,
+    pop_config_flag,
+    read_config,
     save_run_args,
     truncate_queries,
     use_one_thread,
@@ -47,10 +47,13 @@ from research_common import (  # noqa: E402
 )
 from scorers import VADER, build_sentiment_logit, continuation_logprobs, vader_compound  # noqa: E402
 
+from trl_stable import GRPOConfig  # noqa: E402
+from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _ppo_script = load_script_module(Path(__file__).resolve().parent / "ppo_intrinsic.py", "sentiment_ppo_intrinsic")
 ALGORITHMS = ("grpo", "dr_grpo", "liteppo", "rloo", "gspo", "dapo", "sapo", "icepop", "kpop", "gdpo", "ngrpo", "ppo")
-# GRPOConfig values of the embedded run (tiny model, CPU); any YAML or --grpo.* value replaces them.
+# GRPOConfig values of the embedded run (tiny model, CPU); in paper mode these fields keep GRPOConfig's defaults.
 EMBEDDED_GRPO = {
     "learning_rate": 3e-4,
     "per_device_train_batch_size": 16,
@@ -58,7 +61,6 @@ EMBEDDED_GRPO = {
     "max_completion_length": 16,
     "temperature": 1.0,
     "beta": 0.0,
-    "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
     "use_cpu": True,
@@ -66,8 +68,42 @@ EMBEDDED_GRPO = {
 }
 
 
+def _flat(name: str):
+    return tyro.conf.arg(aliases=(f"--{name}",))
+
+
 @dataclass
-class GRPOScriptArguments(IntrinsicArgs):
+class SentimentGRPOConfig(GRPOConfig):
+    """`trl_stable.GRPOConfig` (`--grpo.<field>`); the run flags shared with the PPO script also take their flat
+    flag."""
+
+    max_steps: Annotated[int, _flat("max_steps")] = 60
+    seed: Annotated[int, _flat("seed")] = 0
+    output_dir: Annotated[str | None, _flat("output_dir")] = None
+    """Default outputs/sentiment/<algorithm>."""
+
+    def __post_init__(self):
+        # GRPOConfig derives one of these from the other and then refuses to be given both, which a config built
+        # from another's values (tyro's defaults, dataclasses.replace) would do: derive them again from the batch
+        # settings here (this script does not set them).
+        self.generation_batch_size = self.steps_per_generation = None
+        super().__post_init__()
+
+
+def grpo_mode_defaults(args: GRPOScriptArguments | None) -> dict:
+    """Embedded mode: the class defaults. Paper mode: GRPOConfig's own values for `EMBEDDED_GRPO`'s fields, and the
+    OpenAI-compatible critic. Both: the output directory of the algorithm."""
+    if args is None:
+        return {}
+    output = {"output_dir": str(Path("outputs") / "sentiment" / args.algorithm)}
+    if is_embedded(args.model_name, args.offline):
+        return {"grpo": output}
+    paper = {f.name: f.default for f in fields(GRPOConfig) if f.name in EMBEDDED_GRPO}
+    return {"grpo": {**paper, **output}, "critic": {"critic_backend": "openai"}}
+
+
+@dataclass
+class GRPOScriptArguments:
     algorithm: str = "grpo"
     """Which member of the family the YAML configures (informational for GRPO presets; "ppo" switches trainer)."""
     model_name: str | None = None
@@ -84,48 +120,24 @@ class GRPOScriptArguments(IntrinsicArgs):
     sentiment_weight: float = 1.0
     intrinsic_weight: float = 1.0
     """Weight of the dense critic reward (with --use_intrinsic_reward)."""
-    max_steps: int = 60
-    output_dir: str | None = None
-    """Default outputs/sentiment/<algorithm>."""
-    seed: int = 0
-    grpo: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
-    """GRPOConfig fields (from the YAML's `grpo:` block and --grpo.<field> flags)."""
+    grpo: SentimentGRPOConfig = field(default_factory=lambda: SentimentGRPOConfig(logging_steps=1, **EMBEDDED_GRPO))
+    critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
+    mode_defaults = staticmethod(grpo_mode_defaults)
 
 
-def split_config_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any], list[str]]:
-    """Take `--config FILE` and every `--grpo.<field> VALUE` out of argv; returns (file, grpo overrides, rest)."""
-    config, grpo, rest = None, {}, []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        key, eq, inline = arg.partition("=")
-        if key == "--config":
-            config = inline if eq else args[i + 1]
-            i += 1 if eq else 2
-        elif key.startswith("--grpo."):
-            if not eq and i + 1 >= len(args):
-                raise ValueError(f"{key} needs a value.")
-            grpo[key[len("--grpo.") :]] = yaml.safe_load(inline if eq else args[i + 1])
-            i += 1 if eq else 2
-        else:
-            rest.append(arg)
-            i += 1
-    return config, grpo, rest
+def config_path(name: str) -> str:
+    """A config file by path, or by name in `configs/` (`--config gdpo.yaml`)."""
+    if not Path(name).is_file() and (CONFIG_DIR / name).is_file():
+        return str(CONFIG_DIR / name)
+    if not Path(name).is_file():
+        raise ValueError(f"--config {name!r} does not exist; choose one of {CONFIG_DIR}/*.yaml.")
+    return name
 
 
-def load_yaml(path: str | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    candidate = Path(path)
-    if not candidate.is_file() and (CONFIG_DIR / path).is_file():
-        candidate = CONFIG_DIR / path
-    if not candidate.is_file():
-        raise ValueError(f"--config {path!r} does not exist; choose one of {CONFIG_DIR}/*.yaml.")
-    with open(candidate, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+def load_yaml(name: str | None) -> dict[str, Any]:
+    data = read_config(config_path(name)) if name else {}
     if data.get("algorithm", "grpo") not in ALGORITHMS:
-        raise ValueError(f"{candidate}: algorithm must be one of {', '.join(ALGORITHMS)}.")
+        raise ValueError(f"{name}: algorithm must be one of {', '.join(ALGORITHMS)}.")
     return data
 
 
@@ -158,17 +170,17 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_stable import GRPOConfig, GRPOTrainer
+    from trl_stable import GRPOTrainer
 
-    embedded = is_embedded(args, args)
-    output_dir = args.output_dir or str(Path("outputs") / "sentiment" / args.algorithm)
+    embedded = is_embedded(args.model_name, args.offline)
+    seed = args.grpo.seed
     if embedded:
         use_one_thread()
     if args.model_name is None:
         from embedded import embedded_policy
 
-        model, tokenizer = embedded_policy("sentiment", seed=args.seed)
-        reference, _ = embedded_policy("sentiment", seed=args.seed)  # a second copy: frozen, for the fluency reward
+        model, tokenizer = embedded_policy("sentiment", seed=seed)
+        reference, _ = embedded_policy("sentiment", seed=seed)  # a second copy: frozen, for the fluency reward
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
         tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -176,31 +188,26 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
         model = args.model_name
         reference = AutoModelForCausalLM.from_pretrained(args.model_name)
     texts = _ppo_script.load_review_texts(args.query_dataset, embedded)
-    prompts = [
-        q["query"] for q in truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, args.seed)
-    ]
-    funcs, weights = (
-        [sentiment_reward(args.reward_model or (VADER if embedded else "lvwerra/distilbert-imdb"))],
-        [args.sentiment_weight],
-    )
+    queries = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, seed)
+    prompts = [q["query"] for q in queries]
+    funcs = [sentiment_reward(args.reward_model or (VADER if embedded else _ppo_script.PAPER_REWARD_MODEL))]
+    weights = [args.sentiment_weight]
     if args.fluency_weight:
         funcs.append(fluency_reward(reference, tokenizer))
         weights.append(args.fluency_weight)
-    intrinsic = build_intrinsic_reward(args, "sentiment", tokenizer, embedded)
+    intrinsic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
     if intrinsic is not None:
         funcs.append(intrinsic)
         weights.append(args.intrinsic_weight)
-    grpo_kwargs = {**(EMBEDDED_GRPO if embedded else {"logging_steps": 1}), **args.grpo}
-    grpo_kwargs.update(output_dir=output_dir, max_steps=args.max_steps, seed=args.seed, reward_weights=weights)
-    config = GRPOConfig(**grpo_kwargs)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=funcs,
-        args=config,
+        args=replace(args.grpo, reward_weights=weights),
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
     reference.to(trainer.accelerator.device)  # the fluency scorer runs next to the policy (it is loaded on the CPU)
+    output_dir = args.grpo.output_dir
     if trainer.accelerator.is_main_process:
         save_run_args(args, output_dir)
     trainer.train()
@@ -218,30 +225,15 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config_path, grpo_overrides, rest = split_config_argv(argv)
-    data = load_yaml(config_path)
-    if data.get("algorithm") == "ppo":
-        return _run_ppo(data, rest)
-    grpo = {**(data.pop("grpo", None) or {}), **grpo_overrides}
-    known = {f.name for f in fields(GRPOScriptArguments)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"{config_path}: unknown fields {sorted(unknown)}; GRPOConfig fields go under `grpo:`.")
-    defaults = GRPOScriptArguments(**data, grpo=grpo)
-    args = parse_script_args(GRPOScriptArguments, rest, default=defaults)
-    return run_grpo(args)
-
-
-def _run_ppo(data: dict[str, Any], rest: list[str]) -> list[dict]:
-    data = {k: v for k, v in data.items() if k != "algorithm"}
-    # one output flag for the whole family: --output_dir is the PPO script's --model_save_path
-    rest = [
-        "--model_save_path" if a == "--output_dir" else a.replace("--output_dir=", "--model_save_path=") for a in rest
-    ]
-    ppo_config = PPOArgs(**(data.pop("ppo_config", None) or {}))
-    defaults = _ppo_script.ScriptArguments(**data, ppo_config=ppo_config)
-    return _ppo_script.main(parse_script_args(_ppo_script.ScriptArguments, rest, default=defaults))
+    config, rest = pop_config_flag(list(sys.argv[1:] if argv is None else argv))
+    values = load_yaml(config)
+    if values.get("algorithm") == "ppo":
+        values.pop("algorithm")
+        # one output flag for the whole family: --output_dir is the PPO script's --model_save_path
+        rest = [a.replace("--output_dir", "--model_save_path", 1) if a.startswith("--output_dir") else a for a in rest]
+        return _ppo_script.main(parse_script_args(_ppo_script.ScriptArguments, rest, file_values=values))
+    description = __doc__.split("\n\n")[0]
+    return run_grpo(parse_script_args(GRPOScriptArguments, rest, description, file_values=values))
 
 
 if __name__ == "__main__":

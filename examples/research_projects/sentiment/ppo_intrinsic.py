@@ -21,6 +21,9 @@ GPT critic through `OPENAI_API_KEY`):
         --ppo_config.gradient_accumulation_steps 1 --ppo_config.target_kl 6.0 --ppo_config.kl_penalty kl \
         --ppo_config.ppo_epochs 4
 
+Every `trl_stable.PPOConfig` field is a `--ppo_config.<field>` flag and every `CriticRewardConfig` field a flag of its
+own (`--critic_backend`, ...); `--config FILE` reads any of them from YAML (`ppo_config:` and `critic:` blocks).
+
 Writes to `--model_save_path`: the policy and tokenizer (`from_pretrained`-loadable), the value head,
 `checkpoint-N/` every `--save_freq` steps, `reward_history.jsonl`, `reward_curve.png` and `run_args.json`.
 """
@@ -30,43 +33,76 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SENTIMENT_REVIEWS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
-    IntrinsicArgs,
-    PPOArgs,
     RunArgs,
+    RunLog,
+    build_intrinsic_reward,
+    critic_token_rewards,
+    default_save_path,
     is_embedded,
+    load_policy,
+    loop_ppo_config,
     parse_script_args,
-    run_relc,
+    ppo_mode_defaults,
     truncate_queries,
 )
 from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
 
+from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+
 PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
 
 
+def _flat(name: str):
+    return tyro.conf.arg(aliases=(f"--{name}",))
+
+
 @dataclass
-class ScriptArguments(IntrinsicArgs, RunArgs):
+class SentimentPPOConfig(PPOConfig):
+    """`trl_stable.PPOConfig`, whose fields are `--ppo_config.<field>`; the ones RELC's sentiment script (and this
+    project's other scripts) spell flat also take the flat flag."""
+
+    min_new_tokens: Annotated[int | None, _flat("min_new_tokens")] = 15
+    max_new_tokens: Annotated[int, _flat("max_new_tokens")] = 20
+    """Response length: a random value in [min_new_tokens, max_new_tokens] per batch."""
+    num_shared_layers: Annotated[int | None, _flat("num_shared_layers")] = None
+    """Layers the reference model shares (frozen) with the policy (RELC: 20 for gpt2-large)."""
+    max_steps: Annotated[int, _flat("max_steps")] = -1
+    """Stop after this many PPO steps (<= 0: `--epochs` full passes)."""
+    resume_from_checkpoint: Annotated[str | None, _flat("resume_from_checkpoint")] = None
+    """A checkpoint-N directory of an earlier run with the same flags: restore weights, optimizer, KL controller,
+    score statistics and RNG, and continue at step N+1 with the same prompt order."""
+    top_k: Annotated[int, _flat("top_k")] = 0
+    top_p: Annotated[float, _flat("top_p")] = 1.0
+    """Sampling of the rollouts (RELC: top_k 0, top_p 1.0)."""
+
+
+@dataclass
+class ScriptArguments(RunArgs):
     query_dataset: str | None = None
     """Prompt source: "imdb" (hub), a JSON Lines file with a "text" field, or None (paper: imdb; embedded: the
     shipped IMDB-like reviews)."""
     min_query_tokens: int = 4
     max_query_tokens: int = 10
     """Prompts are review openings of a random length in [min_query_tokens, max_query_tokens] tokens."""
-    min_new_tokens: int = 15
-    max_new_tokens: int = 20
-    """Response length: a random value in [min_new_tokens, max_new_tokens] per batch."""
-    num_shared_layers: int | None = None
-    """Layers the reference model shares (frozen) with the policy (RELC: 20 for gpt2-large)."""
     reward_model: str | None = None
     """Environment reward: "vader" (offline, compound in [-1, 1]) or a sentiment classifier whose positive logit is
     the reward (paper: lvwerra/distilbert-imdb). None: the mode's default."""
     score_query: bool = True
     """Score query + response as RELC did (False: the response alone)."""
-    ppo_config: PPOArgs = field(default_factory=PPOArgs)
+    ppo_config: SentimentPPOConfig = field(default_factory=SentimentPPOConfig)
+    critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
+    """The critic (RELC's flags: --use_intrinsic_reward, --positive_reward_value, ...)."""
+    mode_defaults = staticmethod(ppo_mode_defaults)
 
 
 def load_review_texts(source: str | None, embedded: bool) -> list[str]:
@@ -80,33 +116,33 @@ def load_review_texts(source: str | None, embedded: bool) -> list[str]:
     return [t for t in ds["text"] if len(t) > 200]  # RELC drops short reviews
 
 
-def build_env_reward(args: ScriptArguments, embedded: bool):
-    name = args.reward_model or (VADER if embedded else PAPER_REWARD_MODEL)
-    score = vader_compound if name == VADER else build_sentiment_logit(name)
-
-    def env_reward(records, queries, responses):
-        texts = [q + r for q, r in zip(queries, responses)] if args.score_query else list(responses)
-        return score(texts)
-
-    return env_reward
-
-
 def main(args: ScriptArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
-    embedded = is_embedded(args.ppo_config, args)
-    if args.num_shared_layers is not None:
-        args.ppo_config.num_shared_layers = args.num_shared_layers
+    ppo = args.ppo_config
+    embedded = is_embedded(ppo.model_name, args.offline)
+    reward_model = args.reward_model or (VADER if embedded else PAPER_REWARD_MODEL)
+    sentiment = vader_compound if reward_model == VADER else build_sentiment_logit(reward_model)
     texts = load_review_texts(args.query_dataset, embedded)
-    seed = args.ppo_config.seed
-    return run_relc(
-        args,
-        "sentiment",
-        embedded,
-        build_queries=lambda tok: truncate_queries(tok, texts, args.min_query_tokens, args.max_query_tokens, seed),
-        env_reward=build_env_reward(args, embedded),
-        min_new_tokens=args.min_new_tokens,
-        max_new_tokens=args.max_new_tokens,
-    )
+    save_path = default_save_path("sentiment", args.critic.use_intrinsic_reward, args.model_save_path)
+    model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "sentiment", embedded)
+    prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, ppo.seed)
+    trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
+    critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
+    log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
+
+    # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
+    # the spans that made it positive or negative, and take a PPO step on the sum
+    for records in log.batches(prompts):
+        queries = [torch.tensor(r["input_ids"]) for r in records]
+        responses = trainer.generate(queries, return_prompt=False)
+        query_texts = [r["query"] for r in records]
+        response_texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        scored = [q + r for q, r in zip(query_texts, response_texts)] if args.score_query else response_texts
+        env_scores = [float(s) for s in sentiment(scored)]
+        intrinsic = critic_token_rewards(critic, query_texts, response_texts, responses, env_scores)
+        stats = trainer.step(queries, responses, token_rewards=intrinsic, scores=env_scores)
+        log.record(env_scores, intrinsic, stats)
+    return log.finish()
 
 
 if __name__ == "__main__":

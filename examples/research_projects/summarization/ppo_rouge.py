@@ -3,7 +3,8 @@
 The environment reward of a summary is the mean of its ROUGE-1/2/L F-measures (Porter stemming) against the
 reference, times `--rouge_scale`; `--use_score_scaling` divides it by its running std (RELC's intrinsic run). The
 critic labels spans of the summary good or bad; their tokens get `--positive_reward_value` / `--negative_reward_value`.
-Accepts the flags of RELC's `ppo_summ_rouge.py`.
+Accepts the flags of RELC's `ppo_summ_rouge.py`: every `trl_stable.PPOConfig` and `CriticRewardConfig` field is a flat
+flag; `--config FILE` reads them from YAML (`ppo_config:` and `critic:` blocks).
 
 Embedded default (CPU, about a minute): the SFT warm start of `sft_warmstart.py` on the shipped articles (run
 first automatically when no `--model_name` is given), and an offline critic that marks summary phrases found in
@@ -30,26 +31,34 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
+
+import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SUMMARY_PROMPT, read_jsonl, summarization_records  # noqa: E402
 from research_common import (  # noqa: E402
-    IntrinsicArgs,
-    PPOArgs,
     RunArgs,
+    RunLog,
+    build_intrinsic_reward,
+    critic_token_rewards,
     default_save_path,
     is_embedded,
+    load_policy,
     load_script_module,
+    loop_ppo_config,
     parse_script_args,
-    run_relc,
+    ppo_mode_defaults,
     tokenize_queries,
 )
 from scorers import RougeScorer  # noqa: E402
 
-from trl_stable.rewards import CriticBackend  # noqa: E402
+from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable.rewards import CriticBackend, CriticRewardConfig  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OFFLINE_TEMPLATE = HERE / "critic_offline_template.txt"
@@ -94,20 +103,32 @@ class ArticleOverlapCritic(CriticBackend):
         return answers
 
 
+def summarization_mode_defaults(args: SummarizationArguments | None) -> dict:
+    """The PPO scripts' mode defaults, with the embedded learning rate that keeps PPO near the SFT policy."""
+    defaults = ppo_mode_defaults(args)
+    if args is not None and is_embedded(args.ppo_config.model_name, args.offline):
+        defaults["ppo_config"]["learning_rate"] = EMBEDDED_LEARNING_RATE
+    return defaults
+
+
 @dataclass
-class SummarizationArguments(PPOArgs, IntrinsicArgs, RunArgs):
-    intrinsic_reward_threshold: float = 100.0
-    """Critique samples whose reward is <= this (RELC: 100, i.e. every sample)."""
+class SummarizationArguments(RunArgs):
     dataset: str | None = None
     """Hub dataset with "prompt" and "label" (paper: CarperAI/openai_summarize_tldr), a JSON Lines file with
     "article" and "summary", or None (embedded training split)."""
     output_min_length: int | None = None
     output_max_length: int | None = None
-    """Summary length range (None: 30 to 50 in paper mode, as RELC; 8 to 20 embedded)."""
+    """Summary length range (PPOConfig's min/max_new_tokens; None: 30 to 50 in paper mode, as RELC; 8 to 20
+    embedded)."""
     rouge_scale: float = 1.0
     """Multiply the ROUGE reward (in [0, 1]) by this."""
     sft_steps: int | None = None
     """Embedded mode without --model_name: SFT warm-start steps before PPO (default 60)."""
+    ppo_config: Annotated[PPOConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOConfig)
+    critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(
+        default_factory=lambda: CriticRewardConfig(intrinsic_reward_threshold=100.0)  # RELC: every sample
+    )
+    mode_defaults = staticmethod(summarization_mode_defaults)
 
 
 def load_pairs(args: SummarizationArguments, embedded: bool) -> tuple[list[str], list[str]]:
@@ -125,46 +146,48 @@ def load_pairs(args: SummarizationArguments, embedded: bool) -> tuple[list[str],
 
 def main(args: SummarizationArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
-    embedded = is_embedded(args, args)
-    lengths = EMBEDDED_LENGTHS if embedded else PAPER_LENGTHS
-    args.output_min_length = lengths[0] if args.output_min_length is None else args.output_min_length
-    args.output_max_length = lengths[1] if args.output_max_length is None else args.output_max_length
-    if embedded and args.learning_rate is None:
-        args.learning_rate = EMBEDDED_LEARNING_RATE
-    if embedded and args.model_name is None:
-        # the embedded policy cannot summarise until it has seen a few (article, summary) pairs
+    ppo = args.ppo_config
+    embedded = is_embedded(ppo.model_name, args.offline)
+    min_len, max_len = EMBEDDED_LENGTHS if embedded else PAPER_LENGTHS
+    lengths = {
+        "min_new_tokens": min_len if args.output_min_length is None else args.output_min_length,
+        "max_new_tokens": max_len if args.output_max_length is None else args.output_max_length,
+    }
+    save_path = default_save_path("summarization", args.critic.use_intrinsic_reward, args.model_save_path)
+    if embedded and ppo.model_name is None:
+        # the embedded policy cannot summarize until it has seen a few (article, summary) pairs
         sft = load_script_module(HERE / "sft_warmstart.py", "summarization_sft_warmstart")
-        save_path = default_save_path("summarization", args.use_intrinsic_reward, args.model_save_path)
-        args.model_name = sft.train_sft(
-            sft.SFTArguments(
-                output_dir=str(Path(save_path) / "sft_warmstart"),
-                max_steps=args.sft_steps or EMBEDDED_SFT_STEPS,
-                seed=args.seed,
-                embedded_warmup_steps=args.embedded_warmup_steps,
-            )
+        sft_args = sft.SFTArguments(
+            output_dir=str(Path(save_path) / "sft_warmstart"),
+            max_steps=args.sft_steps or EMBEDDED_SFT_STEPS,
+            seed=ppo.seed,
+            embedded_warmup_steps=args.embedded_warmup_steps,
         )
+        ppo = replace(ppo, model_name=sft.train_sft(sft_args))
     prompts, refs = load_pairs(args, embedded)
     rouge = RougeScorer()
-
-    def env_reward(records, query_texts, responses):
-        summaries = [r.strip().split("\n")[0] for r in responses]
-        scores = rouge(summaries, [rec["reference"] for rec in records])
-        return [args.rouge_scale * sum(s.values()) / len(s) for s in scores]
-
-    backend = None
-    if args.use_intrinsic_reward and (args.critic_backend or ("lexicon" if embedded else "openai")) == "lexicon":
+    critic_config, backend = args.critic, None
+    if critic_config.use_intrinsic_reward and critic_config.critic_backend == "lexicon":
         backend = ArticleOverlapCritic()
-        args.prompt_file = args.prompt_file or str(OFFLINE_TEMPLATE)
-    return run_relc(
-        args,
-        "summarization",
-        embedded,
-        build_queries=lambda tok: tokenize_queries(tok, prompts, [{"reference": r} for r in refs]),
-        env_reward=env_reward,
-        min_new_tokens=args.output_min_length,
-        max_new_tokens=args.output_max_length,
-        critic_backend=backend,
-    )
+        critic_config = replace(critic_config, prompt_file=critic_config.prompt_file or str(OFFLINE_TEMPLATE))
+    model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "summarization", embedded)
+    records = tokenize_queries(tokenizer, prompts, [{"reference": r} for r in refs])
+    trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path, **lengths), processing_class=tokenizer)
+    critic = build_intrinsic_reward(critic_config, "summarization", tokenizer, backend=backend)
+    log = RunLog(trainer, "summarization", args, save_path, embedded, critic)
+
+    # RELC summarization: summarize each article, reward the mean ROUGE F-measure against the reference, let the
+    # critic label good and bad spans of the summary, PPO step
+    for batch in log.batches(records):
+        query_ids = [torch.tensor(r["input_ids"]) for r in batch]
+        summary_ids = trainer.generate(query_ids, return_prompt=False)
+        summaries = tokenizer.batch_decode(summary_ids, skip_special_tokens=True)
+        rouge_scores = rouge([s.strip().split("\n")[0] for s in summaries], [r["reference"] for r in batch])
+        rewards = [args.rouge_scale * sum(r.values()) / len(r) for r in rouge_scores]
+        span_rewards = critic_token_rewards(critic, [r["query"] for r in batch], summaries, summary_ids, rewards)
+        stats = trainer.step(query_ids, summary_ids, token_rewards=span_rewards, scores=rewards)
+        log.record(rewards, span_rewards, stats)
+    return log.finish()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def train_sft(args: SFTArguments) -> str:
     """Run the warm start; returns the directory of the saved model."""
     from trl import SFTConfig, SFTTrainer
 
-    embedded = is_embedded(args, args)
+    embedded = is_embedded(args.model_name, args.offline)
     if embedded:
         use_one_thread()
         model, tokenizer = embedded_policy("summarization", seed=args.seed, warmup_steps=args.embedded_warmup_steps)

@@ -2,7 +2,9 @@
 
 The policy continues toxic prompts; the environment reward is 1 - toxicity of the continuation, and a critic names
 the toxic spans, whose tokens get `--negative_reward_value` (RELC: -0.5; others `--positive_reward_value` 0.0).
-Accepts the flags of RELC's `ppo-intrinsic-rewards-toxicity.py` (flat names: --model_name, --learning_rate, ...).
+Accepts the flags of RELC's `ppo-intrinsic-rewards-toxicity.py`: every `trl_stable.PPOConfig` field is a flat flag
+(--model_name, --learning_rate, --batch_size, ...), so is every `CriticRewardConfig` field; `--config FILE` reads
+them from YAML (`ppo_config:` and `critic:` blocks).
 
 Embedded default (CPU, minutes): the tiny policy warmed up on the shipped prompts, alt-profanity-check as the
 toxicity scorer, the lexicon critic:
@@ -26,36 +28,46 @@ variable is preferred (command lines end up in logs). The key is never printed o
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import TOXICITY_PROMPTS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
-    IntrinsicArgs,
-    PPOArgs,
     RunArgs,
+    RunLog,
+    build_intrinsic_reward,
+    critic_token_rewards,
+    default_save_path,
     is_embedded,
+    load_policy,
+    loop_ppo_config,
     parse_script_args,
+    ppo_mode_defaults,
     redact_argv,
-    run_relc,
     tokenize_queries,
 )
 from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
+
+from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 PAPER_DATASET = "allenai/real-toxicity-prompts"
 PAPER_TOXICITY_MODEL = "facebook/roberta-hate-speech-dynabench-r4-target"
 
 
+def detox_critic_config() -> CriticRewardConfig:
+    # RELC's detox runs: only toxic spans are rewarded (negatively), and every sample is critiqued
+    return CriticRewardConfig(positive_reward_value=0.0, negative_reward_value=-0.5, intrinsic_reward_threshold=1.0)
+
+
 @dataclass
-class ToxicityArguments(PPOArgs, IntrinsicArgs, RunArgs):
-    positive_reward_value: float = 0.0
-    """Reward of a token in a positive span; RELC's detox runs use 0.0 (only toxic spans are rewarded, negatively)."""
-    negative_reward_value: float = -0.5
-    """Reward of a token inside a toxic span."""
-    intrinsic_reward_threshold: float = 1.0
-    """Critique samples whose reward (1 - toxicity) is <= this (1.0: all)."""
+class ToxicityArguments(RunArgs):
     perspective_api: str | None = None
     """Perspective API key (prefer the PERSPECTIVE_API_KEY environment variable). No key: a local classifier."""
     perspective_rate: float = 1.0
@@ -72,7 +84,10 @@ class ToxicityArguments(PPOArgs, IntrinsicArgs, RunArgs):
     """Keep prompts whose toxicity is > this."""
     output_min_length: int = 10
     output_max_length: int = 14
-    """Response length range."""
+    """Response length range (PPOConfig's min_new_tokens / max_new_tokens)."""
+    ppo_config: Annotated[PPOConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOConfig)
+    critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=detox_critic_config)
+    mode_defaults = staticmethod(ppo_mode_defaults)
 
 
 def load_prompts(args: ToxicityArguments, embedded: bool) -> list[str]:
@@ -100,30 +115,32 @@ def build_toxicity_fn(args: ToxicityArguments, embedded: bool):
     )
 
 
-def main(args: ToxicityArguments, peft_config=None, config_overrides: dict | None = None) -> list[dict]:
-    """Train; returns the per-step reward history.
-
-    `peft_config` trains a LoRA adapter and `config_overrides` sets further PPOConfig fields (ppo_intrinsic_peft.py).
-    """
-    embedded = is_embedded(args, args)
+def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
+    """Train; returns the per-step reward history. `peft_config` trains a LoRA adapter (ppo_intrinsic_peft.py)."""
+    ppo = args.ppo_config
+    embedded = is_embedded(ppo.model_name, args.offline)
     prompts = load_prompts(args, embedded)
     _, toxicity = build_toxicity_fn(args, embedded)
+    save_path = default_save_path("toxicity", args.critic.use_intrinsic_reward, args.model_save_path)
+    model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "toxicity", embedded)
+    records = tokenize_queries(tokenizer, prompts)
+    lengths = {"min_new_tokens": args.output_min_length, "max_new_tokens": args.output_max_length}
+    config = loop_ppo_config(ppo, save_path, **lengths)
+    trainer = PPOTrainer(model, args=config, processing_class=tokenizer, peft_config=peft_config)
+    critic = build_intrinsic_reward(args.critic, "toxicity", tokenizer)
+    log = RunLog(trainer, "toxicity", args, save_path, embedded, critic)
 
-    def env_reward(records, query_texts, responses):
+    # RELC detox: continue a toxic prompt, reward 1 - toxicity of the continuation, let the critic name the toxic
+    # spans (their tokens get --negative_reward_value), PPO step
+    for batch in log.batches(records):
+        queries = [torch.tensor(r["input_ids"]) for r in batch]
+        responses = trainer.generate(queries, return_prompt=False)
+        continuations = tokenizer.batch_decode(responses, skip_special_tokens=True)
         # A failed Perspective call scores NaN: the PPO step drops that sample instead of inventing a reward.
-        return [float("nan") if t is None else 1.0 - t for t in toxicity(responses)]
-
-    return run_relc(
-        args,
-        "toxicity",
-        embedded,
-        build_queries=lambda tok: tokenize_queries(tok, prompts),
-        env_reward=env_reward,
-        min_new_tokens=args.output_min_length,
-        max_new_tokens=args.output_max_length,
-        peft_config=peft_config,
-        config_overrides=config_overrides,
-    )
+        env = [float("nan") if t is None else 1.0 - t for t in toxicity(continuations)]
+        dense = critic_token_rewards(critic, [r["query"] for r in batch], continuations, responses, env)
+        log.record(env, dense, trainer.step(queries, responses, token_rewards=dense, scores=env))
+    return log.finish()
 
 
 if __name__ == "__main__":

@@ -43,15 +43,12 @@ class PeftToxicityArguments(ToxicityArguments):
     lora_dropout: float = 0.05
     lora_target_modules: list[str] | None = field(default=None)
     """Modules that get an adapter (None: peft's default for the architecture; the embedded GPT-2 uses c_attn)."""
-    load_in_4bit: bool = False
-    """Load the named policy in 4 bits (bitsandbytes, GPU only)."""
-    load_in_8bit: bool = False
 
 
 def lora_config(args: PeftToxicityArguments, embedded: bool):
     from peft import LoraConfig
 
-    targets = args.lora_target_modules or (["c_attn"] if embedded and args.model_name is None else None)
+    targets = args.lora_target_modules or (["c_attn"] if embedded and args.ppo_config.model_name is None else None)
     return LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -63,9 +60,9 @@ def lora_config(args: PeftToxicityArguments, embedded: bool):
 
 
 def run(args: PeftToxicityArguments) -> list[dict]:
-    embedded = is_embedded(args, args)
-    quantization = {"load_in_4bit": args.load_in_4bit, "load_in_8bit": args.load_in_8bit}
-    return main(args, peft_config=lora_config(args, embedded), config_overrides=quantization)
+    """Train the adapter with the toxicity script's loop; `--load_in_4bit` / `--load_in_8bit` are PPOConfig's."""
+    embedded = is_embedded(args.ppo_config.model_name, args.offline)
+    return main(args, peft_config=lora_config(args, embedded))
 
 
 if __name__ == "__main__":
