@@ -136,8 +136,8 @@ def _tracked_files() -> list[str]:
     return [f for f in out.splitlines() if (REPO / f).is_file()]
 
 
-def test_no_references_to_documents_outside_the_repo():
-    offenders = []
+def _tracked_lines():
+    """(file, line number, line) of every tracked text file but this one (which names the patterns it forbids)."""
     for name in _tracked_files():
         if name == "tests/test_docs.py":
             continue
@@ -146,9 +146,15 @@ def test_no_references_to_documents_outside_the_repo():
         except UnicodeDecodeError:
             continue  # binary (the dashboard PNG)
         for number, line in enumerate(text.splitlines(), 1):
-            for label, pattern in FORBIDDEN:
-                if pattern.search(line):
-                    offenders.append(f"{name}:{number}: {label}: {line.strip()[:100]}")
+            yield name, number, line
+
+
+def test_no_references_to_documents_outside_the_repo():
+    offenders = []
+    for name, number, line in _tracked_lines():
+        for label, pattern in FORBIDDEN:
+            if pattern.search(line):
+                offenders.append(f"{name}:{number}: {label}: {line.strip()[:100]}")
     assert not offenders, "cites documents that are not in the repository:\n" + "\n".join(offenders)
 
 
@@ -159,15 +165,8 @@ def test_repo_paths_in_code_and_docs_exist():
     """A path such as `docs/agent_steps.md` or `benchmarks/bench_critic.py` named in a docstring, comment or page
     exists (placeholders such as `prompts/critic_<task>.txt` are skipped)."""
     missing = []
-    for name in _tracked_files():
-        if name == "tests/test_docs.py":
-            continue
-        try:
-            text = (REPO / name).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        for number, line in enumerate(text.splitlines(), 1):
-            for path in _REPO_PATH.findall(line):
-                if not any(c in path for c in "<>*{}") and not (REPO / path.rstrip("/.")).exists():
-                    missing.append(f"{name}:{number}: {path}")
+    for name, number, line in _tracked_lines():
+        for path in _REPO_PATH.findall(line):
+            if not any(c in path for c in "<>*{}") and not (REPO / path.rstrip("/.")).exists():
+                missing.append(f"{name}:{number}: {path}")
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
