@@ -237,8 +237,8 @@ def test_trl_vllm_and_ppo_keys_are_read():
             "policy/grad_norm": 0.3,
             "loss/total": 1.0,
             "tokens/response_len_mean": 12.0,
-            "behaviour/masked_token_frac": 0.25,
-            "behaviour/masked_seq_frac": 0.9,
+            "token_filter/icepop/masked_token_frac": 0.25,
+            "token_filter/icepop/masked_seq_frac": 0.9,
         }
     )
     assert ppo == {"grad_norm": 0.3, "loss": 1.0, "completion_length": 12.0, "masked_fraction": 0.25}

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trl_stable.monitoring.alarms import ALARMS, CRITICAL
+from trl_stable.monitoring.metric_names import MASKED_FRACTION_KEYS
 
 __all__ = [
     "DEFAULT_METRIC_KEYS",
@@ -40,10 +41,10 @@ DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "mismatch_max": ("mismatch/logp_abs_diff/max", "sampling/sampling_logp_difference/max"),
     "mismatch_outside_band": ("mismatch/ratio/outside_band",),
     "retokenization": ("retokenization/mismatched",),
-    # trl_stable PPO's name; GRPO's `token_filter/{icepop,kpop}/masked_token_frac` match MASKED_FRACTION_PATTERN
-    "masked_fraction": ("behaviour/masked_token_frac",),
+    # both trainers' names (`token_filter/<filter>/masked_token_frac`, ...); the gauge is their maximum
+    "masked_fraction": MASKED_FRACTION_KEYS,
 }
-# Token shares masked (or clamped) by the IcePop/KPop filters, e.g. `token_filter/icepop/masked_token_frac`. Sequence
+# Filter shares logged under other names (custom loops, other frameworks' keys such as `kpop/masked_frac`). Sequence
 # shares are left out: with a token-level filter one masked token marks a whole sequence.
 MASKED_FRACTION_PATTERN = r"^(?!eval_)(?!.*seq)(?=.*(icepop|kpop))(?=.*(mask|clamp|filter|drop)).*(frac|ratio|share)"
 

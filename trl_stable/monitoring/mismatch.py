@@ -9,12 +9,23 @@ perplexity ratio are reported next to it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["MismatchStats", "mismatch_stats"]
+from trl_stable.monitoring.metric_names import (
+    BEHAVIOUR_WEIGHT_MAX,
+    BEHAVIOUR_WEIGHT_MEAN,
+    BEHAVIOUR_WEIGHT_MIN,
+    CLAMPED_TOKEN_FRAC,
+    MASKED_SEQ_FRAC,
+    MASKED_TOKEN_FRAC,
+    token_filter_metric,
+)
+
+__all__ = ["MismatchStats", "behaviour_filter_metrics", "mismatch_stats"]
 
 
 @dataclass(frozen=True)
@@ -161,3 +172,66 @@ def mismatch_stats(
         nonfinite_frac=float(nonfinite_frac),
         num_tokens=int(tokens),
     )
+
+
+def behaviour_filter_metrics(
+    mask: torch.Tensor,
+    raw_weight: torch.Tensor,
+    weight: torch.Tensor,
+    keep: torch.Tensor | None,
+    filter_name: str | None,
+    *,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """The decoupled loss's behaviour weight and what its IcePop / KPop filter did, over all processes' tokens.
+
+    Both trainers log these under the names of `trl_stable.monitoring.metric_names`: the mean / max / min of the raw
+    weight w = exp(logp_prox - logp_sampler) (before any clamp) over the masked tokens, and, with a filter, the
+    share of tokens (and of sequences) it masked, or with ``action="clamp"`` the share of tokens whose weight it
+    changed.
+
+    Args:
+        mask: [B, T] loss mask.
+        raw_weight: [B, T] behaviour weight before the filter.
+        weight: [B, T] weight after the filter (clamped, or equal to `raw_weight`).
+        keep: [B, T] bool keep-mask of a masking filter; None for no filter or a clamp.
+        filter_name: "icepop", "kpop" or None.
+        gather: Concatenates a tensor's rows over processes (``accelerator.gather``); None for one process.
+    """
+    gather = gather or (lambda x: x)
+    maskb = mask.bool()
+    has_tokens = maskb.any(dim=1)
+    masked_out = maskb & ~keep if keep is not None else torch.zeros_like(maskb)
+    clamped = maskb & ~torch.isclose(weight, raw_weight) if keep is None else torch.zeros_like(maskb)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    sums = torch.stack(
+        [
+            torch.where(maskb, raw_weight.float(), zero).sum(),
+            maskb.sum().float(),
+            masked_out.sum().float(),
+            (has_tokens & masked_out.any(dim=1)).sum().float(),
+            has_tokens.sum().float(),
+            clamped.sum().float(),
+        ]
+    )
+    extremes = torch.stack(
+        [
+            torch.where(maskb, raw_weight.float(), torch.full_like(zero, -math.inf)).max(),
+            -torch.where(maskb, raw_weight.float(), torch.full_like(zero, math.inf)).min(),
+        ]
+    )
+    totals = gather(sums.unsqueeze(0)).view(-1, sums.numel()).sum(dim=0)
+    extremes = gather(extremes.unsqueeze(0)).view(-1, 2).max(dim=0).values
+    tokens, seqs = totals[1].clamp(min=1), totals[4].clamp(min=1)
+    has_any = bool(totals[1] > 0)
+    metrics = {
+        BEHAVIOUR_WEIGHT_MEAN: (totals[0] / tokens).item() if has_any else 1.0,
+        BEHAVIOUR_WEIGHT_MAX: extremes[0].item() if has_any else 1.0,
+        BEHAVIOUR_WEIGHT_MIN: -extremes[1].item() if has_any else 1.0,
+    }
+    if filter_name is not None and keep is not None:
+        metrics[token_filter_metric(filter_name, MASKED_TOKEN_FRAC)] = (totals[2] / tokens).item()
+        metrics[token_filter_metric(filter_name, MASKED_SEQ_FRAC)] = (totals[3] / seqs).item()
+    elif filter_name is not None:
+        metrics[token_filter_metric(filter_name, CLAMPED_TOKEN_FRAC)] = (totals[5] / tokens).item()
+    return metrics

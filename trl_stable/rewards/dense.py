@@ -1,24 +1,60 @@
-"""The dense (per-token) reward-function contract shared by the GRPO and PPO trainers.
+"""The reward-function contract shared by the GRPO and PPO trainers: sequence rewards, dense rewards, NaN/None/inf.
 
-A dense reward function has TRL's reward-function signature and is marked with `dense_reward`:
+Sequence-level reward functions have TRL's signature, ``f(prompts, completions, completion_ids, **columns)``, and
+return one value per completion. A dense reward function has the same signature, is marked with `dense_reward`, and
+returns per-token rewards:
 
     @dense_reward
     def my_reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]:
         ...
 
-It returns one entry per completion: a list of floats aligned to that completion's tokens
-(``len(out[i]) == len(completion_ids[i])``), or None for "no dense reward" (zeros). Trainers call dense reward
-functions *after* the sequence-level ones and pass ``env_rewards``: per completion, the weighted sum of the
-sequence-level rewards (so a critic can, e.g., only critique samples whose environment reward is low).
+Both trainers call dense functions *after* the sequence-level ones and pass ``env_rewards``: per completion, the
+weighted sum of the sequence-level rewards (so a critic can, e.g., only critique samples whose environment reward is
+low).
+
+The one rule for what a value means, in both trainers:
+
+| value | sequence reward (one per completion) | dense reward (one per token) |
+|---|---|---|
+| finite float | the reward | the token's reward |
+| None | "does not apply" (TRL's meaning): left out of the weighted sum | a None *row*: no dense reward, zeros |
+| NaN | the same as None | "does not apply" at this token: 0, counted in ``rewards/<name>/nan_tokens`` |
+| +-inf | error (`ValueError` naming the function and the completion) | error, likewise |
+
+A completion to which *no* sequence-level function applies (every value None/NaN) has no reward: both trainers
+drop it from the loss with a warning and count it (GRPO's ``nan_reward_action="zero"`` keeps TRL's advantage 0
+instead). An infinite reward is never meaningful and would turn every advantage of the batch into NaN or +-3e38, so
+it stops the run at its source rather than several steps later inside `generate`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+logger = logging.getLogger(__name__)
+
 DENSE_ATTR = "dense"
+
+__all__ = [
+    "DenseRewards",
+    "check_finite_rewards",
+    "collect_dense_rewards",
+    "dense_reward",
+    "is_dense_reward",
+    "sequence_reward_values",
+    "validate_dense_rewards",
+    "weighted_reward_sum",
+]
+
+
+def has_nan(row: Sequence[float]) -> bool:
+    return any(math.isnan(v) for v in row)
 
 
 def dense_reward(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -32,15 +68,68 @@ def is_dense_reward(func: Any) -> bool:
     return bool(getattr(func, DENSE_ATTR, False))
 
 
+def _as_float(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ValueError(f"{name} returned {value!r} for {where}; return a float (or None where it does not apply).")
+    return float(value)
+
+
+def sequence_reward_values(values: Sequence[Any], num_completions: int, name: str) -> torch.Tensor:
+    """One sequence-level reward function's output as float64 [N], None -> NaN ("does not apply").
+
+    Raises:
+        ValueError: naming `name` when the count is wrong, a value is not a number, or a value is +-inf.
+    """
+    if len(values) != num_completions:
+        raise ValueError(
+            f"Reward function '{name}' returned {len(values)} values for {num_completions} completions; return "
+            "exactly one value (or None) per completion."
+        )
+    where = f"Reward function '{name}'"
+    out = [math.nan if v is None else _as_float(v, where, f"completion {i}") for i, v in enumerate(values)]
+    tensor = torch.tensor(out, dtype=torch.float64)
+    check_finite_rewards(tensor.unsqueeze(1), [name])
+    return tensor
+
+
+def check_finite_rewards(rewards_per_func: torch.Tensor, names: Sequence[str]) -> None:
+    """Raise ValueError naming the function and completion of the first +-inf entry of `rewards_per_func` [N, K]."""
+    infinite = torch.isinf(rewards_per_func)
+    if bool(infinite.any()):
+        row, col = (int(i) for i in infinite.nonzero()[0])
+        raise ValueError(
+            f"Reward function '{names[col]}' returned {rewards_per_func[row, col].item()} for completion {row}: an "
+            "infinite reward turns every advantage of the batch into NaN. Return a finite value, or None/NaN where "
+            "the function does not apply."
+        )
+
+
+def weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """Weighted sum over the reward functions, TRL's aggregation: NaN entries (does not apply) are skipped; a row
+    that no function applies to stays NaN.
+
+    $r_i = \\sum_{k:\\ r_{ik} \\ne \\mathrm{NaN}} w_k r_{ik}$, NaN if every $r_{ik}$ is NaN.
+
+    Args:
+        rewards_per_func: [N, K] rewards, NaN where a function does not apply.
+        weights: [K] weights.
+    """
+    weights = torch.as_tensor(weights, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    return torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.full_like(rewards, math.nan), rewards)
+
+
 def validate_dense_rewards(
     rewards: Sequence[Sequence[float] | None], completion_lengths: Sequence[int], name: str = "reward function"
 ) -> list[list[float]]:
-    """Check a dense reward function's output and return it as lists of floats (None -> zeros).
+    """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; NaN kept).
 
     Raises:
-        ValueError: naming `name` when the number of entries or a per-token length does not match, so the bug is
-            found at its source rather than as a shape error deep inside the loss.
+        ValueError: naming `name` when the number of entries, a per-token length or a value's type does not match,
+            or a token reward is +-inf, so the bug is found at its source rather than deep inside the loss.
     """
+    if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
+        raise ValueError(f"Dense {name} returned {type(rewards).__name__}; return one list (or None) per completion.")
     if len(rewards) != len(completion_lengths):
         raise ValueError(
             f"Dense {name} returned {len(rewards)} entries for {len(completion_lengths)} completions; "
@@ -51,15 +140,87 @@ def validate_dense_rewards(
         if row is None:
             out.append([0.0] * length)
             continue
-        row = [float(v) for v in row]
+        if torch.is_tensor(row):
+            row = row.reshape(-1).tolist()
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise ValueError(
+                f"Dense {name} returned {type(row).__name__} for completion {i}; return a list of per-token floats."
+            )
+        row = [_as_float(v, f"Dense {name}", f"completion {i}") for v in row]
         if len(row) != length:
             raise ValueError(
                 f"Dense {name} returned {len(row)} token rewards for completion {i}, which has {length} tokens; "
                 "align the per-token rewards to `completion_ids[i]`."
             )
+        bad = next((t for t, v in enumerate(row) if math.isinf(v)), None)
+        if bad is not None:
+            raise ValueError(
+                f"Dense {name} returned {row[bad]} at token {bad} of completion {i}; return finite token rewards "
+                "(NaN where a token's reward does not apply)."
+            )
         out.append(row)
     return out
 
 
-def has_nan(row: Sequence[float]) -> bool:
-    return any(math.isnan(v) for v in row)
+@dataclass
+class DenseRewards:
+    """The weighted sum of a batch's dense rewards and what the contract did to get it.
+
+    Attributes:
+        rows: Per completion, one float per completion token: the weighted sum over the dense functions (NaN -> 0).
+        metrics: ``rewards/<name>/token_mean`` (the function's own unweighted mean per completion token),
+            ``rewards/<name>/sum_mean`` (its mean per-completion sum) and ``rewards/<name>/nan_tokens``.
+    """
+
+    rows: list[list[float]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_tensor(self, width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """[B, width] float32, right-padded with zeros (width: the longest completion)."""
+        width = max((len(r) for r in self.rows), default=0) if width is None else width
+        out = torch.zeros(len(self.rows), width)
+        for i, row in enumerate(self.rows):
+            n = min(len(row), width)
+            out[i, :n] = torch.tensor(row[:n], dtype=torch.float32)
+        return out.to(device) if device is not None else out
+
+
+def collect_dense_rewards(
+    funcs: Sequence[Callable[..., Any]],
+    names: Sequence[str],
+    weights: Sequence[float],
+    completion_lengths: Sequence[int],
+    call: Callable[[Callable[..., Any]], Any],
+) -> DenseRewards:
+    """Call every dense reward function through `call(func)` and sum their rows under the contract above.
+
+    The trainer owns `call` (which keyword arguments a function gets, and how an async one is awaited); this
+    function owns what the answers mean, so the two trainers cannot drift apart.
+
+    Args:
+        funcs, names, weights: The dense reward functions, their names and weights (same order).
+        completion_lengths: Tokens per completion.
+        call: Invokes one function on the batch and returns its raw output.
+    """
+    total = [[0.0] * n for n in completion_lengths]
+    metrics: dict[str, float] = {}
+    num_tokens = max(sum(completion_lengths), 1)
+    for func, name, weight in zip(funcs, names, weights, strict=True):
+        rows = validate_dense_rewards(call(func), completion_lengths, name=f"reward function '{name}'")
+        nan_tokens = 0
+        sums = []
+        for acc, row in zip(total, rows):
+            row_sum = 0.0
+            for t, value in enumerate(row):
+                if value != value:  # NaN: does not apply at this token
+                    nan_tokens += 1
+                    continue
+                acc[t] += float(weight) * value
+                row_sum += value
+            sums.append(row_sum)
+        if nan_tokens:
+            logger.warning(f"Dense reward function '{name}' returned {nan_tokens} NaN token reward(s); used 0.")
+        metrics[f"rewards/{name}/nan_tokens"] = float(nan_tokens)
+        metrics[f"rewards/{name}/token_mean"] = sum(sums) / num_tokens
+        metrics[f"rewards/{name}/sum_mean"] = sum(sums) / max(len(sums), 1)
+    return DenseRewards(total, metrics)

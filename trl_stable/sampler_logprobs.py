@@ -1,0 +1,71 @@
+"""The sampler's own per-token log-probs under HF `generate`, for the decoupled loss and the mismatch monitor.
+
+Both trainers record them the same way: a logits processor appended *last* to the chain `generate` builds, so it
+sees the distribution the sampler really draws from (after temperature, top-k, top-p, min-p, repetition penalty).
+vLLM returns these log-probs itself; this module covers HF generation.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["SamplerLogprobRecorder", "record_sampler_logps"]
+
+
+class SamplerLogprobRecorder:
+    """Logits processor placed last in `generate`'s chain: records the log-prob of each sampled token.
+
+    It sees the scores after every other processor (temperature, top-k, top-p, min-p, repetition penalty), i.e. the
+    distribution the sampler draws from, and keeps one [B, V] step in memory: the token drawn from step t is read
+    from `input_ids` at step t + 1, the last one from the returned completions.
+    """
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._last is not None:
+            self.steps.append(self._last.gather(1, input_ids[:, -1:].to(self._last.device)).squeeze(1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def per_token_logps(self, completion_ids: list[list[int]]) -> list[list[float]]:
+        if self._last is None:
+            return [[] for _ in completion_ids]
+        n = len(self.steps) + 1
+        last_tokens = torch.tensor(
+            [ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids], device=self._last.device
+        )
+        last = self._last.gather(1, last_tokens.unsqueeze(1)).squeeze(1)
+        table = torch.stack([*self.steps, last], dim=1).cpu()
+        return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+
+@contextmanager
+def record_sampler_logps(model):
+    """Record the per-token log-probs `model.generate` samples with (see `SamplerLogprobRecorder`).
+
+    `generate` puts user logits processors *before* its temperature/top-k/top-p warpers, so the recorder is appended
+    to the processor list `generate` builds instead (instance-level patch of `_get_logits_processor`, undone on exit).
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    recorder = SamplerLogprobRecorder()
+    had_instance_attr = "_get_logits_processor" in vars(target)
+    original = target._get_logits_processor
+
+    def _with_recorder(*args, **kwargs):
+        processors = original(*args, **kwargs)
+        processors.append(recorder)
+        return processors
+
+    target._get_logits_processor = _with_recorder
+    try:
+        yield recorder
+    finally:
+        if had_instance_attr:
+            target._get_logits_processor = original
+        else:
+            del target._get_logits_processor
