@@ -1,19 +1,16 @@
-"""Routing replay inside TRL's GRPOTrainer through GRPORoutingReplayMixin (R2 and R3)."""
+"""Routing replay at the named points of trl_stable's GRPOTrainer (R2 and R3), on top of TRL's batch building."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
-import trl
 from datasets import Dataset
 
+from trl_stable import GRPOConfig as _Config
+from trl_stable import GRPOTrainer
 from trl_stable.moe import RoutingReplay
 from trl_stable.moe.trainer_hooks import (
     ROUTED_EXPERTS_KEY,
-    ROUTING_REPLAY_HELP,
-    GRPORoutingReplayMixin,
     batch_routing,
     check_routing_replay_mode,
     routing_from_generation,
@@ -21,16 +18,7 @@ from trl_stable.moe.trainer_hooks import (
 from trl_stable.testing import build_causal_lm
 
 
-@dataclass
-class _Config(trl.GRPOConfig):
-    routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_routing_replay_mode(self.routing_replay)
-
-
-class _Trainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
+class _Trainer(GRPOTrainer):
     """Captures what the update passes saw, to check the routing that travelled with the batch."""
 
     def _compute_loss(self, model, inputs):
@@ -81,7 +69,7 @@ def test_grpo_routing_replay_runs_and_logs_agreement(
     trainer = _run(
         tmp_path, tokenizer, mode, gradient_checkpointing=gradient_checkpointing, pad_to_multiple_of=pad_to_multiple_of
     )
-    assert all(not state.recompute_fifo for state in trainer._routing_replay._states)
+    assert all(not state.recompute_fifo for state in trainer.routing.replay._states)
     logs = [entry for entry in trainer.state.log_history if "routing/agreement" in entry]
     assert len(logs) == 2, trainer.state.log_history
     # first update runs on the weights of the recording pass: every replayed expert set is what the router picks,
@@ -109,7 +97,7 @@ def test_grpo_routing_replay_runs_and_logs_agreement(
 
 def test_grpo_off_adds_nothing(tmp_path, tokenizer):
     trainer = _run(tmp_path, tokenizer, "off", max_steps=1)
-    assert trainer._routing_replay is None
+    assert trainer.routing.replay is None and not trainer.routing.enabled
     assert all(ROUTED_EXPERTS_KEY not in batch for batch in trainer.seen_batches)
     assert not any("routing/agreement" in entry for entry in trainer.state.log_history)
 
@@ -147,7 +135,7 @@ def test_grpo_r3_accepts_routed_experts_from_a_rollout_func(tmp_path, tokenizer)
 
     def rollout_func(prompts, trainer):
         model = trainer.model
-        replay = trainer._routing_replay
+        replay = trainer.routing.replay
         enc = tokenizer(prompts, return_tensors="pt", padding=True)
         with torch.no_grad():
             out, routing = generate_with_routing(

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,157 +76,99 @@ def log_routing_metrics(replay: RoutingReplay, sink: Callable[[str, float], None
     replay.reset_metrics()
 
 
-class GRPORoutingReplayMixin:
-    """Routing replay for `trl.GRPOTrainer`: ``class T(GRPORoutingReplayMixin, trl.GRPOTrainer)``, or anywhere in the
-    MRO of a subclass of it. Reads ``args.routing_replay``; with "off" every override is a plain ``super()`` call.
+@dataclass
+class RolloutPass:
+    """The routing of one rollout pass: the routing it replayed, or (when it was given none) what it recorded."""
 
-    Hooks used (TRL 1.16): `_generate_single_turn` (R3 with HF generate: record), `_generate` (R3 from a
-    rollout_func: take its ``routed_experts``), `_get_per_token_logps_and_entropies` (no-grad passes of the policy
-    on a fresh batch: record for R2, replay otherwise), `_generate_and_score_completions` (puts ``routed_experts``
-    in the batch) and `_compute_loss` (replays the batch's routing in the update forward).
+    routing: torch.Tensor | None = None
 
-    Which no-grad pass is which: TRL runs its old-logprob pass (when it needs one) and then, for a PEFT policy, the
-    reference pass on the same model with the adapter off; the reference pass is never replayed. Any later no-grad
-    pass of the policy on the batch (e.g. a proximal pass a subclass runs after TRL) records (R2, if nothing was
-    recorded yet) or replays.
+
+class GRPORoutingHook:
+    """Routing replay at named points of a trainer step, for trl_stable's `GRPOTrainer`.
+
+    The trainer calls it where each pass happens, so nothing is inferred from TRL's call order:
+
+    - `sampling()` around HF ``generate`` (R3), then `sampled_routing(...)` for the per-sequence routing;
+    - `rollout_pass(attention_mask, routing)` around a no-grad pass of the policy on a fresh batch (TRL's
+      old-logprob pass, trl_stable's proximal pass): replays `routing`, or records it when `routing` is None (R2's
+      first pass); the recorded routing is on the yielded `RolloutPass` after the block;
+    - `update_pass(routing)` around the update forward: replays the routing that travelled in the batch;
+    - `metrics(prefix)`: the agreement metrics since the last call (then reset).
+
+    With mode "off" every point is a no-op. (Same points as the lead's `trl_stable.moe.hook.RoutingHook`, which this
+    is to be folded into once it lands on main.)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._routing_mode = getattr(self.args, "routing_replay", "off")
-        check_routing_replay_mode(self._routing_mode)
-        self._routing_replay: RoutingReplay | None = None
-        self._routing_phase = False
-        self._routing_calls: deque[str] = deque()
-        self._routing_batch: torch.Tensor | None = None
-        self._routing_output: dict | None = None
-        self._sampled_routing: list[torch.Tensor] | None = None
-        if self._routing_mode == "off":
+    def __init__(self, model: torch.nn.Module, mode: str):
+        check_routing_replay_mode(mode)
+        self.mode = mode
+        self.replay: RoutingReplay | None = None if mode == "off" else RoutingReplay(model)
+
+    @property
+    def enabled(self) -> bool:
+        return self.replay is not None
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Record the routing of every forward in the block (R3: around the sampler's ``generate``)."""
+        with self.replay.record():
+            yield
+
+    def sampled_routing(
+        self, prompt_lengths: Sequence[int], completion_lengths: Sequence[int], prompt_width: int
+    ) -> list[torch.Tensor]:
+        """Per-sequence routing recorded by the last `sampling()` block (see `routing_from_generation`)."""
+        routing = routing_from_generation(self.replay, prompt_lengths, completion_lengths, prompt_width=prompt_width)
+        self.replay.clear()
+        return routing
+
+    @contextlib.contextmanager
+    def rollout_pass(self, attention_mask: torch.Tensor, routing: torch.Tensor | None = None) -> Iterator[RolloutPass]:
+        """A no-grad pass of the policy on a fresh batch: replay `routing`, or record it when None."""
+        result = RolloutPass(routing)
+        if self.replay is None:
+            yield result
             return
-        if self._routing_mode == "R3":
-            if self.use_vllm and self.rollout_func is None:
-                raise ValueError(
-                    "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output "
-                    "has 'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or "
-                    "use routing_replay='R2'."
-                )
-            if getattr(self, "use_transformers_continuous_batching", False) or self.tools:
-                raise ValueError(
-                    "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
-                    "continuous batching or tool calling. Fix: use routing_replay='R2'."
-                )
-        self._routing_replay = RoutingReplay(self.accelerator.unwrap_model(self.model))
+        if routing is not None:
+            with self.replay.replay(routing):
+                yield result
+            return
+        with self.replay.record():
+            yield result
+        result.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
+        self.replay.clear()
 
-    def _routing_log(self, prefix: str) -> None:
-        mode = "train" if self.model.training else "eval"
-        log_routing_metrics(self._routing_replay, lambda k, v: self._metrics[mode][k].append(v), prefix=prefix)
+    @contextlib.contextmanager
+    def update_pass(self, routing: torch.Tensor | None) -> Iterator[bool]:
+        """The update forward: replay the batch's `routing`; yields whether anything is replayed."""
+        if self.replay is None or routing is None:
+            yield False
+            return
+        with self.replay.replay(routing):
+            yield True
 
-    # -- sampling (R3)
-    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if self._routing_mode != "R3" or self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        with self._routing_replay.record():
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        prompt_lengths = [len(p) for p in prompt_ids]
-        width, multiple = max(prompt_lengths), self.pad_to_multiple_of  # the padding TRL gave generate's input
-        width = width if not multiple else -(-width // multiple) * multiple
-        self._sampled_routing = routing_from_generation(
-            self._routing_replay, prompt_lengths, [len(c) for c in completion_ids], prompt_width=width
-        )
-        self._routing_replay.clear()
-        return completion_ids, logprobs
-
-    def _generate(self, prompts):
-        result = super()._generate(prompts)
-        if self._routing_mode == "R3":
-            extra_fields = result[5]
-            routed = extra_fields.pop(ROUTED_EXPERTS_KEY, None) if isinstance(extra_fields, dict) else None
-            if routed is not None:
-                self._sampled_routing = [torch.as_tensor(r) for r in routed]
-            if self._sampled_routing is None:
-                raise RuntimeError(
-                    "routing_replay='R3' got no routing from the sampler: the rollout_func must return "
-                    f"'{ROUTED_EXPERTS_KEY}'."
-                )
-        return result
-
-    # -- no-grad passes on a fresh batch (old-logprob / proximal)
-    def _trl_computes_old_logps(self) -> bool:
-        # The condition under which TRL 1.16's `_generate_and_score_completions` runs the old-logprob pass.
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        def run():
-            return super(GRPORoutingReplayMixin, self)._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-
-        if not self._routing_phase or torch.is_grad_enabled() or model is getattr(self, "ref_model", None):
-            return run()
-        if self._routing_calls and self._routing_calls.popleft() == "ref":
-            return run()
-        replay = self._routing_replay
-        routing = self._routing_batch
-        if routing is None and self._routing_mode == "R3":
-            routing = batch_routing(self._sampled_routing, attention_mask, input_ids.shape[1] - logits_to_keep)
-        if routing is None:  # R2: this is the pass the updates will be compared with
-            with replay.record():
-                out = run()
-            routing = mask_routing(replay.export(dim="batch"), attention_mask)
-            replay.clear()
-        elif routing.shape[:2] != input_ids.shape:
-            return run()  # not the batch the routing belongs to
-        else:
-            with replay.replay(routing):
-                out = run()
-            self._routing_log("routing/rollout_" if self._routing_mode == "R3" else "routing/proximal_")
-        self._routing_batch = routing
-        if self._routing_output is not None:  # a pass run after the batch dict was built (by a subclass)
-            self._routing_output[ROUTED_EXPERTS_KEY] = routing
+    def metrics(self, prefix: str = "routing/") -> dict[str, float]:
+        """Agreement metrics accumulated since the last call, named with `prefix`; resets them."""
+        if self.replay is None:
+            return {}
+        out = self.replay.metrics(prefix=prefix)
+        self.replay.reset_metrics()
         return out
 
-    def _generate_and_score_completions(self, inputs):
-        if self._routing_replay is None:
-            return super()._generate_and_score_completions(inputs)
-        peft_reference = self.beta != 0.0 and getattr(self, "ref_model", None) is None
-        self._routing_calls = deque(["old"] * self._trl_computes_old_logps() + ["ref"] * peft_reference)
-        self._routing_phase, self._routing_batch, self._routing_output = True, None, None
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        except BaseException:
-            self._end_routing_phase()
-            raise
-        self._routing_calls.clear()
-        routing = self._routing_batch
-        if routing is None and self._routing_mode == "R3":
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            routing = batch_routing(self._sampled_routing, attention_mask, output["prompt_ids"].shape[1])
-            self._routing_batch = routing
-        if routing is not None:
-            output[ROUTED_EXPERTS_KEY] = routing
-        self._routing_output = output
-        return output
 
-    def _end_routing_phase(self) -> None:
-        self._routing_phase, self._routing_batch, self._routing_output = False, None, None
-        self._routing_calls.clear()
-        self._sampled_routing = None
-
-    # -- the update passes
-    def _compute_loss(self, model, inputs):
-        if self._routing_replay is None:
-            return super()._compute_loss(model, inputs)
-        self._end_routing_phase()
-        routing = inputs.get(ROUTED_EXPERTS_KEY)
-        if routing is None:
-            return super()._compute_loss(model, inputs)
-        with self._routing_replay.replay(routing):
-            loss = super()._compute_loss(model, inputs)
-        self._routing_log("routing/")
-        return loss
+def check_r3_support(trainer: Any) -> None:
+    """Raise ValueError when a GRPO trainer's generation cannot hand R3 the sampler's routing."""
+    if trainer.use_vllm and trainer.rollout_func is None:
+        raise ValueError(
+            "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
+            "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
+            "routing_replay='R2'."
+        )
+    if getattr(trainer, "use_transformers_continuous_batching", False) or trainer.tools:
+        raise ValueError(
+            "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
+            "continuous batching or tool calling. Fix: use routing_replay='R2'."
+        )
 
 
 class PPORoutingReplayMixin:
