@@ -1,0 +1,154 @@
+"""Routing replay as a hook object the trainers call at named points of their step.
+
+A trainer owns one `RoutingHook` (``routing_replay`` on GRPOConfig / PPOConfig) and calls it where its algorithm
+says so; nothing is wrapped behind the trainer's back and nothing is inferred from the order of calls:
+
+- ``with hook.sampling() as sampled:`` around one HF ``generate`` call: R3 records the sampler's routing.
+- ``with hook.rollout_pass(attention_mask, routing) as rollout:`` around the old-logprob (proximal) pass: R2 records
+  the routing this pass takes, R3 replays ``routing`` (the sampler's).
+- ``with hook.update_pass(routing):`` around each update forward: both replay.
+- ``hook.take_metrics(prefix)`` after a pass: the agreement of the replayed passes since the last call.
+
+The routing tensor travels in the trainer's batch under ``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on
+padding), so shuffling and mini-batch splitting keep it aligned with its tokens. With ``mode="off"`` every context is
+a no-op yielding an empty record, so a trainer calls the hook unconditionally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trl_stable.moe.layout import mask_routing, unpad_routing
+from trl_stable.moe.replay import RoutingReplay
+
+__all__ = [
+    "ROUTED_EXPERTS_KEY",
+    "ROUTING_REPLAY_HELP",
+    "ROUTING_REPLAY_MODES",
+    "RolloutRouting",
+    "RoutingHook",
+    "SampledRouting",
+    "check_routing_replay_mode",
+]
+
+ROUTING_REPLAY_MODES: tuple[str, ...] = ("off", "R2", "R3")
+ROUTED_EXPERTS_KEY = "routed_experts"
+ROUTING_REPLAY_HELP = (
+    "MoE routing replay. 'off': routers route freely. 'R2': record each router's top-k experts in the old-logprob "
+    "pass and replay them in the update passes (removes routing drift between the rollout weights and the update). "
+    "'R3': record the experts chosen by the sampler (HF generate, or vLLM `routed_experts` returned by a "
+    "rollout_func) and replay them in the old-logprob pass and the updates (also removes the sampler/trainer routing "
+    "mismatch). Gate weights are recomputed from the current router, so routers keep training. Supported: "
+    "Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3. Metrics: routing/agreement, routing/replayed_frac."
+)
+
+
+def check_routing_replay_mode(value: str, field: str = "routing_replay") -> None:
+    """Raise ValueError unless `value` is one of `ROUTING_REPLAY_MODES` (case-sensitive, as written in configs)."""
+    if value not in ROUTING_REPLAY_MODES:
+        raise ValueError(f"{field} must be one of {', '.join(repr(m) for m in ROUTING_REPLAY_MODES)}, got {value!r}.")
+
+
+@dataclass
+class SampledRouting:
+    """What `RoutingHook.sampling` recorded around one ``generate`` call (empty unless R3).
+
+    `routing` is the sequence-joined export ([B, fed tokens, layers, k]: prefill, then one column per decode step)
+    and `prompt_width` the width of the (left-padded) prompt batch the prefill saw.
+    """
+
+    routing: torch.Tensor | None = None
+    prompt_width: int = 0
+
+    def per_sequence(self, prompt_lengths: Sequence[int], completion_lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Routing of each sequence, [p_i + c_i, layers, k] (one row shorter when its last token was never fed)."""
+        if self.routing is None:
+            raise ValueError("No sampler routing was recorded (routing_replay is not 'R3').")
+        starts = [self.prompt_width - int(p) for p in prompt_lengths]
+        lengths = [int(p) + int(c) for p, c in zip(prompt_lengths, completion_lengths, strict=True)]
+        return unpad_routing(self.routing, starts, lengths)
+
+
+@dataclass
+class RolloutRouting:
+    """The routing of one old-logprob pass: recorded there (R2) or replayed there (R3); None when off."""
+
+    routing: torch.Tensor | None = None
+
+
+class RoutingHook:
+    """The routing-replay points of a trainer's step (see the module docstring for the table).
+
+    Args:
+        model: The policy (a transformers MoE model, or a wrapper such as a PEFT model); unused when `mode` is "off".
+        mode: "off", "R2" or "R3".
+    """
+
+    def __init__(self, model: nn.Module | None, mode: str = "off"):
+        check_routing_replay_mode(mode)
+        self.mode = mode
+        self.replay: RoutingReplay | None = None if mode == "off" else RoutingReplay(model)
+
+    @property
+    def active(self) -> bool:
+        return self.replay is not None
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[SampledRouting]:
+        """Around one HF ``generate`` call: under R3 record the routing of the prefill and every decode step."""
+        sampled = SampledRouting()
+        if self.mode != "R3":
+            yield sampled
+            return
+        with self.replay.record():
+            yield sampled
+        sampled.routing = self.replay.export(dim="sequence")
+        sampled.prompt_width = self.replay.recorded_shapes[0][1]
+        self.replay.clear()
+
+    @contextlib.contextmanager
+    def rollout_pass(
+        self, attention_mask: torch.Tensor, routing: torch.Tensor | None = None
+    ) -> Iterator[RolloutRouting]:
+        """Around the no-grad old-logprob (proximal) pass on a fresh batch.
+
+        R2 records the routing this pass takes (the one the updates are compared with); R3 replays `routing`, the
+        sampler's, which it requires. After the block, ``.routing`` holds the batch's routing for the updates.
+        """
+        out = RolloutRouting()
+        if self.mode == "off":
+            yield out
+            return
+        if self.mode == "R3":
+            if routing is None:
+                raise ValueError("routing_replay='R3': the rollout pass needs the sampler's routing; none was given.")
+            with self.replay.replay(routing):
+                yield out
+            out.routing = routing
+            return
+        with self.replay.record():
+            yield out
+        out.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
+        self.replay.clear()
+
+    @contextlib.contextmanager
+    def update_pass(self, routing: torch.Tensor | None) -> Iterator[None]:
+        """Around an update forward: replay `routing` (the batch's ``ROUTED_EXPERTS_KEY`` entry) when there is one."""
+        if self.replay is None or routing is None:
+            yield
+            return
+        with self.replay.replay(routing):
+            yield
+
+    def take_metrics(self, prefix: str = "routing/") -> dict[str, float]:
+        """The agreement metrics of the replayed passes since the last call, under `prefix`; then reset them."""
+        if self.replay is None:
+            return {}
+        metrics = self.replay.metrics(prefix=prefix)
+        self.replay.reset_metrics()
+        return metrics
