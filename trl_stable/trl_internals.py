@@ -161,13 +161,6 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     ),
     Member(
         _GRPO,
-        "pad_to_multiple_of",
-        "attribute",
-        returns="the padding multiple TRL gives generate's prompts (R3 routing alignment)",
-        used_in=("trl_stable/moe/trainer_hooks.py",),
-    ),
-    Member(
-        _GRPO,
         "num_generations_eval",
         "attribute",
         returns="group size in evaluation",

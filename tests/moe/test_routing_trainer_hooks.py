@@ -97,7 +97,7 @@ def test_grpo_routing_replay_runs_and_logs_agreement(
 
 def test_grpo_off_adds_nothing(tmp_path, tokenizer):
     trainer = _run(tmp_path, tokenizer, "off", max_steps=1)
-    assert trainer.routing.replay is None and not trainer.routing.enabled
+    assert trainer.routing.replay is None and not trainer.routing.active
     assert all(ROUTED_EXPERTS_KEY not in batch for batch in trainer.seen_batches)
     assert not any("routing/agreement" in entry for entry in trainer.state.log_history)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,101 +73,6 @@ def log_routing_metrics(replay: RoutingReplay, sink: Callable[[str, float], None
     for name, value in replay.metrics(prefix=prefix).items():
         sink(name, value)
     replay.reset_metrics()
-
-
-@dataclass
-class RolloutPass:
-    """The routing of one rollout pass: the routing it replayed, or (when it was given none) what it recorded."""
-
-    routing: torch.Tensor | None = None
-
-
-class GRPORoutingHook:
-    """Routing replay at named points of a trainer step, for trl_stable's `GRPOTrainer`.
-
-    The trainer calls it where each pass happens, so nothing is inferred from TRL's call order:
-
-    - `sampling()` around HF ``generate`` (R3), then `sampled_routing(...)` for the per-sequence routing;
-    - `rollout_pass(attention_mask, routing)` around a no-grad pass of the policy on a fresh batch (TRL's
-      old-logprob pass, trl_stable's proximal pass): replays `routing`, or records it when `routing` is None (R2's
-      first pass); the recorded routing is on the yielded `RolloutPass` after the block;
-    - `update_pass(routing)` around the update forward: replays the routing that travelled in the batch;
-    - `metrics(prefix)`: the agreement metrics since the last call (then reset).
-
-    With mode "off" every point is a no-op. (Same points as the lead's `trl_stable.moe.hook.RoutingHook`, which this
-    is to be folded into once it lands on main.)
-    """
-
-    def __init__(self, model: torch.nn.Module, mode: str):
-        check_routing_replay_mode(mode)
-        self.mode = mode
-        self.replay: RoutingReplay | None = None if mode == "off" else RoutingReplay(model)
-
-    @property
-    def enabled(self) -> bool:
-        return self.replay is not None
-
-    @contextlib.contextmanager
-    def sampling(self) -> Iterator[None]:
-        """Record the routing of every forward in the block (R3: around the sampler's ``generate``)."""
-        with self.replay.record():
-            yield
-
-    def sampled_routing(
-        self, prompt_lengths: Sequence[int], completion_lengths: Sequence[int], prompt_width: int
-    ) -> list[torch.Tensor]:
-        """Per-sequence routing recorded by the last `sampling()` block (see `routing_from_generation`)."""
-        routing = routing_from_generation(self.replay, prompt_lengths, completion_lengths, prompt_width=prompt_width)
-        self.replay.clear()
-        return routing
-
-    @contextlib.contextmanager
-    def rollout_pass(self, attention_mask: torch.Tensor, routing: torch.Tensor | None = None) -> Iterator[RolloutPass]:
-        """A no-grad pass of the policy on a fresh batch: replay `routing`, or record it when None."""
-        result = RolloutPass(routing)
-        if self.replay is None:
-            yield result
-            return
-        if routing is not None:
-            with self.replay.replay(routing):
-                yield result
-            return
-        with self.replay.record():
-            yield result
-        result.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
-        self.replay.clear()
-
-    @contextlib.contextmanager
-    def update_pass(self, routing: torch.Tensor | None) -> Iterator[bool]:
-        """The update forward: replay the batch's `routing`; yields whether anything is replayed."""
-        if self.replay is None or routing is None:
-            yield False
-            return
-        with self.replay.replay(routing):
-            yield True
-
-    def metrics(self, prefix: str = "routing/") -> dict[str, float]:
-        """Agreement metrics accumulated since the last call, named with `prefix`; resets them."""
-        if self.replay is None:
-            return {}
-        out = self.replay.metrics(prefix=prefix)
-        self.replay.reset_metrics()
-        return out
-
-
-def check_r3_support(trainer: Any) -> None:
-    """Raise ValueError when a GRPO trainer's generation cannot hand R3 the sampler's routing."""
-    if trainer.use_vllm and trainer.rollout_func is None:
-        raise ValueError(
-            "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
-            "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
-            "routing_replay='R2'."
-        )
-    if getattr(trainer, "use_transformers_continuous_batching", False) or trainer.tools:
-        raise ValueError(
-            "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
-            "continuous batching or tool calling. Fix: use routing_replay='R2'."
-        )
 
 
 class PPORoutingReplayMixin:

@@ -46,15 +46,9 @@ from trl_stable.core import (
 )
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator, is_sequence_level
 from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, ROUTING_REPLAY_HELP, RoutingHook, check_routing_replay_mode
 from trl_stable.moe.layout import repad_routing
-from trl_stable.moe.trainer_hooks import (
-    ROUTED_EXPERTS_KEY,
-    ROUTING_REPLAY_HELP,
-    GRPORoutingHook,
-    batch_routing,
-    check_r3_support,
-    check_routing_replay_mode,
-)
+from trl_stable.moe.trainer_hooks import batch_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
@@ -466,9 +460,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
-        self.routing = GRPORoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
+        self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
         if self.routing.mode == "R3":
-            check_r3_support(self)
+            self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
         self.health_monitor = attach_health_monitor(self)
         self.step_masker = (
@@ -534,8 +528,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         log_metric(self, name, value)
 
     def _log_routing(self, prefix: str) -> None:
-        for name, value in self.routing.metrics(prefix).items():
+        for name, value in self.routing.take_metrics(prefix).items():
             self._log(name, value)
+
+    def _check_r3_support(self) -> None:
+        """Raise ValueError when this trainer's generation cannot hand R3 the sampler's routing."""
+        if self.use_vllm and self.rollout_func is None:
+            raise ValueError(
+                "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
+                "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
+                "routing_replay='R2'."
+            )
+        if self.use_transformers_continuous_batching or self.tools:
+            raise ValueError(
+                "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
+                "continuous batching or tool calling. Fix: use routing_replay='R2'."
+            )
 
     # ------------------------------------------------------------------ the per-call record (TRL-imposed channel)
     @contextmanager
@@ -557,18 +565,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not (record_logps or record_routing):
             return super()._generate_single_turn(*args)
         with ExitStack() as stack:
-            recorder = None
+            recorder = sampled = None
             if record_logps:
                 recorder = stack.enter_context(record_sampler_logps(self.accelerator.unwrap_model(self.model_wrapped)))
             if record_routing:
-                stack.enter_context(self.routing.sampling())
+                sampled = stack.enter_context(self.routing.sampling())
             completion_ids, logprobs = super()._generate_single_turn(*args)
-        if record_routing:
-            prompt_lengths = [len(p) for p in prompt_ids]
-            width, multiple = max(prompt_lengths), self.pad_to_multiple_of  # the padding TRL gave generate's input
-            width = width if not multiple else -(-width // multiple) * multiple
-            self._rollout.sampled_routing = self.routing.sampled_routing(
-                prompt_lengths, [len(c) for c in completion_ids], width
+        if sampled is not None:
+            self._rollout.sampled_routing = sampled.per_sequence(
+                [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
             )
         if recorder is not None:
             logprobs = recorder.per_token_logps(completion_ids)
@@ -593,24 +598,24 @@ class GRPOTrainer(trl.GRPOTrainer):
         record = self._rollout
         if (
             record is None  # outside TRL's batch building: the updates (replayed in `_compute_loss`)
-            or not self.routing.enabled
+            or not self.routing.active
             or torch.is_grad_enabled()
             or is_reference_pass(self, model)  # the KL reference keeps its own routing
         ):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
-        # TRL's old-logprob pass of the policy on this call's batch
-        routing = record.routing
-        if routing is None and record.sampled_routing is not None:
-            routing = batch_routing(record.sampled_routing, attention_mask, input_ids.shape[1] - logits_to_keep)
-        with self.routing.rollout_pass(attention_mask, routing) as rollout:
+        # TRL's old-logprob pass of the policy on this call's batch: R2 records, R3 replays the sampler's routing
+        sampled = None
+        if record.sampled_routing is not None:
+            sampled = batch_routing(record.sampled_routing, attention_mask, input_ids.shape[1] - logits_to_keep)
+        with self.routing.rollout_pass(attention_mask, sampled) as rollout:
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
         record.routing = rollout.routing
-        if routing is not None:
-            self._log_routing("routing/rollout_" if self.routing.mode == "R3" else "routing/proximal_")
+        if sampled is not None:
+            self._log_routing("routing/rollout_")
         return out
 
     # ------------------------------------------------------------------ rewards
@@ -902,17 +907,17 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
         """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient).
 
-        With routing replay it is a rollout pass: it replays the batch's routing, or (R2, none yet) records it into
-        the batch.
+        With routing replay it is a rollout pass: R3 replays the batch's (sampler) routing, R2 records the routing of
+        this pass into the batch.
         """
         mode = train_mode(self)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        routing = output.get(ROUTED_EXPERTS_KEY)
+        sampled = output.get(ROUTED_EXPERTS_KEY) if self.routing.mode == "R3" else None
         with ExitStack() as stack:
             stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
-            rollout = stack.enter_context(self.routing.rollout_pass(attention_mask, routing))
+            rollout = stack.enter_context(self.routing.rollout_pass(attention_mask, sampled))
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
@@ -921,11 +926,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 batch_size=batch_size,
                 **forward_kwargs(output),
             )
-        if self.routing.enabled:
-            if routing is None:
-                output[ROUTED_EXPERTS_KEY] = rollout.routing
-            else:
-                self._log_routing("routing/rollout_" if self.routing.mode == "R3" else "routing/proximal_")
+        if self.routing.mode == "R2":
+            output[ROUTED_EXPERTS_KEY] = rollout.routing
+        elif sampled is not None:
+            self._log_routing("routing/rollout_")
         return logps
 
     def _apply_decoupled_loss(self, output: dict[str, Any]) -> None:
@@ -962,8 +966,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ the updates (routing point: update)
     def _compute_loss(self, model, inputs):
-        with self.routing.update_pass(inputs.get(ROUTED_EXPERTS_KEY)) as replayed:
+        routing = inputs.get(ROUTED_EXPERTS_KEY)
+        with self.routing.update_pass(routing):
             loss = super()._compute_loss(model, inputs)
-        if replayed:
+        if self.routing.active and routing is not None:
             self._log_routing("routing/")
         return loss
