@@ -70,3 +70,19 @@ def test_fold_behaviour_weight_equals_decoupled_term_with_gradient():
         torch.testing.assert_close(ours, ref)
         torch.testing.assert_close(g_ours, g_ref)
     assert math.isfinite(ours.item())
+
+
+def test_ppo_clip_term_clamps_the_log_ratio_before_the_exp():
+    from trl_stable.core.policy_loss import LOG_RATIO_BOUND
+
+    logps = torch.tensor([[0.0, 100.0, -100.0, 0.5]], requires_grad=True)
+    prox = torch.zeros(1, 4)
+    advantages = torch.tensor([[1.0, -1.0, -1.0, -1.0]])
+    loss = ppo_clip_term(logps, prox, advantages)
+    assert torch.isfinite(loss).all()
+    # beyond the bound the unclipped branch saturates at -A * e^20 (unclamped it would be inf)
+    assert loss[0, 1].item() == pytest.approx(math.exp(LOG_RATIO_BOUND), rel=1e-6)
+    # inside the bound nothing changes: -A * max(r, clip(r)) with r = e^0.5 > 1.2
+    assert loss[0, 3].item() == pytest.approx(math.exp(0.5), rel=1e-6)
+    loss.sum().backward()
+    assert logps.grad[0, 1].item() == 0.0 and logps.grad[0, 3].item() == pytest.approx(math.exp(0.5), rel=1e-6)

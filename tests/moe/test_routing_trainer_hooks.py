@@ -1,36 +1,18 @@
-"""Routing replay inside TRL's GRPOTrainer through GRPORoutingReplayMixin (R2 and R3)."""
+"""Routing replay at the named points of trl_stable's GRPOTrainer (R2 and R3), on top of TRL's batch building."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
-import trl
 from datasets import Dataset
 
-from trl_stable.moe import RoutingReplay
-from trl_stable.moe.trainer_hooks import (
-    ROUTED_EXPERTS_KEY,
-    ROUTING_REPLAY_HELP,
-    GRPORoutingReplayMixin,
-    batch_routing,
-    check_routing_replay_mode,
-    routing_from_generation,
-)
+from trl_stable import GRPOConfig as _Config
+from trl_stable import GRPOTrainer
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing, check_routing_replay_mode
 from trl_stable.testing import build_causal_lm
 
 
-@dataclass
-class _Config(trl.GRPOConfig):
-    routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_routing_replay_mode(self.routing_replay)
-
-
-class _Trainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
+class _Trainer(GRPOTrainer):
     """Captures what the update passes saw, to check the routing that travelled with the batch."""
 
     def _compute_loss(self, model, inputs):
@@ -81,7 +63,7 @@ def test_grpo_routing_replay_runs_and_logs_agreement(
     trainer = _run(
         tmp_path, tokenizer, mode, gradient_checkpointing=gradient_checkpointing, pad_to_multiple_of=pad_to_multiple_of
     )
-    assert all(not state.recompute_fifo for state in trainer._routing_replay._states)
+    assert all(not state.recompute_fifo for state in trainer.routing.replay._states)
     logs = [entry for entry in trainer.state.log_history if "routing/agreement" in entry]
     assert len(logs) == 2, trainer.state.log_history
     # first update runs on the weights of the recording pass: every replayed expert set is what the router picks,
@@ -109,7 +91,7 @@ def test_grpo_routing_replay_runs_and_logs_agreement(
 
 def test_grpo_off_adds_nothing(tmp_path, tokenizer):
     trainer = _run(tmp_path, tokenizer, "off", max_steps=1)
-    assert trainer._routing_replay is None
+    assert trainer.routing.replay is None and not trainer.routing.active
     assert all(ROUTED_EXPERTS_KEY not in batch for batch in trainer.seen_batches)
     assert not any("routing/agreement" in entry for entry in trainer.state.log_history)
 
@@ -119,14 +101,15 @@ def test_config_validation():
         check_routing_replay_mode("r2")
 
 
-def test_routing_from_generation_and_batch_routing(tokenizer):
+def test_sampled_routing_and_batch_routing(tokenizer):
     model = build_causal_lm("mixtral", tokenizer).eval()
-    replay = RoutingReplay(model)
+    hook = RoutingHook(model, "R3")
+    replay = hook.replay
     prompts = [tokenizer(t).input_ids for t in ["the cat sat on", "hi"]]
     enc = tokenizer(["the cat sat on", "hi"], return_tensors="pt", padding=True)
-    with torch.no_grad(), replay.record():
+    with torch.no_grad(), hook.sampling() as sampled:
         out = model.generate(**enc, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-    per_sequence = routing_from_generation(replay, [len(p) for p in prompts], [3, 3])
+    per_sequence = sampled.per_sequence([len(p) for p in prompts], [3, 3])
     assert [len(r) for r in per_sequence] == [len(prompts[0]) + 2, len(prompts[1]) + 2]  # last token never fed
     prompt_width = enc.input_ids.shape[1] + 1  # the trainer pads one wider
     attention = torch.cat([torch.zeros(2, 1, dtype=torch.long), enc.attention_mask, torch.ones(2, 3)], 1).long()
@@ -147,7 +130,7 @@ def test_grpo_r3_accepts_routed_experts_from_a_rollout_func(tmp_path, tokenizer)
 
     def rollout_func(prompts, trainer):
         model = trainer.model
-        replay = trainer._routing_replay
+        replay = trainer.routing.replay
         enc = tokenizer(prompts, return_tensors="pt", padding=True)
         with torch.no_grad():
             out, routing = generate_with_routing(

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from trl_stable import GRPOConfig, GRPOTrainer
-from trl_stable.moe.trainer_hooks import ROUTED_EXPERTS_KEY
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.testing import build_causal_lm
 
 

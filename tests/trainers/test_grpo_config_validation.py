@@ -83,7 +83,9 @@ def test_presets_set_trl_fields_and_defaults_leave_them(tmp_path):
     assert (rloo["mean_level"], rloo["std_level"], rloo["leave_one_out"]) == ("group", None, True)
     custom = config(tmp_path, advantage_estimator="liteppo", advantage_std_level="none").advantage_settings
     assert custom["std_level"] is None and custom["eps"] == 1e-4
-    assert config(tmp_path, advantage_estimator="ngrpo").advantage_settings == {"estimator": "ngrpo", "eps": 1e-6}
+    ngrpo = config(tmp_path, advantage_estimator="ngrpo").advantage_settings
+    assert ngrpo == {"estimator": "ngrpo", "r_max": 1.0, "num_virtual": 1, "eps": 1e-6}
+    assert config(tmp_path, advantage_estimator="gdpo").advantage_settings is None  # TRL's normalize_then_sum
     # TRL's scaling choice stays TRL's; an eps or a biased std makes trl_stable compute the same preset itself
     assert config(tmp_path, scale_rewards="batch").advantage_settings is None
     grpo_eps = config(tmp_path, advantage_eps=1e-6).advantage_settings

@@ -31,11 +31,14 @@ def vowel_reward(completions, **kwargs):
 class SpyTrainer(GRPOTrainer):
     """Keeps the last generation batch and the rewards it was built from."""
 
-    def _postprocess_generation(self, output):
-        self.spy_rewards = self._batch_rewards_per_func.clone()
-        self.spy_dense = None if self._batch_dense_rewards is None else self._batch_dense_rewards.clone()
+    def _postprocess_generation(self, output, record):
+        self.spy_rewards = record.rewards_per_func.clone()
+        self.spy_dense = None if record.dense_rewards is None else record.dense_rewards.clone()
         self.spy_before = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
-        out = super()._postprocess_generation(output)
+        return super()._postprocess_generation(output, record)
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
         self.spy_out = {k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()}
         return out
 
@@ -377,3 +380,12 @@ def test_evaluation_with_decoupled_loss_and_ngrpo(tokenizer, tmp_path):
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert evals and math.isfinite(evals[0]["eval_loss"])
     assert "eval_token_filter/kpop/masked_token_frac" in evals[0]
+
+
+def test_no_batch_value_outlives_its_call(tokenizer, tmp_path):
+    """Per-batch values travel in the batch or the call's record, never in attributes left on the trainer."""
+    trainer = make_trainer(tokenizer, tmp_path, dynamic_sampling=True, use_decoupled_loss=True)
+    train(trainer)
+    assert trainer._rollout is None
+    stale = ("_batch_rewards_per_func", "_batch_dense_rewards", "_batch_dynamic_keep", "_routing_output")
+    assert not [name for name in stale if hasattr(trainer, name)]

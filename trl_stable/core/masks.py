@@ -5,8 +5,9 @@ Notation: `prox_logps` are the training engine's log-probs at the rollout weight
 mask. Every filter returns a bool tensor, True = keep, and False wherever `mask` is 0.
 
 Non-finite inputs: a NaN or infinite log-ratio (a token vLLM could not score, a probability that underflowed to 0)
-carries no usable evidence and is treated as a log-ratio of 0 (weight 1, kept by IcePop), as docs/decoupled_loss.md defines
-the behaviour weight and as TRL does for its importance-sampling correction; the mismatch monitor counts such tokens.
+carries no usable evidence and is treated as a log-ratio of 0 (weight 1, kept by IcePop), as docs/decoupled_loss.md
+defines the behaviour weight and as TRL does for its importance-sampling correction; the mismatch monitor counts such
+tokens.
 KPop works on clamped probabilities instead, so there a log-prob of -inf is the probability 1e-8 (see `kpop_mask`).
 """
 

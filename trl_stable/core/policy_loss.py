@@ -18,6 +18,9 @@ __all__ = [
     "ppo_clip_term",
 ]
 
+# Bound of the log-ratio before the exp (verl's `ppo_loss` guard): exp(20) ~ 5e8 is finite in fp32 and bf16.
+LOG_RATIO_BOUND = 20.0
+
 
 def ppo_clip_term(
     logps: torch.Tensor,
@@ -29,7 +32,7 @@ def ppo_clip_term(
 ) -> torch.Tensor:
     r"""Per-token clipped PPO loss (Schulman et al. 2017; clip-higher from DAPO, dual clip from Ye et al. 2020).
 
-    $r = \exp(\log\pi_\theta - \log\pi_{prox})$,
+    $r = \exp(\text{clamp}(\log\pi_\theta - \log\pi_{prox}, -20, 20))$,
     $\ell = \max(-A r,\ -A\,\text{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high}))$, and with dual clip $c > 1$,
     $\ell = \min(\ell, c|A|)$ where $A < 0$.
 
@@ -39,9 +42,17 @@ def ppo_clip_term(
         advantages: [B, T] or [B, 1].
         eps_low, eps_high: Clip range; `eps_high` None means `eps_low`.
         dual_clip: $c$, or None.
+
+    The log-ratio is clamped to [-20, 20] before the exp (verl's guard, `LOG_RATIO_BOUND`): a token whose log-probs
+    drifted by more than 20 nats would otherwise give an inf ratio, and inf * 0 a NaN loss. What it changes: nothing
+    inside the bound. Beyond it the ratio saturates at $e^{\pm 20}$, far outside any clip range; where the clipped
+    branch is active (A > 0, or A < 0 under the dual clip) the loss and its gradient are unchanged (0 gradient), and
+    where the unclipped branch is (A < 0 without dual clip, r > 1 + eps_high) the loss stays at $-A e^{20}$ with a 0
+    gradient instead of growing without bound with an exploding gradient.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    ratio = torch.exp(logps - prox_logps.detach())
+    log_ratio = torch.clamp(logps - prox_logps.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
     if dual_clip is not None:
         if dual_clip <= 1:

@@ -1,34 +1,38 @@
 """trl_stable's GRPOTrainer: TRL's GRPOTrainer plus the stability options of trl_stable.
 
 With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls
-``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw).
+``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw). The private TRL
+members it overrides or reads are listed, with what it relies on, in `trl_stable.trl_internals`.
 
-Data flow of one generation batch, and where subclasses (routing replay, health monitoring, step masks) hook in:
+Data flow of one generation batch (`_generate_and_score_completions`):
 
-1. `_generate_single_turn`: TRL's generation; with plain HF `generate` the sampler's own per-token log-probs are
-   recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`).
-2. `_calculate_rewards`: TRL's sequence-level rewards, then the dense (per-token) reward functions with
-   ``env_rewards``; the batch's rewards are kept for step 3.
-3. `_generate_and_score_completions` = TRL's, then `_postprocess_generation(output)`:
-   `_compute_sequence_advantages` (presets TRL lacks) -> NaN-reward drop and dynamic sampling through
-   `_apply_loss_mask` -> dense advantages -> `_apply_decoupled_loss` (proximal log-probs via
-   `_compute_proximal_logps`, behaviour weight, IcePop / KPop).
-4. TRL's `_compute_loss`, unchanged: the decoupled term reaches it folded into (B, T) advantages (see
-   `trl_stable.core.fold_behaviour_weight`).
+1. `_generate_and_score_round` opens a `RolloutRecord` (the one channel for what TRL's hooks compute but TRL does
+   not return) and calls TRL's `_generate_and_score_completions`, which calls, in it:
+   - `_generate_single_turn` / `_generate`: generation; with HF `generate` the sampler's per-token log-probs are
+     recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`); R3 records
+     the sampler's routing into the record;
+   - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it);
+   - `_calculate_rewards`: TRL's sequence-level rewards, then the dense reward functions; both into the record.
+2. `_postprocess_generation(output, record)`: routing into the batch, advantages (TRL's, or a registered estimator
+   of `trl_stable.core.estimators`), NaN-reward drop, dynamic sampling, step masks, dense advantages.
+3. Dynamic sampling refills (more rounds of 1-2), then `_apply_decoupled_loss` on the final batch (proximal
+   log-probs via `_compute_proximal_logps`, behaviour weight, IcePop / KPop).
+4. TRL's `_compute_loss`, unchanged, inside the routing hook's `update_pass`: the decoupled term reaches it folded
+   into (B, T) advantages (see `trl_stable.core.fold_behaviour_weight`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import is_async_callable, nanstd
+from trl.trainer.utils import nanstd
 
 from trl_stable.core import (
     NORMALIZATION_PRESETS,
@@ -36,27 +40,48 @@ from trl_stable.core import (
     dense_advantages,
     filter_behaviour_weight,
     fold_behaviour_weight,
-    ngrpo_advantages,
     normalize,
     overlong_penalty,
     zero_variance_groups,
 )
+from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator, is_sequence_level
 from trl_stable.masking.rl import CompletionStepMasker
-from trl_stable.moe.layout import repad_routing
-from trl_stable.moe.trainer_hooks import (
+from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
     ROUTING_REPLAY_HELP,
-    GRPORoutingReplayMixin,
+    RoutingHook,
+    batch_routing,
     check_routing_replay_mode,
 )
+from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
-from trl_stable.rewards.dense import has_nan, is_dense_reward, validate_dense_rewards
+from trl_stable.monitoring.mismatch import behaviour_filter_metrics
+from trl_stable.rewards.dense import (
+    check_finite_rewards,
+    collect_dense_rewards,
+    is_dense_reward,
+    weighted_reward_sum,
+)
+from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
+from trl_stable.trl_internals import (
+    call_reward_func,
+    forward_kwargs,
+    is_reference_pass,
+    log_metric,
+    replace_logged_advantages,
+    reward_kwargs,
+    tokenizer_of,
+    train_mode,
+)
 
 logger = logging.getLogger(__name__)
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "liteppo", "rloo", "gdpo", "ngrpo")
+__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutRecord", "record_sampler_logps"]
+
+# The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
+_TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
 # TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).
 _PRESET_TRL_FIELDS = {
     "dr_grpo": {"scale_rewards": "none", "loss_type": "dr_grpo"},
@@ -64,19 +89,6 @@ _PRESET_TRL_FIELDS = {
 }
 _TRL_DEFAULTS = {"scale_rewards": "group", "loss_type": "dapo", "multi_objective_aggregation": "sum_then_normalize"}
 _LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
-# Keys of TRL's batch dict that the policy forward takes besides ids and masks (multimodal models).
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 
 
 @dataclass
@@ -225,10 +237,11 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
     def _validate_stable_options(self) -> None:
         check_routing_replay_mode(self.routing_replay)
         self.validate_step_mask_arguments()
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        if not is_sequence_level(self.advantage_estimator):
             raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of "
-                f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+                f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of 'grpo', 'dr_grpo', "
+                "'liteppo', 'rloo', 'gdpo', 'ngrpo' or a sequence-level estimator registered with "
+                "`trl_stable.core.estimators.register_advantage_estimator`."
             )
         for name in ("advantage_mean_level", "advantage_std_level"):
             value = getattr(self, name)
@@ -239,7 +252,7 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
             for name in ("advantage_mean_level", "advantage_std_level", "advantage_leave_one_out")
             if getattr(self, name) is not None
         ]
-        if fine and self.advantage_estimator in ("gdpo", "ngrpo"):
+        if fine and self.advantage_estimator not in NORMALIZATION_PRESETS:
             raise ValueError(
                 f"{', '.join(fine)} cannot be combined with advantage_estimator={self.advantage_estimator!r}, which "
                 "has its own normalization; unset them or pick 'grpo'/'dr_grpo'/'liteppo'/'rloo'."
@@ -345,26 +358,33 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
 
     @property
     def advantage_settings(self) -> dict[str, Any] | None:
-        """The normalization trl_stable computes itself, or None when TRL's own advantages are used."""
+        """The registered estimator trl_stable computes the advantages with, as ``{"estimator": name, **params}``.
+
+        None when TRL computes them: 'grpo', 'dr_grpo' and 'gdpo' without an advantage_* override are TRL's own
+        configurations (scale_rewards / multi_objective_aggregation), so TRL's numbers are kept bit for bit; the
+        registry's estimators of those names compute the same formulas (tests/core/test_estimators.py). Every other
+        case goes through `trl_stable.core.estimators`: there is no third route.
+        """
+        name = self.advantage_estimator
+        if name in _TRL_COMPUTED and not self._own_normalization_requested():
+            return None
+        if name == "ngrpo":
+            eps = 1e-6 if self.advantage_eps is None else self.advantage_eps
+            return {"estimator": name, "r_max": self.ngrpo_r_max, "num_virtual": self.ngrpo_num_virtual, "eps": eps}
+        if name not in NORMALIZATION_PRESETS:  # a user-registered estimator: its own defaults
+            return {"estimator": name, **({} if self.advantage_eps is None else {"eps": self.advantage_eps})}
+        settings = dict(NORMALIZATION_PRESETS[name])
         overrides = {
             "mean_level": self.advantage_mean_level,
             "std_level": self.advantage_std_level,
             "leave_one_out": self.advantage_leave_one_out,
         }
-        if self.advantage_estimator == "gdpo" or (
-            self.advantage_estimator in ("grpo", "dr_grpo") and not self._own_normalization_requested()
-        ):
-            return None
-        if self.advantage_estimator == "ngrpo":
-            return {"estimator": "ngrpo", "eps": 1e-6 if self.advantage_eps is None else self.advantage_eps}
-        settings = dict(NORMALIZATION_PRESETS[self.advantage_estimator])
         for key, value in overrides.items():
             if value is not None:
                 settings[key] = _LEVEL_NAMES[value] if key != "leave_one_out" else value
-        settings["estimator"] = "normalize"
         settings["unbiased"] = self.advantage_std_unbiased
         settings["eps"] = 1e-4 if self.advantage_eps is None else self.advantage_eps
-        return settings
+        return {"estimator": name, **settings}
 
 
 # Defaults of the trl_stable fields, for a trainer given a plain `trl.GRPOConfig`.
@@ -373,70 +393,6 @@ _STABLE_DEFAULTS = {
     for name, f in GRPOConfig.__dataclass_fields__.items()
     if name not in trl.GRPOConfig.__dataclass_fields__
 }
-
-
-class _SamplerLogprobRecorder:
-    """Logits processor placed last in `generate`'s chain: records the log-prob of each sampled token.
-
-    It sees the scores after every other processor (temperature, top-k, top-p, min-p, repetition penalty), i.e. the
-    distribution the sampler draws from, and keeps one [B, V] step in memory: the token drawn from step t is read
-    from `input_ids` at step t + 1, the last one from the returned completions.
-    """
-
-    def __init__(self):
-        self.steps: list[torch.Tensor] = []
-        self._last: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if self._last is not None:
-            self.steps.append(self._last.gather(1, input_ids[:, -1:].to(self._last.device)).squeeze(1))
-        self._last = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def per_token_logps(self, completion_ids: list[list[int]]) -> list[list[float]]:
-        if self._last is None:
-            return [[] for _ in completion_ids]
-        n = len(self.steps) + 1
-        last_tokens = torch.tensor(
-            [ids[n - 1] if len(ids) >= n else 0 for ids in completion_ids], device=self._last.device
-        )
-        last = self._last.gather(1, last_tokens.unsqueeze(1)).squeeze(1)
-        table = torch.stack([*self.steps, last], dim=1).cpu()
-        return [table[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
-
-
-@contextmanager
-def record_sampler_logps(model):
-    """Record the per-token log-probs `model.generate` samples with (see `_SamplerLogprobRecorder`).
-
-    `generate` puts user logits processors *before* its temperature/top-k/top-p warpers, so the recorder is appended
-    to the processor list `generate` builds instead (instance-level patch of `_get_logits_processor`, undone on exit).
-    """
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
-    recorder = _SamplerLogprobRecorder()
-    had_instance_attr = "_get_logits_processor" in vars(target)
-    original = target._get_logits_processor
-
-    def _with_recorder(*args, **kwargs):
-        processors = original(*args, **kwargs)
-        processors.append(recorder)
-        return processors
-
-    target._get_logits_processor = _with_recorder
-    try:
-        yield recorder
-    finally:
-        if had_instance_attr:
-            target._get_logits_processor = original
-        else:
-            del target._get_logits_processor
-
-
-def _weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """TRL's reward aggregation: weighted sum over the reward functions (NaN = does not apply), NaN if none applies."""
-    rewards = (rewards_per_func * weights.to(rewards_per_func.device)).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return rewards
 
 
 def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):
@@ -448,14 +404,41 @@ def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: floa
     return overlong_penalty_reward
 
 
-class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
+@dataclass
+class RolloutRecord:
+    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable.
+
+    TRL keeps the return values of `_calculate_rewards`, `_generate` and its no-grad passes to itself, and its batch
+    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.trl_internals`). One
+    record per call, opened by `GRPOTrainer._rollout_record` and dropped when the call returns or raises.
+
+    Attributes:
+        rewards_per_func: [N_global, K] sequence rewards (`_calculate_rewards`).
+        dense_rewards: [B, T_max] weighted dense rewards of the local completions, or None.
+        sampled_routing: R3: per-sequence sampler routing ([p_i + c_i, layers, k]) from HF generate or a rollout_func.
+        routing: The batch's routing in trainer layout ([B, P + T, layers, k]) once a rollout pass has run.
+    """
+
+    rewards_per_func: torch.Tensor | None = None
+    dense_rewards: torch.Tensor | None = None
+    sampled_routing: list[torch.Tensor] | None = None
+    routing: torch.Tensor | None = None
+
+
+class GRPOTrainer(trl.GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
-    filters, dense rewards, dynamic sampling, overlong penalty and NaN-reward handling.
+    filters, dense rewards, dynamic sampling, overlong penalty, NaN-reward handling and MoE routing replay.
 
     Args:
         Same as `trl.GRPOTrainer`; `args` may be a `trl_stable.GRPOConfig` (a plain `trl.GRPOConfig` works too, with
         every trl_stable option off). Reward functions marked with `trl_stable.rewards.dense_reward` return per-token
         rewards and are called after the sequence-level ones (see `trl_stable.rewards.dense`).
+
+    Routing replay (``routing_replay``) runs at four named points, all in this class: `_generate_single_turn` /
+    `_generate` (R3: the sampler's routing), `_get_per_token_logps_and_entropies` (TRL's old-logprob pass: R2
+    records, R3 replays; the reference pass is recognised by `trl_internals.is_reference_pass` and never replayed),
+    `_compute_proximal_logps` (trl_stable's own rollout pass, likewise) and `_compute_loss` (the updates replay the
+    routing that travels in the batch under ``"routed_experts"``).
     """
 
     _tag_names = ["trl", "grpo", "trl_stable"]
@@ -467,10 +450,9 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
                 f"reward_weights has {len(args.reward_weights)} entries but {len(funcs)} reward functions were "
                 "passed in reward_funcs (dense ones included); give one weight per reward function."
             )
+        self._rollout: RolloutRecord | None = None  # set only inside `_rollout_record`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
         self._nan_dropped_total = 0
-        self._batch_rewards_per_func: torch.Tensor | None = None
-        self._batch_dense_rewards: torch.Tensor | None = None
         self._split_dense_reward_funcs()
         self._num_user_reward_funcs = len(self.reward_funcs)
         if self._opt("overlong_penalty_tokens") is not None:
@@ -483,11 +465,15 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+        self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
+        if self.routing.mode == "R3":
+            self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
         self.health_monitor = attach_health_monitor(self)
         self.step_masker = (
             CompletionStepMasker(tools=self._opt("step_mask_tools")) if self._opt("step_loss_mask") else None
         )
+        logger.info(self.describe_paths())
 
     # ------------------------------------------------------------------ options
     def _opt(self, name: str) -> Any:
@@ -496,6 +482,26 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
 
     def _advantage_settings(self) -> dict[str, Any] | None:
         return self.args.advantage_settings if isinstance(self.args, GRPOConfig) else None
+
+    def describe_paths(self) -> str:
+        """One line naming the active advantage, loss, decoupled-loss, filter and routing paths (logged at start)."""
+        settings = self._advantage_settings()
+        estimator = self._opt("advantage_estimator")
+        advantages = f"{estimator} (TRL)" if settings is None else f"{settings['estimator']} (trl_stable)"
+        loss = f"{self.loss_type} (TRL"
+        loss += ", sequence-level IS)" if self.importance_sampling_level == "sequence" else ")"
+        name = self._opt("token_filter")
+        if name is None:
+            token_filter = "off"
+        else:
+            lower, upper = self.args.filter_bounds
+            band = f"{lower},{upper}" if lower is not None else f"{upper}"
+            token_filter = f"{name}[{band}] {self._opt('token_filter_level')}/{self._opt('token_filter_action')}"
+        decoupled = "on" if self._opt("use_decoupled_loss") else "off"
+        return (
+            f"trl_stable GRPO: advantages={advantages}, loss={loss}, decoupled={decoupled}, filter={token_filter}, "
+            f"routing={self.routing.mode}"
+        )
 
     def _needs_sampler_logps(self) -> bool:
         """Whether HF generation must record the sampler's log-probs (extend in subclasses that need them)."""
@@ -524,96 +530,165 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         self.reward_weights = self.reward_weights[keep].clone()
 
     def _log(self, name: str, value: float) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode][name].append(float(value))
+        log_metric(self, name, value)
 
-    # ------------------------------------------------------------------ generation
+    def _log_routing(self, prefix: str) -> None:
+        for name, value in self.routing.take_metrics(prefix).items():
+            self._log(name, value)
+
+    def _check_r3_support(self) -> None:
+        """Raise ValueError when this trainer's generation cannot hand R3 the sampler's routing."""
+        if self.use_vllm and self.rollout_func is None:
+            raise ValueError(
+                "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
+                "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
+                "routing_replay='R2'."
+            )
+        if self.use_transformers_continuous_batching or self.tools:
+            raise ValueError(
+                "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
+                "continuous batching or tool calling. Fix: use routing_replay='R2'."
+            )
+
+    # ------------------------------------------------------------------ the per-call record (TRL-imposed channel)
+    @contextmanager
+    def _rollout_record(self) -> Iterator[RolloutRecord]:
+        """Open the record the hooks of one `_generate_and_score_completions` call fill; always dropped after."""
+        record = RolloutRecord()
+        self._rollout = record
+        try:
+            yield record
+        finally:
+            self._rollout = None
+
+    # ------------------------------------------------------------------ generation (routing point: sampling)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self.use_vllm or self.use_transformers_continuous_batching or not self._needs_sampler_logps():
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        hf_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
+        record_logps = hf_generate and self._needs_sampler_logps()
+        record_routing = hf_generate and self.routing.mode == "R3" and self._rollout is not None
+        if not (record_logps or record_routing):
+            return super()._generate_single_turn(*args)
+        with ExitStack() as stack:
+            recorder = sampled = None
+            if record_logps:
+                recorder = stack.enter_context(record_sampler_logps(self.accelerator.unwrap_model(self.model_wrapped)))
+            if record_routing:
+                sampled = stack.enter_context(self.routing.sampling())
+            completion_ids, logprobs = super()._generate_single_turn(*args)
+        if sampled is not None:
+            self._rollout.sampled_routing = sampled.per_sequence(
+                [len(p) for p in prompt_ids], [len(c) for c in completion_ids]
             )
-        with record_sampler_logps(self.accelerator.unwrap_model(self.model_wrapped)) as recorder:
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        if recorder is not None:
+            logprobs = recorder.per_token_logps(completion_ids)
+        return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        if self.routing.mode == "R3" and self._rollout is not None:
+            extra_fields = result[5]  # see trl_internals.GRPO_MEMBERS: `_generate` returns an 8-tuple
+            routed = extra_fields.pop(ROUTED_EXPERTS_KEY, None) if isinstance(extra_fields, dict) else None
+            if routed is not None:
+                self._rollout.sampled_routing = [torch.as_tensor(r) for r in routed]
+            if self._rollout.sampled_routing is None:
+                raise RuntimeError(
+                    "routing_replay='R3' got no routing from the sampler: the rollout_func must return "
+                    f"'{ROUTED_EXPERTS_KEY}'."
+                )
+        return result
+
+    # ------------------------------------------------------------------ TRL's no-grad passes (routing point: rollout)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        record = self._rollout
+        if (
+            record is None  # outside TRL's batch building: the updates (replayed in `_compute_loss`)
+            or not self.routing.active
+            or torch.is_grad_enabled()
+            or is_reference_pass(self, model)  # the KL reference keeps its own routing
+        ):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
-        return completion_ids, recorder.per_token_logps(completion_ids)
+        # TRL's old-logprob pass of the policy on this call's batch: R2 records, R3 replays the sampler's routing
+        sampled = None
+        if record.sampled_routing is not None:
+            sampled = batch_routing(record.sampled_routing, attention_mask, input_ids.shape[1] - logits_to_keep)
+        with self.routing.rollout_pass(attention_mask, sampled) as rollout:
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        record.routing = rollout.routing
+        if sampled is not None:
+            self._log_routing("routing/rollout_")
+        return out
 
     # ------------------------------------------------------------------ rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._batch_rewards_per_func = rewards_per_func
+        check_finite_rewards(rewards_per_func, self.reward_func_names)
         if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
             raise ValueError(
                 f"Every reward function ({', '.join(self.reward_func_names)}) returned NaN/None for every completion "
                 "of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN usually comes "
                 "from a failed parse or API call)."
             )
-        self._batch_dense_rewards = None
-        if self.dense_reward_funcs:
-            self._batch_dense_rewards = self._calculate_dense_rewards(
-                inputs, prompts, completions, completion_ids_list, rewards_per_func
-            )
+        if self._rollout is not None:
+            self._rollout.rewards_per_func = rewards_per_func
+            if self.dense_reward_funcs:
+                self._rollout.dense_rewards = self._calculate_dense_rewards(
+                    inputs, prompts, completions, completion_ids_list, rewards_per_func
+                )
         return rewards_per_func
 
     def _calculate_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Call the dense reward functions; returns their weighted sum [B, T_max] on the local completions."""
-        device = self.accelerator.device
         num_local = len(prompts)
         start = self.accelerator.process_index * num_local
         user = rewards_per_func[start : start + num_local, : self._num_user_reward_funcs]
-        env_rewards = _weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
-
-        keys = [key for key in inputs[0] if key not in ("prompt", "completion", "completion_ids")]
-        kwargs = {key: [example[key] for example in inputs] for key in keys}
-        kwargs.update(
-            trainer_state=self.state,
-            log_extra=self._log_completion_extra,
-            log_metric=self._log_metric,
-            env_rewards=env_rewards.tolist(),
+        env_rewards = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
+        kwargs = reward_kwargs(self, inputs)
+        kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
+        kwargs["env_rewards"] = env_rewards.tolist()
+        dense = collect_dense_rewards(
+            self.dense_reward_funcs,
+            self.dense_reward_func_names,
+            self.dense_reward_weights.tolist(),
+            [len(ids) for ids in completion_ids_list],
+            call=lambda func: call_reward_func(self, func, **kwargs),
         )
-        if self.environments is not None:
-            kwargs["environments"] = self.environments
+        for name, value in dense.metrics.items():
+            self._log(name, value)
+        return dense.as_tensor(device=self.accelerator.device)
 
-        lengths = [len(ids) for ids in completion_ids_list]
-        total = torch.zeros(num_local, max(lengths, default=0), device=device)
-        for func, name, weight in zip(
-            self.dense_reward_funcs, self.dense_reward_func_names, self.dense_reward_weights
-        ):
-            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids_list, **kwargs)
-            if is_async_callable(func):
-                out = asyncio.run_coroutine_threadsafe(out, self.async_loop).result()
-            rows = validate_dense_rewards(out, lengths, name=f"reward function '{name}'")
-            nan_tokens = 0
-            func_sum = 0.0
-            for i, row in enumerate(rows):
-                if has_nan(row):
-                    nan_tokens += sum(v != v for v in row)
-                    row = [0.0 if v != v else v for v in row]
-                func_sum += sum(row)
-                total[i, : len(row)] += float(weight) * torch.tensor(row, device=device)
-            if nan_tokens:
-                logger.warning(f"Dense reward function '{name}' returned {nan_tokens} NaN token reward(s); used 0.")
-            self._log(f"rewards/{name}/nan_tokens", nan_tokens)
-            # this function's own (unweighted) mean per completion token, like TRL's rewards/<name>/mean
-            self._log(f"rewards/{name}/token_mean", func_sum / max(sum(lengths), 1))
-        return total
-
-    # ------------------------------------------------------------------ batch post-processing
+    # ------------------------------------------------------------------ batch building
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        output = self._postprocess_generation(output)
+        output, keep = self._generate_and_score_round(inputs)
+        if self._opt("dynamic_sampling_max_refills") > 0 and self.model.training and keep is not None:
+            output = self._refill_dynamic_sampling(output, keep, len(inputs))
+        if self._opt("use_decoupled_loss"):
+            self._apply_decoupled_loss(output)
         log_generation_mismatch(self, output)  # no-op unless the batch carries sampler log-probs
-        if self._opt("dynamic_sampling_max_refills") > 0 and self.model.training:
-            output = self._refill_dynamic_sampling(output, len(inputs))
         return output
 
-    def _postprocess_generation(self, output: dict[str, Any]) -> dict[str, Any]:
-        """trl_stable's steps on TRL's generation batch; each one is a no-op while its option is off."""
-        rewards_per_func = self._batch_rewards_per_func
+    def _generate_and_score_round(self, inputs) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """One TRL generation + scoring round, post-processed; returns the batch and dynamic sampling's [B] keep."""
+        with self._rollout_record() as record:
+            output = super()._generate_and_score_completions(inputs)
+        return self._postprocess_generation(output, record)
+
+    def _postprocess_generation(
+        self, output: dict[str, Any], record: RolloutRecord
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """trl_stable's steps on one round of TRL's batch; each one is a no-op while its option is off.
+
+        Returns the batch and, with dynamic sampling, the [B] mask of the rows it keeps (else None).
+        """
+        self._attach_routing(output, record)
+        rewards_per_func = record.rewards_per_func
         if rewards_per_func is None:  # a subclass or rollout path that bypassed _calculate_rewards
-            return output
-        mode = "train" if self.model.training else "eval"
+            return output, None
+        mode = train_mode(self)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         num_local = output["completion_ids"].size(0)
         local = slice(self.accelerator.process_index * num_local, (self.accelerator.process_index + 1) * num_local)
@@ -626,10 +701,7 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             advantages = torch.nan_to_num(advantages, nan=0.0)
             output["advantages"] = advantages[local].to(output["advantages"].dtype)
             # TRL logged its own advantages for the completions table; show the ones that are trained on
-            logged = self._logs["advantages"]
-            for _ in range(min(len(logged), advantages.numel())):
-                logged.pop()
-            logged.extend(advantages.tolist())
+            replace_logged_advantages(self, advantages.tolist())
         elif self._opt("advantage_estimator") == "gdpo":
             self._log_per_reward_advantages(rewards_per_func, group_ids)
 
@@ -645,11 +717,12 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
                 drop |= unscorable
             self._log("rewards/nan_dropped", float(count))
             self._log("rewards/nan_dropped_total", float(self._nan_dropped_total))
+        keep = None
         if self._opt("dynamic_sampling"):
-            zero_var = zero_variance_groups(_weighted_reward_sum(rewards_per_func, self.reward_weights), group_ids)
+            zero_var = zero_variance_groups(weighted_reward_sum(rewards_per_func, self.reward_weights), group_ids)
             self._log("dynamic_sampling/frac_groups_dropped", zero_var.view(-1, num_generations)[:, 0].float().mean())
             drop |= zero_var
-            self._batch_dynamic_keep = ~zero_var[local]
+            keep = ~zero_var[local]
             if zero_var.all():
                 logger.warning("Dynamic sampling dropped every group of this batch (all rewards equal within groups).")
         if drop.any():  # decided on the gathered rewards, so every process takes this branch together
@@ -657,8 +730,8 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         if self.step_masker is not None:  # a config option, so every process takes this branch together
             self._apply_step_mask(output)
 
-        if self._batch_dense_rewards is not None:
-            dense = self._batch_dense_rewards
+        if record.dense_rewards is not None:
+            dense = record.dense_rewards
             width = output["completion_ids"].size(1)
             dense = torch.nn.functional.pad(dense, (0, width - dense.size(1)))[:, :width]
             output["advantages"] = dense_advantages(
@@ -668,11 +741,16 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
                 coef=self._opt("dense_reward_coef"),
                 gamma=self._opt("dense_reward_gamma"),
             )
-        if self._opt("use_decoupled_loss"):
-            self._apply_decoupled_loss(output)
-        self._batch_rewards_per_func = None
-        self._batch_dense_rewards = None
-        return output
+        return output, keep
+
+    def _attach_routing(self, output: dict[str, Any], record: RolloutRecord) -> None:
+        """Put the round's routing in the batch (``routed_experts``), where shuffling and splitting keep it aligned."""
+        routing = record.routing
+        if routing is None and record.sampled_routing is not None:  # R3 without a TRL old-logprob pass
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            routing = batch_routing(record.sampled_routing, attention_mask, output["prompt_ids"].shape[1])
+        if routing is not None:
+            output[ROUTED_EXPERTS_KEY] = routing
 
     # ------------------------------------------------------------------ dynamic sampling refill
     def _refill_prompts(self, num_rows: int) -> list[dict[str, Any]]:
@@ -689,17 +767,16 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         indices = torch.randint(len(self.train_dataset), (num_prompts,), generator=self._refill_generator).tolist()
         return [dict(self.train_dataset[i]) for i in indices for _ in range(self.num_generations)]
 
-    def _refill_dynamic_sampling(self, output: dict[str, Any], num_inputs: int) -> dict[str, Any]:
+    def _refill_dynamic_sampling(self, output: dict[str, Any], keep: torch.Tensor, num_inputs: int) -> dict[str, Any]:
         """DAPO's fixed-size dynamic sampling: replace dropped rows by informative rows from extra generations.
 
         Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
         prompts; the loop stops when every process has `num_inputs` kept rows or after
         `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows).
         """
-        if any(key in output for key in _FORWARD_KEYS):
+        if forward_kwargs(output):
             raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
-        keep = getattr(self, "_batch_dynamic_keep", None)
-        if keep is None or keep.all():
+        if keep.all():
             return output
         kept = [self._select_rows(output, keep)]
         spare = [self._select_rows(output, ~keep)]
@@ -710,10 +787,7 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
             if self.accelerator.gather(shortfall).max().item() <= 0:  # a global decision: processes stay in step
                 break
-            self._batch_dynamic_keep = None
-            more = super()._generate_and_score_completions(self._refill_prompts(rows_per_round))
-            more = self._postprocess_generation(more)
-            more_keep = self._batch_dynamic_keep
+            more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
             kept.append(self._select_rows(more, more_keep))
             spare.append(self._select_rows(more, ~more_keep))
             num_kept += int(more_keep.sum().item())
@@ -722,7 +796,6 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         self._log("dynamic_sampling/frac_batch_filled", min(num_kept, num_inputs) / num_inputs)
         merged = self._concat_rows(kept + spare)
         merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
-        self._batch_dynamic_keep = None
         num_items = self._loss_mask(merged).sum()
         merged["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
         return merged
@@ -745,7 +818,7 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         if any("tool_mask" in part for part in parts):  # only batches that dropped something carry one
             for part in parts:
                 part.setdefault("tool_mask", torch.ones_like(part["completion_mask"]))
-        pad_id = self._tokenizer.pad_token_id
+        pad_id = tokenizer_of(self).pad_token_id
         merged = dict(parts[0])
         for key, value in parts[0].items():
             if not torch.is_tensor(value) or value.dim() == 0:
@@ -766,13 +839,16 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             merged[key] = torch.cat(values, dim=0)
         return merged
 
+    # ------------------------------------------------------------------ advantages
     def _compute_sequence_advantages(
         self, rewards_per_func: torch.Tensor, group_ids: torch.Tensor, settings: dict[str, Any]
     ) -> torch.Tensor:
-        """Sequence advantages [N] over the gathered batch for the estimators TRL lacks (NaN where unscorable)."""
-        rewards = _weighted_reward_sum(rewards_per_func, self.reward_weights)
-        if settings["estimator"] == "ngrpo":
-            r_max = self._opt("ngrpo_r_max")
+        """Sequence advantages [N] over the gathered batch from the registered estimator (NaN where unscorable)."""
+        params = dict(settings)
+        name = params.pop("estimator")
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        if name == "ngrpo":
+            r_max = params["r_max"]
             top = torch.nan_to_num(rewards, nan=r_max).max().item()
             if top > r_max and not getattr(self, "_warned_ngrpo_r_max", False):
                 self._warned_ngrpo_r_max = True  # once: the virtual sample must carry the best achievable reward
@@ -780,17 +856,13 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
                     f"A reward ({top:.4g}) exceeds ngrpo_r_max={r_max}; NGRPO's virtual samples should carry the "
                     "maximum reward: set ngrpo_r_max to it or rescale the rewards."
                 )
-            advantages = ngrpo_advantages(rewards, group_ids, r_max, self._opt("ngrpo_num_virtual"), settings["eps"])
-        else:
-            advantages = normalize(
-                rewards,
-                group_ids,
-                mean_level=settings["mean_level"],
-                std_level=settings["std_level"],
-                leave_one_out=settings["leave_one_out"],
-                unbiased=settings["unbiased"],
-                eps=settings["eps"],
-            )
+        inputs = AdvantageInputs(
+            rewards,
+            group_ids=group_ids,
+            rewards_per_func=rewards_per_func,
+            reward_weights=self.reward_weights.to(rewards_per_func.device),
+        )
+        advantages = get_advantage_estimator(name)(inputs, **params).advantages
         self._log_per_reward_advantages(rewards_per_func, group_ids)
         self._log("advantages/mean", torch.nanmean(advantages).item())
         self._log("advantages/std", nanstd(advantages).item())
@@ -804,16 +876,18 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             self._log(f"advantages/{name}/std", nanstd(z).item())
             self._log(f"advantages/{name}/abs_mean", torch.nanmean(z.abs()).item())
 
+    # ------------------------------------------------------------------ loss masks
     @staticmethod
     def _loss_mask(output: dict[str, Any]) -> torch.Tensor:
         mask = output["completion_mask"]
         return mask if output.get("tool_mask") is None else mask * output["tool_mask"]
 
-    def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor) -> None:
-        """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss and from its token normaliser.
+    def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor, renormalize: bool = True) -> None:
+        """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss (TRL's `tool_mask` channel).
 
-        The attention mask is left alone (TRL's `tool_mask` channel carries the loss mask), so the kept tokens'
-        log-probs do not change. Collective across processes: call it on every process or on none.
+        The attention mask is left alone, so the kept tokens' log-probs do not change. With `renormalize` the
+        removed tokens also leave the token normaliser `num_items_in_batch` (collective across processes: call it
+        on every process or on none).
         """
         mask = output["completion_mask"]
         if keep.dim() == 1:
@@ -821,8 +895,9 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
         keep = keep.to(device=mask.device, dtype=mask.dtype)
         tool_mask = output.get("tool_mask")
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
-        num_items = self._loss_mask(output).sum()
-        output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+        if renormalize:
+            num_items = self._loss_mask(output).sum()
+            output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
 
     def _apply_step_mask(self, output: dict[str, Any]) -> None:
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
@@ -832,28 +907,44 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             self._log(name, value)
         self._apply_loss_mask(output, keep)
 
-    # ------------------------------------------------------------------ decoupled loss
+    # ------------------------------------------------------------------ decoupled loss (routing point: rollout)
     @torch.no_grad()
     def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient)."""
-        mode = "train" if self.model.training else "eval"
+        """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient).
+
+        With routing replay it is a rollout pass: R3 replays the batch's (sampler) routing, R2 records the routing of
+        this pass into the batch.
+        """
+        mode = train_mode(self)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if key in output}
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        sampled = output.get(ROUTED_EXPERTS_KEY) if self.routing.mode == "R3" else None
+        with ExitStack() as stack:
+            stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
+            rollout = stack.enter_context(self.routing.rollout_pass(attention_mask, sampled))
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
                 attention_mask,
                 output["completion_ids"].size(1),
                 batch_size=batch_size,
-                **forward_kwargs,
+                **forward_kwargs(output),
             )
+        if self.routing.mode == "R2":
+            output[ROUTED_EXPERTS_KEY] = rollout.routing
+        elif sampled is not None:
+            self._log_routing("routing/rollout_")
         return logps
 
     def _apply_decoupled_loss(self, output: dict[str, Any]) -> None:
-        """Fold the behaviour weight and the token filter into (B, T) advantages (see `fold_behaviour_weight`)."""
+        """Fold the behaviour weight and the token filter into (B, T) advantages (see `fold_behaviour_weight`).
+
+        With sequence-level importance sampling (GSPO) a masking filter also leaves TRL's loss mask, so the filtered
+        tokens do not enter the sequence log-ratio, which TRL averages over that mask (as AReaL averages it over the
+        kept tokens). `num_items_in_batch` keeps the pre-filter count, so the dapo/cispo/dr_grpo normalisers stay the
+        pre-mask count; TRL's "grpo"/"bnpo" normalisers read the mask itself and count the kept tokens only.
+        """
         behav = output.get("sampling_per_token_logps")
         if behav is None:
             raise RuntimeError(
@@ -872,34 +963,17 @@ class GRPOTrainer(GRPORoutingReplayMixin, trl.GRPOTrainer):
             prox, behav, mask, name, self._opt("token_filter_action"), lower, upper, self._opt("token_filter_level")
         )
         output["advantages"] = fold_behaviour_weight(output["advantages"], weight, keep)
-        self._log_behaviour_metrics(mask, raw_weight, weight, keep, name)
+        if keep is not None and self.importance_sampling_level == "sequence":
+            self._apply_loss_mask(output, keep, renormalize=False)
+        metrics = behaviour_filter_metrics(mask, raw_weight, weight, keep, name, gather=self.accelerator.gather)
+        for metric, value in metrics.items():
+            self._log(metric, value)
 
-    def _log_behaviour_metrics(self, mask, raw, weight, keep, name) -> None:
-        """Stats of the behaviour weight `raw` (before any clamp) and what the filter (`keep`) or clamp changed."""
-        maskb = mask.bool()
-        stats = torch.stack(
-            [
-                (raw * maskb).sum(),
-                maskb.sum().float(),
-                torch.where(maskb, raw, torch.zeros_like(raw)).max(),
-                torch.where(maskb, raw, torch.full_like(raw, float("inf"))).min(),
-            ]
-        )
-        gathered = self.accelerator.gather(stats.unsqueeze(0)).view(-1, 4)
-        self._log("behaviour_weight/mean", (gathered[:, 0].sum() / gathered[:, 1].sum().clamp(min=1)).item())
-        self._log("behaviour_weight/max", gathered[:, 2].max().item())
-        min_w = gathered[:, 3].min().item()
-        self._log("behaviour_weight/min", min_w if min_w != float("inf") else 1.0)
-        if keep is not None:
-            has_tokens = maskb.any(dim=1)
-            dropped_tokens = (maskb & ~keep).sum().float()
-            dropped_seqs = (has_tokens & (maskb & ~keep).any(dim=1)).sum().float()
-            counts = torch.stack([dropped_tokens, maskb.sum().float(), dropped_seqs, has_tokens.sum().float()])
-            totals = self.accelerator.gather(counts.unsqueeze(0)).view(-1, 4).sum(dim=0)
-            self._log(f"token_filter/{name}/masked_token_frac", (totals[0] / totals[1].clamp(min=1)).item())
-            self._log(f"token_filter/{name}/masked_seq_frac", (totals[2] / totals[3].clamp(min=1)).item())
-        elif name is not None:
-            clamped = ~torch.isclose(weight, raw) & maskb
-            totals = self.accelerator.gather(torch.stack([clamped.sum().float(), maskb.sum().float()]).unsqueeze(0))
-            totals = totals.view(-1, 2).sum(dim=0)
-            self._log(f"token_filter/{name}/clamped_token_frac", (totals[0] / totals[1].clamp(min=1)).item())
+    # ------------------------------------------------------------------ the updates (routing point: update)
+    def _compute_loss(self, model, inputs):
+        routing = inputs.get(ROUTED_EXPERTS_KEY)
+        with self.routing.update_pass(routing):
+            loss = super()._compute_loss(model, inputs)
+        if self.routing.active and routing is not None:
+            self._log_routing("routing/")
+        return loss

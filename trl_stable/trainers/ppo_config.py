@@ -168,9 +168,9 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
     bootstrap_truncated: bool = field(
         default=False,
         metadata={
-            "help": "Bootstrap responses that did not end with EOS from the value after their last token (partial-episode "
-            "bootstrapping, Pardo et al. 2018, arXiv 1712.00378). "
-            "Off by default: with a sequence score on the last token (RELC), the cut is the episode's end."
+            "help": "Bootstrap responses that did not end with EOS from the value after their last token "
+            "(partial-episode bootstrapping, Pardo et al. 2018, arXiv 1712.00378). Off by default: with a sequence "
+            "score on the last token (RELC), the cut is the episode's end."
         },
     )
 

@@ -1,0 +1,189 @@
+"""Contract tests: each private TRL / transformers member named in `trl_stable.trl_internals` is what we rely on.
+
+A TRL or transformers upgrade that renames a member, reorders its parameters, changes its return arity or the keys of
+its batch dict, or rewrites logic trl_stable mirrors fails here, with the member's name in the message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import transformers
+import trl
+from datasets import Dataset
+
+from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable.testing import build_causal_lm
+from trl_stable.trl_internals import (
+    GRPO_BATCH_KEYS,
+    GRPO_MEMBERS,
+    GRPO_OPTIONAL_BATCH_KEYS,
+    MIRRORED,
+    TRANSFORMERS_MEMBERS,
+    forward_kwargs,
+    is_reference_pass,
+    multimodal_forward_keys,
+)
+
+
+def _resolve(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS if m.kind != "attribute"]
+ATTRIBUTES = [m for m in GRPO_MEMBERS if m.kind == "attribute"]
+
+
+@pytest.mark.parametrize("member", METHODS, ids=lambda m: f"{m.owner}.{m.name}")
+def test_method_exists_with_the_parameters_we_pass(member):
+    owner = _resolve(member.owner)
+    assert hasattr(owner, member.name), f"{member.owner}.{member.name} is gone (used in {', '.join(member.used_in)})"
+    params = [p for p in inspect.signature(getattr(owner, member.name)).parameters if p != "self"]
+    assert tuple(params[: len(member.params)]) == member.params, (
+        f"{member.owner}.{member.name}: trl_stable relies on the leading parameters {member.params}, TRL now has "
+        f"{tuple(params)} (used in {', '.join(member.used_in)})"
+    )
+
+
+def test_multimodal_forward_keys_are_the_ones_trl_forwards():
+    # if TRL adds one, trl_stable follows it; this pins the set so the change is noticed and reviewed
+    assert set(multimodal_forward_keys()) == {
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    }, "trl.GRPOTrainer._get_per_token_logps_and_entropies: its multimodal parameters changed"
+    assert forward_kwargs({"pixel_values": 1, "prompt_ids": 2}) == {"pixel_values": 1}
+
+
+@pytest.mark.parametrize("mirror", MIRRORED, ids=lambda m: m.ours)
+def test_mirrored_trl_logic_is_unchanged(mirror):
+    owner, _, name = mirror.trl_member.rpartition(".")
+    source = inspect.getsource(getattr(_resolve(owner), name))
+    for snippet in mirror.snippets:
+        assert snippet in source, (
+            f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} mirrors: update {mirror.ours}"
+        )
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+class _Recorder(GRPOTrainer):
+    """Records what TRL's members returned, through trl_stable's overrides."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        out = super()._generate_single_turn(*args, **kwargs)
+        self.single_turn_out = out
+        return out
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        self.generate_out = out
+        return out
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        self.logps_out = out
+        return out
+
+    def _calculate_rewards(self, inputs, prompts, *args):
+        out = super()._calculate_rewards(inputs, prompts, *args)
+        self.rewards_out, self.num_prompts = out, len(prompts)
+        return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from trl_stable.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    args = GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("internals")), per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=4, num_iterations=2, max_steps=1, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, seed=0,
+    )  # fmt: skip
+    trainer = _Recorder(
+        model=build_causal_lm("qwen2", tokenizer, seed=0), reward_funcs=_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["the cat sat", "hello there"]}), processing_class=tokenizer,
+    )  # fmt: skip
+    batch = trainer._generate_and_score_completions([{"prompt": "the cat sat"}] * 2 + [{"prompt": "hello"}] * 2)
+    return trainer, batch
+
+
+def test_return_arities_on_a_tiny_model(trained):
+    trainer, _ = trained
+    assert len(trainer.single_turn_out) == 2, "trl.GRPOTrainer._generate_single_turn: expected (ids, logprobs)"
+    assert len(trainer.generate_out) == 8, "trl.GRPOTrainer._generate: expected an 8-tuple"
+    assert isinstance(trainer.generate_out[5], dict), "trl.GRPOTrainer._generate: extra_fields (index 5) not a dict"
+    assert len(trainer.logps_out) == 3, "trl.GRPOTrainer._get_per_token_logps_and_entropies: expected a 3-tuple"
+    rewards = trainer.rewards_out
+    assert rewards.shape == (trainer.num_prompts, 1), "trl.GRPOTrainer._calculate_rewards: expected [N, K]"
+
+
+def test_batch_dict_keys_we_read(trained):
+    _, batch = trained
+    missing = [key for key in GRPO_BATCH_KEYS if key not in batch]
+    assert not missing, f"trl.GRPOTrainer._generate_and_score_completions no longer returns {missing}"
+    # num_iterations=2 makes TRL return the old log-probs
+    key = "old_per_token_logps"
+    assert key in GRPO_OPTIONAL_BATCH_KEYS and batch[key].shape == batch["completion_ids"].shape, key
+
+
+@pytest.mark.parametrize("member", ATTRIBUTES, ids=lambda m: m.name)
+def test_private_attributes_we_read(trained, member):
+    trainer, _ = trained
+    if member.name == "async_loop":  # created only when a reward function is async
+        source = inspect.getsource(trl.GRPOTrainer.__init__)
+        assert "self.async_loop" in source, "trl.GRPOTrainer.async_loop is no longer created in __init__"
+        return
+    assert hasattr(trainer, member.name), f"{member.owner}.{member.name} is gone (used in {member.used_in})"
+    if member.name == "_metrics":
+        assert set(trainer._metrics) == {"train", "eval"}, "trl.GRPOTrainer._metrics: keys are not train/eval"
+    if member.name == "_logs":
+        assert "advantages" in trainer._logs, "trl.GRPOTrainer._logs has no 'advantages' column"
+
+
+def test_logits_processor_patch_point_returns_a_list():
+    assert hasattr(transformers.GenerationMixin, "_get_logits_processor")
+    from trl_stable.sampler_logprobs import record_sampler_logps
+    from trl_stable.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_causal_lm("qwen2", tokenizer, seed=0).eval()
+    ids = torch.tensor([tokenizer("the cat").input_ids])
+    with record_sampler_logps(model) as recorder:
+        out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=True)
+    completion = out[0, ids.shape[1] :].tolist()
+    logps = recorder.per_token_logps([completion])[0]
+    assert len(logps) == 3 and all(v <= 0 for v in logps), "GenerationMixin._get_logits_processor: recorder unused"
+    assert "_get_logits_processor" not in vars(model)
+
+
+def test_is_reference_pass_reads_the_model_state(trained):
+    peft = pytest.importorskip("peft")
+    trainer, _ = trained
+    from trl_stable.testing import build_tokenizer
+
+    model = peft.get_peft_model(
+        build_causal_lm("qwen2", build_tokenizer(), seed=0),
+        peft.LoraConfig(r=2, target_modules=["q_proj"], lora_alpha=4),
+    )
+    assert not is_reference_pass(trainer, model)
+    with model.disable_adapter():
+        assert is_reference_pass(trainer, model)
+    assert not is_reference_pass(trainer, model)
+    assert not is_reference_pass(trainer, trainer.model)
+    if trainer.ref_model is not None:
+        assert is_reference_pass(trainer, trainer.ref_model)

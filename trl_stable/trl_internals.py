@@ -1,0 +1,337 @@
+"""Every private TRL / transformers member trl_stable relies on, named in one place, with what we rely on.
+
+trl_stable extends `trl.GRPOTrainer` by overriding some of its private methods and reading some of its private
+attributes; none of them is TRL's public API, and several changed signature or return arity between TRL releases.
+This module lists them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`]), owns the small accessors that replace scattered
+private access (`log_metric`, `replace_logged_advantages`, `reward_kwargs`, ...), and names the TRL logic trl_stable
+had to mirror because TRL offers no helper ([`MIRRORED`]). `tests/test_trl_internals.py` checks every entry against
+the installed TRL, so an upgrade fails there, naming the member, instead of deep inside a training step.
+
+The TRL-imposed channel. TRL's `_generate_and_score_completions` calls `_calculate_rewards`, `_generate`,
+`_generate_single_turn` and `_get_per_token_logps_and_entropies` and keeps what they return to itself (the batch dict
+it returns has no rewards, no sampler routing). trl_stable's override therefore opens one per-call record
+(`trl_stable.trainers.grpo.RolloutRecord`, a context manager, reset when the call ends, also on error) that those
+hooks fill; nothing else carries one batch's values between methods.
+
+The version gate (`trl_stable._compat`) stays: it turns an unsupported TRL into one clear ImportError at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "GRPO_BATCH_KEYS",
+    "GRPO_MEMBERS",
+    "GRPO_OPTIONAL_BATCH_KEYS",
+    "MIRRORED",
+    "REF_ADAPTER_NAME",
+    "TRANSFORMERS_MEMBERS",
+    "Member",
+    "Mirrored",
+    "call_reward_func",
+    "forward_kwargs",
+    "is_reference_pass",
+    "log_metric",
+    "multimodal_forward_keys",
+    "replace_logged_advantages",
+    "reward_kwargs",
+    "tokenizer_of",
+    "train_mode",
+]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One private member of a TRL / transformers class that trl_stable uses.
+
+    Attributes:
+        owner: Dotted path of the class (``"trl.GRPOTrainer"``).
+        name: The member's name.
+        kind: "override" (trl_stable overrides it and calls ``super()``), "call" (trl_stable calls it), "attribute"
+            (read on an instance) or "patch" (replaced on an instance for the duration of a call).
+        params: For methods: the leading parameters (after ``self``) trl_stable passes or accepts, in order.
+        returns: What trl_stable relies on in the return value (arity, type, keys).
+        used_in: The trl_stable modules that use it.
+    """
+
+    owner: str
+    name: str
+    kind: str
+    params: tuple[str, ...] = ()
+    returns: str = ""
+    used_in: tuple[str, ...] = ()
+
+
+_GRPO = "trl.GRPOTrainer"
+# The leading parameters of `_get_per_token_logps_and_entropies`; the ones after them are multimodal inputs.
+_LOGPS_PARAMS = (
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
+_TRAINER_PY = ("trl_stable/trainers/grpo.py",)
+
+GRPO_MEMBERS: tuple[Member, ...] = (
+    Member(
+        _GRPO,
+        "_generate_and_score_completions",
+        "override",
+        ("inputs",),
+        "dict with GRPO_BATCH_KEYS (+ GRPO_OPTIONAL_BATCH_KEYS); every tensor of batch size B is shuffled and split "
+        "by TRL's `_prepare_inputs`, so trl_stable may add batch-first keys",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_generate",
+        "override",
+        ("prompts",),
+        "8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images); "
+        "extra_fields (index 5) is a dict holding a rollout_func's extra keys",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_generate_single_turn",
+        "override",
+        ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+        "2-tuple (completion_ids: list[list[int]], logprobs: list[list[float]] | None)",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_calculate_rewards",
+        "override",
+        ("inputs", "prompts", "completions", "completion_ids_list"),
+        "[N_global, K] float tensor, gathered over processes, NaN where a function returned None",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_get_per_token_logps_and_entropies",
+        "override",
+        _LOGPS_PARAMS,
+        "3-tuple (logps [B, T], entropies | None, aux_loss | None); the parameters after compute_aux_loss are the "
+        "multimodal forward keys (`multimodal_forward_keys`)",
+        _TRAINER_PY,
+    ),
+    Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
+    Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", ("trl_stable/trl_internals.py",)),
+    Member(_GRPO, "_log_metric", "call", ("name", "value"), "", ("trl_stable/trl_internals.py",)),
+    # attributes, read on an instance (checked on a tiny trainer)
+    Member(
+        _GRPO,
+        "_metrics",
+        "attribute",
+        returns='{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`',
+        used_in=("trl_stable/trl_internals.py", "trl_stable/monitoring/integration.py"),
+    ),
+    Member(
+        _GRPO,
+        "_logs",
+        "attribute",
+        returns='dict with an "advantages" list: the completions table\'s advantage column',
+        used_in=("trl_stable/trl_internals.py",),
+    ),
+    Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "async_loop",
+        "attribute",
+        returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
+        used_in=("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        _GRPO,
+        "environments",
+        "attribute",
+        returns="per-rollout environment instances or None (passed to reward functions)",
+        used_in=("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        _GRPO,
+        "num_generations_eval",
+        "attribute",
+        returns="group size in evaluation",
+        used_in=_TRAINER_PY,
+    ),
+)
+
+TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "transformers.GenerationMixin",
+        "_get_logits_processor",
+        "patch",
+        ("generation_config",),
+        "a LogitsProcessorList; trl_stable appends its sampler-log-prob recorder last",
+        ("trl_stable/sampler_logprobs.py",),
+    ),
+    Member(
+        "transformers.modeling_layers.GradientCheckpointingLayer",
+        "__call__",
+        "call",
+        returns="the decoder-layer class whose forward is recomputed under gradient checkpointing",
+        used_in=("trl_stable/moe/replay.py",),
+    ),
+)
+
+# Keys of TRL's `_generate_and_score_completions` output that trl_stable reads.
+GRPO_BATCH_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "num_items_in_batch",
+)
+# Present only in some configurations: old logps (num_iterations > 1 or vLLM IS), sampler logps (vLLM, rollout_func,
+# or HF generate recorded by trl_stable), reference logps (beta != 0), tool_mask (tools / env_mask), vLLM IS ratio.
+GRPO_OPTIONAL_BATCH_KEYS = (
+    "old_per_token_logps",
+    "sampling_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+    "importance_sampling_ratio",
+)
+
+# TRL's name for the copy of the initial adapter it loads as the reference of a re-trained PEFT adapter.
+REF_ADAPTER_NAME = "ref"
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """TRL logic trl_stable had to repeat because TRL offers no helper: where it lives and the lines we mirror.
+
+    The contract test asserts that every `snippets` line is still in the TRL member's source, so a TRL change to the
+    mirrored logic fails there, naming `ours`.
+    """
+
+    ours: str
+    trl_member: str
+    snippets: tuple[str, ...]
+
+
+MIRRORED: tuple[Mirrored, ...] = (
+    Mirrored(
+        "trl_stable.trl_internals.reward_kwargs",
+        "trl.GRPOTrainer._calculate_rewards",
+        (
+            'keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]',
+            'reward_kwargs["trainer_state"] = self.state',
+            'reward_kwargs["log_extra"] = self._log_completion_extra',
+            'reward_kwargs["log_metric"] = self._log_metric',
+            'reward_kwargs["environments"] = self.environments',
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trl_internals.call_reward_func",
+        "trl.GRPOTrainer._calculate_rewards",
+        ("asyncio.run_coroutine_threadsafe(_run_async_funcs(), self.async_loop).result()",),
+    ),
+    Mirrored(
+        "trl_stable.rewards.dense.weighted_reward_sum",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+            "rewards[unscorable_mask] = torch.nan",
+        ),
+    ),
+)
+
+# Parameters of `_get_per_token_logps_and_entropies` that are not multimodal forward inputs.
+_LOGPS_CORE_PARAMS = ("self", *_LOGPS_PARAMS)
+
+
+def multimodal_forward_keys() -> tuple[str, ...]:
+    """The batch keys TRL forwards to the policy besides ids and masks (pixel_values, image_grid_thw, ...).
+
+    Read from the signature of `trl.GRPOTrainer._get_per_token_logps_and_entropies`, TRL's own list, rather than
+    copied, so a TRL release that adds a multimodal input is followed automatically.
+    """
+    import trl
+
+    signature = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    return tuple(name for name in signature.parameters if name not in _LOGPS_CORE_PARAMS)
+
+
+def forward_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The multimodal forward inputs present in a GRPO batch, for `_get_per_token_logps_and_entropies`."""
+    return {key: batch[key] for key in multimodal_forward_keys() if key in batch}
+
+
+def train_mode(trainer: Any) -> str:
+    """ "train" or "eval": the key of TRL's per-mode metric and log buffers."""
+    return "train" if trainer.model.training else "eval"
+
+
+def log_metric(trainer: Any, name: str, value: float) -> None:
+    """Append a scalar to TRL's metric buffer (`_metrics[mode]`); TRL averages and logs it at the next `log`."""
+    trainer._metrics[train_mode(trainer)][name].append(float(value))
+
+
+def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None:
+    """Replace the advantages TRL just put in its completions table (`_logs["advantages"]`) by `advantages`."""
+    logged = trainer._logs["advantages"]  # a bounded deque in TRL 1.16: no slice deletion
+    for _ in range(min(len(logged), len(advantages))):
+        logged.pop()
+    logged.extend(advantages)
+
+
+def tokenizer_of(trainer: Any) -> Any:
+    """TRL's tokenizer (the processor's tokenizer for a VLM)."""
+    return trainer._tokenizer
+
+
+def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The keyword arguments TRL passes every reward function (mirrors `trl.GRPOTrainer._calculate_rewards`).
+
+    The dataset columns (repeated per completion), ``trainer_state``, ``log_extra``, ``log_metric`` and, with
+    environments, ``environments``. See `MIRRORED`.
+    """
+    keys = [key for key in inputs[0] if key not in ("prompt", "completion", "completion_ids")]
+    kwargs: dict[str, Any] = {key: [example[key] for example in inputs] for key in keys}
+    kwargs["trainer_state"] = trainer.state
+    kwargs["log_extra"] = trainer._log_completion_extra
+    kwargs["log_metric"] = trainer._log_metric
+    if trainer.environments is not None:
+        kwargs["environments"] = trainer.environments
+    return kwargs
+
+
+def call_reward_func(trainer: Any, func: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call a reward function; an async one runs on TRL's reward event loop (`async_loop`), as TRL does."""
+    from trl.trainer.utils import is_async_callable
+
+    out = func(**kwargs)
+    if is_async_callable(func):
+        out = asyncio.run_coroutine_threadsafe(out, trainer.async_loop).result()
+    return out
+
+
+def is_reference_pass(trainer: Any, model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` computes the KL reference, judged from the model's own state.
+
+    The reference is `trainer.ref_model`, or for a PEFT policy the same model with its adapters disabled (a new
+    adapter: peft's ``disable_adapter()``) or with TRL's reference adapter (`REF_ADAPTER_NAME`) active.
+    """
+    if model is getattr(trainer, "ref_model", None):
+        return True
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if not hasattr(unwrapped, "peft_config"):
+        return False
+    if getattr(unwrapped, "active_adapter", None) == REF_ADAPTER_NAME:
+        return True
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(module.disable_adapters for module in unwrapped.modules() if isinstance(module, BaseTunerLayer))
