@@ -18,10 +18,12 @@ from datasets import Dataset
 from trl_stable import GRPOConfig, GRPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trl_internals import (
+    CONFIG_NAME_ATTRIBUTE,
     GRPO_BATCH_KEYS,
     GRPO_MEMBERS,
     GRPO_OPTIONAL_BATCH_KEYS,
     MIRRORED,
+    PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
     forward_kwargs,
     is_reference_pass,
@@ -30,11 +32,14 @@ from trl_stable.trl_internals import (
 
 
 def _resolve(dotted: str):
-    module, _, name = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    try:  # a module (`trl.trainer.utils`) or a class in one (`trl.GRPOTrainer`)
+        return importlib.import_module(dotted)
+    except ImportError:
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
 
-METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS if m.kind != "attribute"]
+METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + PPO_MEMBERS if m.kind != "attribute"]
 ATTRIBUTES = [m for m in GRPO_MEMBERS if m.kind == "attribute"]
 
 
@@ -47,6 +52,26 @@ def test_method_exists_with_the_parameters_we_pass(member):
         f"{member.owner}.{member.name}: trl_stable relies on the leading parameters {member.params}, TRL now has "
         f"{tuple(params)} (used in {', '.join(member.used_in)})"
     )
+
+
+def test_configs_carry_the_name_they_were_loaded_from(tmp_path, tokenizer):
+    model = build_causal_lm("gpt2", tokenizer)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert getattr(loaded.config, CONFIG_NAME_ATTRIBUTE) == str(tmp_path), (
+        f"transformers.PretrainedConfig.{CONFIG_NAME_ATTRIBUTE} no longer holds the load path (used in "
+        "trl_stable/trainers/ppo.py and ppo_rewards.py)"
+    )
+
+
+def test_ppo_helpers_return_what_ppo_reads():
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    logits, index = torch.randn(2, 3, 5), torch.randint(5, (2, 3))
+    logps, entropy = selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=False, temperature=2.0)
+    expected = (logits / 2.0).log_softmax(-1)
+    torch.testing.assert_close(logps, expected.gather(-1, index.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1))
 
 
 def test_multimodal_forward_keys_are_the_ones_trl_forwards():

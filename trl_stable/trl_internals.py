@@ -2,7 +2,8 @@
 
 trl_stable extends `trl.GRPOTrainer` by overriding some of its private methods and reading some of its private
 attributes; none of them is TRL's public API, and several changed signature or return arity between TRL releases.
-This module lists them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`]), owns the small accessors that replace scattered
+This module lists them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`], and for PPO [`PPO_MEMBERS`]), owns the small
+accessors that replace scattered
 private access (`log_metric`, `replace_logged_advantages`, `reward_kwargs`, ...), and names the TRL logic trl_stable
 had to mirror because TRL offers no helper ([`MIRRORED`]). `tests/test_trl_internals.py` checks every entry against
 the installed TRL, so an upgrade fails there, naming the member, instead of deep inside a training step.
@@ -28,6 +29,7 @@ import torch
 
 __all__ = [
     "GRPO_BATCH_KEYS",
+    "CONFIG_NAME_ATTRIBUTE",
     "GRPO_MEMBERS",
     "GRPO_OPTIONAL_BATCH_KEYS",
     "MIRRORED",
@@ -35,10 +37,12 @@ __all__ = [
     "TRANSFORMERS_MEMBERS",
     "Member",
     "Mirrored",
+    "PPO_MEMBERS",
     "call_reward_func",
     "forward_kwargs",
     "is_reference_pass",
     "log_metric",
+    "model_name_of",
     "multimodal_forward_keys",
     "replace_logged_advantages",
     "reward_kwargs",
@@ -185,6 +189,64 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
         used_in=("trl_stable/moe/replay.py",),
     ),
 )
+
+# What trl_stable's own PPOTrainer takes from TRL and transformers beyond their top-level API: helpers of
+# `trl.trainer.utils` and the `Trainer` plumbing of `transformers.trainer_callback` that `PPOPlumbing` drives itself.
+_PPO = (
+    "trl_stable/trainers/ppo_models.py",
+    "trl_stable/trainers/ppo_plumbing.py",
+    "trl_stable/trainers/ppo_rewards.py",
+)
+PPO_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "trl.trainer.utils",
+        "selective_log_softmax_and_entropy",
+        "call",
+        ("logits", "index", "entropy_requires_grad", "temperature"),
+        "2-tuple (token log-probs, entropy), both shaped like `index`",
+        _PPO[:1],
+    ),
+    Member(
+        "trl.trainer.utils",
+        "disable_dropout_in_model",
+        "call",
+        ("model",),
+        "None (sets every Dropout's p to 0)",
+        _PPO[:1],
+    ),  # fmt: skip
+    Member("trl.trainer.utils", "get_callable_name", "call", ("func",), "the reward function's log name", _PPO[2:]),
+    Member(
+        "transformers.trainer_callback.CallbackHandler",
+        "__init__",
+        "call",
+        ("callbacks", "model", "processing_class", "optimizer", "lr_scheduler"),
+        "a handler with on_train_begin / on_step_end / on_log / on_save / on_train_end and a `lr_scheduler` slot",
+        _PPO[1:2],
+    ),
+    Member(
+        "transformers.trainer_callback.TrainerState",
+        "compute_steps",
+        "call",
+        ("args", "max_steps"),
+        "sets logging_steps / save_steps / eval_steps from `args` (fractions of max_steps resolved)",
+        _PPO[1:2],
+    ),
+    Member(
+        "transformers.integrations",
+        "get_reporting_integration_callbacks",
+        "call",
+        ("report_to",),
+        "the callback classes of the `report_to` integrations",
+        _PPO[1:2],
+    ),
+)
+# `config._name_or_path`: the name a model was loaded from (PPO loads its tokenizer and names its reward models by it).
+CONFIG_NAME_ATTRIBUTE = "_name_or_path"
+
+
+def model_name_of(model: Any) -> str | None:
+    """The name or path `model` was loaded from (its config's `CONFIG_NAME_ATTRIBUTE`), None when it has none."""
+    return getattr(getattr(model, "config", None), CONFIG_NAME_ATTRIBUTE, None) or None
 
 # Keys of TRL's `_generate_and_score_completions` output that trl_stable reads.
 GRPO_BATCH_KEYS = (

@@ -4,7 +4,7 @@ import pytest
 import torch
 from ppo_test_args import tiny_ppo_args
 
-import trl_stable.trainers.ppo as ppo_mod
+import trl_stable.core.estimators as estimators_mod
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.testing import build_causal_lm
 
@@ -26,13 +26,13 @@ def _trainer(tmp_path, tokenizer, **kw):
 def test_turn_ids_use_turn_gae(tmp_path, tokenizer, monkeypatch):
     trainer = _trainer(tmp_path, tokenizer, init_kl_coef=0.5, adap_kl_ctrl=False)
     seen = {}
-    real = ppo_mod.compute_turn_gae
+    real = estimators_mod.compute_turn_gae
 
     def spy(rewards, values, turn_ids, gamma, lam, token_rewards=None, bootstrap=None):
         seen.update(rewards=rewards.clone(), turn_ids=turn_ids.clone(), token_rewards=token_rewards.clone())
         return real(rewards, values, turn_ids, gamma, lam, token_rewards=token_rewards, bootstrap=bootstrap)
 
-    monkeypatch.setattr(ppo_mod, "compute_turn_gae", spy)
+    monkeypatch.setattr(estimators_mod, "compute_turn_gae", spy)
     turn_ids = [[0, 0, -1, 1], [0, 0], [0, -1, -1], [0]]  # -1: tool output inside the response
     dense = [[1.0, 0.0, 9.0, 0.0], [0.0, 0.0], [2.0, 9.0, 9.0], [0.0]]
     stats = trainer.step(QUERIES, RESPONSES, dense, scores=[10.0, 20.0, 30.0, 40.0], turn_ids=turn_ids)
@@ -46,13 +46,13 @@ def test_turn_ids_use_turn_gae(tmp_path, tokenizer, monkeypatch):
 
 def test_lambda_schedules_and_lam_fn(tmp_path, tokenizer, monkeypatch):
     lams = []
-    real = ppo_mod.compute_gae
+    real = estimators_mod.compute_gae
 
     def spy(rewards, values, mask, gamma, lam, bootstrap):
         lams.append(lam)
         return real(rewards, values, mask, gamma, lam, bootstrap)
 
-    monkeypatch.setattr(ppo_mod, "compute_gae", spy)
+    monkeypatch.setattr(estimators_mod, "compute_gae", spy)
     _trainer(tmp_path, tokenizer, lam_schedule="vapo", lam_alpha=0.5).step(QUERIES, RESPONSES, scores=[1.0] * 4)
     torch.testing.assert_close(lams[-1], torch.tensor([0.5, 0.0, 1 - 1 / 1.5, 0.0]))
     _trainer(tmp_path, tokenizer, lam_schedule="relative_position", lam_q=0.25).step(
@@ -71,13 +71,13 @@ def test_lambda_schedules_and_lam_fn(tmp_path, tokenizer, monkeypatch):
 
 def test_bootstrap_truncated(tmp_path, tokenizer, monkeypatch):
     seen = {}
-    real = ppo_mod.compute_gae
+    real = estimators_mod.compute_gae
 
     def spy(rewards, values, mask, gamma, lam, bootstrap):
         seen["bootstrap"] = bootstrap
         return real(rewards, values, mask, gamma, lam, bootstrap)
 
-    monkeypatch.setattr(ppo_mod, "compute_gae", spy)
+    monkeypatch.setattr(estimators_mod, "compute_gae", spy)
     trainer = _trainer(tmp_path, tokenizer, bootstrap_truncated=True)
     eos = tokenizer.eos_token_id
     responses = [torch.tensor([20, eos]), torch.tensor([24, 25]), torch.tensor([26, eos]), torch.tensor([29])]
@@ -155,7 +155,7 @@ def test_turn_gae_lambda_from_turn_count_and_whitened_rewards(tmp_path, tokenize
     them; not the action tokens), and whiten_rewards whitens the whole reward
     (score + dense - kl_coef KL) exactly as token mode does, even though the KL share stays out of the recursion."""
     seen = {}
-    real_gae, real_turn = ppo_mod.compute_gae, ppo_mod.compute_turn_gae
+    real_gae, real_turn = estimators_mod.compute_gae, estimators_mod.compute_turn_gae
 
     def spy_gae(rewards, values, mask, gamma, lam, bootstrap):
         seen["token"] = rewards.clone()
@@ -166,8 +166,8 @@ def test_turn_gae_lambda_from_turn_count_and_whitened_rewards(tmp_path, tokenize
         seen["lam"] = lam
         return real_turn(rewards, values, turn_ids, gamma, lam, token_rewards=token_rewards, bootstrap=bootstrap)
 
-    monkeypatch.setattr(ppo_mod, "compute_gae", spy_gae)
-    monkeypatch.setattr(ppo_mod, "compute_turn_gae", spy_turn)
+    monkeypatch.setattr(estimators_mod, "compute_gae", spy_gae)
+    monkeypatch.setattr(estimators_mod, "compute_turn_gae", spy_turn)
     kw = dict(whiten_rewards=True, init_kl_coef=0.5, adap_kl_ctrl=False, lam_schedule="relative_position", lam_q=0.5)
     dense = [[1.0, 0.0, 0.5, 0.0], [0.0, 2.0], [1.0, 0.0, 0.0], [3.0]]
     scores = [1.0, -1.0, 0.5, 0.0]
@@ -184,3 +184,16 @@ def test_turn_gae_lambda_from_turn_count_and_whitened_rewards(tmp_path, tokenize
     with_tools = [[0, -1, -1, 1], [0, 0], [0, 0, -1], [0]]
     _trainer(tmp_path, tokenizer, **kw).step(QUERIES, RESPONSES, dense, scores=scores, turn_ids=with_tools)
     torch.testing.assert_close(seen["lam"], torch.tensor([0.5, 1.0, 1.0, 1.0]))
+
+
+def test_start_up_line_names_the_active_paths(tmp_path, tokenizer, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trl_stable.trainers.ppo"):
+        trainer = _trainer(
+            tmp_path, tokenizer, use_decoupled_loss=True, token_filter="icepop", kl_penalty="k3", lam_schedule="vapo"
+        )
+    line = trainer.describe()
+    assert line in caplog.text
+    assert "advantages=gae (vapo" in line and "kl=k3, adaptive" in line
+    assert "loss=decoupled, filter=icepop[0.5, 5.0] token/mask" in line and "routing=off" in line

@@ -82,15 +82,15 @@ def test_per_token_rewards_kl_and_score(tmp_path, tokenizer):
     model = build_causal_lm("qwen2", tokenizer, seed=0)
     trainer = PPOTrainer(model, args=_args(tmp_path, init_kl_coef=0.5, adap_kl_ctrl=False), processing_class=tokenizer)
     seen = {}
-    import trl_stable.trainers.ppo as ppo_mod
+    import trl_stable.core.estimators as estimators_mod
 
-    real = ppo_mod.compute_gae
+    real = estimators_mod.compute_gae
 
     def spy(rewards, values, mask, gamma, lam, bootstrap):
         seen.update(rewards=rewards.clone(), mask=mask.clone())
         return real(rewards, values, mask, gamma, lam, bootstrap)
 
-    ppo_mod.compute_gae = spy
+    estimators_mod.compute_gae = spy
     original_pass = trainer.rollout_pass
 
     def fake_kl(batch):
@@ -105,7 +105,7 @@ def test_per_token_rewards_kl_and_score(tmp_path, tokenizer):
         dense = [[1.0, 0.0, 2.0], [0.5, 0.5], [3.0], [0.0, 0.0, 0.0]]
         trainer.step(queries, responses, dense, scores=[10.0, 20.0, 30.0, 40.0])
     finally:
-        ppo_mod.compute_gae = real
+        estimators_mod.compute_gae = real
     expected = torch.tensor(
         [
             [1.0 - 0.1, -0.1, 2.0 - 0.1 + 10.0],

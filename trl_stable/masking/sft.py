@@ -29,6 +29,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl_stable.masking.mask import build_step_loss_mask, token_offsets
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
+from trl_stable.trl_internals import model_name_of
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, **kwargs: Any):  # fmt: skip
         if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            name = model if isinstance(model, str) else model_name_of(model) or "model"
             args = StepMaskedSFTConfig(f"{str(name).split('/')[-1]}-StepMaskedSFT")
         if processing_class is None:
             if not isinstance(model, str):

@@ -14,7 +14,8 @@ One PPO step, top to bottom in `step`:
 2. **rollout pass** (`rollout_pass`): under no grad, the log-probs and values of the rollout policy, the reference
    log-probs and the per-token KL.
 3. **rewards and advantages** (`compute_advantages`): $r_t = -\\beta\\, KL_t + d_t + s\\cdot[t = last]$
-   (`core.compose_token_rewards`), then GAE over tokens or turns (`core.compute_gae` / `core.compute_turn_gae`).
+   (`core.compose_token_rewards`), then GAE over tokens or turns (the ``"gae"`` / ``"turn_gae"`` estimators of
+   `core.estimators`, the registry GRPO's estimators live in too).
 4. **update** (`update`): `ppo_epochs` passes over shuffled mini-batches with the clipped policy loss (or the
    decoupled loss with IcePop / KPop) and the clipped value loss.
 
@@ -40,7 +41,8 @@ from torch import nn
 from transformers import AutoTokenizer, TrainerCallback, get_scheduler
 from transformers.trainer_utils import TrainOutput
 
-from trl_stable.core.gae import compute_gae, compute_turn_gae, count_turns, relative_position_lambda, vapo_lambda
+from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
+from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
 from trl_stable.core.kl import AdaptiveKLController, FixedKLController, full_kl, kl_estimate
 from trl_stable.core.masks import behaviour_weight, filter_behaviour_weight
 from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
@@ -75,6 +77,7 @@ from trl_stable.trainers.ppo_models import (
 from trl_stable.trainers.ppo_plumbing import PPOPlumbing
 from trl_stable.trainers.ppo_rewards import RewardFunctions
 from trl_stable.trainers.rollout import LengthSampler, Rollout
+from trl_stable.trl_internals import model_name_of
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +160,7 @@ class PPOTrainer(PPOPlumbing):
         model = args.model_name if model is None else model
         if model is None:
             raise ValueError("Pass `model` (a causal LM or its name) or set `PPOConfig.model_name`.")
-        model_id = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        model_id = model if isinstance(model, str) else model_name_of(model)
         if isinstance(model, str):
             model = load_policy(model, args, peft_config, self.accelerator.local_process_index)
         elif args.load_in_4bit or args.load_in_8bit:
@@ -660,13 +663,15 @@ class PPOTrainer(PPOPlumbing):
             bootstrap = torch.where(ended, torch.zeros_like(batch["bootstrap_values"]), batch["bootstrap_values"])
         turns = batch.get("turn_ids")
         if turns is None:
-            lam = self._lambda(mask.sum(1).long())
-            advantages, returns = compute_gae(parts.rewards, values, mask, args.gamma, lam, bootstrap)
-        else:
-            lam = self._lambda(count_turns(turns))
-            advantages, returns = compute_turn_gae(
-                parts.env_part, values, turns, args.gamma, lam, token_rewards=parts.kl_part, bootstrap=bootstrap
+            estimator, lam = "gae", self._lambda(mask.sum(1).long())
+            inputs = AdvantageInputs(parts.rewards, mask=mask, values=values, bootstrap=bootstrap)
+        else:  # the KL share stays out of the turn recursion and is added back per token
+            estimator, lam = "turn_gae", self._lambda(count_turns(turns))
+            inputs = AdvantageInputs(
+                parts.env_part, values=values, bootstrap=bootstrap, turn_ids=turns, token_rewards=parts.kl_part
             )
+        out = get_advantage_estimator(estimator)(inputs, gamma=args.gamma, lam=lam)
+        advantages, returns = out.advantages, out.returns
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, mask, reduce_sum=self._reduce_sum)
         batch = {**batch, "advantages": advantages.detach(), "returns": returns.detach(), "values": values.detach()}

@@ -24,6 +24,7 @@ from trl_stable.rewards.dense import (
     sequence_reward_values,
     weighted_reward_sum,
 )
+from trl_stable.trl_internals import model_name_of
 
 __all__ = ["BatchRewards", "RewardFunctions"]
 
@@ -89,7 +90,7 @@ class RewardFunctions:
     @staticmethod
     def _name(func: Any) -> str:
         if isinstance(func, nn.Module):
-            return getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
+            return model_name_of(func) or type(func).__name__
         return get_callable_name(func)
 
     def _processing_classes(self, classes: Any, policy_tokenizer: Any) -> list[Any]:
@@ -102,9 +103,8 @@ class RewardFunctions:
         out = []
         for func, proc in zip(self.funcs, classes):
             if isinstance(func, nn.Module) and proc is None:
-                config = getattr(func, "config", None)
-                name = getattr(config, "_name_or_path", "")
-                if getattr(config, "vocab_size", None) == len(policy_tokenizer) or not name:
+                name = model_name_of(func)
+                if getattr(getattr(func, "config", None), "vocab_size", None) == len(policy_tokenizer) or not name:
                     proc = policy_tokenizer
                 else:
                     proc = AutoTokenizer.from_pretrained(name)
