@@ -7,7 +7,8 @@
 Each YAML names its `algorithm` and holds `grpo:` fields (any `trl_stable.GRPOConfig` field), `critic:` fields (any
 `CriticRewardConfig` field) and script fields (top level). Command-line flags override them: script and critic
 flags as usual (`--max_steps 40`, `--use_intrinsic_reward`), GRPOConfig fields as `--grpo.<field> <value>`
-(`--grpo.epsilon_high 0.28`, `--grpo.use_decoupled_loss True`); file and flag values both take the field's type.
+(`--grpo.epsilon_high 0.28`; booleans are flags: `--grpo.use_decoupled_loss`); file and flag values both take the
+field's type.
 `configs/ppo.yaml` (`algorithm: ppo`) runs `ppo_intrinsic.py` with its fields instead.
 
 Rewards: sentiment (VADER compound of the completion, or a hub classifier's positive logit), fluency (exp of the mean
