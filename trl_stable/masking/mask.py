@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from trl_stable.masking.validation import StepVerdict, normalize_signatures, validate_step
+from trl_stable.token_offsets import char_span_to_tokens, encode_with_offsets, token_char_offsets
 
 
 @dataclass
@@ -40,56 +41,10 @@ class StepMask:
         return sum(not v.valid for v in self.verdicts)
 
 
-def token_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of `text` (no special tokens added), from a fast tokenizer."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-
-
-def char_span_to_tokens(offsets: Sequence[Sequence[int]], start: int, end: int) -> tuple[int, int]:
-    """The token range ``[first, last)`` whose character offsets overlap ``[start, end)``.
-
-    Overlap, not containment: a token that straddles the boundary belongs to the step. Empty when no token
-    overlaps (``first == last``).
-    """
-    hits = [k for k, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
-    return (hits[0], hits[-1] + 1) if hits else (0, 0)
-
-
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
-    """The decoded text of `ids` and each token's character span in it.
-
-    Offsets come from decoding growing prefixes. A multi-byte character split across byte-level tokens belongs to
-    every token carrying one of its bytes (as in a fast tokenizer's own offsets), so a step that starts with such a
-    character also masks the tokens holding its first bytes. Used where only ids are known (RL completions).
-    """
-    ids = [int(i) for i in ids]
-    kwargs = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
-    pieces = [tokenizer.decode([i], **kwargs) for i in ids]
-    full = tokenizer.decode(ids, **kwargs)
-    if "".join(pieces) == full:  # the common case: tokens decode independently, O(T)
-        offsets, pos = [], 0
-        for piece in pieces:
-            offsets.append((pos, pos + len(piece)))
-            pos += len(piece)
-        return full, offsets
-    offsets: list[tuple[int, int]] = []
-    pending: list[int] = []  # tokens whose bytes start a character that is not complete yet
-    prev = 0
-    text = ""
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k], **kwargs)
-        # A prefix that ends inside a multi-byte character decodes to a replacement char that later vanishes.
-        cur = max(len(text.rstrip("\ufffd")), prev)
-        offsets.append((prev, cur))
-        if text.endswith("\ufffd"):
-            pending.append(k - 1)
-        else:
-            for p in pending:  # they carry bytes of the characters this token completes
-                offsets[p] = (offsets[p][0], cur)
-            pending = []
-        prev = cur
-    return text, offsets
+    """The decoded text of `ids`, special tokens kept (a step marker can be one), and each token's character span
+    in it: `trl_stable.token_offsets.token_char_offsets`. Used where only ids are known (RL completions)."""
+    return token_char_offsets(tokenizer, ids, skip_special_tokens=False)
 
 
 def build_step_loss_mask(
@@ -125,7 +80,7 @@ def build_step_loss_mask(
     if any((step.get("unit") or "token") == "char" for step in steps) and offsets is None:
         if text is None or tokenizer is None:
             raise ValueError("Character-offset steps need `text` and either `offsets` or a fast `tokenizer`.")
-        enc_ids, offsets = token_offsets(tokenizer, text)
+        enc_ids, offsets = encode_with_offsets(tokenizer, text)
         if enc_ids != ids:
             raise ValueError(
                 "Tokenizing `text` does not reproduce `input_ids`, so character offsets cannot be mapped to tokens. "

@@ -26,9 +26,10 @@ import torch
 import trl
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from trl_stable.masking.mask import build_step_loss_mask, token_offsets
+from trl_stable.masking.mask import build_step_loss_mask
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
+from trl_stable.token_offsets import encode_with_offsets
 from trl_stable.trl_internals import model_name_of
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def step_mask_example(
             outside_steps=outside_steps, **tag_kwargs,
         )  # fmt: skip
     elif example.get("text") is not None:
-        input_ids, offsets = token_offsets(tokenizer, example["text"])
+        input_ids, offsets = encode_with_offsets(tokenizer, example["text"])
         base_labels = list(input_ids)
         result = build_step_loss_mask(
             input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example["text"], offsets=offsets,

@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl_stable.masking.mask import StepMask, build_step_loss_mask, token_offsets
+from trl_stable.masking.mask import StepMask, build_step_loss_mask
 from trl_stable.masking.validation import find_tool_call_spans, parse_tool_call
+from trl_stable.token_offsets import encode_with_offsets
 
 DEFAULT_CODE_TOOLS = ("python", "code_interpreter", "execute_code", "run_code", "ipython", "exec", "bash", "shell")
 TOOL_ROLES = ("tool", "ipython", "function", "observation")
@@ -179,7 +180,7 @@ def find_transcript_steps(
         elif role in TOOL_ROLES and pending:
             _attach_outcome(pending, msg, k, code_tools, infer_exec_status)
 
-    input_ids, offsets = token_offsets(tokenizer, text)
+    input_ids, offsets = encode_with_offsets(tokenizer, text)
     assistant = [int(any(s < b and e > a and e > s for a, b in bodies.values())) for s, e in offsets]
     return TranscriptSteps(text=text, input_ids=input_ids, offsets=offsets, steps=steps, assistant_mask=assistant)
 

@@ -1,0 +1,167 @@
+"""Character offsets of tokens: where each token of a sequence sits in its text.
+
+One implementation for everything that maps between characters and tokens: critic spans onto response tokens
+(`trl_stable.rewards.span_alignment`), agent steps given in characters onto loss-mask tokens (`trl_stable.masking`).
+Two directions:
+
+- text known (SFT data): `encode_with_offsets` tokenizes it with the fast tokenizer's own offsets;
+- ids known (sampled RL completions, which need not be the canonical tokenization of their text):
+  `token_char_offsets` decodes them and gives each token the characters it adds, byte-level splits included.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["char_span_to_tokens", "decode_response", "encode_with_offsets", "token_char_offsets"]
+
+
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of `text` (no special tokens added), from a fast tokenizer."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def char_span_to_tokens(offsets: Sequence[Sequence[int]], start: int, end: int) -> tuple[int, int]:
+    """The token range ``[first, last)`` whose character offsets overlap ``[start, end)``.
+
+    Empty-offset tokens (special tokens) never overlap. Returns ``(0, 0)`` when no token overlaps.
+    """
+    hits = [k for k, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+    return (hits[0], hits[-1] + 1) if hits else (0, 0)
+
+
+def decode_response(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The text the offsets refer to: no clean-up of tokenization spaces; special tokens dropped unless
+    `skip_special_tokens` is False."""
+    return tokenizer.decode(
+        [int(i) for i in ids], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def _incremental_offsets(
+    tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True
+) -> list[tuple[int, int]]:
+    """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to decoding ids[:i].
+
+    Byte-level tokenizers can split one character over several tokens; a prefix that ends mid-character decodes to a
+    trailing U+FFFD. Only the part of a prefix that agrees with the full text counts as decoded. A token covers the
+    characters from the first one not complete before it (possibly one it finishes) up to the last one it touches,
+    including a character it only starts, so a span over that character reaches every token holding its bytes.
+    """
+    offsets = []
+    complete = 0  # characters fully decoded so far
+    for i in range(len(ids)):
+        prefix = decode_response(tokenizer, ids[: i + 1], skip)
+        common = len(os.path.commonprefix([prefix, text]))
+        now_complete = max(complete, common)
+        starts_next = len(prefix) > common and now_complete < len(text)  # trailing bytes of an unfinished char
+        offsets.append((complete, now_complete + 1 if starts_next else now_complete))
+        complete = now_complete
+    return offsets
+
+
+def _stream_offsets(
+    tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True
+) -> list[tuple[int, int]] | None:
+    """Offsets in one pass with the `tokenizers` streaming decoder (same rules as `_incremental_offsets`).
+
+    Returns None when the stream's text differs from `text` (decoders with clean-up or prefix-space rules), so the
+    caller falls back to the quadratic prefix decoding.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip)
+        chunks = [stream.step(backend, int(i)) for i in ids]
+    except Exception:  # noqa: BLE001 - an old `tokenizers` or an unusual backend: use the fallback
+        return None
+    offsets: list[tuple[int, int]] = []
+    first_pending = 0  # first token of the run that the next chunk completes
+    pos = 0
+    for k, chunk in enumerate(chunks):
+        if chunk is None:  # this token ends inside a multi-byte character
+            continue
+        start, pos = pos, pos + len(chunk)
+        offsets.extend(_run_offsets(tokenizer, ids[first_pending : k + 1], chunk, start, skip))
+        first_pending = k + 1
+    streamed = "".join(c for c in chunks if c is not None)
+    tail = text[len(streamed) :]
+    if not text.startswith(streamed) or tail.strip("\ufffd"):
+        return None
+    offsets.extend([(pos, len(text))] * (len(ids) - first_pending))  # bytes left incomplete at the end (U+FFFD)
+    return offsets
+
+
+def _run_offsets(
+    tokenizer: Any, run: Sequence[int], chunk: str, start: int, skip: bool = True
+) -> list[tuple[int, int]]:
+    """Offsets of a run of tokens whose text the stream emitted at once (`chunk`, at `start`): the run's tokens but
+    the last left a character incomplete, so the split inside `chunk` comes from prefix decoding of the run alone."""
+    if len(run) == 1:
+        return [(start, start + len(chunk))]
+    if decode_response(tokenizer, run, skip) == chunk:
+        return [(start + a, start + b) for a, b in _incremental_offsets(tokenizer, run, chunk, skip)]
+    # The run does not decode alone as in context (a decoder that strips a leading space): every token gets the
+    # whole chunk, so no span over it is missed.
+    return [(start, start + len(chunk))] * len(run)
+
+
+def token_char_offsets(
+    tokenizer: Any, completion_ids: Sequence[int], skip_special_tokens: bool = True
+) -> tuple[str, list[tuple[int, int]]]:
+    """Decode `completion_ids` and give each token its (start, end) character offsets in the decoded text.
+
+    The text is ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``; token i
+    covers what decoding it adds to the text. Critic spans use the text without special tokens (what the critic
+    read); agent steps keep them (``skip_special_tokens=False``: a ``<tool_call>`` token can be a step marker).
+    Three ways, first that applies:
+
+    1. the `tokenizers` streaming decoder (one pass; used when its text equals the decoded text);
+    2. the tokenizer's own ``return_offsets_mapping`` on the re-encoded text, when re-encoding gives back exactly
+       the sampled ids (a sampled completion need not be the canonical tokenisation of its text);
+    3. decoding growing prefixes (quadratic, works for any tokenizer with `decode`).
+
+    A token covers every character it holds a byte of (byte-level BPE splits characters). Skipped special tokens
+    (EOS, pad) get empty offsets.
+
+    Returns:
+        `(text, offsets)` with ``len(offsets) == len(completion_ids)``.
+    """
+    ids = [int(i) for i in completion_ids]
+    skip = skip_special_tokens
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) if skip else set()
+    keep = [k for k, i in enumerate(ids) if i not in special]
+    kept_ids = [ids[k] for k in keep]
+    text = decode_response(tokenizer, kept_ids, skip)
+    kept_offsets = _stream_offsets(tokenizer, kept_ids, text, skip) if kept_ids else []
+    if kept_offsets is None and getattr(tokenizer, "is_fast", False):
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):
+            enc = None
+        if enc is not None and list(enc["input_ids"]) == kept_ids:
+            mapped = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+            # Some tokenizers report offsets without the leading space of a word; the span overlap test is
+            # unaffected, but offsets must stay inside the text.
+            if all(0 <= s <= e <= len(text) for s, e in mapped):
+                kept_offsets = mapped
+    if kept_offsets is None:
+        kept_offsets = _incremental_offsets(tokenizer, kept_ids, text, skip)
+    offsets: list[tuple[int, int]] = []
+    it = iter(kept_offsets)
+    cursor = 0
+    keep_set = set(keep)
+    for k in range(len(ids)):
+        if k in keep_set:
+            off = next(it)
+            cursor = off[1]
+            offsets.append(off)
+        else:
+            offsets.append((cursor, cursor))
+    return text, offsets
