@@ -22,6 +22,7 @@ from trl_stable.trl_internals import (
     GRPO_BATCH_KEYS,
     GRPO_MEMBERS,
     GRPO_OPTIONAL_BATCH_KEYS,
+    HELPER_MEMBERS,
     MIRRORED,
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
@@ -39,7 +40,7 @@ def _resolve(dotted: str):
         return getattr(importlib.import_module(module), name)
 
 
-METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + PPO_MEMBERS if m.kind != "attribute"]
+METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + HELPER_MEMBERS + PPO_MEMBERS if m.kind != "attribute"]
 ATTRIBUTES = [m for m in GRPO_MEMBERS if m.kind == "attribute"]
 
 

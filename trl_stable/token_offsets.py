@@ -41,9 +41,7 @@ def decode_response(tokenizer: Any, ids: Sequence[int], skip_special_tokens: boo
     )
 
 
-def _incremental_offsets(
-    tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True
-) -> list[tuple[int, int]]:
+def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]]:
     """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to decoding ids[:i].
 
     Byte-level tokenizers can split one character over several tokens; a prefix that ends mid-character decodes to a
@@ -63,9 +61,7 @@ def _incremental_offsets(
     return offsets
 
 
-def _stream_offsets(
-    tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True
-) -> list[tuple[int, int]] | None:
+def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]] | None:
     """Offsets in one pass with the `tokenizers` streaming decoder (same rules as `_incremental_offsets`).
 
     Returns None when the stream's text differs from `text` (decoders with clean-up or prefix-space rules), so the

@@ -2,10 +2,10 @@
 
 trl_stable extends `trl.GRPOTrainer` by overriding some of its private methods and reading some of its private
 attributes; none of them is TRL's public API, and several changed signature or return arity between TRL releases.
-This module lists them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`], and for PPO [`PPO_MEMBERS`]), owns the small
-accessors that replace scattered
-private access (`log_metric`, `replace_logged_advantages`, `reward_kwargs`, ...), and names the TRL logic trl_stable
-had to mirror because TRL offers no helper ([`MIRRORED`]). `tests/test_trl_internals.py` checks every entry against
+This module lists them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`], [`HELPER_MEMBERS`], and for PPO
+[`PPO_MEMBERS`]), owns the small accessors that replace scattered private access (`log_metric`,
+`replace_logged_advantages`, `reward_kwargs`, ...), and names the TRL logic trl_stable had to mirror because TRL
+offers no helper ([`MIRRORED`]). `tests/test_trl_internals.py` checks every entry against
 the installed TRL, so an upgrade fails there, naming the member, instead of deep inside a training step.
 
 The TRL-imposed channel. TRL's `_generate_and_score_completions` calls `_calculate_rewards`, `_generate`,
@@ -20,6 +20,7 @@ The version gate (`trl_stable._compat`) stays: it turns an unsupported TRL into 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "CONFIG_NAME_ATTRIBUTE",
     "GRPO_MEMBERS",
     "GRPO_OPTIONAL_BATCH_KEYS",
+    "HELPER_MEMBERS",
     "MIRRORED",
     "REF_ADAPTER_NAME",
     "TRANSFORMERS_MEMBERS",
@@ -45,6 +47,7 @@ __all__ = [
     "model_name_of",
     "multimodal_forward_keys",
     "replace_logged_advantages",
+    "reward_event_loop",
     "reward_kwargs",
     "tokenizer_of",
     "train_mode",
@@ -240,6 +243,43 @@ PPO_MEMBERS: tuple[Member, ...] = (
         _PPO[1:2],
     ),
 )
+# Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.
+HELPER_MEMBERS: tuple[Member, ...] = (
+    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _TRAINER_PY),
+    Member(
+        "trl.models.utils",
+        "disable_gradient_checkpointing",
+        "call",
+        ("model", "gradient_checkpointing_kwargs"),
+        "a context manager (the proximal forward runs without recomputation)",
+        _TRAINER_PY,
+    ),
+    Member("trl.trainer.utils", "is_async_callable", "call", ("func",), "bool", ("trl_stable/trl_internals.py",)),
+    Member(
+        "trl.trainer.utils",
+        "start_event_loop_in_daemon",
+        "call",
+        ("name",),
+        "3-tuple (thread, loop, ready event)",
+        ("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        "trl.trainer.utils",
+        "shutdown_event_loop_in_daemon",
+        "call",
+        ("thread", "loop"),
+        "None",
+        ("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        "trl.trainer.sft_trainer.DataCollatorForLanguageModeling",
+        "torch_call",
+        "override",
+        ("examples",),
+        "a batch dict with `labels` (-100 where no loss); `padding_free` packs rows into one",
+        ("trl_stable/masking/sft.py",),
+    ),
+)
 # `config._name_or_path`: the name a model was loaded from (PPO loads its tokenizer and names its reward models by it).
 CONFIG_NAME_ATTRIBUTE = "_name_or_path"
 
@@ -247,6 +287,7 @@ CONFIG_NAME_ATTRIBUTE = "_name_or_path"
 def model_name_of(model: Any) -> str | None:
     """The name or path `model` was loaded from (its config's `CONFIG_NAME_ATTRIBUTE`), None when it has none."""
     return getattr(getattr(model, "config", None), CONFIG_NAME_ATTRIBUTE, None) or None
+
 
 # Keys of TRL's `_generate_and_score_completions` output that trl_stable reads.
 GRPO_BATCH_KEYS = (
@@ -371,14 +412,32 @@ def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, A
     return kwargs
 
 
-def call_reward_func(trainer: Any, func: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a reward function; an async one runs on TRL's reward event loop (`async_loop`), as TRL does."""
+def call_reward_func(func: Callable[..., Any], loop: asyncio.AbstractEventLoop | None, **kwargs: Any) -> Any:
+    """Call a reward function; an async one runs on `loop`, as TRL runs them on its reward event loop.
+
+    GRPO passes TRL's `async_loop`; PPO its own loop from TRL's `start_event_loop_in_daemon` (`reward_event_loop`),
+    so an async reward function also works where an event loop is already running (a notebook).
+    """
     from trl.trainer.utils import is_async_callable
 
     out = func(**kwargs)
-    if is_async_callable(func):
-        out = asyncio.run_coroutine_threadsafe(out, trainer.async_loop).result()
+    if is_async_callable(func) or inspect.isawaitable(out):
+        if loop is None:
+            raise RuntimeError(f"Reward function {func!r} is async but no event loop was started for it.")
+        out = asyncio.run_coroutine_threadsafe(out, loop).result()
     return out
+
+
+def reward_event_loop(funcs: Sequence[Callable[..., Any]]) -> asyncio.AbstractEventLoop | None:
+    """A daemon-thread event loop for the async functions among `funcs` (TRL's helper), None when there are none."""
+    from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+
+    if not any(is_async_callable(f) for f in funcs):
+        return None
+    thread, loop, ready = start_event_loop_in_daemon(name="trl_stable-reward-loop")
+    ready.wait()
+    atexit.register(shutdown_event_loop_in_daemon, thread, loop)
+    return loop
 
 
 def is_reference_pass(trainer: Any, model: torch.nn.Module) -> bool:

@@ -246,7 +246,7 @@ def test_every_algorithm_yaml_loads_with_its_declared_types(load_script, name):
         assert args.algorithm == algorithm and args.grpo.output_dir == f"outputs/sentiment/{algorithm}"
     for key, value in values.items():
         section = getattr(args, key)
-        for field, expected in (value.items() if isinstance(value, dict) else [(None, value)]):
+        for field, expected in value.items() if isinstance(value, dict) else [(None, value)]:
             got, owner = (getattr(section, field), section) if field else (section, args)
             hint = typing.get_type_hints(type(owner))[field or key]
             assert got == expected and _declared_type_ok(got, hint), (key, field, got, hint)
@@ -283,8 +283,12 @@ def test_yaml_and_flags_take_the_declared_type(load_script, tmp_path):
 
 
 def test_readme_icepop_command_runs_with_float_learning_rate(load_script, tmp_path, monkeypatch):
-    """The README's command, verbatim but for fewer steps and an output directory."""
-    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    """The README's command, read from the README, verbatim but for fewer steps and an output directory."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    readme = [line for line in (root / "README.md").read_text().splitlines() if "grpo_intrinsic.py --config" in line]
+    assert readme, "the README lost its YAML + override command"
+    readme_args = shlex.split(readme[0])[2:]  # after `python <script>`
     mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
     seen, real = {}, mod.run_grpo
 
@@ -295,7 +299,8 @@ def test_readme_icepop_command_runs_with_float_learning_rate(load_script, tmp_pa
     monkeypatch.setattr(mod, "run_grpo", run_grpo)
     command = "--config examples/research_projects/sentiment/configs/icepop.yaml --max_steps 100"
     command += " --grpo.learning_rate 1e-4"
-    history = mod.main([*shlex.split(command), "--max_steps", "2", "--output_dir", str(tmp_path / "icepop")])
+    assert readme_args == shlex.split(command)
+    history = mod.main([*readme_args, "--max_steps", "2", "--output_dir", str(tmp_path / "icepop")])
     grpo = seen["args"].grpo
     assert grpo.learning_rate == 1e-4 and type(grpo.learning_rate) is float
     assert (grpo.use_decoupled_loss, grpo.token_filter, grpo.token_filter_lower, grpo.token_filter_upper) == (

@@ -61,11 +61,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_process_accelerate_run(tmp_path):
+def _launch(tmp_path, script_text: str) -> subprocess.CompletedProcess:
     if shutil.which("accelerate") is None:
         pytest.skip("accelerate CLI not installed")
     script = tmp_path / "run_ppo.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "true",
@@ -93,10 +93,14 @@ def test_two_process_accelerate_run(tmp_path):
     ]
     try:
         # ~20 s on a loaded 2-core machine; the limit only turns a hung rendezvous into a failure with its output
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-3000:]
         pytest.fail(f"the 2-process run did not finish within 300 s; stderr tail:\n{tail!r}")
+
+
+def test_two_process_accelerate_run(tmp_path):
+    proc = _launch(tmp_path, SCRIPT)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "terminate" in line]
     assert proc.returncode == 0, "\n".join(errors[:20]) + "\n...\n" + proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -109,3 +113,46 @@ def test_two_process_accelerate_run(tmp_path):
     logs = [r["logs"] for r in records]
     assert "behaviour_weight/max" in logs[0] and "objective/kl" in logs[0] and "loss/policy" in logs[0]
     assert logs[0] == pytest.approx(logs[1])
+
+
+INFINITE_ON_ONE_RANK = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from trl_stable import PPOConfig, PPOTrainer
+    from trl_stable.rewards.dense import RewardContractError
+    from trl_stable.testing import build_causal_lm, build_tokenizer
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+
+    def reward(completion_ids, **kw):  # only rank 1 sees a broken answer
+        return [float("inf") if rank == 1 and i == 0 else 0.5 for i in range(len(completion_ids))]
+
+    tok = build_tokenizer()
+    args = PPOConfig(output_dir=out, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3, max_steps=1,
+                     report_to="none", disable_tqdm=True, save_strategy="no")
+    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
+    trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args, processing_class=tok,
+                         train_dataset=ds)
+    try:
+        trainer.train()
+        message = "no error"
+    except RewardContractError as err:
+        message = str(err)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    trainer.accelerator.wait_for_everyone()  # both ranks got here: nobody is stuck in a collective
+    torch.distributed.destroy_process_group()
+    """
+)
+
+
+def test_an_infinite_reward_on_one_process_stops_both(tmp_path):
+    proc = _launch(tmp_path, INFINITE_ON_ONE_RANK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert "'reward' returned inf for completion 0" in messages[1]
+    assert "on another process" in messages[0]

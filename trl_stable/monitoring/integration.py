@@ -16,6 +16,7 @@ import torch
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
 from trl_stable.monitoring.health import HealthConfig
 from trl_stable.monitoring.mismatch import mismatch_stats
+from trl_stable.trl_internals import log_metric
 
 __all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor", "log_generation_mismatch"]
 
@@ -152,7 +153,6 @@ def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> dict[str, f
             gather=trainer.accelerator.gather,  # every process takes this path together
         )
     metrics = stats.as_metrics()
-    mode = "train" if trainer.model.training else "eval"
     for name, value in metrics.items():
-        trainer._metrics[mode][name].append(float(value))
+        log_metric(trainer, name, value)
     return metrics

@@ -21,6 +21,13 @@ The one rule for what a value means, in both trainers:
 | NaN | the same as None | "does not apply" at this token: 0, counted in ``rewards/<name>/nan_tokens`` |
 | +-inf | error (`ValueError` naming the function and the completion) | error, likewise |
 
+A contract error raises `RewardContractError` (a `ValueError`) on every process at once (`raise_on_every_process`),
+since a reward function runs on one process's completions only.
+
+`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN marks a
+sample without a reward (RELC-era loops put the environment score inside the token rewards, so a NaN is a failed
+score, not a token the reward does not apply to) and the sample is dropped; +-inf raises, as everywhere.
+
 A completion to which *no* sequence-level function applies (every value None/NaN) has no reward: both trainers
 drop it from the loss with a warning and count it (GRPO's ``nan_reward_action="zero"`` keeps TRL's advantage 0
 instead). An infinite reward is never meaningful and would turn every advantage of the batch into NaN or +-3e38, so
@@ -43,18 +50,39 @@ DENSE_ATTR = "dense"
 
 __all__ = [
     "DenseRewards",
+    "RewardContractError",
     "check_finite_rewards",
     "collect_dense_rewards",
     "dense_reward",
     "is_dense_reward",
+    "raise_on_every_process",
     "sequence_reward_values",
     "validate_dense_rewards",
     "weighted_reward_sum",
 ]
 
 
-def has_nan(row: Sequence[float]) -> bool:
-    return any(math.isnan(v) for v in row)
+class RewardContractError(ValueError):
+    """A reward function's output breaks the contract above (wrong count or type, an infinite value)."""
+
+
+def raise_on_every_process(error: Exception | None, count_processes: Callable[[bool], int]) -> None:
+    """Raise on every process when any process found `error`, so none is left waiting in a collective.
+
+    A reward function runs on each process's own completions, so a broken answer is seen by one process only; if
+    that process raised alone, the others would block in the next gather (NCCL) or die of a lost peer (gloo).
+
+    Args:
+        error: This process's error, or None.
+        count_processes: Sums a flag over processes (e.g. ``lambda flag: accelerator.reduce(tensor, "sum")``).
+    """
+    if count_processes(error is not None) > 0:
+        if error is not None:
+            raise error
+        raise RewardContractError(
+            "A reward function broke the reward contract on another process (an infinite value, or a wrong count or "
+            "type); that process's error names the function."
+        )
 
 
 def dense_reward(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,7 +98,9 @@ def is_dense_reward(func: Any) -> bool:
 
 def _as_float(value: Any, name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise ValueError(f"{name} returned {value!r} for {where}; return a float (or None where it does not apply).")
+        raise RewardContractError(
+            f"{name} returned {value!r} for {where}; return a float (or None where it does not apply)."
+        )
     return float(value)
 
 
@@ -81,7 +111,7 @@ def sequence_reward_values(values: Sequence[Any], num_completions: int, name: st
         ValueError: naming `name` when the count is wrong, a value is not a number, or a value is +-inf.
     """
     if len(values) != num_completions:
-        raise ValueError(
+        raise RewardContractError(
             f"Reward function '{name}' returned {len(values)} values for {num_completions} completions; return "
             "exactly one value (or None) per completion."
         )
@@ -97,7 +127,7 @@ def check_finite_rewards(rewards_per_func: torch.Tensor, names: Sequence[str]) -
     infinite = torch.isinf(rewards_per_func)
     if bool(infinite.any()):
         row, col = (int(i) for i in infinite.nonzero()[0])
-        raise ValueError(
+        raise RewardContractError(
             f"Reward function '{names[col]}' returned {rewards_per_func[row, col].item()} for completion {row}: an "
             "infinite reward turns every advantage of the batch into NaN. Return a finite value, or None/NaN where "
             "the function does not apply."
@@ -129,9 +159,11 @@ def validate_dense_rewards(
             or a token reward is +-inf, so the bug is found at its source rather than deep inside the loss.
     """
     if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
-        raise ValueError(f"Dense {name} returned {type(rewards).__name__}; return one list (or None) per completion.")
+        raise RewardContractError(
+            f"Dense {name} returned {type(rewards).__name__}; return one list (or None) per completion."
+        )
     if len(rewards) != len(completion_lengths):
-        raise ValueError(
+        raise RewardContractError(
             f"Dense {name} returned {len(rewards)} entries for {len(completion_lengths)} completions; "
             "return exactly one list (or None) per completion."
         )
@@ -143,18 +175,18 @@ def validate_dense_rewards(
         if torch.is_tensor(row):
             row = row.reshape(-1).tolist()
         if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise ValueError(
+            raise RewardContractError(
                 f"Dense {name} returned {type(row).__name__} for completion {i}; return a list of per-token floats."
             )
         row = [_as_float(v, f"Dense {name}", f"completion {i}") for v in row]
         if len(row) != length:
-            raise ValueError(
+            raise RewardContractError(
                 f"Dense {name} returned {len(row)} token rewards for completion {i}, which has {length} tokens; "
                 "align the per-token rewards to `completion_ids[i]`."
             )
         bad = next((t for t, v in enumerate(row) if math.isinf(v)), None)
         if bad is not None:
-            raise ValueError(
+            raise RewardContractError(
                 f"Dense {name} returned {row[bad]} at token {bad} of completion {i}; return finite token rewards "
                 "(NaN where a token's reward does not apply)."
             )

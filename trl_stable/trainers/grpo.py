@@ -57,9 +57,11 @@ from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
+    RewardContractError,
     check_finite_rewards,
     collect_dense_rewards,
     is_dense_reward,
+    raise_on_every_process,
     weighted_reward_sum,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
@@ -529,6 +531,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
         self.reward_weights = self.reward_weights[keep].clone()
 
+    def _count_processes(self, flag: bool) -> int:
+        """How many processes raise `flag` (a collective: every process must call it)."""
+        flags = torch.tensor(float(flag), device=self.accelerator.device)
+        return int(self.accelerator.reduce(flags, reduction="sum").item())
+
     def _log(self, name: str, value: float) -> None:
         log_metric(self, name, value)
 
@@ -636,9 +643,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._rollout is not None:
             self._rollout.rewards_per_func = rewards_per_func
             if self.dense_reward_funcs:
-                self._rollout.dense_rewards = self._calculate_dense_rewards(
-                    inputs, prompts, completions, completion_ids_list, rewards_per_func
-                )
+                error = None
+                try:  # on this process's completions only: a broken answer must stop every process at once
+                    self._rollout.dense_rewards = self._calculate_dense_rewards(
+                        inputs, prompts, completions, completion_ids_list, rewards_per_func
+                    )
+                except RewardContractError as err:
+                    error = err
+                raise_on_every_process(error, self._count_processes)
         return rewards_per_func
 
     def _calculate_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
@@ -655,7 +667,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.dense_reward_func_names,
             self.dense_reward_weights.tolist(),
             [len(ids) for ids in completion_ids_list],
-            call=lambda func: call_reward_func(self, func, **kwargs),
+            call=lambda func: call_reward_func(func, getattr(self, "async_loop", None), **kwargs),
         )
         for name, value in dense.metrics.items():
             self._log(name, value)

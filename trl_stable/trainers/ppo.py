@@ -62,6 +62,7 @@ from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
+from trl_stable.rewards.dense import RewardContractError, raise_on_every_process
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.ppo_models import (
@@ -231,7 +232,8 @@ class PPOTrainer(PPOPlumbing):
                 f", filter={args.token_filter}[{lower}, {upper}] {args.token_filter_level}/{args.token_filter_action}"
             )
         return (
-            f"trl_stable PPO: advantages=gae ({lam}, gamma={args.gamma}, whiten={args.whiten_advantages}), "
+            f"trl_stable PPO: advantages=gae ({lam}, gamma={args.gamma}, whiten={args.whiten_advantages}; "
+            "turn_gae for steps with turn_ids), "
             f"kl={kl}, loss={loss}, value_clip={args.cliprange_value}, routing={args.routing_replay}"
         )
 
@@ -359,9 +361,10 @@ class PPOTrainer(PPOPlumbing):
                 from `responses` when it is a `Rollout`.
             extra_logs: Merged into the step's logs (e.g. reward metrics).
 
-        The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. Samples with a NaN (or infinite)
-        `token_rewards` entry or score are dropped with a warning (error when all are). The step is logged
-        (`self.state.log_history`, callbacks).
+        The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
+        reward-function output: a NaN `token_rewards` entry or score marks a sample without a reward, which is dropped
+        with a warning (error when all are); an infinite one raises `RewardContractError` on every process. The step
+        is logged (`self.state.log_history`, callbacks).
 
         Returns:
             The step's statistics (objective/kl, loss/policy, loss/value, policy/clipfrac, ...).
@@ -510,19 +513,29 @@ class PPOTrainer(PPOPlumbing):
         if scores is not None:
             values = scores.tolist() if isinstance(scores, torch.Tensor) else scores
             score_t = torch.as_tensor([float(s) for s in values], dtype=torch.float32, device=device)
-        bad = ~torch.isfinite(dense).all(1)
+        error = None
+        infinite = torch.isinf(dense).any(1)
         if score_t is not None:
-            bad |= ~torch.isfinite(score_t)
+            infinite |= torch.isinf(score_t)
+        if bool(infinite.any()):
+            i = int(infinite.nonzero()[0])
+            error = RewardContractError(
+                f"Sample {i} of this PPO step has an infinite reward (token_rewards or scores): it would turn every "
+                "advantage of the batch into NaN. Pass finite rewards (NaN marks a sample without a reward)."
+            )
+        raise_on_every_process(error, self._count_processes)
+        # NaN marks a sample without a reward: RELC-era loops put the score inside token_rewards, so a NaN token is
+        # a failed score rather than a token the reward does not apply to (as it is for a dense reward function)
+        bad = torch.isnan(dense).any(1)
+        if score_t is not None:
+            bad |= torch.isnan(score_t)
         # decided on every process at once: a process that raised alone would leave the others hanging in a collective
         if self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
             raise ValueError(
-                "Every sample of the batch has a NaN (or infinite) reward (on at least one process); check the reward "
-                "functions."
+                "Every sample of the batch has a NaN reward (on at least one process); check the reward functions."
             )
         if bool(bad.any()):
-            warnings.warn(
-                f"Dropping {int(bad.sum())} of {n} samples with a NaN (or infinite) reward from this PPO step."
-            )
+            warnings.warn(f"Dropping {int(bad.sum())} of {n} samples with a NaN reward from this PPO step.")
             mask = mask * (~bad).unsqueeze(1)
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
@@ -537,8 +550,8 @@ class PPOTrainer(PPOPlumbing):
             batch["scores"] = self.scale_scores(raw_scores, valid) * valid
             logs["env/reward_mean"] = self._gmean(raw_scores[valid])
             logs["env/reward_std"] = self._gstd(raw_scores, valid)
-            if self.args.use_score_scaling:
-                logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
+        if self.args.use_score_scaling:
+            logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
         return batch, logs
 
     def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -688,7 +701,8 @@ class PPOTrainer(PPOPlumbing):
             "objective/non_score_reward": self._gmean(non_score.sum(1)[valid]),
             "objective/rlhf_reward": self._gmean(rlhf_reward[valid]),
             "dense/reward_mean": self._gmean(dense.sum(1)[valid]),
-            "dense/token_reward_mean": self._gmean(dense[maskb]) if bool(maskb.any()) else 0.0,
+            # sums and counts over every process (a process whose tokens are all masked still joins the reduce)
+            "dense/token_reward_mean": self._masked_gmean(dense, mask),
             "tokens/response_len_mean": self._gmean(batch["response_lengths"][valid].float()),
             # share of responses cut at the length cap (no EOS), read by the health monitor's length gauge
             "tokens/truncated_frac": self._gmean((~ended)[valid].float()),
@@ -827,6 +841,14 @@ class PPOTrainer(PPOPlumbing):
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, reduction="sum")
 
+    def _count_processes(self, flag: bool) -> int:
+        """How many processes raise `flag` (a collective: every process must call it)."""
+        return int(self._reduce_sum(torch.tensor(float(flag), device=self.accelerator.device)).item())
+
+    def _masked_gmean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        sums = self._reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).float())
+        return (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
+
     def _gmean(self, x: torch.Tensor) -> float:
         return self.accelerator.reduce(x.detach().float().mean(), reduction="mean").item()
 
@@ -922,7 +944,12 @@ class PPOTrainer(PPOPlumbing):
             ]
             prompts, queries = self._prompt_ids(rows)
             responses = self.generate(queries, return_prompt=False)
-            rewards = self.rewards(rows, prompts, responses, self.state)
+            error = None
+            try:
+                rewards = self.rewards(rows, prompts, responses, self.state)
+            except RewardContractError as err:  # seen by this process only: every process must stop with it
+                error = err
+            raise_on_every_process(error, self._count_processes)
             self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
             stats = self.step(
                 queries,

@@ -6,8 +6,6 @@ to inherit that from, so this module calls the functions itself, with TRL's sign
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +22,7 @@ from trl_stable.rewards.dense import (
     sequence_reward_values,
     weighted_reward_sum,
 )
-from trl_stable.trl_internals import model_name_of
+from trl_stable.trl_internals import call_reward_func, model_name_of, reward_event_loop
 
 __all__ = ["BatchRewards", "RewardFunctions"]
 
@@ -37,10 +35,6 @@ class BatchRewards:
     scores: torch.Tensor | None
     dense: DenseRewards | None
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def _resolve(result: Any) -> Any:
-    return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
 class RewardFunctions:
@@ -83,6 +77,7 @@ class RewardFunctions:
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
         self.processing_classes = self._processing_classes(processing_classes, policy_tokenizer)
         self.tokenizer = policy_tokenizer
+        self.loop = reward_event_loop(funcs)  # async reward functions run here, as on TRL's reward loop in GRPO
 
     def __len__(self) -> int:
         return len(self.funcs)
@@ -141,7 +136,8 @@ class RewardFunctions:
                 if isinstance(func, nn.Module):
                     values = self._score_with_model(func, self.processing_classes[i], prompts, texts)
                 else:
-                    values = sequence_reward_values(_resolve(func(trainer_state=trainer_state, **kwargs)), n, name)
+                    out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
+                    values = sequence_reward_values(out, n, name)
                 finite = values[~torch.isnan(values)]
                 metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
                 columns_out.append(values)
@@ -156,13 +152,13 @@ class RewardFunctions:
                 [self.names[i] for i in dense_idx],
                 [self.weights[i] for i in dense_idx],
                 [len(r) for r in responses],
-                call=lambda func: _resolve(
-                    func(
-                        env_rewards=env,
-                        trainer_state=trainer_state,
-                        log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
-                        **kwargs,
-                    )
+                call=lambda func: call_reward_func(
+                    func,
+                    self.loop,
+                    env_rewards=env,
+                    trainer_state=trainer_state,
+                    log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
+                    **kwargs,
                 ),
             )
             metrics.update(dense.metrics)
