@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from torch import nn
 from transformers import AutoTokenizer, TrainerCallback, get_scheduler
 from transformers.trainer_utils import TrainOutput
@@ -959,6 +959,8 @@ class PPOTrainer(PPOPlumbing):
                 extra_logs=rewards.metrics,
             )
             losses.append(stats.get("loss/total", 0.0))
+            if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
+                self._log_completions(prompts, responses, rewards)
             if self.control.should_save:
                 self.save_checkpoint()
                 self.control.should_save = False
@@ -976,17 +978,48 @@ class PPOTrainer(PPOPlumbing):
         self.kl_ctl.value = state["kl_coef"]
         self.running.load_state_dict(state["running"])
 
-    def log_stats(self, stats: dict[str, float], batch: dict | None = None, rewards: Any | None = None) -> None:
-        """Old-TRL compatibility: `step()` already logs its statistics; this logs the given `rewards` summary."""
+    def _log_completions(self, prompts: list[Any], responses: list[torch.Tensor], rewards: Any) -> None:
+        """The `completions` table of a logged `train()` step (prompt, completion, reward from every process), as
+        TRL's GRPO logs it. Only on logged steps: gathering the texts costs one `gather_object` per logged step."""
+        n = len(responses)
+        dense = rewards.dense.rows if rewards.dense is not None else [None] * n
+        scores = rewards.scores.tolist() if rewards.scores is not None else [0.0] * n
+        totals = [float(s) + (0.0 if d is None else float(torch.as_tensor(d).nansum())) for s, d in zip(scores, dense)]
+        completions = self.processing_class.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
+        self.log_table(
+            "completions",
+            {
+                "prompt": gather_object([p if isinstance(p, str) else str(p) for p in prompts]),
+                "completion": gather_object(completions),
+                "reward": gather_object(totals),
+            },
+        )
+
+    def log_stats(
+        self,
+        stats: dict[str, float],
+        batch: dict | None = None,
+        rewards: Any | None = None,
+        columns_to_log: Sequence[str] = ("query", "response"),
+    ) -> None:
+        """Old TRL's `log_stats`: `step()` already logged `stats`; this logs the `rewards` of every process
+        (env/reward_mean, env/reward_std) and the game log, a table of `columns_to_log` from `batch` and the reward
+        of each sample, gathered from every process (`self.tables["game_log"]`, and wandb / trackio when
+        `report_to` names one). Call it on every process: it gathers."""
         if rewards is None:
             return
-        values = torch.as_tensor([float(r) for r in rewards], dtype=torch.float32)
+        local = [float(torch.as_tensor(r, dtype=torch.float32).sum()) if r is not None else math.nan for r in rewards]
+        values = torch.tensor(gather_object(local), dtype=torch.float32)
+        finite = values[~torch.isnan(values)]
         self.log(
             {
-                "env/reward_mean": values.mean().item(),
-                "env/reward_std": values.std().item() if len(values) > 1 else 0.0,
+                "env/reward_mean": finite.mean().item() if len(finite) else math.nan,
+                "env/reward_std": finite.std().item() if len(finite) > 1 else 0.0,
             }
         )
+        if batch is not None:
+            columns = {c: gather_object([str(v) for v in batch[c]]) for c in columns_to_log if c in batch}
+            self.log_table("game_log", {**columns, "reward": values.tolist()})
 
 
 def _trim_micro_batch(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

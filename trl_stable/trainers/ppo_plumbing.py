@@ -58,6 +58,7 @@ class PPOPlumbing:
         )
         self._train_begun = False
         self._start_time = None
+        self.tables: dict[str, dict[str, list[Any]]] = {}  # latest table per name (main process), see log_table
 
     def unwrapped(self):
         """The `PolicyAndValue` module (policy, value head, optional value backbone) without its DDP wrapper."""
@@ -82,6 +83,31 @@ class PPOPlumbing:
             logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def log_table(self, name: str, columns: dict[str, list[Any]]) -> None:
+        """Log a table (equal-length columns, already gathered from every process) the way TRL's GRPO logs its
+        `completions` table: on the main process, straight to the wandb / trackio run when `report_to` names one
+        (tables do not fit `on_log`'s scalar dicts), and kept in `self.tables[name]` for other consumers."""
+        if not self.accelerator.is_main_process:
+            return
+        self.tables[name] = {"step": [self.state.global_step] * len(next(iter(columns.values()), [])), **columns}
+        report_to = self.args.report_to or []
+        backends = []
+        if "wandb" in report_to:
+            import wandb
+
+            if wandb.run is not None:
+                backends.append(wandb)
+        if "trackio" in report_to:
+            import trackio
+
+            backends.append(trackio)
+        if backends:
+            import pandas as pd
+
+            frame = pd.DataFrame(self.tables[name])
+            for backend in backends:
+                backend.log({name: backend.Table(dataframe=frame)})
 
     def _begin(self, max_steps: int) -> None:
         self.state.max_steps = max_steps
@@ -110,14 +136,19 @@ class PPOPlumbing:
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            unwrapped = self.unwrapped()
-            os.makedirs(output_dir, exist_ok=True)
-            unwrapped.policy.save_pretrained(output_dir)
-            self.processing_class.save_pretrained(output_dir)
-            unwrapped.value_head.save_pretrained(output_dir)
-            if unwrapped.value_backbone is not None:
-                unwrapped.value_backbone.save_pretrained(os.path.join(output_dir, "value_model"))
+            self._write_model(output_dir)
         self.accelerator.wait_for_everyone()
+
+    def _write_model(self, output_dir: str) -> None:
+        """Write what `save_model` saves, from this process alone: no collective, so it may run under
+        ``if accelerator.is_main_process:`` (DDP keeps a full copy of the weights on every process)."""
+        unwrapped = self.unwrapped()
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped.policy.save_pretrained(output_dir)
+        self.processing_class.save_pretrained(output_dir)
+        unwrapped.value_head.save_pretrained(output_dir)
+        if unwrapped.value_backbone is not None:
+            unwrapped.value_backbone.save_pretrained(os.path.join(output_dir, "value_model"))
 
     def _latest_checkpoint(self) -> str:
         out = self.args.output_dir

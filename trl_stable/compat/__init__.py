@@ -1,0 +1,1 @@
+"""Compatibility layers for scripts written against older TRL APIs (see `trl_stable.compat.relc`)."""

@@ -1,0 +1,594 @@
+"""RELC's TRL 0.x API on trl_stable: change a RELC script's `trl` imports to this module and it runs unchanged.
+
+RELC (Cao et al., "Beyond Sparse Rewards", google-research/relc) ships its scripts with a frozen fork of TRL 0.x.
+They import from `trl`, `trl.core`, `trl.extras.openai_scores` and `trl.extras.toxicity_evaluator`; every such name
+is here, with the fork's signature and meaning, built on trl_stable's `PPOTrainer`, critic backends and span
+alignment (no code of the fork is reused):
+
+```python
+from trl_stable.compat.relc import (
+    AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, create_reference_model,
+    query_batch_span, set_seed,
+)
+```
+
+Where the fork's behaviour was a bug, the script keeps running and a warning (once) says what trl_stable does and
+how to switch: a failed critic call is None instead of a crash (`query_batch_span(failed_as=...)`), and the
+scripts' substring matching of decoded tokens against critic spans is pointed at
+`trl_stable.rewards.span_token_rewards` (character-offset alignment).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed as _accelerate_set_seed
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from trl_stable.rewards import OpenAICritic
+from trl_stable.trainers import ppo_models
+from trl_stable.trainers.ppo import PPOTrainer as _StablePPOTrainer
+from trl_stable.trainers.ppo_config import PPOConfig as _StablePPOConfig
+from trl_stable.trainers.rollout import LengthSampler as _InclusiveLengthSampler
+from trl_stable.trainers.value_head import ValueHead
+
+__all__ = [
+    "AutoModelForCausalLMWithValueHead",
+    "AutoModelForSeq2Seq",
+    "AutoModelForSeq2SeqLMWithValueHead",
+    "LengthSampler",
+    "PPOConfig",
+    "PPOTrainer",
+    "PerspectiveAPI",
+    "RobertaHateSpeechDetector",
+    "create_reference_model",
+    "query_batch_span",
+    "set_seed",
+]
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------------- trl.core
+def set_seed(seed: int) -> None:
+    """Seed `random`, `numpy` and `torch` (all devices), as `trl.core.set_seed` did."""
+    _accelerate_set_seed(seed)
+
+
+class LengthSampler(_InclusiveLengthSampler):
+    """`trl.core.LengthSampler`: a length drawn uniformly from ``[min_value, max_value)``.
+
+    The upper bound is exclusive, as in TRL 0.x (``range(min_value, max_value)``); trl_stable's own
+    `trl_stable.trainers.rollout.LengthSampler` includes it.
+    """
+
+    def __init__(self, min_value: int, max_value: int):
+        if max_value <= min_value:
+            raise ValueError(
+                f"LengthSampler needs min_value < max_value (the upper bound is exclusive), got "
+                f"{min_value}, {max_value}."
+            )
+        super().__init__(min_value, max_value - 1)
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@dataclass
+class PPOConfig:
+    """`trl.PPOConfig` of RELC's TRL 0.x fork: the same fields and defaults (a plain dataclass, so `tyro` builds
+    its flags as before). `PPOTrainer` turns it into a `trl_stable.PPOConfig` (`to_trl_stable`).
+
+    Fields the fork used only for tracking (`exp_name`, `task_name`, `model_name`, `query_dataset`, `reward_model`,
+    `steps`) are kept and logged. `log_with` becomes `report_to`, `tracker_project_name` the wandb project,
+    ``max_grad_norm=None`` no clipping. `accelerator_kwargs`, `project_kwargs` and `push_to_hub_if_best_kwargs` have
+    no trl_stable counterpart and are ignored with a warning; `optimize_cuda_cache` is ignored.
+    """
+
+    exp_name: str = os.path.basename(sys.argv[0])[: -len(".py")]
+    task_name: str | None = None
+    model_name: str | None = None
+    query_dataset: str | None = None
+    reward_model: str | None = None
+    steps: int = 20000
+    learning_rate: float = 1e-5
+    adap_kl_ctrl: bool = True
+    init_kl_coef: float | None = 0.2
+    kl_penalty: str = "kl"
+    target: float | None = 6
+    horizon: float | None = 10000
+    gamma: float = 1
+    lam: float = 0.95
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    batch_size: int = 256
+    forward_batch_size: int | None = None
+    mini_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    world_size: int | None = None
+    backward_batch_size: int | None = None
+    global_backward_batch_size: int | None = None
+    global_batch_size: int | None = None
+    ppo_epochs: int = 4
+    remove_unused_columns: bool = True
+    log_with: str | None = None
+    tracker_kwargs: dict = field(default_factory=dict)
+    accelerator_kwargs: dict = field(default_factory=dict)
+    project_kwargs: dict = field(default_factory=dict)
+    tracker_project_name: str = "trl"
+    max_grad_norm: float | None = None
+    seed: int = 0
+    optimize_cuda_cache: bool = False
+    early_stopping: bool = False
+    target_kl: float = 1
+    push_to_hub_if_best_kwargs: dict = field(default_factory=dict)
+    compare_steps: int = 1
+    ratio_threshold: float = 10.0
+    use_score_scaling: bool = False
+    use_score_norm: bool = False
+    score_clip: float | None = None
+    is_encoder_decoder: bool | None = None
+    is_peft_model: bool | None = None
+
+    def __post_init__(self):
+        if self.forward_batch_size is not None:
+            warnings.warn("forward_batch_size is deprecated: it overrides mini_batch_size, as in TRL 0.x.")
+            self.mini_batch_size = self.forward_batch_size
+        self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % self.backward_batch_size != 0:
+            raise ValueError(
+                f"`batch_size` ({self.batch_size}) must be a multiple of `mini_batch_size * "
+                f"gradient_accumulation_steps` ({self.backward_batch_size})."
+            )
+        if self.kl_penalty not in ("kl", "abs", "mse", "full"):
+            raise ValueError(f"kl_penalty must be one of 'kl', 'abs', 'mse', 'full', got {self.kl_penalty!r}.")
+        self.total_ppo_epochs = -(-self.steps // self.batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a flat dict (what the fork sent to the tracker)."""
+        return asdict(self)
+
+    def to_trl_stable(self, output_dir: str | None = None, **overrides: Any) -> _StablePPOConfig:
+        """The equivalent `trl_stable.PPOConfig` (`overrides` win)."""
+        for name in ("accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
+            if getattr(self, name):
+                _warn_once(name, f"PPOConfig.{name} has no trl_stable counterpart and is ignored.")
+        if self.log_with == "wandb":
+            # transformers' WandbCallback reads the project from the environment
+            os.environ.setdefault("WANDB_PROJECT", self.tracker_project_name)
+        wandb_kwargs = self.tracker_kwargs.get("wandb", {}) if isinstance(self.tracker_kwargs, dict) else {}
+        kwargs = dict(
+            output_dir=output_dir or os.path.join("relc_output", self.exp_name or "ppo"),
+            model_name=self.model_name,
+            learning_rate=self.learning_rate,
+            adap_kl_ctrl=self.adap_kl_ctrl,
+            init_kl_coef=self.init_kl_coef if self.init_kl_coef is not None else 0.2,
+            kl_penalty=self.kl_penalty,
+            target=self.target,
+            horizon=self.horizon,
+            gamma=float(self.gamma),
+            lam=self.lam,
+            cliprange=self.cliprange,
+            cliprange_value=self.cliprange_value,
+            vf_coef=self.vf_coef,
+            batch_size=self.batch_size,
+            mini_batch_size=self.mini_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            ppo_epochs=self.ppo_epochs,
+            report_to=self.log_with or "none",
+            run_name=wandb_kwargs.get("name"),
+            max_grad_norm=self.max_grad_norm if self.max_grad_norm is not None else 0.0,  # 0: no clipping
+            seed=self.seed,
+            early_stopping=self.early_stopping,
+            target_kl=self.target_kl,
+            ratio_threshold=self.ratio_threshold,
+            use_score_scaling=self.use_score_scaling,
+            use_score_norm=self.use_score_norm,
+            score_clip=self.score_clip,
+            # RELC's scripts draw their lengths with a LengthSampler and show their own progress bars
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=1,
+        )
+        kwargs.update(overrides)
+        return _StablePPOConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- models
+class AutoModelForCausalLMWithValueHead(nn.Module):
+    """`trl.AutoModelForCausalLMWithValueHead`: a causal LM (`pretrained_model`, a PEFT model with `peft_config`)
+    and a scalar value head (`v_head`, trl_stable's `ValueHead`) on its last hidden state.
+
+    `PPOTrainer` trains this very head, so an optimizer built over ``model.parameters()`` (as RELC's scripts do)
+    covers the policy and the value head. `forward` returns ``(lm_logits, loss, value)`` as in TRL 0.x.
+    """
+
+    def __init__(self, pretrained_model: nn.Module, v_head: ValueHead | None = None):
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        self.v_head = v_head if v_head is not None else ValueHead(ppo_models.hidden_size(pretrained_model))
+        self.is_peft_model = ppo_models.is_peft_model(pretrained_model)
+        self.config = getattr(pretrained_model, "config", None)
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | nn.Module, *model_args: Any, peft_config: Any | None = None, **kwargs
+    ) -> AutoModelForCausalLMWithValueHead:
+        """Load (or wrap) a causal LM and put a fresh value head on it (seeded by the global RNG, as in TRL 0.x:
+        call `set_seed` first for a reproducible head).
+
+        Args:
+            pretrained_model_name_or_path: A name/path, or a loaded causal LM (e.g. loaded in bfloat16 first).
+            peft_config: A `peft.PeftConfig`: the LM becomes a PEFT model (the trainer's reference is then the LM
+                with its adapter disabled).
+            kwargs: For `AutoModelForCausalLM.from_pretrained` (``device_map``, ``load_in_8bit``, dtype, ...).
+        """
+        if isinstance(pretrained_model_name_or_path, nn.Module):
+            model = pretrained_model_name_or_path
+        else:
+            kwargs = _loading_kwargs(kwargs)
+            model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        return cls(model)
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        out = self.pretrained_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+        )
+        value = self.v_head(out.hidden_states[-1])
+        return out.logits, getattr(out, "loss", None), value
+
+    def generate(self, *args: Any, **kwargs: Any):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        self.v_head.save_pretrained(save_directory)
+
+
+class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
+    """`trl.AutoModelForSeq2SeqLMWithValueHead`. trl_stable's PPO trains decoder-only models only, so loading one
+    raises; RELC's scripts reach it only with ``--use_seq2seq``."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        raise NotImplementedError(
+            "trl_stable's PPOTrainer trains causal (decoder-only) LMs only; use AutoModelForCausalLMWithValueHead."
+        )
+
+
+AutoModelForSeq2Seq = AutoModelForSeq2SeqLMWithValueHead  # the name RELC's sentiment script imports
+
+
+def _loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """TRL 0.x loading flags in today's transformers spelling."""
+    kwargs = dict(kwargs)
+    load_8bit, load_4bit = kwargs.pop("load_in_8bit", False), kwargs.pop("load_in_4bit", False)
+    if load_8bit or load_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_8bit, load_in_4bit=load_4bit)
+    device_map = kwargs.get("device_map")
+    if isinstance(device_map, dict) and not torch.cuda.is_available():
+        # RELC's PEFT script maps the model to GPU `local_process_index`; on a CPU machine that index is no device
+        if any(isinstance(v, int) for v in device_map.values()):
+            kwargs.pop("device_map")
+    return kwargs
+
+
+def create_reference_model(
+    model: nn.Module, num_shared_layers: int | None = None, pattern: str | None = None
+) -> nn.Module:
+    """`trl.create_reference_model`: a frozen copy of `model` whose embeddings and first `num_shared_layers`
+    layers are the model's own (frozen) parameters (None: a full frozen copy). Takes and returns a value-head model
+    (or a plain causal LM). `pattern` (the fork's layer-name pattern) is not needed: layers are found by index."""
+    if pattern is not None:
+        _warn_once("pattern", "create_reference_model(pattern=...) is ignored: trl_stable finds layers by index.")
+    if isinstance(model, AutoModelForCausalLMWithValueHead):
+        ref = ppo_models.create_reference_model(model.pretrained_model, num_shared_layers)
+        head = ValueHead(model.v_head.hidden_size)
+        head.load_state_dict(model.v_head.state_dict())
+        return AutoModelForCausalLMWithValueHead(ref, head.requires_grad_(False)).eval()
+    return ppo_models.create_reference_model(model, num_shared_layers)
+
+
+def _policy_of(model: Any) -> Any:
+    return model.pretrained_model if isinstance(model, AutoModelForCausalLMWithValueHead) else model
+
+
+# ---------------------------------------------------------------------------------------------------- trainer
+class PPOTrainer(_StablePPOTrainer):
+    """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO: ``PPOTrainer(config, model, ref_model, tokenizer,
+    dataset=..., optimizer=..., data_collator=..., num_shared_layers=..., lr_scheduler=...)``.
+
+    Everything of `trl_stable.PPOTrainer` is there (`accelerator`, `current_device`, `log_stats`, ...), plus
+    `config` (the RELC config), `dataloader` (over `dataset`: `batch_size` rows per process, shuffled, last
+    incomplete batch dropped, prepared for the processes), the fork's `generate` and `step` signatures and
+    `save_pretrained`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig | None = None,
+        model: nn.Module | None = None,
+        ref_model: nn.Module | None = None,
+        tokenizer: Any | None = None,
+        dataset: Any | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        data_collator: Callable | None = None,
+        num_shared_layers: int | None = None,
+        lr_scheduler: Any | None = None,
+    ):
+        config = PPOConfig() if config is None else config
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"config must be a trl_stable.compat.relc.PPOConfig, got {type(config)}.")
+        if model is None:
+            raise ValueError("PPOTrainer needs `model` (an AutoModelForCausalLMWithValueHead).")
+        self.config = config
+        if ref_model is not None and num_shared_layers is not None:
+            warnings.warn("num_shared_layers is ignored when ref_model is provided.")
+        args = config.to_trl_stable(num_shared_layers=num_shared_layers if ref_model is None else None)
+        value_head = model.v_head if isinstance(model, AutoModelForCausalLMWithValueHead) else None
+        super().__init__(
+            model=_policy_of(model),
+            args=args,
+            processing_class=tokenizer,
+            ref_model=_policy_of(ref_model) if ref_model is not None else None,
+            value_model=value_head,
+            optimizers=(optimizer, lr_scheduler),
+        )
+        self.tokenizer = self.processing_class
+        self.is_peft_model = self.is_peft
+        self.is_encoder_decoder = False
+        config.world_size = self.accelerator.num_processes
+        config.global_backward_batch_size = config.backward_batch_size * config.world_size
+        config.global_batch_size = config.batch_size * config.world_size
+        config.is_encoder_decoder, config.is_peft_model = False, self.is_peft
+        self.dataset = dataset
+        self.data_collator = data_collator
+        self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
+        self.current_step = 0
+
+    def prepare_dataloader(self, dataset: Any, data_collator: Callable | None = None) -> torch.utils.data.DataLoader:
+        """A shuffled `DataLoader` of `config.batch_size` rows (last incomplete batch dropped), prepared by the
+        accelerator (each process gets its own rows). A `datasets.Dataset` keeps only the columns the model's
+        forward takes plus "label", "query" and "response" (with `remove_unused_columns`), as the fork did."""
+        if self.config.remove_unused_columns and hasattr(dataset, "column_names"):
+            keep = set(inspect.signature(self.unwrapped().policy.forward).parameters) | {"label", "query", "response"}
+            unused = [c for c in dataset.column_names if c not in keep]
+            if unused:
+                dataset = dataset.remove_columns(unused)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=self.config.batch_size, collate_fn=data_collator, shuffle=True, drop_last=True
+        )
+        return self.accelerator.prepare(loader)
+
+    def generate(
+        self,
+        query_tensor: torch.Tensor | list[torch.Tensor],
+        length_sampler: Callable[[], int] | None = None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        **generation_kwargs: Any,
+    ):
+        """The fork's `generate`: one 1-D query gives a [1, len] tensor (prompt + response unless
+        ``return_prompt=False``); a list gives a list of 1-D tensors, generated `batch_size` at a time with one
+        `length_sampler()` draw per chunk, each cut after its first EOS (kept)."""
+        if "min_length" in generation_kwargs and generation_kwargs["min_length"] < 0:
+            generation_kwargs.pop("min_length")  # TRL 0.x's "no minimum"; today's generate rejects -1
+        if "top_k" in generation_kwargs:
+            generation_kwargs["top_k"] = int(generation_kwargs["top_k"])  # RELC passes 0.0
+        if isinstance(query_tensor, torch.Tensor):
+            if query_tensor.dim() != 1:
+                raise ValueError("query_tensor must be a tensor of shape (seq_len) or a list of such tensors.")
+            if length_sampler is not None:
+                generation_kwargs["max_new_tokens"] = length_sampler()
+            out = super().generate(query_tensor, return_prompt=return_prompt, **generation_kwargs)
+            return out.unsqueeze(0)
+        return super().generate(
+            list(query_tensor),
+            length_sampler=length_sampler,
+            return_prompt=return_prompt,
+            batch_size=batch_size,
+            **generation_kwargs,
+        )
+
+    def step(
+        self,
+        queries: list[torch.Tensor],
+        responses: list[torch.Tensor],
+        scores: list[Any] | torch.Tensor | None = None,
+        response_masks: list[torch.Tensor] | None = None,
+        **stable_kwargs: Any,
+    ) -> dict[str, float]:
+        """The fork's ``step(queries, responses, scores)``.
+
+        Each entry of `scores` is a scalar (a 0-dim tensor or a number: the sequence reward, on the last response
+        token) or, as RELC's scripts build them, a per-token row of ``len(query) + len(response) - 1`` rewards,
+        one per predicted token of query + response. Only its last ``len(response)`` entries (the response tokens)
+        reach PPO: the fork masked the query positions out as well. None marks a sample without a reward (dropped).
+
+        trl_stable's keywords (``token_rewards=``, ``turn_ids=``, ...) are passed through to
+        `trl_stable.PPOTrainer.step`, with `scores` then in its meaning.
+        """
+        if stable_kwargs:
+            return super().step(queries, responses, scores=scores, **stable_kwargs)
+        if response_masks is not None:
+            raise ValueError("step(response_masks=...) is not supported by trl_stable's PPO; mask with turn_ids.")
+        if scores is None or len(scores) != len(queries):
+            raise ValueError("step() needs one score (scalar or per-token row) per query.")
+        rows, scalars = [], []
+        for i, (q, r, s) in enumerate(zip(queries, responses, scores)):
+            s = torch.tensor(float("nan")) if s is None else torch.as_tensor(s, dtype=torch.float32).detach().cpu()
+            if s.dim() == 0:
+                scalars.append(float(s))
+                rows.append(None)
+                continue
+            expected = len(q) + len(r) - 1
+            if s.dim() != 1 or len(s) != expected:
+                raise ValueError(
+                    f"scores[{i}] has shape {tuple(s.shape)}: give a scalar or one reward per predicted token of "
+                    f"query + response, len(query) + len(response) - 1 = {expected} entries."
+                )
+            rows.append(s[len(q) - 1 :])
+            scalars.append(None)
+        self.current_step += 1
+        if all(row is None for row in rows):
+            return super().step(queries, responses, scores=scalars)
+        if self.args.use_score_scaling:
+            _warn_once(
+                "score_scaling",
+                "use_score_scaling with per-token rewards: trl_stable scales sequence-level scores only (the fork "
+                "divided padded per-token rows by the std of all their entries, padding included). Pass scalar "
+                "rewards to step() to have them scaled.",
+            )
+        token_rewards = []
+        for r, row, scalar in zip(responses, rows, scalars):
+            if row is None:  # a scalar among per-token rows: it goes on the last response token
+                row = torch.zeros(len(r))
+                row[-1] = scalar
+            token_rewards.append(row)
+        return super().step(queries, responses, token_rewards=token_rewards)
+
+    def save_pretrained(self, save_directory: str) -> None:
+        """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`.
+
+        No collective runs inside, so RELC's ``if accelerator.is_main_process: ppo_trainer.save_pretrained(...)``
+        works with several processes; called on every process, only the main one writes."""
+        if self.accelerator.is_main_process:
+            self._write_model(save_directory)
+
+
+# ---------------------------------------------------------------------------------------------------- critic
+def query_batch_span(
+    queries: Sequence[str],
+    max_workers: int = 2,
+    max_tokens: int = 600,
+    api_key: str | None = None,
+    *,
+    model: str = "gpt-3.5-turbo",
+    base_url: str | None = None,
+    timeout: float = 30.0,
+    failed_as: str | None = None,
+) -> list[str | None]:
+    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
+    (temperature 0) and return its answer text, in order; a call that failed after its retries is `failed_as`
+    (None, as in the fork).
+
+    The call goes through trl_stable's `OpenAICritic` (retries with backoff, per-request timeout, a deadline per
+    batch), so a failed call never raises.
+
+    Args:
+        queries: The full critic prompts.
+        max_workers: Requests in flight at once.
+        max_tokens: Answer length limit.
+        api_key: The key; default the environment variable OPENAI_API_KEY.
+        model: The critic model (the fork hard-coded gpt-3.5-turbo).
+        base_url: An OpenAI-compatible server (vLLM, ...); default the environment variable OPENAI_BASE_URL, else
+            OpenAI.
+        timeout: Seconds per HTTP request.
+        failed_as: What a failed call returns. None (the fork's value) crashes parsers that do
+            ``"None identified" in span``; pass "" for an empty critique (no intrinsic reward) instead.
+    """
+    _warn_once(
+        "substring",
+        "RELC's scripts turn critic spans into token rewards by substring matching decoded tokens (`token in "
+        "span`), which also marks short tokens that merely occur inside a span (e.g. 'a', ','). trl_stable keeps "
+        "your script's rewards as they are; for character-offset alignment use "
+        "trl_stable.rewards.span_token_rewards, or trl_stable.rewards.make_intrinsic_reward with PPOTrainer.train().",
+    )
+    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+    critic = OpenAICritic(
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        concurrency=max_workers,
+        timeout=timeout,
+        temperature=0.0,
+    )
+    with critic:
+        answers = critic.generate(list(queries))
+    failed = sum(a is None for a in answers)
+    if failed:
+        _warn_once(
+            "failed_call",
+            f"query_batch_span: {failed} of {len(answers)} critic calls failed after retries; they are returned as "
+            f"{failed_as!r} instead of stopping the run. Scripts that test `'None identified' in span` need "
+            "failed_as='' (an empty critique: no intrinsic reward for that sample).",
+        )
+    return [failed_as if a is None else a for a in answers]
+
+
+# ---------------------------------------------------------------------------------------------------- toxicity
+class RobertaHateSpeechDetector:
+    """`trl.extras.toxicity_evaluator.RobertaHateSpeechDetector`: `evaluate(texts)` gives, per text, a 0-dim
+    tensor with the classifier's "not hate" logit (class 0), the fork's reward. Loaded in float16 on CUDA only
+    (CPU half-precision kernels are incomplete)."""
+
+    def __init__(self, model_id: str = "facebook/roberta-hate-speech-dynabench-r4-target", device: Any = None):
+        self.model_id, self.device = model_id, device
+        self.toxicity_tokenizer = AutoTokenizer.from_pretrained(model_id)
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.model: PreTrainedModel = AutoModelForSequenceClassification.from_pretrained(
+            model_id, dtype=torch.float16 if on_cuda else torch.float32
+        ).to(device)
+
+    @torch.no_grad()
+    def evaluate(self, texts: Sequence[str]) -> list[torch.Tensor]:
+        inputs = self.toxicity_tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
+        logits = self.model(**inputs.to(self.device)).logits.float()
+        return [torch.tensor(v) for v in logits[:, 0].tolist()]
+
+
+class PerspectiveAPI:
+    """`trl.extras.toxicity_evaluator.PerspectiveAPI`: `evaluate(texts)` gives ``1 - TOXICITY`` per text as 0-dim
+    tensors; a text whose request fails twice scores 0.5 (the fork's fallback), with a warning. Needs
+    `google-api-python-client` and network access to Google's Comment Analyzer."""
+
+    def __init__(self, api_key: str | None = None, num_thread: int = 5):
+        from googleapiclient import discovery
+
+        self.api_key, self.num_thread = api_key, num_thread
+        self.client = discovery.build(
+            "commentanalyzer",
+            "v1alpha1",
+            developerKey=api_key,
+            discoveryServiceUrl="https://commentanalyzer.googleapis.com/$discovery/rest?version=v1alpha1",
+            static_discovery=False,
+        )
+
+    def _toxicity(self, text: str) -> float | None:
+        body = {"comment": {"text": text}, "requestedAttributes": {"TOXICITY": {}}}
+        for _ in range(2):
+            try:
+                response = self.client.comments().analyze(body=body).execute()
+                return float(response["attributeScores"]["TOXICITY"]["summaryScore"]["value"])
+            except Exception:  # noqa: BLE001 - any API failure falls back like the fork did
+                continue
+        return None
+
+    def evaluate(self, texts: Sequence[str]) -> list[torch.Tensor]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.num_thread) as pool:
+            scores = list(pool.map(self._toxicity, texts))
+        if any(s is None for s in scores):
+            _warn_once("perspective", "PerspectiveAPI: some requests failed twice; they score 0.5 (the fork's value).")
+        return [torch.tensor(1.0 - (0.5 if s is None else s)) for s in scores]
