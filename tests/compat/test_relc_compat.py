@@ -124,7 +124,8 @@ def test_value_head_model_and_reference(tokenizer):
         relc.AutoModelForSeq2Seq.from_pretrained("t5-small")
 
 
-def test_step_maps_relc_token_rewards_to_response_tokens(tokenizer, monkeypatch):
+def test_step_maps_relc_token_rewards_to_response_tokens(tokenizer, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # RELC's config has no output_dir: the default one is relative
     from trl_stable.testing import build_causal_lm
     from trl_stable.trainers.ppo import PPOTrainer as StablePPOTrainer
 
@@ -187,7 +188,7 @@ def _run_script(tmp_path, server, two_processes):
         ]  # fmt: skip
     try:
         # the limit only turns a hang (e.g. a save that waits on a barrier) into a failure with its output
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the RELC-shaped script hung; stderr tail:\n{(exc.stderr or b'')[-3000:]!r}")
     assert proc.returncode == 0, proc.stderr[-4000:]
