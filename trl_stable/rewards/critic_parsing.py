@@ -254,7 +254,17 @@ def _continued(text: str, header: str | None) -> str:
     norm = " ".join(header.lower().split())
     if " ".join(text.lower().split()).startswith(norm):
         return text
-    return f"{header}\n{text}"
+    # Only an answer with span structure continues the header: a refusal or chatter ("I cannot help with that.")
+    # would otherwise become a span of the first section.
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    structured = (
+        _MARKED_LINE_RE.match(first)
+        or _NONE_RE.match(first)
+        or _LABELED_RE.search(first)
+        or _HEADER_RE.search(text)
+        or _LABELED_RE.search(text)
+    )
+    return f"{header}\n{text}" if structured else text
 
 
 def parse_critic_answer(answer: str | None, continues: str | None = None) -> ParsedCritique:
