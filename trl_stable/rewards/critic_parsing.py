@@ -10,7 +10,16 @@ The critic formats (Drlc/RELC, Cao et al., EMNLP 2024, arXiv 2401.07382; our tem
       Identified Negative Text Span: None identified
 
 - toxicity: ``Toxic Span 1: <span>`` lines (``Toxic Span: None identified`` when there is none);
-- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity.
+- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity (under RELC's
+  "Problematic Spans Identified in the Summary:" header every span is a flaw, whatever its label);
+- per-word scores (RELC's ``prompt_*shot*.txt``): ``3.  idiot: -1`` lines; runs of words scored below zero are
+  negative spans, above zero positive ones.
+
+Continuation: RELC's prompt files end with the header the critic is to continue (``Identified Positive Text Span:``,
+``Toxic Spans Identified in the Sentence:``, ``Problematic Spans Identified in the Summary:``, or the
+``Rewards assigned:`` its code appends), so the answer starts with that section's spans and carries no header for
+them. `continuation_header` reads that header from the prompt; `parse_critic_answer(answer, continues=header)`
+reads the answer as if it started with it.
 
 LLMs wrap these in prose, number spans as ``1.``/``-``/``[Span 1]:``, quote them and end them with punctuation. The
 parser accepts all of that; an answer without any recognisable structure yields no spans and ``ok=False`` (the caller
@@ -27,7 +36,8 @@ from dataclasses import dataclass, field
 NEGATIVE_LABEL_KEYWORDS = (
     "inaccura", "irrelevant", "incorrect", "unfaithful", "unsupported", "unnecessary", "unimportant", "bad", "wrong",
     "redundan", "hallucinat", "fabricat", "repetit", "repeat", "verbose", "error", "contradict", "negative", "remove",
-    "ungrammatical", "off-topic", "false", "poor", "misleading", "vague",
+    "ungrammatical", "off-topic", "false", "poor", "misleading", "vague", "incoheren", "non-factual", "nonfactual",
+    "problem", "flaw", "misplaced",
 )  # fmt: skip
 POSITIVE_LABEL_KEYWORDS = (
     "good", "correct", "accura", "relevant", "key", "keep", "positive", "faithful", "important", "informative",
@@ -40,7 +50,11 @@ _NONE_RE = re.compile(
     re.IGNORECASE,
 )
 _HEADER_RE = re.compile(
-    r"(?<!\w)identified\s+(?P<a>positive|negative)\s+(?:text\s+)?spans?\b\s*(?:\(s\))?\s*:?"
+    # RELC's headers without a polarity name bad spans: "Identified Text Span:" (its negative-only sentiment prompt),
+    # "Toxic Spans Identified in the Sentence:", "Problematic Spans Identified in the Summary:".
+    r"(?<!\w)(?P<neg>(?:toxic|problematic|flawed)\s+(?:text\s+)?spans?\s+identified(?:\s+in\s+the\s+\w+)?\s*:"
+    r"|identified\s+(?:text\s+)?spans?\s*:)"
+    r"|(?<!\w)identified\s+(?P<a>positive|negative)\s+(?:text\s+)?spans?\b\s*(?:\(s\))?\s*:?"
     r"|^[ \t*#>-]*(?P<b>positive|negative)(?:\s+(?:text\s+)?spans?)?\b\s*(?:\(s\))?\s*\**\s*:"
     r"|(?<!\w)(?<!no )(?P<toxic>toxic)\s+(?:text\s+)?spans?\b\s*(?:\[?\s*\d+\s*\]?)?\s*:?",
     re.IGNORECASE | re.MULTILINE,
@@ -61,8 +75,17 @@ _NONE_ANYWHERE_RE = re.compile(r"\bnone\s+identified\b|\bno\s+(?:\w+\s+){0,3}?sp
 _NEGATOR_RE = re.compile(r"\b(?:not|no|non|never|lacks?|lacking|without|isn't|wasn't|doesn't)\b")
 _TRAILING_NOTE_RE = re.compile(r"(?<=\S)\s+\([^()]*\)$")  # "idiot (insult)": commentary in parentheses
 _PROSE_STOP_RE = re.compile(
-    r"^\s*(?:explanation|note|reason(?:ing)?|rationale|comments?|analysis|justification)s?\s*:", re.IGNORECASE
+    r"^\s*(?:(?:explanation|note|reason(?:ing)?|rationale|comments?|analysis|justification)s?\s*:"
+    # RELC's prompt_summ_3shot.txt asks a question after the spans ("Is the summary missing key information?").
+    r"|(?:is|are|does|do|did|was|were)\s+the\s+(?:summary|text|sentence|review)\b[^\n]*\?\s*$)",
+    re.IGNORECASE,
 )
+# RELC's per-word format: "12.  masturb: -1" (number, the word as the prompt listed it, its score).
+_WORD_SCORE_RE = re.compile(
+    r"(?m)^[ \t]*\d+\.[ \t](?P<word>[^\n]*?):[ \t]*(?P<score>[-+]?(?:\d+(?:\.\d*)?|\.\d+))[ \t]*$"
+)
+_WORD_SCORE_HEADER_RE = re.compile(r"^\s*rewards\s+assigned\s*:\s*$", re.IGNORECASE)
+_PROBLEM_HEADER_RE = re.compile(r"(?<!\w)(?:problematic|flawed)\s+spans?\b", re.IGNORECASE)
 _QUOTED_RE = re.compile(r"\"([^\"]+)\"|\u201c([^\u201d]+)\u201d|'([^']+)'|\u2018([^\u2019]+)\u2019")
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019\u00ab\u00bb"
 _LEADING_QUOTED_RE = re.compile(r"^[\"\u201c'\u2018](.+?)[\"\u201d'\u2019](?=\s|$|[.,;:!?(\-])")
@@ -80,6 +103,8 @@ class ParsedCritique:
         ok: Whether the answer had a recognisable structure ("None identified" is a valid, empty answer).
         reason: Why `ok` is False (for the warning counter), else "".
         unknown_labels: Summarization labels that were neither good nor bad (their spans are dropped).
+        ignored_text: Span-like text before the first header that no header claimed (an answer continuing a prompt
+            header that `parse_critic_answer` was not told about); "" when none. Counted by the caller.
     """
 
     positive: list[str] = field(default_factory=list)
@@ -87,6 +112,7 @@ class ParsedCritique:
     ok: bool = True
     reason: str = ""
     unknown_labels: list[str] = field(default_factory=list)
+    ignored_text: str = ""
 
 
 def clean_span(raw: str) -> str:
@@ -171,11 +197,84 @@ def label_polarity(label: str) -> int:
     return 0
 
 
-def parse_critic_answer(answer: str | None) -> ParsedCritique:
+def continuation_header(prompt: str | None) -> str | None:
+    """The answer header `prompt` ends with, which the critic's answer continues; None when it ends otherwise.
+
+    RELC's prompt files end with the header of the first section the critic is to fill (``Identified Positive Text
+    Span:``; ``Toxic Spans Identified in the Sentence:``; ``Problematic Spans Identified in the Summary:``; for the
+    per-word files, the ``Rewards assigned:`` RELC's code appends), so the answer holds that section's spans without
+    it. Only headers the parser reads count: a prompt ending with ``[Continuation]:`` (RELC's llama2 files, which
+    prompt the policy, not a critic) or with the text under critique gives None, and the answer must then carry its
+    own headers (the format of the prompts in ``trl_stable/prompts/``).
+
+    Example:
+        >>> continuation_header("Sentence to be Labeled:\\nIt was fine.\\n\\nIdentified Positive Text Span:\\n")
+        'Identified Positive Text Span:'
+    """
+    if not prompt or not prompt.strip():
+        return None
+    last = prompt.rstrip().splitlines()[-1].strip()
+    if not last.endswith(":") or len(last) > 120:
+        return None
+    if _WORD_SCORE_HEADER_RE.match(last):
+        return last
+    m = _HEADER_RE.search(last)
+    # The whole line must be the header: "Review: a wonderful film, a Positive:" is text, not a header.
+    return last if m is not None and m.start() == 0 and not last[m.end() :].strip() else None
+
+
+def _word_score_spans(text: str) -> tuple[list[str], list[str]] | None:
+    """Spans of a per-word answer: each run of consecutive words scored above (below) zero is one positive
+    (negative) span, the words joined as listed (RELC lists tokens: " masturb" + "ating" -> "masturbating")."""
+    rows = [(m.group("word"), float(m.group("score"))) for m in _WORD_SCORE_RE.finditer(text)]
+    if not rows:
+        return None
+    positive: list[str] = []
+    negative: list[str] = []
+    run: list[str] = []
+    sign = 0
+    for word, score in [*rows, ("", 0.0)]:  # the sentinel closes the last run
+        now = (score > 0) - (score < 0)
+        if now != sign and run:
+            span = "".join(run).strip()
+            target = positive if sign > 0 else negative
+            if span and span not in target:
+                target.append(span)
+            run = []
+        sign = now
+        if now:
+            run.append(word)
+    return positive, negative
+
+
+def _continued(text: str, header: str | None) -> str:
+    """`text` with the header it continues put in front, unless the critic repeated that header itself."""
+    if not header:
+        return text
+    norm = " ".join(header.lower().split())
+    if " ".join(text.lower().split()).startswith(norm):
+        return text
+    # Only an answer with span structure continues the header: a refusal or chatter ("I cannot help with that.")
+    # would otherwise become a span of the first section.
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    structured = (
+        _MARKED_LINE_RE.match(first)
+        or _NONE_RE.match(first)
+        or _LABELED_RE.search(first)
+        or _HEADER_RE.search(text)
+        or _LABELED_RE.search(text)
+    )
+    return f"{header}\n{text}" if structured else text
+
+
+def parse_critic_answer(answer: str | None, continues: str | None = None) -> ParsedCritique:
     """Read the positive and negative spans of a critic answer in any of the supported formats.
 
     Args:
         answer: The critic's raw answer; None (a failed request) gives ``ok=False``.
+        continues: The header the critic prompt ended with (`continuation_header` of the prompt): the answer is read
+            as if it started with it, so the spans of that first section are kept. None: the answer carries its own
+            headers.
 
     Returns:
         A `ParsedCritique`; spans keep their original wording (locating them in the response is case- and
@@ -185,18 +284,28 @@ def parse_critic_answer(answer: str | None) -> ParsedCritique:
         return ParsedCritique(ok=False, reason="no answer")
     if not isinstance(answer, str):
         return ParsedCritique(ok=False, reason=f"answer is a {type(answer).__name__}, not text")
-    text = _ONE_LINE_LABELS_RE.sub("\\1\n", answer.replace("\r\n", "\n").replace("\r", "\n"))
+    text = answer.replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
         return ParsedCritique(ok=False, reason="empty answer")
+    if continues and _WORD_SCORE_HEADER_RE.match(continues):
+        spans = _word_score_spans(text)
+        if spans is None:
+            return ParsedCritique(ok=False, reason="no per-word scores after 'Rewards assigned:'")
+        return ParsedCritique(positive=spans[0], negative=spans[1])
+    text = _ONE_LINE_LABELS_RE.sub("\\1\n", _continued(text, continues))
 
     result = ParsedCritique()
     found = False
+    # Under "Problematic Spans Identified in the Summary:" every listed span is a flaw; its label only says which.
+    all_flaws = _PROBLEM_HEADER_RE.search(text) is not None
 
     for m in _LABELED_RE.finditer(text):
         found = True
         span, polarity = clean_span(m.group("span")), label_polarity(m.group("label"))
         if not span:
             continue
+        if all_flaws and polarity == 0:
+            polarity = -1
         if polarity > 0:
             result.positive.append(span)
         elif polarity < 0:
@@ -213,8 +322,17 @@ def parse_critic_answer(answer: str | None) -> ParsedCritique:
         polarity = (m.group("a") or m.group("b") or "negative").lower()
         target = result.positive if polarity == "positive" else result.negative
         target.extend(s for s in _split_items(content) if s not in target)
+    if headers:
+        lead = text_wo_labeled[: headers[0].start()]
+        # Spans before the first header belong to a section whose header the prompt held: without `continues` they
+        # are lost, which the caller must be able to see.
+        if _SPAN_MARKER_RE.search(lead) or any(_MARKED_LINE_RE.match(ln) for ln in lead.splitlines() if ln.strip()):
+            result.ignored_text = lead.strip()
 
     if not found:
+        word_spans = _word_score_spans(text)
+        if word_spans is not None and (word_spans[0] or word_spans[1] or len(_WORD_SCORE_RE.findall(text)) >= 2):
+            return ParsedCritique(positive=word_spans[0], negative=word_spans[1])
         if _NONE_RE.match(text.strip().splitlines()[0]) or _NONE_ANYWHERE_RE.search(text):
             return result  # "None identified", "No toxic spans.": valid and empty
         return ParsedCritique(ok=False, reason="no span format recognised")

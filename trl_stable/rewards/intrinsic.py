@@ -5,6 +5,7 @@ For each completion whose environment reward is at most `intrinsic_reward_thresh
 prompt with the text and names good and bad spans; token t of the completion then gets
 
     r_t^intr = positive_reward_value * [t in a positive span] + negative_reward_value * [t in a negative span]
+             + outside_span_reward_value * [t in no span]
 
 which the trainers add to their per-token rewards (PPO: to -KL + score; GRPO: through the dense-advantage path).
 `CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
@@ -23,8 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from trl_stable.rewards.critic_backends import CriticBackend, LexiconCritic, OpenAICritic, TransformersCritic
-from trl_stable.rewards.critic_parsing import parse_critic_answer
-from trl_stable.rewards.span_alignment import decode_response, locate_span, span_token_rewards, token_char_offsets
+from trl_stable.rewards.critic_parsing import continuation_header, parse_critic_answer
+from trl_stable.rewards.span_alignment import (
+    MATCHED,
+    PARTIAL,
+    QUERY_ONLY,
+    UNMATCHED,
+    align_spans,
+    decode_response,
+    import_rapidfuzz,
+    rewards_from_alignments,
+    token_char_offsets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +45,27 @@ CRITIC_BACKENDS = ("lexicon", "openai", "transformers")
 # the repository's top-level ``prompts/critic_*.txt`` are links to these files, for ``--prompt_file prompts/...``.
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"
 _PLACEHOLDER_RE = re.compile(r"\{\}|\{prompt\}|\{completion\}|\{score\}")
+
+
+def relc_token_reward_values(
+    task: str, positive_reward_value: float, negative_reward_value: float
+) -> tuple[float, float, float]:
+    """RELC's ``--positive_reward_value`` / ``--negative_reward_value`` of `task` as our three per-token values
+    ``(positive_reward_value, negative_reward_value, outside_span_reward_value)``.
+
+    RELC's scripts (Cao et al., EMNLP 2024) use the two flags differently per task:
+
+    - sentiment: a token in a positive span gets ``positive``, in a negative span ``negative``, elsewhere 0, so
+      ``(positive, negative, 0.0)``;
+    - toxicity and summarization: the critic names only bad spans (toxic / problematic); a token in one gets
+      ``negative`` and every other token ``positive`` (toxicity script: +0.1 outside, -0.5 inside), so
+      ``(0.0, negative, positive)``.
+    """
+    if task not in CRITIC_TASKS:
+        raise ValueError(f"task must be one of {CRITIC_TASKS}, got {task!r}.")
+    if task == "sentiment":
+        return float(positive_reward_value), float(negative_reward_value), 0.0
+    return 0.0, float(negative_reward_value), float(positive_reward_value)
 
 
 def default_prompt_file(task: str) -> str:
@@ -68,8 +100,14 @@ def fill_critic_template(template: str, text: str, prompt: str = "", completion:
 class CriticRewardConfig:
     """Configuration of the dense intrinsic reward from an LLM critic (RELC's flag names).
 
+    A token's reward is ``positive_reward_value`` inside a positive span, ``negative_reward_value`` inside a negative
+    (toxic, flawed) span, and ``outside_span_reward_value`` inside no span. RELC's flags of the same names mean
+    something else for toxicity and summarization; `from_relc` maps them.
+
     Example:
-        >>> cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_task="toxicity", positive_reward_value=0.0)
+        >>> cfg = CriticRewardConfig.from_relc(task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5)
+        >>> (cfg.positive_reward_value, cfg.negative_reward_value, cfg.outside_span_reward_value)
+        (0.0, -0.5, 0.1)
     """
 
     use_intrinsic_reward: bool = field(
@@ -84,10 +122,32 @@ class CriticRewardConfig:
         metadata={"help": "Answer format and default prompt/lexicon: 'sentiment', 'toxicity' or 'summarization'."},
     )
     positive_reward_value: float = field(
-        default=0.5, metadata={"help": "Reward of a token inside a positive span (RELC toxicity: 0.0)."}
+        default=0.5,
+        metadata={
+            "help": "Reward of a token inside a positive span. Not RELC's toxicity flag of this name (that is the "
+            "reward of a non-toxic token: outside_span_reward_value; see CriticRewardConfig.from_relc)."
+        },
     )
     negative_reward_value: float = field(
-        default=-0.5, metadata={"help": "Reward of a token inside a negative (or toxic) span."}
+        default=-0.5, metadata={"help": "Reward of a token inside a negative (toxic, flawed) span."}
+    )
+    outside_span_reward_value: float = field(
+        default=0.0,
+        metadata={
+            "help": "Reward of a token inside no span, in completions whose critique parsed (RELC toxicity: its "
+            "positive_reward_value, 0.1). Failed or unparseable critiques give no reward at all."
+        },
+    )
+    fuzzy_span_matching: bool = field(
+        default=False,
+        metadata={
+            "help": "Match spans the critic reworded ('is' for 'was') by similarity when they are not found as "
+            "written; needs rapidfuzz (pip install 'trl_stable[fuzzy]')."
+        },
+    )
+    fuzzy_min_similarity: float = field(
+        default=0.85,
+        metadata={"help": "Similarity floor in (0, 1] of a fuzzy match (rapidfuzz partial_ratio / 100)."},
     )
     intrinsic_reward_threshold: float = field(
         default=10.0,
@@ -163,9 +223,20 @@ class CriticRewardConfig:
                 "critic_backend='lexicon' has no summarization lexicon; use critic_backend='openai' or "
                 "'transformers' for critic_task='summarization'."
             )
-        for name in ("positive_reward_value", "negative_reward_value"):
+        for name in ("positive_reward_value", "negative_reward_value", "outside_span_reward_value"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
+        if not 0.0 < self.fuzzy_min_similarity <= 1.0:
+            raise ValueError(f"fuzzy_min_similarity must be in (0, 1], got {self.fuzzy_min_similarity}.")
+        if self.use_intrinsic_reward and self.fuzzy_span_matching:
+            import_rapidfuzz()  # fail at configuration time, not at the first critiqued step
+        if self.critic_task == "toxicity" and self.positive_reward_value != 0 and self.outside_span_reward_value == 0:
+            logger.warning(
+                "critic_task='toxicity' names only toxic spans, so positive_reward_value=%s rewards no token. RELC's "
+                "positive_reward_value is the reward of a non-toxic token: set outside_span_reward_value, or build "
+                "the config with CriticRewardConfig.from_relc(task='toxicity', ...).",
+                self.positive_reward_value,
+            )
         if math.isnan(self.intrinsic_reward_threshold):
             raise ValueError("intrinsic_reward_threshold is NaN; use a number (inf critiques every completion).")
         for name in ("critic_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps"):
@@ -181,6 +252,31 @@ class CriticRewardConfig:
             raise ValueError(f"critic_rate_limit must be > 0 or None, got {self.critic_rate_limit}.")
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
             raise ValueError(f"prompt_file {self.prompt_file!r} does not exist; pass an existing critic template.")
+
+    @classmethod
+    def from_relc(
+        cls, task: str, positive_reward_value: float, negative_reward_value: float, **kwargs: Any
+    ) -> CriticRewardConfig:
+        """A config whose token rewards are RELC's for `task` given RELC's two flag values
+        (`relc_token_reward_values`); `kwargs` are the other fields.
+
+        Example:
+            >>> CriticRewardConfig.from_relc("sentiment", 0.5, -0.5).outside_span_reward_value
+            0.0
+        """
+        pos, neg, outside = relc_token_reward_values(task, positive_reward_value, negative_reward_value)
+        return cls(
+            critic_task=task,
+            positive_reward_value=pos,
+            negative_reward_value=neg,
+            outside_span_reward_value=outside,
+            **kwargs,
+        )
+
+    @property
+    def fuzzy_threshold(self) -> float | None:
+        """The similarity floor for span alignment, None when fuzzy matching is off."""
+        return self.fuzzy_min_similarity if self.fuzzy_span_matching else None
 
     @property
     def resolved_prompt_file(self) -> str:
@@ -245,10 +341,20 @@ _STEP_COUNTERS = (
     "spans_positive",
     "spans_negative",
     "spans_unlocated",
+    "spans_matched",
+    "spans_partial",
+    "spans_query_only",
+    "spans_unmatched",
+    "spans_fuzzy",
+    "answers_with_ignored_text",
     "tokens_total",
     "tokens_rewarded",
 )
 
+
+_STATUS_COUNTER = {
+    MATCHED: "spans_matched", PARTIAL: "spans_partial", QUERY_ONLY: "spans_query_only", UNMATCHED: "spans_unmatched",
+}  # fmt: skip
 
 _LOGGED_BACKEND_COUNTERS = (
     "requests", "failures", "retries", "cache_hits", "timeouts", "rate_limited", "prompt_tokens", "completion_tokens",
@@ -293,6 +399,16 @@ class CriticIntrinsicReward:
             if backend is not None or config.critic_backend != "lexicon" or config.prompt_file is not None
             else "{}"  # the lexicon critic annotates the raw text; a template only matters to LLM critics
         )
+        # The header the template ends with: RELC-style prompts make the critic continue it (see
+        # `continuation_header`); the filled prompt ends as the template does unless the text itself is last.
+        self.answer_header = continuation_header(self.template)
+        tail = self.template.rstrip().splitlines()[-1].strip() if self.template.strip() else ""
+        if self.answer_header is None and tail.endswith(":") and "{" not in tail:
+            logger.warning(
+                "The critic template ends with %r, which is no answer header the parser reads; answers must then "
+                "carry their own headers.",
+                tail,
+            )
         if backend is None and config.use_intrinsic_reward:
             backend = build_critic_backend(config, critic_model, critic_tokenizer or tokenizer)
         self.backend = backend
@@ -332,19 +448,16 @@ class CriticIntrinsicReward:
         return tokenizer
 
     def _prepare(self, tokenizer, prompts, completion_ids, env_rewards):
-        """Selected indices, their ids and decoded texts, and their critic prompts."""
+        """Selected indices, their ids, decoded texts, prompt texts and critic prompts."""
         selected = self._selected(len(completion_ids), env_rewards)
         ids = {i: [int(t) for t in completion_ids[i]] for i in selected}
         texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
+        prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
         critic_prompts = [
-            self.critic_prompt(
-                _as_text(prompts[i]) if prompts is not None else "",
-                texts[i],
-                None if env_rewards is None else float(env_rewards[i]),
-            )
+            self.critic_prompt(prompt_texts[i], texts[i], None if env_rewards is None else float(env_rewards[i]))
             for i in selected
         ]
-        return selected, ids, texts, critic_prompts
+        return selected, ids, texts, prompt_texts, critic_prompts
 
     def prefetch(
         self,
@@ -363,7 +476,7 @@ class CriticIntrinsicReward:
         """
         if not self.config.use_intrinsic_reward or self.backend is None or not self.backend.concurrent:
             return
-        _, _, texts, critic_prompts = self._prepare(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+        _, _, texts, _, critic_prompts = self._prepare(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
         if critic_prompts:
             self.backend.submit(critic_prompts, texts=list(texts.values()))
 
@@ -381,7 +494,9 @@ class CriticIntrinsicReward:
         tokenizer = self._tokenizer(kwargs)
         t0 = time.monotonic()
         before = self.backend.counters.snapshot()
-        selected, ids, texts, critic_prompts = self._prepare(tokenizer, prompts, completion_ids, env_rewards)
+        selected, ids, texts, prompt_texts, critic_prompts = self._prepare(
+            tokenizer, prompts, completion_ids, env_rewards
+        )
         # Start the critic first, align offsets while it answers.
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
         aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
@@ -393,35 +508,60 @@ class CriticIntrinsicReward:
         step["tokens_total"] = sum(len(c) for c in completion_ids)
         rows: list[list[float] | None] = [None] * n
         for i, answer in zip(selected, answers):
-            rows[i] = self._row(answer, *aligned[i], step)
+            context = prompt_texts[i] if self.config.critic_include_prompt else ""
+            rows[i] = self._row(answer, *aligned[i], step, context=context)
         if step["unparseable"]:
-            logger.warning("%d of %d critic answers had no recognisable span format.", step["unparseable"], n)
+            logger.warning(
+                "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
+                "critic/unparseable_fraction).",
+                step["unparseable"],
+                step["answers"],
+            )
+        if step["answers_with_ignored_text"]:
+            logger.warning(
+                "%d critic answers had spans before their first header, which were ignored: the prompt seems to end "
+                "with a header the parser was not told about (critic/answers_with_ignored_text).",
+                step["answers_with_ignored_text"],
+            )
         if selected:  # a step that critiques nothing says nothing about the critic
             self._track_failing_steps(step["failed_answers"] == len(selected))
         self._record(step, time.monotonic() - t0, before, kwargs.get("log_metric"))
         return rows
 
-    def _row(self, answer: str | None, text: str, offsets: list[tuple[int, int]], step: dict) -> list[float] | None:
-        """The per-token rewards from one critic answer (None: failed or unparseable, counted in `step`)."""
+    def _row(
+        self, answer: str | None, text: str, offsets: list[tuple[int, int]], step: dict, context: str = ""
+    ) -> list[float] | None:
+        """The per-token rewards from one critic answer (None: failed or unparseable, counted in `step`).
+
+        Spans are located in `context` (the prompt the critic read before the completion) + `text`; only the
+        completion's tokens are rewarded.
+        """
         if answer is None:
             step["failed_answers"] += 1
             return None
         step["answers"] += 1
-        parsed = parse_critic_answer(answer)
+        parsed = parse_critic_answer(answer, continues=self.answer_header)
         if not parsed.ok:
             step["unparseable"] += 1
             logger.debug("Unparseable critic answer (%s)", parsed.reason)
             return None
+        step["answers_with_ignored_text"] += bool(parsed.ignored_text)
         step["spans_positive"] += len(parsed.positive)
         step["spans_negative"] += len(parsed.negative)
-        step["spans_unlocated"] += sum(not locate_span(text, s) for s in [*parsed.positive, *parsed.negative])
-        row = span_token_rewards(
-            text,
+        fuzzy = self.config.fuzzy_threshold
+        positive = align_spans(text, parsed.positive, context, fuzzy)
+        negative = align_spans(text, parsed.negative, context, fuzzy)
+        for a in [*positive, *negative]:
+            step[_STATUS_COUNTER[a.status]] += 1
+            step["spans_unlocated"] += a.status in (QUERY_ONLY, UNMATCHED)
+            step["spans_fuzzy"] += a.fuzzy
+        row = rewards_from_alignments(
             offsets,
-            parsed.positive,
-            parsed.negative,
+            positive,
+            negative,
             positive_value=self.config.positive_reward_value,
             negative_value=self.config.negative_reward_value,
+            outside_value=self.config.outside_span_reward_value,
         )
         step["tokens_rewarded"] += sum(v != 0.0 for v in row)
         return row
@@ -454,8 +594,12 @@ class CriticIntrinsicReward:
             "critic/failed_fraction": step["failed_answers"] / max(step["critiqued"], 1),
             "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
             "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
+            "critic/unparseable_fraction": step["unparseable"] / max(step["answers"], 1),
             "critic/stage_seconds": seconds,
         }
+        n_spans = step["spans_positive"] + step["spans_negative"]
+        for name in ("matched", "partial", "query_only", "unmatched", "fuzzy"):
+            self._last[f"critic/spans_{name}_frac"] = step[f"spans_{name}"] / max(n_spans, 1)
         after = self.backend.counters.snapshot()
         for name in _LOGGED_BACKEND_COUNTERS:
             self._last[f"critic/step_{name}"] = after.get(name, 0) - before.get(name, 0)
@@ -468,9 +612,11 @@ class CriticIntrinsicReward:
 
         Cumulative: the backend's requests, attempts, retries, failures, cache_hits, timeouts, rate_limited,
         server_errors, connection_errors, bad_responses, prompt/completion tokens; and steps, samples, critiqued,
-        answers, failed_answers, unparseable, spans_positive/negative/unlocated, tokens_total/rewarded,
-        rewarded_token_fraction. Last step: critiqued_fraction, failed_fraction, rewarded_token_fraction (as
-        ``critic/last_...``), spans_per_critique, stage_seconds; and consecutive_failing_steps.
+        answers, failed_answers, unparseable, answers_with_ignored_text, spans_positive/negative/unlocated,
+        spans_matched/partial/query_only/unmatched/fuzzy, tokens_total/rewarded, rewarded_token_fraction. Last step
+        (as ``critic/last_...``): critiqued_fraction, failed_fraction, unparseable_fraction, rewarded_token_fraction,
+        spans_per_critique, spans_matched_frac/partial_frac/query_only_frac/unmatched_frac/fuzzy_frac,
+        stage_seconds; and consecutive_failing_steps.
         """
         out = self.backend.metrics() if self.backend is not None else {}
         out.update({f"critic/{k}": float(v) for k, v in self._counts.items()})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from trl_stable.token_offsets import decode_response, token_char_offsets  # noqa: F401  (re-exported)
 
@@ -53,6 +54,16 @@ def _find_all(span: str, text: str) -> list[tuple[int, int]]:
     return found
 
 
+def _find_words(span: str, text: str) -> list[tuple[int, int]]:
+    """Matches of the words of `span` with any punctuation or space between them ("kill you bitch" finds
+    "kill you, bitch"; "awful film ." finds "awful film!")."""
+    words = re.findall(r"\w+", span)
+    if not words:
+        return []
+    pattern = re.compile(r"(?<!\w)" + r"\W+".join(re.escape(w) for w in words) + r"(?!\w)", re.IGNORECASE)
+    return [(m.start(), m.end()) for m in pattern.finditer(text)]
+
+
 def _looser_forms(span: str) -> list[list[str]]:
     """Fallbacks for a span the text does not contain, in order: without the punctuation at its ends ("wow!" ->
     "wow"), then its parts around commas, semicolons and spaced dashes ("idiot - an insult" -> "idiot", ...)."""
@@ -67,7 +78,7 @@ def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, i
     other, and requires word boundaries at the span's ends (so "the" is not found inside "there"). Every occurrence
     counts, overlapping ones included. With `lenient`, a span that does not occur as written is retried without the
     punctuation at its ends, then as its comma/semicolon/dash-separated parts (critics add punctuation and
-    commentary).
+    commentary), then as its words with any punctuation between them (critics drop or add commas).
 
     Example:
         >>> locate_span("The film, the  Film!", "the film")
@@ -78,6 +89,8 @@ def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, i
         found = [r for form in forms if form != span for r in _find_all(form, text)]
         if found:
             break
+    if lenient and not found:
+        found = _find_words(span, text)
     return sorted(found)
 
 
@@ -109,6 +122,123 @@ def _overlap_mask(offsets: Offsets, ranges: Iterable[tuple[int, int]]) -> list[b
     return mask
 
 
+MATCHED, PARTIAL, QUERY_ONLY, UNMATCHED = "matched", "partial", "query_only", "unmatched"
+
+
+@dataclass
+class SpanAlignment:
+    """Where one critic span lies in the response.
+
+    Attributes:
+        span: The span as the critic wrote it.
+        ranges: Its character ranges inside the response (cut at the response start for a span that begins in the
+            query).
+        status: ``"matched"`` (an occurrence lies wholly in the response), ``"partial"`` (found only across the
+            query/response boundary: its response part is rewarded), ``"query_only"`` (found only in the query:
+            nothing is rewarded) or ``"unmatched"`` (not found).
+        fuzzy: Whether it was found by fuzzy matching (then `similarity` < 1 is rapidfuzz's score / 100).
+    """
+
+    span: str
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    status: str = UNMATCHED
+    fuzzy: bool = False
+    similarity: float = 1.0
+
+
+def import_rapidfuzz():
+    try:
+        from rapidfuzz import fuzz
+    except ImportError as exc:  # an optional extra: only fuzzy matching needs it
+        raise ImportError(
+            "Fuzzy span matching (fuzzy_span_matching=True) needs rapidfuzz: pip install 'trl_stable[fuzzy]' "
+            "(or pip install rapidfuzz)."
+        ) from exc
+    return fuzz
+
+
+# Shorter spans are too easily "similar" to a piece of some other word ("is" to "this").
+FUZZY_MIN_SPAN_CHARS = 4
+
+
+def fuzzy_locate(text: str, span: str, min_similarity: float) -> tuple[int, int, float] | None:
+    """The stretch of `text` most similar to `span`, widened to whole words, as (start, end, similarity in [0, 1]);
+    None below `min_similarity` or for spans of fewer than `FUZZY_MIN_SPAN_CHARS` word characters.
+
+    The similarity is rapidfuzz's ``partial_ratio`` (normalized Indel similarity of `span` and the best window of
+    `text` of its length), case-insensitive.
+    """
+    if len(re.sub(r"\W", "", span)) < FUZZY_MIN_SPAN_CHARS or not text:
+        return None
+    fuzz = import_rapidfuzz()
+    a, b = span.strip().lower(), text.lower()
+    if len(b) != len(text):  # lower() changed the length (rare Unicode): compare as written, offsets stay right
+        a, b = span.strip(), text
+    hit = fuzz.partial_ratio_alignment(a, b, score_cutoff=100.0 * min_similarity)
+    if hit is None:
+        return None
+    start, end = hit.dest_start, hit.dest_end
+    while start > 0 and text[start - 1].isalnum() and text[start].isalnum():
+        start -= 1
+    while end < len(text) and text[end].isalnum() and text[end - 1].isalnum():
+        end += 1
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return (start, end, hit.score / 100.0) if end > start else None
+
+
+def align_span(text: str, span: str, context: str = "", fuzzy_min_similarity: float | None = None) -> SpanAlignment:
+    """Locate `span` in ``context + text`` (the query and the response, as the critic read them) and keep the
+    response part.
+
+    Exact matching first (`locate_span`: case, whitespace, apostrophes and end punctuation do not matter); a span
+    still not found is matched fuzzily when `fuzzy_min_similarity` is set (`fuzzy_locate`, needs rapidfuzz).
+
+    Example:
+        >>> align_span(" awful film", "truly awful film", context="It was truly").status
+        'partial'
+    """
+    full = context + text
+    k = len(context)
+    found = locate_span(full, span)
+    result = SpanAlignment(span=span)
+    if not found and fuzzy_min_similarity is not None:
+        hit = fuzzy_locate(full, span, fuzzy_min_similarity)
+        if hit is not None:
+            found, result.fuzzy, result.similarity = [hit[:2]], True, hit[2]
+    result.ranges = [(max(a, k) - k, b - k) for a, b in found if b > k]
+    if any(a >= k for a, _ in found):
+        result.status = MATCHED
+    elif result.ranges:
+        result.status = PARTIAL
+    elif found:
+        result.status = QUERY_ONLY
+    return result
+
+
+def align_spans(
+    text: str, spans: Iterable[str], context: str = "", fuzzy_min_similarity: float | None = None
+) -> list[SpanAlignment]:
+    """`align_span` of each of `spans`."""
+    return [align_span(text, s, context, fuzzy_min_similarity) for s in spans]
+
+
+def rewards_from_alignments(
+    offsets: Offsets,
+    positive: Iterable[SpanAlignment],
+    negative: Iterable[SpanAlignment],
+    positive_value: float = 0.5,
+    negative_value: float = -0.5,
+    outside_value: float = 0.0,
+) -> list[float]:
+    """Per-token rewards from aligned spans (the formula of `span_token_rewards`)."""
+    pos = _overlap_mask(offsets, [r for a in positive for r in a.ranges])
+    neg = _overlap_mask(offsets, [r for a in negative for r in a.ranges])
+    return [positive_value * p + negative_value * n + outside_value * (not (p or n)) for p, n in zip(pos, neg)]
+
+
 def span_token_rewards(
     text: str,
     offsets: Offsets,
@@ -116,6 +246,10 @@ def span_token_rewards(
     negative_spans: Iterable[str],
     positive_value: float = 0.5,
     negative_value: float = -0.5,
+    outside_value: float = 0.0,
+    *,
+    context: str = "",
+    fuzzy_min_similarity: float | None = None,
 ) -> list[float]:
     """Per-token intrinsic rewards of a response from the critic's spans.
 
@@ -123,22 +257,35 @@ def span_token_rewards(
 
         r_t = positive_value * [t overlaps a located positive span]
             + negative_value * [t overlaps a located negative span]
+            + outside_value  * [t overlaps no located span]
 
-    Spans are located with `locate_span` (case-insensitive, whitespace-normalised, word boundaries, every occurrence).
-    A span that does not occur in `text` rewards nothing. A token that overlaps several spans of one polarity gets
-    that polarity's value once (RELC's rule: a token is either "in a span" or not); both polarities add.
+    Spans are located with `align_span` in ``context + text`` (case-insensitive, whitespace-normalised, word
+    boundaries, every occurrence; fuzzily when `fuzzy_min_similarity` is set), and only the response tokens they
+    cover are rewarded: a span that starts in the query rewards its response part. A span that does not occur
+    rewards nothing. A token that overlaps several spans of one polarity gets that polarity's value once (RELC's
+    rule: a token is either "in a span" or not); both polarities add. `outside_value` also goes to tokens without
+    characters (EOS), as RELC gave its "not in a span" value to every token.
 
     Args:
-        text: The response text (only the response: words of the prompt must not be rewarded).
+        text: The response text (only its tokens are rewarded).
         offsets: (start, end) character offsets of each response token within `text`; see `token_char_offsets`.
         positive_spans: Spans the critic marked good.
         negative_spans: Spans the critic marked bad (toxic, negative, wrong).
         positive_value: Reward of a token inside a positive span.
         negative_value: Reward of a token inside a negative span.
+        outside_value: Reward of a token inside no span (RELC's toxicity/summarization ``positive_reward_value``).
+        context: The text the critic read before the response (the query), to locate spans that start there.
+        fuzzy_min_similarity: Similarity floor in (0, 1] for fuzzy matching of spans not found as written; None
+            (default): exact matching only.
 
     Returns:
         One float per entry of `offsets`.
     """
-    pos = _overlap_mask(offsets, locate_spans(text, positive_spans))
-    neg = _overlap_mask(offsets, locate_spans(text, negative_spans))
-    return [positive_value * p + negative_value * n for p, n in zip(pos, neg)]
+    return rewards_from_alignments(
+        offsets,
+        align_spans(text, positive_spans, context, fuzzy_min_similarity),
+        align_spans(text, negative_spans, context, fuzzy_min_similarity),
+        positive_value,
+        negative_value,
+        outside_value,
+    )
