@@ -50,7 +50,8 @@ def test_relc_sentiment_command_parses(load_script):
         -0.5,
         10,
     )
-    assert (args.epochs, args.query_dataset, ppo.min_new_tokens, ppo.max_new_tokens) == (2, "imdb", 15, 20)
+    # RELC's --max_new_tokens 20 excluded 20 (its LengthSampler): 15 to 19, both included in PPOConfig
+    assert (args.epochs, args.query_dataset, ppo.min_new_tokens, ppo.max_new_tokens) == (2, "imdb", 15, 19)
     assert (ppo.num_shared_layers, args.save_freq) == (20, 50)
     assert ppo.model_name == "gpt2-large" and ppo.learning_rate == 1.41e-5
     assert (ppo.batch_size, ppo.mini_batch_size, ppo.gradient_accumulation_steps, ppo.ppo_epochs) == (16, 16, 1, 4)
@@ -96,7 +97,7 @@ def test_mode_defaults_and_bf16_from_accelerate(load_script, monkeypatch):
     assert ppo().mini_batch_size == EMBEDDED_PPO["mini_batch_size"]
     assert ppo("--offline", "--model_name", "local").learning_rate == EMBEDDED_PPO["learning_rate"]
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    monkeypatch.setattr(tox.PPOConfig, "__post_init__", lambda self: None)  # bf16 needs a GPU to validate
+    monkeypatch.setattr(tox.RelcPPOConfig, "__post_init__", lambda self: None)  # bf16 needs a GPU to validate
     assert ppo().bf16 is True
     assert ppo("--no_bf16").bf16 is False
 
@@ -154,6 +155,7 @@ def test_toxicity_ppo_intrinsic_end_to_end(load_script, tmp_path):
     mod = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     out = tmp_path / "tox"
     argv = ["--use_intrinsic_reward", "--max_steps", "2", "--model_save_path", str(out), *SMALL, *SMALL_PPO_FLAT]
+    argv += ["--max_new_tokens", "14"]  # the 10-14 range these two steps were checked with (default: 10-13, RELC's)
     history = mod.main(parse_script_args(mod.ToxicityArguments, argv))
     assert len(history) == 2 and all(0.0 <= h["env_reward"] <= 1.0 for h in history)
     assert any(h["intrinsic_reward"] < 0.0 for h in history)  # toxic spans get negative_reward_value
