@@ -48,8 +48,9 @@ TOXICITY_PEFT_INTRINSIC_FLAGS = """--use_intrinsic_reward --prompt_file prompts/
 # the file means, every flag of it.
 SUMMARIZATION_ROUGE = """--use_instric_reward --positive_reward_value 0.5 --negative_reward_value -0.5
 --intrinsic_reward_threshold 100 --use_score_scaling --num_shared_layers 12
---model_name ckpts/summarization/sft_gpt2-medium/checkpoint-1000 --model_save_path ckpts/summarization/ppo-intrinsic-rouge
---epochs 5 --output_min_length 30 --output_max_length 50 --learning_rate 1.41e-5 --batch_size 8 --mini_batch_size 8
+--model_name ckpts/summarization/sft_gpt2-medium/checkpoint-1000
+--model_save_path ckpts/summarization/ppo-intrinsic-rouge --epochs 5 --output_min_length 30 --output_max_length 50
+--learning_rate 1.41e-5 --batch_size 8 --mini_batch_size 8
 --gradient_accumulation_steps 1 --ppo_epochs 4 --prompt_file prompts/critic_summarization.txt"""
 
 
