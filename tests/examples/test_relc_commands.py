@@ -130,7 +130,7 @@ def test_sentiment_baseline_command(scripts):
         "gradient_accumulation_steps": 1,
         "ppo_epochs": 4,
         "min_new_tokens": 15,  # the script's defaults; RELC's baseline always generated 32 tokens
-        "max_new_tokens": 19,
+        "max_new_tokens": 20,
         "report_to": ["wandb"],
     }
     assert (cfg.target_kl, cfg.kl_penalty) == (6.0, "kl")
@@ -223,7 +223,7 @@ def test_length_flags_keep_relc_meaning_and_ours_stay_inclusive(scripts):
     from research_common import parse_script_args
 
     tox, summ, sent = scripts["toxicity"], scripts["summarization"], scripts["sentiment"]
-    assert parse_script_args(tox.ToxicityArguments, []).ppo_config.max_new_tokens == 13
+    assert parse_script_args(tox.ToxicityArguments, []).ppo_config.max_new_tokens == 14  # no RELC flag: ours
     ours = parse_script_args(tox.ToxicityArguments, ["--min_new_tokens", "4", "--max_new_tokens", "6"]).ppo_config
     assert (ours.min_new_tokens, ours.max_new_tokens) == (4, 6)
     paper = parse_script_args(summ.SummarizationArguments, ["--model_name", "m"]).ppo_config

@@ -75,10 +75,10 @@ class SentimentPPOConfig(RelcPPOConfig):
     flags, `ppo-sentiment.sh` spells them flat."""
 
     min_new_tokens: int | None = 15
-    max_new_tokens: int = 19
-    """Response length: a random value in [min_new_tokens, max_new_tokens] (both included) per batch. The flat
-    `--min_new_tokens` / `--max_new_tokens` are RELC's (upper bound excluded) and set these; RELC's 15 and 20 are
-    this 15 to 19."""
+    max_new_tokens: int = 20
+    """Response length: a random value in [min_new_tokens, max_new_tokens] (both included) per batch; the measured
+    embedded runs use these defaults. The flat `--min_new_tokens` / `--max_new_tokens` are RELC's (upper bound
+    excluded) and set these: RELC's 15 and 20 are 15 to 19 here."""
     num_shared_layers: Annotated[int | None, _flat("num_shared_layers")] = None
     """Layers the reference model shares (frozen) with the policy (RELC: 20 for gpt2-large)."""
     max_steps: Annotated[int, _flat("max_steps")] = -1
@@ -110,9 +110,9 @@ class ScriptArguments(RunArgs):
     """Prompt source: "imdb" (hub), a JSON Lines file with a "text" field, or None (paper: imdb; embedded: the
     shipped IMDB-like reviews)."""
     min_query_tokens: int = 4
-    max_query_tokens: int = 9
+    max_query_tokens: int = 10
     """Prompts are review openings of a random length in [min_query_tokens, max_query_tokens] tokens (both
-    included; RELC's LengthSampler(4, 10) excluded 10)."""
+    included; RELC's LengthSampler(4, 10) excluded 10: --max_query_tokens 9 for RELC's prompts)."""
     reward_model: str | None = None
     """Environment reward: "vader" (offline, compound in [-1, 1]) or a sentiment classifier whose positive logit is
     the reward (paper: lvwerra/distilbert-imdb). None: the mode's default."""

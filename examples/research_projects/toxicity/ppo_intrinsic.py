@@ -88,9 +88,10 @@ class ToxicityArguments(RunArgs):
     output_max_length: int | None = None
     """RELC's response length flags: a length in [output_min_length, output_max_length) per batch, the upper bound
     excluded as in RELC's LengthSampler. They set `--min_new_tokens` / `--max_new_tokens` (both included): RELC's
-    10 and 14 are 10 to 13 tokens, this script's default. None: `--min_new_tokens` / `--max_new_tokens`."""
+    10 and 14 are 10 to 13 tokens. None: `--min_new_tokens` / `--max_new_tokens` (default 10 to 14, which the
+    measured embedded runs use)."""
     ppo_config: Annotated[RelcPPOConfig, tyro.conf.OmitArgPrefixes] = field(
-        default_factory=lambda: RelcPPOConfig(min_new_tokens=10, max_new_tokens=13)  # RELC's .sh: 10 to 14, 14 out
+        default_factory=lambda: RelcPPOConfig(min_new_tokens=10, max_new_tokens=14)
     )
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=detox_critic_config)
     mode_defaults = staticmethod(ppo_mode_defaults)
