@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import torch
 import tyro
@@ -40,18 +40,40 @@ if str(HERE) not in sys.path:  # the task scripts import this module and its nei
 
 from embedded import embedded_policy  # noqa: E402
 
+from trl_stable import PPOConfig  # noqa: E402
+
 T = TypeVar("T")
-# RELC's values are PPOConfig's own defaults (learning rate 1.41e-5, init KL coefficient 0.2, batch 16), with the
-# mini-batch following the batch; these learn within minutes on the embedded policy.
+# Paper mode keeps trl_stable.PPOConfig's defaults (learning rate 1.41e-5 as RELC's commands pass it, init KL
+# coefficient 0.2, batch 16), with the mini-batch following the batch; these learn within minutes on the embedded
+# policy.
 EMBEDDED_PPO = {"learning_rate": 3e-4, "init_kl_coef": 0.1, "batch_size": 16, "mini_batch_size": 8}
 EMBEDDED_EPOCHS = 40
+
+
+# RELC flags that configure nothing here, with why: accepted (RELC's commands pass them), recorded in run_args.json,
+# and named in one warning by `warn_ignored_relc_flags`.
+RELC_IGNORED_FLAGS = {
+    "tracker_project_name": (
+        "RELC's accelerate tracker project; transformers' report_to integrations name their project themselves "
+        "(wandb: set the WANDB_PROJECT environment variable)"
+    ),
+}
+
+
+@dataclass
+class RelcPPOConfig(PPOConfig):
+    """`trl_stable.PPOConfig` plus the RELC PPOConfig fields that have no meaning here (accepted and ignored)."""
+
+    tracker_project_name: str | None = None
+    """Ignored (RELC's wandb project name; set WANDB_PROJECT instead). Recorded in run_args.json."""
 
 
 @dataclass
 class RunArgs:
     """Loop, saving and embedded-mode flags of the PPO scripts (the PPO settings themselves are `PPOConfig`'s)."""
 
-    epochs: int | None = None
+    # `--epoch`: RELC's ppo-sentiment.sh spells it so (its argparse took any unambiguous prefix of --epochs)
+    epochs: Annotated[int | None, tyro.conf.arg(aliases=("--epoch",))] = None
     """Passes over the prompt set (None: 1 in paper mode, as RELC; EMBEDDED_EPOCHS over the small embedded set)."""
     save_freq: int | None = None
     """Save a resumable checkpoint every N steps under <model_save_path>/checkpoint-N."""
@@ -107,7 +129,52 @@ def parse_script_args(
     mode_defaults = getattr(cls, "mode_defaults", None)
     if mode_defaults is None or "-h" in argv or "--help" in argv:
         return parse({})
-    return parse(mode_defaults(parse(mode_defaults(None))))
+    args = parse(mode_defaults(parse(mode_defaults(None))))
+    # RELC flags whose meaning differs from the field they map onto (a length range) are converted once, here
+    finalize = getattr(cls, "finalize", None)
+    args = finalize(args) if finalize is not None else args
+    warn_ignored_relc_flags(args)
+    return args
+
+
+def relc_length_range(min_length: int | None, max_length: int | None, ppo) -> dict[str, int | None]:
+    """`min_new_tokens` / `max_new_tokens` for RELC's length flags: RELC drew each length from its
+    `LengthSampler(min, max)`, i.e. `range(min, max)`, which excludes `max`; PPOConfig's range includes both ends.
+    A bound not given keeps `ppo`'s value."""
+    if min_length is None and max_length is None:
+        return {}
+    low = ppo.min_new_tokens if min_length is None else min_length
+    high = ppo.max_new_tokens if max_length is None else max_length - 1
+    if low is not None and high < low:
+        raise ValueError(
+            f"RELC's length range [{low}, {max_length}) is empty (its upper bound is excluded); "
+            "give a maximum above the minimum."
+        )
+    return {"min_new_tokens": low, "max_new_tokens": high}
+
+
+def ignored_relc_flags(args: Any, prefix: str = "") -> dict[str, Any]:
+    """{flag path: value} of the `RELC_IGNORED_FLAGS` fields set in `args` (nested dataclasses included)."""
+    found = {}
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if is_dataclass(value):
+            found.update(ignored_relc_flags(value, f"{prefix}{f.name}."))
+        elif f.name in RELC_IGNORED_FLAGS and value is not None:
+            found[f"{prefix}{f.name}"] = value
+    return found
+
+
+def warn_ignored_relc_flags(args: Any) -> None:
+    """One warning naming every RELC flag of the run that configures nothing here, and why (once per run: on the
+    main process only, where `accelerate launch` sets RANK)."""
+    found = ignored_relc_flags(args)
+    if not found or os.environ.get("RANK", "0") != "0":
+        return
+    reasons = "; ".join(
+        f"--{path} {value!r}: {RELC_IGNORED_FLAGS[path.rsplit('.', 1)[-1]]}" for path, value in found.items()
+    )
+    warnings.warn(f"Ignored RELC flags (recorded in run_args.json, no effect on the run): {reasons}.", stacklevel=2)
 
 
 def pop_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:

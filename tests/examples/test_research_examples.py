@@ -50,7 +50,8 @@ def test_relc_sentiment_command_parses(load_script):
         -0.5,
         10,
     )
-    assert (args.epochs, args.query_dataset, ppo.min_new_tokens, ppo.max_new_tokens) == (2, "imdb", 15, 20)
+    # RELC's --max_new_tokens 20 excluded 20 (its LengthSampler): 15 to 19, both included in PPOConfig
+    assert (args.epochs, args.query_dataset, ppo.min_new_tokens, ppo.max_new_tokens) == (2, "imdb", 15, 19)
     assert (ppo.num_shared_layers, args.save_freq) == (20, 50)
     assert ppo.model_name == "gpt2-large" and ppo.learning_rate == 1.41e-5
     assert (ppo.batch_size, ppo.mini_batch_size, ppo.gradient_accumulation_steps, ppo.ppo_epochs) == (16, 16, 1, 4)
@@ -96,7 +97,7 @@ def test_mode_defaults_and_bf16_from_accelerate(load_script, monkeypatch):
     assert ppo().mini_batch_size == EMBEDDED_PPO["mini_batch_size"]
     assert ppo("--offline", "--model_name", "local").learning_rate == EMBEDDED_PPO["learning_rate"]
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    monkeypatch.setattr(tox.PPOConfig, "__post_init__", lambda self: None)  # bf16 needs a GPU to validate
+    monkeypatch.setattr(tox.RelcPPOConfig, "__post_init__", lambda self: None)  # bf16 needs a GPU to validate
     assert ppo().bf16 is True
     assert ppo("--no_bf16").bf16 is False
 

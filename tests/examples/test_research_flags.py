@@ -94,8 +94,8 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
     cfg = captured["trainer"].args
     assert (cfg.learning_rate, cfg.batch_size, cfg.mini_batch_size, cfg.gradient_accumulation_steps) == (1e-3, 4, 1, 2)
     assert (cfg.target_kl, cfg.kl_penalty, cfg.ppo_epochs, cfg.num_shared_layers) == (3.0, "abs", 1, 1)
-    assert (cfg.min_new_tokens, cfg.max_new_tokens) == (3, 5)
-    assert all(h["response_len"] <= 5 for h in history)
+    assert (cfg.min_new_tokens, cfg.max_new_tokens) == (3, 4)  # RELC's flags: the upper bound is excluded
+    assert all(h["response_len"] <= 4 for h in history)
     # --num_shared_layers: the reference model holds the policy's own first layer
     policy_params = {p.data_ptr() for p in captured["trainer"].model.parameters()}
     assert any(p.data_ptr() in policy_params for p in captured["trainer"].ref_model.parameters())

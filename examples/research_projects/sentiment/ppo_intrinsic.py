@@ -31,7 +31,7 @@ Writes to `--model_save_path`: the policy and tokenizer (`from_pretrained`-loada
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SENTIMENT_REVIEWS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
+    RelcPPOConfig,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
@@ -52,11 +53,12 @@ from research_common import (  # noqa: E402
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
+    relc_length_range,
     truncate_queries,
 )
 from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
 
-from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
@@ -67,13 +69,16 @@ def _flat(name: str):
 
 
 @dataclass
-class SentimentPPOConfig(PPOConfig):
-    """`trl_stable.PPOConfig`, whose fields are `--ppo_config.<field>`; the ones RELC's sentiment script (and this
-    project's other scripts) spell flat also take the flat flag."""
+class SentimentPPOConfig(RelcPPOConfig):
+    """`trl_stable.PPOConfig`, whose fields are `--ppo_config.<field>`; the ones RELC's sentiment scripts (and this
+    project's other scripts) spell flat also take the flat flag: `ppo-intrinsic-rewards-sentiment.sh` nests its PPO
+    flags, `ppo-sentiment.sh` spells them flat."""
 
-    min_new_tokens: Annotated[int | None, _flat("min_new_tokens")] = 15
-    max_new_tokens: Annotated[int, _flat("max_new_tokens")] = 20
-    """Response length: a random value in [min_new_tokens, max_new_tokens] per batch."""
+    min_new_tokens: int | None = 15
+    max_new_tokens: int = 20
+    """Response length: a random value in [min_new_tokens, max_new_tokens] (both included) per batch; the measured
+    embedded runs use these defaults. The flat `--min_new_tokens` / `--max_new_tokens` are RELC's (upper bound
+    excluded) and set these: RELC's 15 and 20 are 15 to 19 here."""
     num_shared_layers: Annotated[int | None, _flat("num_shared_layers")] = None
     """Layers the reference model shares (frozen) with the policy (RELC: 20 for gpt2-large)."""
     max_steps: Annotated[int, _flat("max_steps")] = -1
@@ -84,6 +89,19 @@ class SentimentPPOConfig(PPOConfig):
     top_k: Annotated[int, _flat("top_k")] = 0
     top_p: Annotated[float, _flat("top_p")] = 1.0
     """Sampling of the rollouts (RELC: top_k 0, top_p 1.0)."""
+    # ppo-sentiment.sh's flat spellings (RELC's baseline, an argparse script)
+    model_name: Annotated[str | None, _flat("model_name")] = None
+    log_with: Annotated[str | None, _flat("log_with")] = None
+    """Tracker ('wandb', 'tensorboard'): PPOConfig's alias of `report_to`."""
+    learning_rate: Annotated[float, _flat("learning_rate")] = 1.41e-5
+    batch_size: Annotated[int, _flat("batch_size")] = 16
+    mini_batch_size: Annotated[int, _flat("mini_batch_size")] = 16
+    gradient_accumulation_steps: Annotated[int, _flat("gradient_accumulation_steps")] = 1
+    target_kl: Annotated[float | None, _flat("target_kl")] = 6.0
+    kl_penalty: Annotated[str, _flat("kl_penalty")] = "kl"
+    ppo_epochs: Annotated[int, _flat("ppo_epochs")] = 4
+    tracker_project_name: Annotated[str | None, _flat("tracker_project_name")] = None
+    """Ignored (RELC's wandb project name; set WANDB_PROJECT instead). Recorded in run_args.json."""
 
 
 @dataclass
@@ -93,16 +111,27 @@ class ScriptArguments(RunArgs):
     shipped IMDB-like reviews)."""
     min_query_tokens: int = 4
     max_query_tokens: int = 10
-    """Prompts are review openings of a random length in [min_query_tokens, max_query_tokens] tokens."""
+    """Prompts are review openings of a random length in [min_query_tokens, max_query_tokens] tokens (both
+    included; RELC's LengthSampler(4, 10) excluded 10: --max_query_tokens 9 for RELC's prompts)."""
     reward_model: str | None = None
     """Environment reward: "vader" (offline, compound in [-1, 1]) or a sentiment classifier whose positive logit is
     the reward (paper: lvwerra/distilbert-imdb). None: the mode's default."""
     score_query: bool = True
     """Score query + response as RELC did (False: the response alone)."""
+    min_new_tokens: int | None = None
+    max_new_tokens: int | None = None
+    """RELC's response length flags: a length in [min_new_tokens, max_new_tokens) per batch, the upper bound
+    excluded as in RELC's LengthSampler. They set `ppo_config.min_new_tokens` / `max_new_tokens` (both included):
+    RELC's `--min_new_tokens 15 --max_new_tokens 20` is 15 to 19 tokens. None: ppo_config's."""
     ppo_config: SentimentPPOConfig = field(default_factory=SentimentPPOConfig)
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
     """The critic (RELC's flags: --use_intrinsic_reward, --positive_reward_value, ...)."""
     mode_defaults = staticmethod(ppo_mode_defaults)
+
+    @staticmethod
+    def finalize(args: ScriptArguments) -> ScriptArguments:
+        lengths = relc_length_range(args.min_new_tokens, args.max_new_tokens, args.ppo_config)
+        return replace(args, ppo_config=replace(args.ppo_config, **lengths)) if lengths else args
 
 
 def load_review_texts(source: str | None, embedded: bool) -> list[str]:

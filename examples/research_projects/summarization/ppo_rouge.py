@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import SUMMARY_PROMPT, read_jsonl, summarization_records  # noqa: E402
 from research_common import (  # noqa: E402
+    RelcPPOConfig,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
@@ -53,11 +54,12 @@ from research_common import (  # noqa: E402
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
+    relc_length_range,
     tokenize_queries,
 )
 from scorers import RougeScorer  # noqa: E402
 
-from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticBackend, CriticRewardConfig  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -66,7 +68,8 @@ OFFLINE_TEMPLATE = HERE / "critic_offline_template.txt"
 # for PPO to gain); 60 steps leaves headroom (~0.25). A larger PPO step than 1e-4 drifts away from the SFT policy.
 EMBEDDED_SFT_STEPS = 60
 EMBEDDED_LEARNING_RATE = 1e-4
-PAPER_LENGTHS, EMBEDDED_LENGTHS = (30, 50), (8, 20)
+# (min_new_tokens, max_new_tokens), both included: RELC's --output_min_length 30 --output_max_length 50 excluded 50
+PAPER_LENGTHS, EMBEDDED_LENGTHS = (30, 49), (8, 20)
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'-]*")
 
 
@@ -106,8 +109,12 @@ class ArticleOverlapCritic(CriticBackend):
 def summarization_mode_defaults(args: SummarizationArguments | None) -> dict:
     """The PPO scripts' mode defaults, with the embedded learning rate that keeps PPO near the SFT policy."""
     defaults = ppo_mode_defaults(args)
-    if args is not None and is_embedded(args.ppo_config.model_name, args.offline):
-        defaults["ppo_config"]["learning_rate"] = EMBEDDED_LEARNING_RATE
+    if args is not None:
+        embedded = is_embedded(args.ppo_config.model_name, args.offline)
+        if embedded:
+            defaults["ppo_config"]["learning_rate"] = EMBEDDED_LEARNING_RATE
+        min_len, max_len = EMBEDDED_LENGTHS if embedded else PAPER_LENGTHS
+        defaults["ppo_config"].update(min_new_tokens=min_len, max_new_tokens=max_len)
     return defaults
 
 
@@ -118,17 +125,23 @@ class SummarizationArguments(RunArgs):
     "article" and "summary", or None (embedded training split)."""
     output_min_length: int | None = None
     output_max_length: int | None = None
-    """Summary length range (PPOConfig's min/max_new_tokens; None: 30 to 50 in paper mode, as RELC; 8 to 20
-    embedded)."""
+    """RELC's summary length flags: a length in [output_min_length, output_max_length) per batch, the upper bound
+    excluded as in RELC's LengthSampler. They set `--min_new_tokens` / `--max_new_tokens` (both included), whose
+    defaults are 30 to 49 in paper mode (RELC's 30 and 50) and 8 to 20 embedded."""
     rouge_scale: float = 1.0
     """Multiply the ROUGE reward (in [0, 1]) by this."""
     sft_steps: int | None = None
     """Embedded mode without --model_name: SFT warm-start steps before PPO (default 60)."""
-    ppo_config: Annotated[PPOConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOConfig)
+    ppo_config: Annotated[RelcPPOConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=RelcPPOConfig)
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(
         default_factory=lambda: CriticRewardConfig(intrinsic_reward_threshold=100.0)  # RELC: every sample
     )
     mode_defaults = staticmethod(summarization_mode_defaults)
+
+    @staticmethod
+    def finalize(args: SummarizationArguments) -> SummarizationArguments:
+        lengths = relc_length_range(args.output_min_length, args.output_max_length, args.ppo_config)
+        return replace(args, ppo_config=replace(args.ppo_config, **lengths)) if lengths else args
 
 
 def load_pairs(args: SummarizationArguments, embedded: bool) -> tuple[list[str], list[str]]:
@@ -148,11 +161,6 @@ def main(args: SummarizationArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
     ppo = args.ppo_config
     embedded = is_embedded(ppo.model_name, args.offline)
-    min_len, max_len = EMBEDDED_LENGTHS if embedded else PAPER_LENGTHS
-    lengths = {
-        "min_new_tokens": min_len if args.output_min_length is None else args.output_min_length,
-        "max_new_tokens": max_len if args.output_max_length is None else args.output_max_length,
-    }
     save_path = default_save_path("summarization", args.critic.use_intrinsic_reward, args.model_save_path)
     if embedded and ppo.model_name is None:
         # the embedded policy cannot summarize until it has seen a few (article, summary) pairs
@@ -172,7 +180,7 @@ def main(args: SummarizationArguments) -> list[dict]:
         critic_config = replace(critic_config, prompt_file=critic_config.prompt_file or str(OFFLINE_TEMPLATE))
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "summarization", embedded)
     records = tokenize_queries(tokenizer, prompts, [{"reference": r} for r in refs])
-    trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path, **lengths), processing_class=tokenizer)
+    trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(critic_config, "summarization", tokenizer, backend=backend)
     log = RunLog(trainer, "summarization", args, save_path, embedded, critic)
 

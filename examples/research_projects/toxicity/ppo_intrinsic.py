@@ -28,7 +28,7 @@ variable is preferred (command lines end up in logs). The key is never printed o
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedded import TOXICITY_PROMPTS, read_jsonl  # noqa: E402
 from research_common import (  # noqa: E402
+    RelcPPOConfig,
     RunArgs,
     RunLog,
     build_intrinsic_reward,
@@ -50,11 +51,12 @@ from research_common import (  # noqa: E402
     parse_script_args,
     ppo_mode_defaults,
     redact_argv,
+    relc_length_range,
     tokenize_queries,
 )
 from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
 
-from trl_stable import PPOConfig, PPOTrainer  # noqa: E402
+from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 PAPER_DATASET = "allenai/real-toxicity-prompts"
@@ -82,12 +84,22 @@ class ToxicityArguments(RunArgs):
     or None (the shipped prompts)."""
     prompt_toxicity_level: float = 0.6
     """Keep prompts whose toxicity is > this."""
-    output_min_length: int = 10
-    output_max_length: int = 14
-    """Response length range (PPOConfig's min_new_tokens / max_new_tokens)."""
-    ppo_config: Annotated[PPOConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=PPOConfig)
+    output_min_length: int | None = None
+    output_max_length: int | None = None
+    """RELC's response length flags: a length in [output_min_length, output_max_length) per batch, the upper bound
+    excluded as in RELC's LengthSampler. They set `--min_new_tokens` / `--max_new_tokens` (both included): RELC's
+    10 and 14 are 10 to 13 tokens. None: `--min_new_tokens` / `--max_new_tokens` (default 10 to 14, which the
+    measured embedded runs use)."""
+    ppo_config: Annotated[RelcPPOConfig, tyro.conf.OmitArgPrefixes] = field(
+        default_factory=lambda: RelcPPOConfig(min_new_tokens=10, max_new_tokens=14)
+    )
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=detox_critic_config)
     mode_defaults = staticmethod(ppo_mode_defaults)
+
+    @staticmethod
+    def finalize(args: ToxicityArguments) -> ToxicityArguments:
+        lengths = relc_length_range(args.output_min_length, args.output_max_length, args.ppo_config)
+        return replace(args, ppo_config=replace(args.ppo_config, **lengths)) if lengths else args
 
 
 def load_prompts(args: ToxicityArguments, embedded: bool) -> list[str]:
@@ -124,8 +136,7 @@ def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
     save_path = default_save_path("toxicity", args.critic.use_intrinsic_reward, args.model_save_path)
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "toxicity", embedded)
     records = tokenize_queries(tokenizer, prompts)
-    lengths = {"min_new_tokens": args.output_min_length, "max_new_tokens": args.output_max_length}
-    config = loop_ppo_config(ppo, save_path, **lengths)
+    config = loop_ppo_config(ppo, save_path)
     trainer = PPOTrainer(model, args=config, processing_class=tokenizer, peft_config=peft_config)
     critic = build_intrinsic_reward(args.critic, "toxicity", tokenizer)
     log = RunLog(trainer, "toxicity", args, save_path, embedded, critic)
