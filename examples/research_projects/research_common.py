@@ -17,6 +17,7 @@ nowhere in a few minutes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -43,6 +44,7 @@ from embedded import embedded_policy  # noqa: E402
 from trl_stable import PPOConfig  # noqa: E402
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 # Paper mode keeps trl_stable.PPOConfig's defaults (learning rate 1.41e-5 as RELC's commands pass it, init KL
 # coefficient 0.2, batch 16), with the mini-batch following the batch; these learn within minutes on the embedded
 # policy.
@@ -360,7 +362,28 @@ def build_intrinsic_reward(config, task: str, tokenizer, backend=None):
         raise ValueError("critic_backend='lexicon' for summarization needs the script's offline backend.")
     # CriticRewardConfig has no summarization lexicon and rejects the pair; a backend passed in stands in for it
     name = "openai" if backend is not None else config.critic_backend
-    return CriticIntrinsicReward(replace(config, critic_task=task, critic_backend=name), tokenizer, backend=backend)
+    config = replace(config, critic_task=task, critic_backend=name)
+    if task == "toxicity" and config.positive_reward_value != 0.0:
+        config = relc_toxicity_values(config)
+    return CriticIntrinsicReward(config, tokenizer, backend=backend)
+
+
+def relc_toxicity_values(config):
+    """RELC's toxicity meaning of ``--positive_reward_value``: the toxicity critic names only toxic spans, so RELC's
+    positive value is the reward of every token *outside* them (its `.sh`: +0.1), our `outside_span_reward_value`
+    (`trl_stable.rewards.intrinsic.relc_token_reward_values`)."""
+    from trl_stable.rewards.intrinsic import relc_token_reward_values
+
+    if config.outside_span_reward_value != 0.0:
+        raise ValueError(
+            f"--positive_reward_value {config.positive_reward_value} (RELC's reward outside toxic spans) and "
+            f"--outside_span_reward_value {config.outside_span_reward_value} name the same reward for toxicity; "
+            "pass one of them."
+        )
+    values = (config.positive_reward_value, config.negative_reward_value)
+    pos, neg, outside = relc_token_reward_values("toxicity", *values)
+    logger.info(f"toxicity: --positive_reward_value {outside} is RELC's reward of every token outside a toxic span")
+    return replace(config, positive_reward_value=pos, negative_reward_value=neg, outside_span_reward_value=outside)
 
 
 def critic_token_rewards(critic, prompts: Sequence[str], completions: Sequence[str], responses, env_scores):

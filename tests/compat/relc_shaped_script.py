@@ -10,6 +10,7 @@ URL is in OPENAI_BASE_URL. Writes `result_<rank>.json` into the output directory
 import argparse
 import json
 import os
+import sys
 
 import torch
 from datasets import Dataset
@@ -150,3 +151,10 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=2)
     main(parser.parse_args())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # launched with two processes
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown: gloo's destructors race with the peer's exit (SIGABRT)

@@ -245,3 +245,24 @@ def test_length_flags_keep_relc_meaning_and_ours_stay_inclusive(scripts):
 def test_no_warning_without_ignored_flags(scripts):
     _, warning, _ = parse(scripts["toxicity"], "ToxicityArguments", "--use_intrinsic_reward --batch_size 4")
     assert warning is None
+
+
+def test_toxicity_positive_reward_value_has_relcs_meaning():
+    """RELC's toxicity `--positive_reward_value` (+0.1 in its .sh) rewards every token outside a toxic span: our
+    toxicity port maps it onto `outside_span_reward_value`, so RELC's command gives RELC's token rewards."""
+    import research_common
+
+    from trl_stable.rewards import CriticRewardConfig
+
+    relc = CriticRewardConfig(critic_task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5)
+    mapped = research_common.relc_toxicity_values(relc)
+    assert (mapped.positive_reward_value, mapped.negative_reward_value, mapped.outside_span_reward_value) == (
+        0.0,
+        -0.5,
+        0.1,
+    )
+    both = CriticRewardConfig(
+        critic_task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5, outside_span_reward_value=0.2
+    )
+    with pytest.raises(ValueError, match="name the same reward"):
+        research_common.relc_toxicity_values(both)

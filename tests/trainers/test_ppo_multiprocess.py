@@ -47,9 +47,11 @@ SCRIPT = textwrap.dedent(
                        if k.startswith(("objective/", "behaviour_weight/", "mismatch/", "loss/"))}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    # an orderly shutdown: a process group left to the interpreter's exit can abort ("terminate called ...")
+    # both ranks are done; skip the interpreter's teardown, where gloo's destructors race with the peer's exit and can
+    # abort ("terminate called ...", SIGABRT) depending on timing
     trainer.accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
     """
 )
 
@@ -145,7 +147,8 @@ INFINITE_ON_ONE_RANK = textwrap.dedent(
     with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
         f.write(message)
     trainer.accelerator.wait_for_everyone()  # both ranks got here: nobody is stuck in a collective
-    torch.distributed.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: gloo's destructors race with the peer's exit
     """
 )
 

@@ -1,7 +1,8 @@
 """Detoxification with PPO and dense intrinsic rewards from a critic (RELC / Drlc, EMNLP 2024), on trl_stable.
 
 The policy continues toxic prompts; the environment reward is 1 - toxicity of the continuation, and a critic names
-the toxic spans, whose tokens get `--negative_reward_value` (RELC: -0.5; others `--positive_reward_value` 0.0).
+the toxic spans, whose tokens get `--negative_reward_value` (RELC: -0.5); `--positive_reward_value` keeps RELC's
+meaning here, the reward of every token outside a toxic span (RELC's .sh: 0.1; default 0.0).
 Accepts the flags of RELC's `ppo-intrinsic-rewards-toxicity.py`: every `trl_stable.PPOConfig` field is a flat flag
 (--model_name, --learning_rate, --batch_size, ...), so is every `CriticRewardConfig` field; `--config FILE` reads
 them from YAML (`ppo_config:` and `critic:` blocks).
