@@ -31,6 +31,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+# The version of what this parser accepts. Disk-cache entries record it: an answer validated by another version is
+# parsed again before it is served. Bump it when a change makes some answer parse (or stop parsing).
+PARSER_VERSION = "2"
+
 # Summarization labels. Negative keywords are tested first: "inaccurate", "irrelevant", "incorrect", "unfaithful" and
 # "unsupported" contain a positive keyword.
 NEGATIVE_LABEL_KEYWORDS = (
@@ -178,12 +182,8 @@ def _split_items(content: str) -> list[str]:
                 items.extend(quoted)
             else:
                 items.append(line)
-    out = []
-    for item in items:
-        span = clean_span(item)
-        if span and span not in out:
-            out.append(span)
-    return out
+    # A dict keeps the first occurrence's order with O(1) membership (a list's `in` made long answers quadratic).
+    return list(dict.fromkeys(span for span in map(clean_span, items) if span))
 
 
 def label_polarity(label: str) -> int:
@@ -229,22 +229,21 @@ def _word_score_spans(text: str) -> tuple[list[str], list[str]] | None:
     rows = [(m.group("word"), float(m.group("score"))) for m in _WORD_SCORE_RE.finditer(text)]
     if not rows:
         return None
-    positive: list[str] = []
-    negative: list[str] = []
+    positive: dict[str, None] = {}  # ordered sets: first occurrence kept, O(1) membership
+    negative: dict[str, None] = {}
     run: list[str] = []
     sign = 0
     for word, score in [*rows, ("", 0.0)]:  # the sentinel closes the last run
         now = (score > 0) - (score < 0)
         if now != sign and run:
             span = "".join(run).strip()
-            target = positive if sign > 0 else negative
-            if span and span not in target:
-                target.append(span)
+            if span:
+                (positive if sign > 0 else negative).setdefault(span)
             run = []
         sign = now
         if now:
             run.append(word)
-    return positive, negative
+    return list(positive), list(negative)
 
 
 def _continued(text: str, header: str | None) -> str:
@@ -315,13 +314,20 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     text_wo_labeled = _LABELED_RE.sub("", text)
 
     headers = list(_HEADER_RE.finditer(text_wo_labeled))
+    # Spans already listed per polarity, as sets: "Toxic Span k:" lines are one header each, and a list's `in` over
+    # every span so far made an answer of n such lines quadratic.
+    seen = {id(result.positive): set(result.positive), id(result.negative): set(result.negative)}
     for k, m in enumerate(headers):
         found = True
         end = headers[k + 1].start() if k + 1 < len(headers) else len(text_wo_labeled)
         content = text_wo_labeled[m.end() : end]
         polarity = (m.group("a") or m.group("b") or "negative").lower()
         target = result.positive if polarity == "positive" else result.negative
-        target.extend(s for s in _split_items(content) if s not in target)
+        target_seen = seen[id(target)]
+        for span in _split_items(content):
+            if span not in target_seen:
+                target_seen.add(span)
+                target.append(span)
     if headers:
         lead = text_wo_labeled[: headers[0].start()]
         # Spans before the first header belong to a section whose header the prompt held: without `continues` they
