@@ -8,9 +8,14 @@ threads, and it never contacts anything. Behaviour is scripted: each request tak
         server.script(status(429, retry_after=0), malformed(), reply("None identified", delay=0.05))
         client = OpenAICritic(base_url=server.base_url, ...)
 
-Actions: `reply` (optionally after a delay), `status` (an error status with an OpenAI error body), `malformed`
-(status 200 with a body that is not JSON), `drop` (close the connection without answering), `hang` (answer after
-`seconds`, i.e. after the client's timeout).
+Actions: `reply` (optionally after a delay), `status` (an error status with an OpenAI error body and optional
+headers, e.g. an HTTP-date ``Retry-After`` or ``retry-after-ms``), `malformed` (status 200 with a body that is not
+JSON), `drop` (close the connection without answering), `hang` (answer after `seconds`, i.e. after the client's
+timeout).
+
+`fault(prompt, k)` (optional) picks an action for the k-th request (0-based) carrying `prompt` when no queued action
+applies: a deterministic fault injector for the benchmark. `served` counts the actions taken by kind ("reply",
+"status_429", "hang", ...), so a test can check the client's counters against what the server did.
 """
 
 from __future__ import annotations
@@ -34,14 +39,21 @@ class Action:
     delay: float = 0.0
     retry_after: float | None = None
     match: str | None = None
+    headers: dict | None = None
 
 
 def reply(text: str | None, delay: float = 0.0, match: str | None = None) -> Action:
     return Action("reply", text=text, delay=delay, match=match)
 
 
-def status(code: int, retry_after: float | None = None, match: str | None = None, message: str = "") -> Action:
-    return Action("status", code=code, retry_after=retry_after, match=match, text=message)
+def status(
+    code: int,
+    retry_after: float | None = None,
+    match: str | None = None,
+    message: str = "",
+    headers: dict | None = None,
+) -> Action:
+    return Action("status", code=code, retry_after=retry_after, match=match, text=message, headers=headers)
 
 
 def malformed(match: str | None = None) -> Action:
@@ -68,6 +80,9 @@ class Received:
 class _State:
     answer: Callable[[str], str]
     latency: float
+    fault: Callable[[str, int], Action | None] | None = None
+    seen: dict = field(default_factory=dict)  # requests per prompt so far
+    served: dict = field(default_factory=dict)  # actions taken, by kind
     lock: threading.Lock = field(default_factory=threading.Lock)
     queue: list[Action] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
@@ -116,6 +131,13 @@ class _Handler(BaseHTTPRequestHandler):
                 if queued.match is None or queued.match in prompt:
                     action = state.queue.pop(i)
                     break
+            k = state.seen.get(prompt, 0)
+            state.seen[prompt] = k + 1
+            if action is None and state.fault is not None:
+                action = state.fault(prompt, k)
+            kind = "reply" if action is None else action.kind
+            kind = f"status_{action.code}" if kind == "status" else kind
+            state.served[kind] = state.served.get(kind, 0) + 1
         try:
             self._act(action, prompt, body)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
@@ -149,6 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
         elif action.kind == "status":
             headers = {"Retry-After": str(action.retry_after)} if action.retry_after is not None else {}
+            headers.update(action.headers or {})
             message = action.text or f"scripted {action.code}"
             self._send_json(action.code, {"error": {"message": message, "type": "x"}}, headers)
         elif action.kind == "malformed":
@@ -171,10 +194,18 @@ class FakeOpenAIServer:
         latency: Seconds every request waits before its action (e.g. 0.1 for the benchmark).
     """
 
-    def __init__(self, answer: Callable[[str], str] | None = None, latency: float = 0.0) -> None:
-        self._state = _State(answer=answer or (lambda prompt: "None identified"), latency=latency)
+    def __init__(
+        self,
+        answer: Callable[[str], str] | None = None,
+        latency: float = 0.0,
+        fault: Callable[[str, int], Action | None] | None = None,
+    ) -> None:
+        self._state = _State(answer=answer or (lambda prompt: "None identified"), latency=latency, fault=fault)
         handler = type("Handler", (_Handler,), {"state": self._state})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        # A batch opens all its connections at once: the default listen backlog of 5 makes the kernel drop the
+        # rest, whose clients retry their SYN a second later (a 1 s stall per batch that is no client's fault).
+        server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 512})
+        self._server = server_cls(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self._server.block_on_close = False
         self._thread: threading.Thread | None = None
@@ -193,6 +224,11 @@ class FakeOpenAIServer:
             return list(self._state.received)
 
     @property
+    def served(self) -> dict:
+        with self._state.lock:
+            return dict(self._state.served)
+
+    @property
     def max_in_flight(self) -> int:
         return self._state.max_in_flight
 
@@ -204,6 +240,8 @@ class FakeOpenAIServer:
         with self._state.lock:
             self._state.queue.clear()
             self._state.received.clear()
+            self._state.seen.clear()
+            self._state.served.clear()
             self._state.max_in_flight = 0
 
     def start(self) -> FakeOpenAIServer:

@@ -22,9 +22,9 @@ from trl_stable.rewards.intrinsic import default_prompt_file, fill_critic_templa
 from trl_stable.testing import build_causal_lm
 
 try:
-    from fake_openai_server import FakeOpenAIServer, status
+    from fake_openai_server import FakeOpenAIServer, drop, hang, malformed, reply, status
 except ImportError:
-    from tests.rewards.fake_openai_server import FakeOpenAIServer, status
+    from tests.rewards.fake_openai_server import FakeOpenAIServer, drop, hang, malformed, reply, status
 
 DUMMY_KEY = "sk-test-DUMMY-intrinsic-9c1d"
 
@@ -160,7 +160,7 @@ def test_failures_zero_reward_and_consecutive_failing_steps_raise(tokenizer):
     call(), call()
     with pytest.raises(CriticFailureError, match="3 consecutive steps"):
         call()
-    assert fn.metrics()["critic/failed_answers"] == 8
+    assert fn.metrics()["critic/failed_answers"] == 10  # the step that raised is recorded too
 
 
 def test_step_without_critiques_neither_resets_nor_counts_failing_steps(tokenizer):
@@ -177,16 +177,36 @@ def test_step_without_critiques_neither_resets_nor_counts_failing_steps(tokenize
         fn(["p"], None, ids, env_rewards=[0.0])
 
 
-def test_partial_failures_and_garbage_do_not_count_as_failing_steps(tokenizer):
-    replies = iter([None, "lorem ipsum dolor", None, "complete garbage"] * 5)
+def test_partial_failures_do_not_count_as_failing_steps(tokenizer):
+    replies = iter([None, "Identified Positive Text Span: None identified", "lorem ipsum", "None identified"] * 3)
     critic = ScriptedCritic(lambda p: next(replies))
     cfg = CriticRewardConfig(use_intrinsic_reward=True, max_consecutive_failing_steps=1)
     fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
     ids = encode(tokenizer, [" a", " b"])
-    for _ in range(3):
-        assert fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0]) == [None, None]
+    for _ in range(3):  # each step has one usable critique: never a failing step
+        rows = fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0])
+        assert sum(r is None for r in rows) == 1
     m = fn.metrics()
-    assert m["critic/unparseable"] == 3 and m["critic/failed_answers"] == 3
+    assert m["critic/unparseable"] == 1 and m["critic/failed_answers"] == 2 and m["critic/answers"] == 4
+    assert fn.consecutive_failing_steps == 0
+
+
+def test_garbage_only_critic_counts_as_failing_and_stops(tokenizer):
+    critic = ScriptedCritic(lambda p: "lorem ipsum dolor sit amet")
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, max_consecutive_failing_steps=2)
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" a", " b"])
+    logged = {}
+    assert fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0], log_metric=logged.__setitem__) == [None, None]
+    # the garbage is visible in the per-step logs, not only in a warning
+    assert logged["critic/failed_fraction"] == 1.0 and logged["critic/unparseable_fraction"] == 1.0
+    assert logged["critic/request_failed_fraction"] == 0.0
+    assert logged["critic/step_unparseable"] == 2 and logged["critic/step_answers"] == 2
+    assert fn.consecutive_failing_steps == 1
+    with pytest.raises(CriticFailureError, match="2 unparseable answers") as err:
+        fn(["p", "p"], None, ids, env_rewards=[0.0, 0.0])
+    assert "span format" in str(err.value)
+    assert fn.metrics()["critic/unparseable"] == 4
 
 
 def test_log_metric_callback(tokenizer):
@@ -207,7 +227,9 @@ def test_openai_backend_end_to_end_against_loopback(tokenizer, monkeypatch, capl
         fn.backend.backoff_base = 0.01
         completions = [" a great day", " great", " meh"]
         ids = encode(tokenizer, completions)
-        server.script(status(500), status(429, retry_after=0))
+        # One error per prompt, matched by its text: the two requests run concurrently, and unmatched scripted
+        # errors went to whichever arrived first (both could hit one request, which then ran out of retries).
+        server.script(status(500, match="Today was a great day"), status(429, retry_after=0, match="Today was great"))
         rows = fn(["Today was"] * 3, completions, ids, env_rewards=[0.0, -1.0, 5.0])
         assert rewarded_text(tokenizer, ids[0], rows[0], +1) == "great"
         assert rewarded_text(tokenizer, ids[1], rows[1], +1) == "great"
@@ -218,6 +240,8 @@ def test_openai_backend_end_to_end_against_loopback(tokenizer, monkeypatch, capl
         )
         m = fn.metrics()
         assert m["critic/retries"] == 2 and m["critic/successes"] == 2 and m["critic/prompt_tokens"] == 22
+        assert m["critic/server_errors"] == 1 and m["critic/rate_limited"] == 1 and m["critic/attempts"] == 4
+        assert m["critic/last_step_retries"] == 2 and m["critic/last_step_server_errors"] == 1
         for text in (caplog.text, repr(fn), str(m), str(cfg), str(dataclasses.asdict(cfg))):
             assert DUMMY_KEY not in text
         fn.close()
@@ -405,3 +429,74 @@ def test_prefetch_is_a_no_op_for_synchronous_backends(tokenizer):
     fn = CriticIntrinsicReward(CriticRewardConfig(use_intrinsic_reward=True), tokenizer)
     fn.prefetch(["p"], encode(tokenizer, [" good"]))
     assert fn.metrics()["critic/requests"] == 0
+
+
+def openai_reward(tokenizer, server, **kw):
+    fields = dict(
+        use_intrinsic_reward=True, critic_backend="openai", critic_base_url=server.base_url,
+        critic_model="tiny-critic", critic_timeout=2.0, critic_max_retries=1, intrinsic_reward_threshold=0.0,
+    )  # fmt: skip
+    fields.update(kw)
+    fn = CriticIntrinsicReward(CriticRewardConfig(**fields), tokenizer)
+    fn.backend.backoff_base = 0.01
+    return fn
+
+
+def test_every_backend_counter_is_logged_per_step_with_real_values(tokenizer, monkeypatch):
+    from trl_stable.rewards.critic_backends import COUNTER_NAMES
+
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span:\n[Span 1]: great") as server:
+        fn = openai_reward(tokenizer, server, critic_timeout=0.5)
+        # one fault per sample, matched by its word (requests run concurrently: no shared queue to race for)
+        words = ["qalpha", "qbeta", "qgamma", "qdelta", "qepsilon", "qzeta", "qeta", "qtheta"]
+        server.script(
+            status(500, match="qalpha"), hang(5, match="qbeta"), malformed(match="qgamma"), drop(match="qdelta"),
+            status(400, match="qepsilon"), reply("lorem ipsum", match="qzeta"),
+            status(429, retry_after=0, match="qeta"),
+        )  # fmt: skip
+        completions = [f" a great {w}" for w in words]  # qtheta: answered at once
+        ids = encode(tokenizer, completions)
+        logged = {}
+        rows = fn(["x"] * 8, completions, ids, env_rewards=[0.0] * 8, log_metric=logged.__setitem__)
+        assert [r is None for r in rows] == [False, False, False, False, True, True, False, False]
+        expected = dict.fromkeys(COUNTER_NAMES, 0)
+        expected.update(
+            requests=8, attempts=13, retries=5, successes=7, failures=1, server_errors=1, timeouts=1, bad_responses=1,
+            connection_errors=1, client_errors=1, rate_limited=1, cache_refused=1, prompt_tokens=7 * 11,
+            completion_tokens=7 * 7,
+        )  # fmt: skip
+        assert {k: logged[f"critic/step_{k}"] for k in COUNTER_NAMES} == expected
+        assert logged["critic/step_unparseable"] == 1 and logged["critic/step_failed_answers"] == 1
+        assert logged["critic/step_answers"] == 7 and logged["critic/step_critiqued"] == 8
+        assert logged["critic/failed_fraction"] == 2 / 8 and logged["critic/request_failed_fraction"] == 1 / 8
+        assert logged["critic/unparseable_fraction"] == 1 / 7
+        assert sum(r.prompt.count("qbeta") > 0 for r in server.received) == 2  # the timed-out one was retried
+
+        # the next step: the six parsed answers come from the cache; the garbage and the 400 are asked again
+        logged.clear()
+        fn(["x"] * 8, completions, ids, env_rewards=[0.0] * 8, log_metric=logged.__setitem__)
+        assert logged["critic/step_cache_hits"] == 6 and logged["critic/step_attempts"] == 2
+        assert logged["critic/step_requests"] == 8 and logged["critic/step_failures"] == 0
+        assert logged["critic/step_unparseable"] == 0  # the healthy server's answer parses
+        m = fn.metrics()
+        assert m["critic/cache_hits"] == 6 and m["critic/last_step_cache_hits"] == 6 and m["critic/unparseable"] == 1
+        fn.close()
+
+
+@pytest.mark.parametrize("code", [401, 403])
+def test_rejected_key_stops_the_run_at_the_first_step(tokenizer, monkeypatch, code):
+    monkeypatch.setenv("MY_CRITIC_KEY", DUMMY_KEY)
+    with FakeOpenAIServer(fault=lambda prompt, k: status(code, message=f"bad key {DUMMY_KEY}")) as server:
+        fn = openai_reward(tokenizer, server, critic_api_key_env="MY_CRITIC_KEY", max_consecutive_failing_steps=5)
+        ids = encode(tokenizer, [" a", " b", " c"])
+        with pytest.raises(CriticFailureError) as err:
+            fn(["p"] * 3, None, ids, env_rewards=[0.0] * 3)
+        message = str(err.value)
+        assert "MY_CRITIC_KEY" in message and server.base_url in message and f"HTTP {code}" in message
+        assert DUMMY_KEY not in message
+        assert "timeout" not in message and "rate" not in message  # it is about the key, not the network
+        m = fn.metrics()
+        assert m["critic/auth_errors"] >= 1 and m["critic/attempts"] <= 3 and m["critic/retries"] == 0
+        assert m["critic/steps"] == 1  # the failing step is still recorded
+        fn.close()

@@ -195,7 +195,7 @@ def test_disk_cache_survives_restart_and_is_keyed_by_params(server, tmp_path):
     assert len(files) == 5
     for f in files:
         assert DUMMY_KEY not in f.read_text()
-        assert set(json.loads(f.read_text())) == {"model", "answer"}
+        assert set(json.loads(f.read_text())) == {"model", "answer", "parser_version"}
 
 
 def test_failures_are_not_cached(server, tmp_path):
@@ -301,11 +301,13 @@ def test_memory_cache_is_bounded_lru(server):
 
 
 def test_default_batch_deadline_grows_with_queueing_and_rate_limit(server):
-    critic = make(server, timeout=2.0, max_retries=1, backoff_max=0.05, concurrency=4)
-    one = 2.0 * 2 + 0.05 + 5.0
+    critic = make(server, timeout=2.0, max_retries=1, backoff_max=0.05, retry_after_max=0.5, concurrency=4)
+    one = 2.0 * 2 + 0.5 + 5.0  # two attempts and the longest wait between them (a Retry-After up to 0.5 s)
     assert critic.batch_seconds(1) == pytest.approx(one) and critic.batch_seconds(4) == pytest.approx(one)
     assert critic.batch_seconds(9) == pytest.approx(one + 2 * 2.0)  # two more waves of 4 workers
-    limited = make(server, timeout=2.0, max_retries=1, backoff_max=0.05, concurrency=4, rate_limit=2.0)
+    limited = make(
+        server, timeout=2.0, max_retries=1, backoff_max=0.05, retry_after_max=0.5, concurrency=4, rate_limit=2.0
+    )
     assert limited.batch_seconds(4) == pytest.approx(one + 4 / 2.0)
     assert make(server, batch_timeout=7.0).batch_seconds(1000) == 7.0
 
@@ -340,3 +342,199 @@ def test_disk_cache_concurrent_writers_never_tear(tmp_path):
     assert caches[1].get(key) in answers
     assert all(a is None or a in answers for a in seen)  # never a torn, partly written answer
     assert not list(tmp_path.rglob("*.tmp"))  # no temporary file left behind
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Concurrency sized to the batch
+
+
+def test_concurrency_is_sized_to_the_batch_and_capped():
+    # 1 s latency: every request of the batch is still in flight when the last one starts, even on a loaded machine
+    with FakeOpenAIServer(answer=lambda p: "None identified", latency=1.0) as srv:
+        critic = make(srv, concurrency=None)
+        assert critic.workers == 256
+        assert critic.generate([f"p{i}" for i in range(40)]) == ["None identified"] * 40
+        assert srv.max_in_flight == 40  # one wave, not 40 / 32 of them
+        srv.reset()
+        capped = make(srv, concurrency=None, max_concurrency=8)
+        capped.generate([f"q{i}" for i in range(12)])
+        assert srv.max_in_flight == 8
+        critic.close(), capped.close()
+
+
+def test_workers_are_bounded_by_the_rate_limit(server):
+    # 5 starts per second within a 2 s timeout: at most 10 requests can be in flight; more threads would only wait
+    assert make(server, concurrency=None, rate_limit=5.0, timeout=2.0).workers == 10
+    assert make(server, concurrency=None, rate_limit=0.1, timeout=2.0).workers == 1
+    assert make(server, concurrency=3, rate_limit=5.0).workers == 3  # an explicit concurrency wins
+    unlimited = make(server, concurrency=None, timeout=2.0, max_retries=0, retry_after_max=0.0, backoff_max=0.0)
+    assert unlimited.batch_seconds(64) == pytest.approx(2.0 + 5.0)  # no extra waves for a batch of 64
+    with pytest.raises(ValueError, match="max_concurrency"):
+        make(server, max_concurrency=0)
+    with pytest.raises(ValueError, match="retry_after_max"):
+        make(server, retry_after_max=-1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Only answers that parse are cached
+
+
+def parses(answer):
+    from trl_stable.rewards import parse_critic_answer
+
+    return parse_critic_answer(answer).ok
+
+
+def test_garbage_and_empty_answers_are_not_cached_in_memory(server):
+    critic = make(server)
+    critic.set_answer_validator(parses, "v1")
+    server.script(reply("lorem ipsum dolor", match="first"), reply("", match="second"))
+    assert critic.generate(["first x", "second y"]) == ["lorem ipsum dolor", ""]  # returned, counted, not kept
+    assert critic.metrics()["critic/cache_refused"] == 2 and len(critic._memory) == 0
+    assert critic.generate(["first x", "second y"]) == ["Toxic Span 1: x", "Toxic Span 1: y"]  # asked again
+    assert len(server.received) == 4 and critic.metrics()["critic/cache_hits"] == 0
+    assert critic.generate(["first x", "second y"]) == ["Toxic Span 1: x", "Toxic Span 1: y"]
+    assert len(server.received) == 4 and critic.metrics()["critic/cache_hits"] == 2
+    critic.close()
+
+
+def test_default_validator_refuses_blank_answers(server):
+    critic = make(server)  # no parser installed (e.g. a judge): only blank answers are refused
+    server.script(reply("   ", match="blank"), reply("[[A]]", match="judge"))
+    critic.generate(["blank one", "judge two"])
+    assert critic.metrics()["critic/cache_refused"] == 1 and len(critic._memory) == 1
+
+
+def test_garbage_is_not_cached_on_disk_and_a_restart_asks_again(server, tmp_path):
+    critic = make(server, cache_dir=str(tmp_path))
+    critic.set_answer_validator(parses, "v1")
+    server.script(reply("<html>502 Bad Gateway</html>"))
+    assert critic.generate(["page a"]) == ["<html>502 Bad Gateway</html>"]
+    assert not list(tmp_path.rglob("*.json"))
+    critic.close()
+    restarted = make(server, cache_dir=str(tmp_path))  # the server is healthy again
+    restarted.set_answer_validator(parses, "v1")
+    assert restarted.generate(["page a"]) == ["Toxic Span 1: a"]
+    assert len(server.received) == 2 and restarted.metrics()["critic/cache_hits"] == 0
+    (entry,) = tmp_path.rglob("*.json")
+    assert json.loads(entry.read_text())["parser_version"] == "v1"
+
+
+def test_disk_entries_of_another_parser_version_are_revalidated(server, tmp_path):
+    from trl_stable.rewards.critic_backends import DiskCache
+
+    critic = make(server, cache_dir=str(tmp_path))
+    critic.set_answer_validator(parses, "v2")
+    disk = DiskCache(tmp_path)
+    key = lambda prompt: DiskCache.key(critic.model, prompt, critic.params)  # noqa: E731
+    disk.put(key("still good"), "Toxic Span 1: good", critic.model, parser_version="v1")
+    disk.put(key("now garbage"), "garbage the old parser took", critic.model, parser_version="v1")
+    disk.put(key("legacy file"), "Toxic Span 1: legacy", critic.model)  # written before versions existed
+    disk.put(key("same version"), "garbage v2 itself stored", critic.model, parser_version="v2")
+    answers = critic.generate(["still good", "now garbage", "legacy file", "same version"])
+    assert answers == [
+        "Toxic Span 1: good",
+        "Toxic Span 1: garbage",
+        "Toxic Span 1: legacy",
+        "garbage v2 itself stored",
+    ]
+    m = critic.metrics()
+    assert m["critic/cache_revalidated"] == 2 and m["critic/cache_hits"] == 3
+    assert [r.prompt for r in server.received] == ["now garbage"]  # the rejected entry was asked again
+    assert disk.get_entry(key("still good")) == ("Toxic Span 1: good", "v2")  # rewritten under this version
+    assert disk.get_entry(key("now garbage")) == ("Toxic Span 1: garbage", "v2")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Retry-After in all its forms
+
+
+def test_parse_retry_after_forms():
+    from trl_stable.rewards.critic_backends import _utc_http_date, parse_retry_after
+
+    now = 1_700_000_000.0
+    assert parse_retry_after({"Retry-After": "20"}) == 20.0
+    assert parse_retry_after({"retry-after": "1.5"}) == 1.5
+    assert parse_retry_after({"Retry-After": _utc_http_date(now + 30)}, now=now) == 30.0
+    assert parse_retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, now=now) == 0.0  # in the past
+    assert parse_retry_after({"retry-after-ms": "250"}) == 0.25
+    assert parse_retry_after({"retry-after-ms": "250", "Retry-After": "9"}) == 0.25  # the finer one first
+    assert parse_retry_after({"retry-after-ms": "soon", "Retry-After": "9"}) == 9.0
+    for bad in ({"Retry-After": "soon"}, {"Retry-After": "-3"}, {"Retry-After": "nan"}, {}, None):
+        assert parse_retry_after(bad) is None
+
+
+class RecordingStop:
+    """Stands in for the critic's stop event: records each backoff wait instead of sleeping it."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return False
+
+    def is_set(self):
+        return False
+
+    def set(self):
+        pass
+
+    def clear(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "headers, expected",
+    [
+        ({"Retry-After": "20"}, 20.0),  # above backoff_max (8 s): no longer cut to it
+        ({"retry-after-ms": "1500"}, 1.5),
+        ({"Retry-After": "120"}, 60.0),  # cut to retry_after_max
+    ],
+)
+def test_retry_after_is_waited_up_to_its_ceiling(server, headers, expected, caplog):
+    critic = make(server, backoff_base=0.01, backoff_max=8.0, retry_after_max=60.0, timeout=2.0)
+    critic._stop = RecordingStop()
+    server.script(status(429, headers=headers))
+    with caplog.at_level(logging.WARNING):
+        assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
+    assert critic._stop.waits == [pytest.approx(expected)]
+    assert ("retry after" in caplog.text) == (expected > 8.0)  # a long wait is logged
+    assert ("retry_after_max=60" in caplog.text) == (expected == 60.0)
+
+
+def test_retry_after_http_date_and_on_503(server):
+    from trl_stable.rewards.critic_backends import _utc_http_date
+
+    critic = make(server, backoff_base=0.01, timeout=2.0)
+    critic._stop = RecordingStop()
+    server.script(status(503, headers={"Retry-After": _utc_http_date(time.time() + 30)}))
+    assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
+    (wait,) = critic._stop.waits
+    assert 28.0 <= wait <= 30.0  # an HTTP-date has whole seconds
+    assert critic.metrics()["critic/server_errors"] == 1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A rejected key
+
+
+@pytest.mark.parametrize("code", [401, 403])
+def test_rejected_key_stops_further_requests_and_names_the_variable(server, code, monkeypatch):
+    monkeypatch.setenv("MY_CRITIC_KEY", DUMMY_KEY)
+    critic = make(server, concurrency=1, api_key_env="MY_CRITIC_KEY")
+    server.script(status(code, message=f"Incorrect API key provided: {DUMMY_KEY}"))
+    assert critic.generate(["a", "b", "c"]) == [None, None, None]
+    assert len(server.received) == 1  # the first rejection ends the batch's other requests before they are sent
+    m = critic.metrics()
+    assert m["critic/auth_errors"] == 1 and m["critic/client_errors"] == 1 and m["critic/failures"] == 3
+    message = critic.fatal_error()
+    assert "MY_CRITIC_KEY" in message and server.base_url in message and f"HTTP {code}" in message
+    assert DUMMY_KEY not in message
+
+
+def test_fatal_error_without_env_key_says_argument(server):
+    critic = make(server, api_key=DUMMY_KEY, concurrency=1)
+    server.script(status(401))
+    critic.generate(["a"])
+    assert "api_key argument" in critic.fatal_error() and DUMMY_KEY not in critic.fatal_error()

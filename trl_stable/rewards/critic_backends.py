@@ -16,9 +16,11 @@ caller gives that sample zero intrinsic reward.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import email.utils
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -27,7 +29,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,10 @@ COUNTER_NAMES = (
     "connection_errors",
     "bad_responses",
     "client_errors",
+    "auth_errors",  # 401 / 403: the key is wrong; the reward function stops the run at the first one
     "deadline_exceeded",
+    "cache_refused",  # answers not cached because the answer validator (the span parser) rejected them
+    "cache_revalidated",  # disk entries of another parser version that the current validator accepted again
     "prompt_tokens",
     "completion_tokens",
 )
@@ -129,6 +135,23 @@ class CriticBackend(ABC):
 
     def __init__(self) -> None:
         self.counters = CriticCounters()
+        self.answer_validator: Callable[[str], bool] = _non_blank
+        self.validator_version = "non-blank"
+
+    def set_answer_validator(self, validator: Callable[[str], bool], version: str) -> None:
+        """Cache only the answers `validator` accepts (the reward function installs its span parser here).
+
+        `version` is stored with each disk-cache entry: an entry written under another version is checked again
+        before it is served, so a parser change cannot keep serving answers validated by the old parser.
+        """
+        self.answer_validator = validator
+        self.validator_version = str(version)
+
+    def fatal_error(self) -> str | None:
+        """A reason no later request can succeed (e.g. the server rejected the API key); None while there is none.
+
+        The reward function raises it at once instead of paying `max_consecutive_failing_steps` failing steps."""
+        return None
 
     @abstractmethod
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]: ...
@@ -152,6 +175,10 @@ class CriticBackend(ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _non_blank(answer: str) -> bool:
+    return bool(answer.strip())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -217,7 +244,9 @@ class _MemoryCache:
 class DiskCache:
     """Answers on disk, one JSON file per key, so a restarted run does not pay for the same critique twice.
 
-    The key is the SHA-256 of (model, prompt, generation parameters); the API key is never part of it or of a file.
+    Each entry records the version of the validator (the span parser) that accepted it; `OpenAICritic` re-checks
+    entries of another version before serving them. The key is the SHA-256 of (model, prompt, generation
+    parameters); the API key is never part of it or of a file.
     Writes are atomic (temporary file + rename), so concurrent threads and processes can share a directory.
     """
 
@@ -234,20 +263,30 @@ class DiskCache:
         return os.path.join(self.directory, key[:2], f"{key}.json")
 
     def get(self, key: str) -> str | None:
+        """The cached answer of `key`, whatever version validated it (None: missing or torn)."""
+        entry = self.get_entry(key)
+        return None if entry is None else entry[0]
+
+    def get_entry(self, key: str) -> tuple[str, str | None] | None:
+        """(answer, the validator version it was stored under) of `key`; None when missing or torn."""
         try:
             with open(self._path(key), encoding="utf-8") as f:
-                answer = json.load(f).get("answer")
+                data = json.load(f)
+            answer, version = data.get("answer"), data.get("parser_version")
         except (OSError, ValueError, AttributeError):
             return None  # missing or torn file: ask again
-        return answer if isinstance(answer, str) else None
+        if not isinstance(answer, str):
+            return None
+        return answer, version if isinstance(version, str) else None
 
-    def put(self, key: str, answer: str, model: str) -> None:
+    def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"model": model, "answer": answer}, f, ensure_ascii=False)
+                entry = {"model": model, "answer": answer, "parser_version": parser_version}
+                json.dump(entry, f, ensure_ascii=False)
             os.replace(tmp, path)
         except OSError:
             logger.warning("Could not write the critic cache file in %s", self.directory)
@@ -284,14 +323,72 @@ class _NonRetryable(Exception):
     pass
 
 
+def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
+    """Seconds a server asked the client to wait, from its response headers; None when it did not say.
+
+    Reads ``retry-after-ms`` (milliseconds, OpenAI's and Azure's), then ``Retry-After`` as delta-seconds or as an
+    HTTP-date (RFC 9110 10.2.3; a date in the past is 0). Negative or unreadable values are ignored.
+
+    Args:
+        headers: A mapping with case-insensitive ``get`` (httpx headers) or a plain dict.
+        now: The current POSIX time for HTTP-dates (default ``time.time()``).
+
+    Example:
+        >>> parse_retry_after({"retry-after-ms": "1500"}), parse_retry_after({"Retry-After": "20"})
+        (1.5, 20.0)
+    """
+    if headers is None:
+        return None
+    lower = {str(k).lower(): v for k, v in headers.items()}
+    ms = lower.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000.0
+            if math.isfinite(value) and value >= 0:
+                return value
+        except (TypeError, ValueError):
+            pass
+    raw = lower.get("retry-after")
+    if raw is None:
+        return None
+    raw = str(raw).strip()
+    try:
+        value = float(raw)
+        return value if math.isfinite(value) and value >= 0 else None
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:  # HTTP-dates are GMT
+        when = when.replace(tzinfo=timezone.utc)
+    now = time.time() if now is None else now
+    return max(0.0, when.timestamp() - now)
+
+
+def _utc_http_date(posix: float) -> str:
+    """`posix` as an HTTP-date (for tests and the fake server)."""
+    return email.utils.format_datetime(datetime.fromtimestamp(posix, tz=timezone.utc), usegmt=True)
+
+
 class OpenAICritic(CriticBackend):
     """A critic served by an OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...).
 
     Each prompt is one chat request (a user message, plus `system_prompt` if given). Requests run on a thread pool
-    of `concurrency` workers; 429, 5xx, timeouts, connection errors and malformed responses are retried up to
-    `max_retries` times after ``min(backoff_max, backoff_base * 2**attempt) * U(0.5, 1)`` seconds (exponential
-    backoff with jitter; a 429's Retry-After is honoured up to `backoff_max`); other 4xx fail at once. Each request
-    has a `timeout`, each batch a deadline (`batch_timeout`), so nothing blocks forever.
+    sized to the batch: every request of a batch is in flight at once, so a batch costs about one server latency
+    (RELC's 2 workers cost N/2 of them), up to `max_concurrency` (and, with a `rate_limit`, to what the limit lets
+    start within one `timeout`); `concurrency` sets a fixed number instead. 429, 5xx, timeouts, connection errors
+    and malformed responses are retried up to `max_retries` times after ``min(backoff_max, backoff_base *
+    2**attempt) * U(0.5, 1)`` seconds (exponential backoff with jitter), or after the server's ``Retry-After`` /
+    ``retry-after-ms`` (seconds or HTTP-date) when it is longer, up to `retry_after_max`. 401 / 403 are counted as
+    ``auth_errors``: no request is sent after the first one (`fatal_error` says why); other 4xx fail at once. Each
+    request has a `timeout`, each batch a deadline (`batch_timeout`), so nothing blocks forever.
+
+    Answers are cached (memory, and disk with `cache_dir`) only when `answer_validator` accepts them (default: not
+    blank; `CriticIntrinsicReward` installs its span parser), so a garbage answer is asked again next time.
 
     Args:
         model: Model name sent to the server.
@@ -300,11 +397,15 @@ class OpenAICritic(CriticBackend):
         api_key_env: Environment variable holding the key.
         temperature: Sampling temperature (0: deterministic critiques, cacheable).
         max_tokens: Answer length limit.
-        concurrency: Requests in flight at once.
+        concurrency: Requests in flight at once; None (default): as many as the batch has, up to
+            `max_concurrency`.
+        max_concurrency: Most requests in flight at once when `concurrency` is None.
         timeout: Seconds per HTTP request.
         max_retries: Retries per request after the first attempt.
         backoff_base: First backoff delay in seconds.
-        backoff_max: Largest backoff delay in seconds.
+        backoff_max: Largest backoff delay in seconds (of our own exponential backoff).
+        retry_after_max: Longest wait a server's Retry-After can ask for, in seconds; longer requests are cut to it
+            (and logged).
         rate_limit: Most request starts per second (None: unlimited).
         cache_dir: Directory of the on-disk answer cache (None: in-memory cache only).
         system_prompt: Optional system message.
@@ -325,21 +426,27 @@ class OpenAICritic(CriticBackend):
         api_key_env: str = "OPENAI_API_KEY",
         temperature: float = 0.0,
         max_tokens: int = 128,
-        concurrency: int = 32,
+        concurrency: int | None = None,
         timeout: float = 30.0,
         max_retries: int = 4,
         backoff_base: float = 0.5,
         backoff_max: float = 8.0,
+        retry_after_max: float = 60.0,
         rate_limit: float | None = None,
         cache_dir: str | os.PathLike | None = None,
         system_prompt: str | None = None,
         batch_timeout: float | None = None,
         seed: int | None = None,
         memory_cache_size: int = 4096,
+        max_concurrency: int = 256,
     ) -> None:
         super().__init__()
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}.")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1 or None (sized to the batch), got {concurrency}.")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+        if not retry_after_max >= 0:
+            raise ValueError(f"retry_after_max must be >= 0 seconds, got {retry_after_max}.")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}.")
         if max_retries < 0:
@@ -349,6 +456,7 @@ class OpenAICritic(CriticBackend):
         if memory_cache_size < 0:
             raise ValueError(f"memory_cache_size must be >= 0, got {memory_cache_size}.")
         key = api_key if api_key is not None else os.environ.get(api_key_env)
+        self._key_from_env = api_key is None
         if not key:
             if base_url is None:
                 raise ValueError(
@@ -363,6 +471,8 @@ class OpenAICritic(CriticBackend):
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.concurrency = concurrency
+        self.max_concurrency = max_concurrency
+        self.retry_after_max = retry_after_max
         self.timeout = timeout
         self.max_retries = max_retries
         self.backoff_base = backoff_base
@@ -381,12 +491,28 @@ class OpenAICritic(CriticBackend):
         self._init_lock = threading.Lock()
         self._inflight: dict[str, cf.Future] = {}
         self._inflight_lock = threading.RLock()
+        self._auth_error: str | None = None
+
+    @property
+    def workers(self) -> int:
+        """Most requests in flight at once: `concurrency`, else `max_concurrency`, and with a rate limit no more
+        than can start within one `timeout` (more threads would only wait for the limiter)."""
+        if self.concurrency is not None:
+            return self.concurrency
+        workers = self.max_concurrency
+        if self.rate_limit:
+            workers = min(workers, max(1, math.ceil(self.rate_limit * self.timeout)))
+        return workers
+
+    def fatal_error(self) -> str | None:
+        return self._auth_error
 
     def __repr__(self) -> str:
         return (
             f"OpenAICritic(model={self.model!r}, base_url={_without_userinfo(self.base_url)!r}, "
             f"api_key_env={self.api_key_env!r}, "
-            f"concurrency={self.concurrency}, timeout={self.timeout}, max_retries={self.max_retries})"
+            f"concurrency={self.concurrency}, max_concurrency={self.max_concurrency}, timeout={self.timeout}, "
+            f"max_retries={self.max_retries})"
         )
 
     def __getstate__(self):
@@ -413,7 +539,9 @@ class OpenAICritic(CriticBackend):
                     api_key=self._api_key.get(), base_url=self.base_url, timeout=self.timeout, max_retries=0
                 )
             if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="critic")
+                # The executor starts a thread per queued task while it has no idle one, up to `workers`: a batch of
+                # N gets N threads (kept for the next batches), not a fixed pool that runs it in waves.
+                self._pool = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="critic")
             return self._client
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -421,7 +549,18 @@ class OpenAICritic(CriticBackend):
             jitter = 0.5 + 0.5 * self._rng.random()
         delay = min(self.backoff_max, self.backoff_base * (2**attempt)) * jitter
         if retry_after is not None:
-            delay = max(delay, min(retry_after, self.backoff_max))
+            # The server knows when it will take requests again; our own backoff cap must not cut that short
+            # (8 s against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
+            asked = retry_after
+            retry_after = min(retry_after, self.retry_after_max)
+            if asked > self.backoff_max:
+                logger.warning(
+                    "The critic server asked to retry after %.1f s%s; waiting %.1f s.",
+                    asked,
+                    f" (more than retry_after_max={self.retry_after_max:g})" if asked > self.retry_after_max else "",
+                    retry_after,
+                )
+            delay = max(delay, retry_after)
         return delay
 
     def _classify(self, exc: BaseException) -> tuple[str, float | None]:
@@ -434,24 +573,39 @@ class OpenAICritic(CriticBackend):
             return "connection_errors", None
         if isinstance(exc, openai.APIStatusError):
             status = exc.status_code
+            # A 503 may carry Retry-After too (RFC 9110); the other statuses' headers are read the same way.
+            retry_after = parse_retry_after(getattr(getattr(exc, "response", None), "headers", None))
             if status == 429:
-                retry_after = None
-                try:
-                    retry_after = float(exc.response.headers.get("retry-after", ""))
-                except (TypeError, ValueError):
-                    pass
                 return "rate_limited", retry_after
             if status >= 500 or status in (408, 409):
-                return "server_errors", None
+                return "server_errors", retry_after
             raise _NonRetryable(f"HTTP {status}") from None
         if isinstance(exc, (ValueError, KeyError, IndexError, AttributeError, TypeError)):
             return "bad_responses", None  # malformed JSON or a body without choices
         raise _NonRetryable(type(exc).__name__) from None
 
+    def _valid(self, answer: str) -> bool:
+        try:
+            return bool(self.answer_validator(answer))
+        except Exception:  # noqa: BLE001 - a validator bug must not fail the request; the answer is just not cached
+            logger.warning("The critic answer validator raised; the answer is not cached.", exc_info=True)
+            return False
+
     def _cached(self, key: str) -> str | None:
-        answer = self._memory.get(key)
+        answer = self._memory.get(key)  # only validated answers get there
         if answer is None and self._cache is not None:
-            answer = self._cache.get(key)
+            entry = self._cache.get_entry(key)
+            if entry is not None:
+                answer, version = entry
+                if version != self.validator_version:
+                    # Written (or validated) by another parser version: serve it only if this one accepts it too.
+                    if self._valid(answer):
+                        self.counters.add("cache_revalidated")
+                        self._cache.put(key, answer, self.model, self.validator_version)
+                    else:
+                        answer = None
+                if answer is not None:
+                    self._memory.put(key, answer)
         if answer is not None:
             self.counters.add("cache_hits")
             self.counters.add("successes")
@@ -461,9 +615,14 @@ class OpenAICritic(CriticBackend):
         if usage is not None:
             self.counters.add("prompt_tokens", int(getattr(usage, "prompt_tokens", 0) or 0))
             self.counters.add("completion_tokens", int(getattr(usage, "completion_tokens", 0) or 0))
-        self._memory.put(key, answer)
-        if self._cache is not None:
-            self._cache.put(key, answer, self.model)
+        # Only answers the validator accepts are kept: a cached garbage answer would be served to every later step
+        # and every restarted run, even after the server is healthy again.
+        if self._valid(answer):
+            self._memory.put(key, answer)
+            if self._cache is not None:
+                self._cache.put(key, answer, self.model, self.validator_version)
+        else:
+            self.counters.add("cache_refused")
         self.counters.add("successes")
 
     def _request(self, messages: list[dict[str, str]], timeout: float) -> tuple[str, Any]:
@@ -493,6 +652,9 @@ class OpenAICritic(CriticBackend):
         for attempt in range(self.max_retries + 1):
             if self._stop.is_set():
                 break
+            if self._auth_error is not None:  # the key was rejected: every further call would be too
+                last_error = "the server rejected the API key"
+                break
             if self._rate is not None:
                 self._rate.acquire(self._stop)
             remaining = deadline - time.monotonic()
@@ -509,6 +671,9 @@ class OpenAICritic(CriticBackend):
                 except _NonRetryable as fatal:
                     self.counters.add("client_errors")
                     last_error = f"{type(exc).__name__} ({fatal})"
+                    if getattr(exc, "status_code", None) in (401, 403):
+                        self.counters.add("auth_errors")
+                        self._auth_error = self._auth_message(exc.status_code)
                     break
                 self.counters.add(counter)
                 last_error = f"{type(exc).__name__}: {self._redact(str(exc))[:200]}"
@@ -525,6 +690,17 @@ class OpenAICritic(CriticBackend):
             return answer
         logger.warning("Critic request failed after %d attempt(s): %s", attempts, last_error)
         return None
+
+    def _auth_message(self, status: int) -> str:
+        """Why the run must stop after a 401/403: names the key's source and the server, never the key."""
+        source = f"the environment variable {self.api_key_env}" if self._key_from_env else "the api_key argument"
+        url = _without_userinfo(self.base_url) or "https://api.openai.com/v1 (OpenAI's default)"
+        what = "rejected the API key" if status == 401 else "refused the API key access to this model"
+        return (
+            f"The critic server at {url} {what} (HTTP {status}). The key is read from {source}: check that it is "
+            f"set to a valid key for that server (and critic_model={self.model!r}); critic_api_key_env names the "
+            "variable."
+        )
 
     def _guarded_ask(self, prompt: str, deadline: float) -> str | None:
         try:
@@ -561,8 +737,9 @@ class OpenAICritic(CriticBackend):
         """How long a batch of `n` prompts may take before its unanswered requests count as failed."""
         if self.batch_timeout is not None:
             return self.batch_timeout
-        one = self.timeout * (self.max_retries + 1) + self.backoff_max * self.max_retries + 5.0
-        waves = -(-n // self.concurrency) - 1  # requests queue behind the pool's `concurrency` workers
+        longest_wait = max(self.backoff_max, self.retry_after_max)  # a Retry-After can ask for up to retry_after_max
+        one = self.timeout * (self.max_retries + 1) + longest_wait * self.max_retries + 5.0
+        waves = -(-n // self.workers) - 1  # requests beyond `workers` queue behind the pool
         spacing = n / self.rate_limit if self.rate_limit else 0.0
         return one + max(waves, 0) * self.timeout + spacing
 

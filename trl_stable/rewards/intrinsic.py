@@ -23,8 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl_stable.rewards.critic_backends import CriticBackend, LexiconCritic, OpenAICritic, TransformersCritic
-from trl_stable.rewards.critic_parsing import continuation_header, parse_critic_answer
+from trl_stable.rewards.critic_backends import (
+    COUNTER_NAMES,
+    CriticBackend,
+    LexiconCritic,
+    OpenAICritic,
+    TransformersCritic,
+)
+from trl_stable.rewards.critic_parsing import PARSER_VERSION, continuation_header, parse_critic_answer
 from trl_stable.rewards.span_alignment import (
     MATCHED,
     PARTIAL,
@@ -182,7 +188,24 @@ class CriticRewardConfig:
         default="OPENAI_API_KEY",
         metadata={"help": "Environment variable holding the critic API key (the key itself is never stored)."},
     )
-    critic_concurrency: int = field(default=32, metadata={"help": "Critic requests in flight at once (openai)."})
+    critic_concurrency: int | None = field(
+        default=None,
+        metadata={
+            "help": "Critic requests in flight at once (openai); None: every request of a batch at once (a batch "
+            "costs about one server latency), up to critic_max_concurrency."
+        },
+    )
+    critic_max_concurrency: int = field(
+        default=256,
+        metadata={"help": "Most critic requests in flight at once when critic_concurrency is None (openai)."},
+    )
+    critic_retry_after_max: float = field(
+        default=60.0,
+        metadata={
+            "help": "Longest wait, in seconds, a critic server's Retry-After / retry-after-ms may ask for before a "
+            "retry (openai); longer requests are cut to it, and a wait above the backoff cap (8 s) is logged."
+        },
+    )
     critic_cache_dir: str | None = field(
         default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
     )
@@ -239,9 +262,17 @@ class CriticRewardConfig:
             )
         if math.isnan(self.intrinsic_reward_threshold):
             raise ValueError("intrinsic_reward_threshold is NaN; use a number (inf critiques every completion).")
-        for name in ("critic_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps"):
+        if self.critic_concurrency is not None and self.critic_concurrency < 1:
+            raise ValueError(
+                f"critic_concurrency must be >= 1 or None (sized to the batch), got {self.critic_concurrency}."
+            )
+        for name in (
+            "critic_max_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.critic_retry_after_max >= 0:
+            raise ValueError(f"critic_retry_after_max must be >= 0 seconds, got {self.critic_retry_after_max}.")
         if not self.critic_temperature >= 0:
             raise ValueError(f"critic_temperature must be >= 0, got {self.critic_temperature}.")
         if self.critic_timeout <= 0:
@@ -295,6 +326,8 @@ def build_critic_backend(config: CriticRewardConfig, model: Any = None, tokenize
             temperature=config.critic_temperature,
             max_tokens=config.critic_max_tokens,
             concurrency=config.critic_concurrency,
+            max_concurrency=config.critic_max_concurrency,
+            retry_after_max=config.critic_retry_after_max,
             timeout=config.critic_timeout,
             max_retries=config.critic_max_retries,
             rate_limit=config.critic_rate_limit,
@@ -327,7 +360,8 @@ def _is_nan(x: Any) -> bool:
 
 
 class CriticFailureError(RuntimeError):
-    """Every critic request failed for `max_consecutive_failing_steps` consecutive steps."""
+    """Every critic request failed (or gave an unparseable answer) for `max_consecutive_failing_steps` consecutive
+    steps, or the critic server rejected the API key (at the first step)."""
 
 
 _STEP_COUNTERS = (
@@ -356,8 +390,12 @@ _STATUS_COUNTER = {
     MATCHED: "spans_matched", PARTIAL: "spans_partial", QUERY_ONLY: "spans_query_only", UNMATCHED: "spans_unmatched",
 }  # fmt: skip
 
-_LOGGED_BACKEND_COUNTERS = (
-    "requests", "failures", "retries", "cache_hits", "timeouts", "rate_limited", "prompt_tokens", "completion_tokens",
+# Every backend counter is logged per step (``critic/step_<name>``), so a failing critic shows in the training logs.
+_LOGGED_BACKEND_COUNTERS = COUNTER_NAMES
+# The request failures by kind, for the error message of a failing run.
+_FAILURE_KINDS = (
+    "timeouts", "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors",
+    "deadline_exceeded",
 )  # fmt: skip
 
 
@@ -412,6 +450,12 @@ class CriticIntrinsicReward:
         if backend is None and config.use_intrinsic_reward:
             backend = build_critic_backend(config, critic_model, critic_tokenizer or tokenizer)
         self.backend = backend
+        if backend is not None and hasattr(backend, "set_answer_validator"):
+            # Cache only answers that parse (with this template's continuation header): garbage is asked again.
+            header = self.answer_header
+            backend.set_answer_validator(
+                lambda answer: parse_critic_answer(answer, continues=header).ok, f"critic_parsing/{PARSER_VERSION}"
+            )
         self._counts = dict.fromkeys(_STEP_COUNTERS, 0)
         self._last: dict[str, float] = {}
         self.consecutive_failing_steps = 0
@@ -523,9 +567,13 @@ class CriticIntrinsicReward:
                 "with a header the parser was not told about (critic/answers_with_ignored_text).",
                 step["answers_with_ignored_text"],
             )
-        if selected:  # a step that critiques nothing says nothing about the critic
-            self._track_failing_steps(step["failed_answers"] == len(selected))
         self._record(step, time.monotonic() - t0, before, kwargs.get("log_metric"))
+        fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
+        if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
+            raise CriticFailureError(fatal)
+        if selected:  # a step that critiques nothing says nothing about the critic
+            # An unparseable answer is as useless as no answer: a critic that only answers garbage must stop the run.
+            self._track_failing_steps(step["failed_answers"] + step["unparseable"] == len(selected), step)
         return rows
 
     def _row(
@@ -566,32 +614,58 @@ class CriticIntrinsicReward:
         step["tokens_rewarded"] += sum(v != 0.0 for v in row)
         return row
 
-    def _track_failing_steps(self, all_failed: bool) -> None:
-        """Count consecutive steps in which every request failed; raise `CriticFailureError` at the limit."""
+    def _track_failing_steps(self, all_failed: bool, step: dict | None = None) -> None:
+        """Count consecutive steps in which no critique was usable (every request failed or its answer did not
+        parse); raise `CriticFailureError` at the limit, saying what failed in the last step."""
         if not all_failed:
             self.consecutive_failing_steps = 0
             return
         self.consecutive_failing_steps += 1
+        what = self._failure_summary(step)
         if self.consecutive_failing_steps >= self.config.max_consecutive_failing_steps:
+            hint = (
+                "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "
+                "critic_max_tokens (a cut-off answer does not parse)."
+                if step is not None and step["unparseable"] and not step["failed_answers"]
+                else "Check critic_base_url / critic_model and that the server is up."
+            )
             raise CriticFailureError(
-                f"The {self.backend.name} critic failed every request for {self.consecutive_failing_steps} "
-                "consecutive steps (see the critic/* failure counters: timeouts, rate_limited, server_errors, "
-                "connection_errors). Check critic_base_url / critic_model and that the server is up, or raise "
-                "max_consecutive_failing_steps."
+                f"The {self.backend.name} critic gave no usable critique for {self.consecutive_failing_steps} "
+                f"consecutive steps (last step: {what}). {hint} Or raise max_consecutive_failing_steps."
             )
         logger.warning(
-            "Every critic request failed this step (%d/%d consecutive); intrinsic rewards are zero.",
+            "No usable critique this step (%s; %d/%d consecutive); intrinsic rewards are zero.",
+            what,
             self.consecutive_failing_steps,
             self.config.max_consecutive_failing_steps,
         )
+
+    def _failure_summary(self, step: dict | None) -> str:
+        """The last step's failures by kind, e.g. "2 failed requests (timeouts 3, server_errors 1), 1 unparseable"."""
+        if step is None:
+            return "every request failed"
+        kinds = ", ".join(
+            f"{k} {int(self._last.get(f'critic/step_{k}', 0))}"
+            for k in _FAILURE_KINDS
+            if self._last.get(f"critic/step_{k}", 0)
+        )
+        parts = []
+        if step["failed_answers"]:
+            parts.append(f"{step['failed_answers']} failed requests" + (f" ({kinds})" if kinds else ""))
+        if step["unparseable"]:
+            parts.append(f"{step['unparseable']} unparseable answers")
+        return ", ".join(parts) or "no usable answer"
 
     def _record(self, step: dict, seconds: float, before: dict[str, int], log_metric: Any) -> None:
         """Add `step` to the cumulative counts, keep the step's ratios, and hand them to TRL's `log_metric` hook."""
         for k, v in step.items():
             self._counts[k] += v
+        critiqued = max(step["critiqued"], 1)
         self._last = {
             "critic/critiqued_fraction": step["critiqued"] / max(step["samples"], 1),
-            "critic/failed_fraction": step["failed_answers"] / max(step["critiqued"], 1),
+            # Critiqued samples that got no intrinsic reward: a failed request or an answer that did not parse.
+            "critic/failed_fraction": (step["failed_answers"] + step["unparseable"]) / critiqued,
+            "critic/request_failed_fraction": step["failed_answers"] / critiqued,
             "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
             "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
             "critic/unparseable_fraction": step["unparseable"] / max(step["answers"], 1),
@@ -603,6 +677,9 @@ class CriticIntrinsicReward:
         after = self.backend.counters.snapshot()
         for name in _LOGGED_BACKEND_COUNTERS:
             self._last[f"critic/step_{name}"] = after.get(name, 0) - before.get(name, 0)
+        for name in _STEP_COUNTERS:  # this step's own counts (answers, failed_answers, unparseable, spans, ...)
+            if name != "steps":
+                self._last[f"critic/step_{name}"] = step[name]
         if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
             for name, value in self._last.items():
                 log_metric(name, float(value))
