@@ -40,6 +40,7 @@ class Action:
     retry_after: float | None = None
     match: str | None = None
     headers: dict | None = None
+    label: str | None = None  # the name `served` counts it under (default: its kind)
 
 
 def reply(text: str | None, delay: float = 0.0, match: str | None = None) -> Action:
@@ -135,7 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
             state.seen[prompt] = k + 1
             if action is None and state.fault is not None:
                 action = state.fault(prompt, k)
-            kind = "reply" if action is None else action.kind
+            kind = "reply" if action is None else action.label or action.kind
             kind = f"status_{action.code}" if kind == "status" else kind
             state.served[kind] = state.served.get(kind, 0) + 1
         try:
