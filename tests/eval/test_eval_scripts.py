@@ -114,17 +114,26 @@ def test_perspective_scorer_threads_rate_limit_retries_and_hides_key(perspective
     url, handler = perspective_server
     handler.script = [429, 500]  # two transient failures, then answers
     scorer = PerspectiveScorer(api_key="sk-SECRET", rate=20.0, num_threads=4, url=url, backoff=0.01)
+    slots = []  # the limiter's start slots, in the order it handed them out
+    real_acquire = scorer.limiter.acquire
+
+    def acquire(*args, **kwargs):
+        slot = real_acquire(*args, **kwargs)
+        slots.append(slot)
+        return slot
+
+    scorer.limiter.acquire = acquire
     scores = scorer(["you idiot", "hello there", "nice day", "what an idiot"])
     assert scores == [0.9, 0.1, 0.1, 0.9]
     assert scorer.retries == 2 and scorer.failures == 0 and scorer.requests == 6
     assert all(key == "sk-SECRET" and "SECRET" not in path for _, path, key, _ in handler.calls)
     assert "SECRET" not in repr(scorer)
-    starts = sorted(t for t, *_ in handler.calls)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    # never faster than the rate limit, though 4 threads were ready (unlimited, they would arrive together); the
-    # server's clock adds scheduling jitter to each gap, so the per-gap bound is loose and the span is checked tightly
-    assert starts[-1] - starts[0] >= (len(starts) - 1) / 20 - 0.01
-    assert min(gaps) >= 1 / 20 - 0.025
+    # every request, retries included, took a slot from the rate limiter, and the slots are 1/20 s apart although 4
+    # threads were ready (the limiter's own timing is tested in tests/rewards/test_rate_limiter.py); the slots are
+    # read from the limiter, not from the server's clock, so machine load cannot move them
+    assert len(slots) == scorer.requests == 6
+    gaps = [b - a for a, b in zip(sorted(slots), sorted(slots)[1:])]
+    assert min(gaps) >= 1 / 20 - 1e-9
 
 
 def test_perspective_failure_scores_none_and_eval_skips_it(perspective_server, tmp_path, monkeypatch):

@@ -199,8 +199,9 @@ class RateLimiter:
         self._lock = threading.Lock()
         self._next = 0.0
 
-    def acquire(self, stop: threading.Event | None = None) -> None:
-        """Block until this caller's slot; a set `stop` event ends the wait early (e.g. on close)."""
+    def acquire(self, stop: threading.Event | None = None) -> float:
+        """Block until this caller's slot and return it (a `time.monotonic` time); a set `stop` event ends the wait
+        early (e.g. on close)."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)
@@ -210,6 +211,7 @@ class RateLimiter:
                 time.sleep(start - now)
             else:
                 stop.wait(start - now)
+        return start
 
 
 class _MemoryCache:
