@@ -41,6 +41,7 @@ __all__ = [
     "Mirrored",
     "PPO_MEMBERS",
     "call_reward_func",
+    "flush_reward_logs",
     "forward_kwargs",
     "is_reference_pass",
     "log_metric",
@@ -149,6 +150,20 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         "_logs",
         "attribute",
         returns='dict with an "advantages" list: the completions table\'s advantage column',
+        used_in=("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        _GRPO,
+        "_pending_metrics",
+        "attribute",
+        returns="defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
+        used_in=("trl_stable/trl_internals.py",),
+    ),
+    Member(
+        _GRPO,
+        "_pending_extra_logs",
+        "attribute",
+        returns="dict of columns reward functions logged with `log_extra`, flushed after the rewards",
         used_in=("trl_stable/trl_internals.py",),
     ),
     Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_TRAINER_PY),
@@ -343,6 +358,19 @@ MIRRORED: tuple[Mirrored, ...] = (
         ("asyncio.run_coroutine_threadsafe(_run_async_funcs(), self.async_loop).result()",),
     ),
     Mirrored(
+        "trl_stable.trl_internals.flush_reward_logs",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "for column in sorted(set(gather_object(list(self._pending_extra_logs)))):",
+            "values = self._pending_extra_logs.get(column, [None] * len(prompts))",
+            'self._logs["extra"][column].extend(gather_object(values))',
+            "for name in sorted(set(gather_object(list(self._pending_metrics)))):",
+            "local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)",
+            "total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()",
+            "self._metrics[mode][name].append(total / count)",
+        ),
+    ),
+    Mirrored(
         "trl_stable.rewards.dense.weighted_reward_sum",
         "trl.GRPOTrainer._generate_and_score_completions",
         (
@@ -381,6 +409,29 @@ def train_mode(trainer: Any) -> str:
 def log_metric(trainer: Any, name: str, value: float) -> None:
     """Append a scalar to TRL's metric buffer (`_metrics[mode]`); TRL averages and logs it at the next `log`."""
     trainer._metrics[train_mode(trainer)][name].append(float(value))
+
+
+def flush_reward_logs(trainer: Any, num_local: int) -> None:
+    """Flush what reward functions logged through ``log_extra`` / ``log_metric`` since TRL's own flush, as TRL does
+    right after `_calculate_rewards` (columns gathered, metrics averaged over processes). A collective: every process
+    calls it. GRPO calls it after the dense reward functions it collects later than TRL's flush.
+
+    Args:
+        num_local: Completions on this process (the length of a column no function logged here).
+    """
+    from accelerate.utils import gather_object
+
+    for column in sorted(set(gather_object(list(trainer._pending_extra_logs)))):
+        values = trainer._pending_extra_logs.get(column, [None] * num_local)
+        trainer._logs["extra"][column].extend(gather_object(values))
+    trainer._pending_extra_logs.clear()
+    mode = train_mode(trainer)
+    for name in sorted(set(gather_object(list(trainer._pending_metrics)))):
+        values = trainer._pending_metrics.get(name, [])
+        local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=trainer.accelerator.device)
+        total, count = trainer.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+        trainer._metrics[mode][name].append(total / count)
+    trainer._pending_metrics.clear()
 
 
 def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None:

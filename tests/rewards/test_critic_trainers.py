@@ -100,9 +100,10 @@ def test_grpo_trains_with_intrinsic_reward(backend_env, tokenizer, tmp_path):
         dense_seen = []
 
         def _postprocess_generation(self, output, record):
+            out = super()._postprocess_generation(output, record)  # collects the prefetched dense rewards
             if record.dense_rewards is not None:
                 self.dense_seen.append(record.dense_rewards.clone())
-            return super()._postprocess_generation(output, record)
+            return out
 
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,

@@ -33,9 +33,11 @@ class SpyTrainer(GRPOTrainer):
 
     def _postprocess_generation(self, output, record):
         self.spy_rewards = record.rewards_per_func.clone()
-        self.spy_dense = None if record.dense_rewards is None else record.dense_rewards.clone()
         self.spy_before = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
-        return super()._postprocess_generation(output, record)
+        out = super()._postprocess_generation(output, record)
+        # the dense rewards are collected inside _postprocess_generation (prefetched in _calculate_rewards)
+        self.spy_dense = None if record.dense_rewards is None else record.dense_rewards.clone()
+        return out
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)

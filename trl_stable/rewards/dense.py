@@ -12,6 +12,19 @@ Both trainers call dense functions *after* the sequence-level ones and pass ``en
 weighted sum of the sequence-level rewards (so a critic can, e.g., only critique samples whose environment reward is
 low).
 
+**Prefetch (optional).** Answers that take long to come back (an LLM critic behind an API) can overlap the trainer's
+own work. A dense function MAY have a method
+
+    def prefetch(self, prompts, completions, completion_ids, env_rewards=None, **kwargs) -> None: ...
+
+that starts the work and returns at once. Both trainers call it, with keyword arguments, right after the
+sequence-level rewards (so ``env_rewards`` is final) and with the same arguments as the later call; they call the
+function itself only when the token rewards are needed, after their rollout forward passes (PPO: policy, value and
+reference; GRPO: after TRL's scoring round, see `trl_stable.trainers.grpo`). The call must return what it would have
+returned without the prefetch: the prefetch changes when the work is done, never the numbers. Functions without
+`prefetch` are simply called at that later point. `CriticIntrinsicReward.prefetch` sends the critic requests; the
+later call joins them.
+
 The one rule for what a value means, in both trainers:
 
 | value | sequence reward (one per completion) | dense reward (one per token) |
@@ -50,13 +63,16 @@ DENSE_ATTR = "dense"
 
 __all__ = [
     "DenseRewards",
+    "PendingDenseRewards",
     "RewardContractError",
     "check_finite_rewards",
     "collect_dense_rewards",
     "dense_reward",
     "is_dense_reward",
+    "has_prefetch",
     "raise_on_every_process",
     "sequence_reward_values",
+    "start_dense_rewards",
     "validate_dense_rewards",
     "weighted_reward_sum",
 ]
@@ -94,6 +110,11 @@ def dense_reward(func: Callable[..., Any]) -> Callable[..., Any]:
 def is_dense_reward(func: Any) -> bool:
     """Whether `func` was declared a dense reward function (with `dense_reward` or ``func.dense = True``)."""
     return bool(getattr(func, DENSE_ATTR, False))
+
+
+def has_prefetch(func: Any) -> bool:
+    """Whether dense reward function `func` can start its work early (a callable ``prefetch`` attribute)."""
+    return callable(getattr(func, "prefetch", None))
 
 
 def _as_float(value: Any, name: str, where: str) -> float:
@@ -256,3 +277,48 @@ def collect_dense_rewards(
         metrics[f"rewards/{name}/token_mean"] = sum(sums) / num_tokens
         metrics[f"rewards/{name}/sum_mean"] = sum(sums) / max(len(sums), 1)
     return DenseRewards(total, metrics)
+
+
+@dataclass
+class PendingDenseRewards:
+    """A batch's dense rewards whose functions were prefetched but not yet called; `collect` calls them.
+
+    Built by `start_dense_rewards`; the trainer keeps it across its forward passes and collects when the token
+    rewards are needed. `collect` is idempotent (the functions are called once).
+    """
+
+    funcs: Sequence[Callable[..., Any]]
+    names: Sequence[str]
+    weights: Sequence[float]
+    completion_lengths: Sequence[int]
+    call: Callable[[Callable[..., Any]], Any]
+    _result: DenseRewards | None = field(default=None, repr=False)
+
+    def collect(self) -> DenseRewards:
+        """Call every dense function (joining what its `prefetch` started) and sum the rows under the contract."""
+        if self._result is None:
+            self._result = collect_dense_rewards(
+                self.funcs, self.names, self.weights, self.completion_lengths, self.call
+            )
+        return self._result
+
+
+def start_dense_rewards(
+    funcs: Sequence[Callable[..., Any]],
+    names: Sequence[str],
+    weights: Sequence[float],
+    completion_lengths: Sequence[int],
+    call: Callable[[Callable[..., Any]], Any],
+    prefetch: Callable[[Callable[..., Any]], Any],
+) -> PendingDenseRewards:
+    """Prefetch every dense function that has a `prefetch` (through the trainer's `prefetch(func)`, which passes the
+    same arguments as `call(func)` will) and return the pending rewards, to `collect` later.
+
+    Args:
+        funcs, names, weights, completion_lengths, call: As for `collect_dense_rewards`.
+        prefetch: Invokes ``func.prefetch`` on the batch; its return value is ignored.
+    """
+    for func in funcs:
+        if has_prefetch(func):
+            prefetch(func)
+    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call)

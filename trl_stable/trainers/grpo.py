@@ -12,9 +12,12 @@ Data flow of one generation batch (`_generate_and_score_completions`):
      recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`); R3 records
      the sampler's routing into the record;
    - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it);
-   - `_calculate_rewards`: TRL's sequence-level rewards, then the dense reward functions; both into the record.
+   - `_calculate_rewards`: TRL's sequence-level rewards into the record; the dense reward functions are prefetched
+     (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. In TRL 1.16 this runs
+     after TRL's old-logprob and reference passes, so the critic overlaps what follows it, not those passes.
 2. `_postprocess_generation(output, record)`: routing into the batch, advantages (TRL's, or a registered estimator
-   of `trl_stable.core.estimators`), NaN-reward drop, dynamic sampling, step masks, dense advantages.
+   of `trl_stable.core.estimators`), NaN-reward drop, dynamic sampling, step masks, then the dense rewards are
+   collected (the prefetched requests joined) and the dense advantages added.
 3. Dynamic sampling refills (more rounds of 1-2), then `_apply_decoupled_loss` on the final batch (proximal
    log-probs via `_compute_proximal_logps`, behaviour weight, IcePop / KPop).
 4. TRL's `_compute_loss`, unchanged, inside the routing hook's `update_pass`: the decoupled term reaches it folded
@@ -57,11 +60,12 @@ from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
+    PendingDenseRewards,
     RewardContractError,
     check_finite_rewards,
-    collect_dense_rewards,
     is_dense_reward,
     raise_on_every_process,
+    start_dense_rewards,
     weighted_reward_sum,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
@@ -69,6 +73,7 @@ from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
+    flush_reward_logs,
     forward_kwargs,
     is_reference_pass,
     log_metric,
@@ -416,12 +421,15 @@ class RolloutRecord:
 
     Attributes:
         rewards_per_func: [N_global, K] sequence rewards (`_calculate_rewards`).
-        dense_rewards: [B, T_max] weighted dense rewards of the local completions, or None.
+        pending_dense: The dense reward functions of this call, prefetched in `_calculate_rewards` and collected in
+            `_postprocess_generation`, or None.
+        dense_rewards: [B, T_max] weighted dense rewards of the local completions once collected, or None.
         sampled_routing: R3: per-sequence sampler routing ([p_i + c_i, layers, k]) from HF generate or a rollout_func.
         routing: The batch's routing in trainer layout ([B, P + T, layers, k]) once a rollout pass has run.
     """
 
     rewards_per_func: torch.Tensor | None = None
+    pending_dense: PendingDenseRewards | None = None
     dense_rewards: torch.Tensor | None = None
     sampled_routing: list[torch.Tensor] | None = None
     routing: torch.Tensor | None = None
@@ -645,7 +653,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             if self.dense_reward_funcs:
                 error = None
                 try:  # on this process's completions only: a broken answer must stop every process at once
-                    self._rollout.dense_rewards = self._calculate_dense_rewards(
+                    self._rollout.pending_dense = self._start_dense_rewards(
                         inputs, prompts, completions, completion_ids_list, rewards_per_func
                     )
                 except RewardContractError as err:
@@ -653,8 +661,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 raise_on_every_process(error, self._count_processes)
         return rewards_per_func
 
-    def _calculate_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
-        """Call the dense reward functions; returns their weighted sum [B, T_max] on the local completions."""
+    def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
+        """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
         num_local = len(prompts)
         start = self.accelerator.process_index * num_local
         user = rewards_per_func[start : start + num_local, : self._num_user_reward_funcs]
@@ -662,13 +670,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         kwargs = reward_kwargs(self, inputs)
         kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
         kwargs["env_rewards"] = env_rewards.tolist()
-        dense = collect_dense_rewards(
+        loop = getattr(self, "async_loop", None)
+        return start_dense_rewards(
             self.dense_reward_funcs,
             self.dense_reward_func_names,
             self.dense_reward_weights.tolist(),
             [len(ids) for ids in completion_ids_list],
-            call=lambda func: call_reward_func(func, getattr(self, "async_loop", None), **kwargs),
+            call=lambda func: call_reward_func(func, loop, **kwargs),
+            prefetch=lambda func: call_reward_func(func.prefetch, loop, **kwargs),  # the call's own arguments
         )
+
+    def _collect_dense_rewards(self, pending: PendingDenseRewards) -> torch.Tensor:
+        """Call the prefetched dense reward functions; their weighted sum [B, T_max] on the local completions.
+
+        Every process calls this together (the dense functions are a trainer setting): a contract error seen by one
+        process stops all, and what the functions logged with ``log_metric`` / ``log_extra`` after TRL's own flush is
+        flushed the same way, so it is logged with this step.
+        """
+        error = dense = None
+        try:
+            dense = pending.collect()
+        except RewardContractError as err:
+            error = err
+        raise_on_every_process(error, self._count_processes)
+        flush_reward_logs(self, len(pending.completion_lengths))
         for name, value in dense.metrics.items():
             self._log(name, value)
         return dense.as_tensor(device=self.accelerator.device)
@@ -742,6 +767,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.step_masker is not None:  # a config option, so every process takes this branch together
             self._apply_step_mask(output)
 
+        if record.pending_dense is not None:
+            # collected only now, after TRL's scoring round: prefetched critic requests had that long to answer
+            record.dense_rewards = self._collect_dense_rewards(record.pending_dense)
         if record.dense_rewards is not None:
             dense = record.dense_rewards
             width = output["completion_ids"].size(1)

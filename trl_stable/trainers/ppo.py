@@ -337,7 +337,9 @@ class PPOTrainer(PPOPlumbing):
         self,
         queries: list[torch.Tensor],
         responses: list[torch.Tensor] | Rollout,
-        token_rewards: list[torch.Tensor | Sequence[float]] | None = None,
+        token_rewards: list[torch.Tensor | Sequence[float]]
+        | Callable[[], list[torch.Tensor | Sequence[float]] | None]
+        | None = None,
         scores: list[float] | torch.Tensor | None = None,
         turn_ids: list[torch.Tensor | Sequence[int]] | None = None,
         sampler_logprobs: list[torch.Tensor] | None = None,
@@ -351,6 +353,9 @@ class PPOTrainer(PPOPlumbing):
                 (it carries the sampler's log-probs and routing), or plain tensors.
             token_rewards: Per-token rewards, one list/tensor per sample with exactly ``len(responses[i])`` entries
                 (dense rewards; RELC puts the environment score on the last token itself). Optional if `scores`.
+                Or a zero-argument callable returning them (or None): deferred token rewards, resolved after the
+                rollout pass, so slow rewards (an LLM critic whose requests were sent before `step`) overlap the
+                policy / value / reference forwards. `train()` passes its dense reward functions this way.
             scores: One sequence-level score per sample, added on the last response token after optional
                 score scaling/normalisation/clipping (`use_score_scaling`, `use_score_norm`, `score_clip`).
             turn_ids: Multi-turn agents: per sample, one id per response token, the assistant turn index (0, 1, ...,
@@ -359,7 +364,8 @@ class PPOTrainer(PPOPlumbing):
                 no loss, and the score goes on the last assistant token.
             sampler_logprobs: With `use_decoupled_loss`, the sampler's log-prob of each response token. None: taken
                 from `responses` when it is a `Rollout`.
-            extra_logs: Merged into the step's logs (e.g. reward metrics).
+            extra_logs: Merged into the step's logs (e.g. reward metrics); read after deferred `token_rewards` are
+                resolved, so they may add to it.
 
         The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
         reward-function output: a NaN `token_rewards` entry or score marks a sample without a reward, which is dropped
@@ -370,16 +376,30 @@ class PPOTrainer(PPOPlumbing):
             The step's statistics (objective/kl, loss/policy, loss/value, policy/clipfrac, ...).
         """
         sampler_logprobs, routing = self._sampler_record(queries, responses, sampler_logprobs)
-        self._check_step_inputs(queries, responses, token_rewards, scores, turn_ids, sampler_logprobs)
+        deferred = token_rewards if callable(token_rewards) else None
+        self._check_step_inputs(
+            queries, responses, None if deferred else token_rewards, scores, turn_ids, sampler_logprobs, deferred
+        )
         args = self.args
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
         step_start = time.time()
 
         batch = self.make_batch(queries, responses, turn_ids, routing)
-        batch, reward_logs = self._drop_broken_rewards(batch, token_rewards, scores)
         self.model_wrapped.eval()
+        # The forwards first: they read ids and masks only, never the rewards, so deferred rewards (a critic's
+        # requests in flight) are waited for after them.
         batch, rollout_logs = self.rollout_pass(batch)
+        if deferred is not None:
+            token_rewards = self._resolve_token_rewards(deferred, responses)
+            if token_rewards is None and scores is None:
+                raise ValueError("step()'s deferred token_rewards returned None and no `scores` were given.")
+        batch, reward_logs = self._drop_broken_rewards(batch, token_rewards, scores)
+        if self.step_masker is not None and not bool(batch["valid"].all()):
+            # The step mask and its counts cover the samples that are trained on: redo them without the samples the
+            # reward check just dropped (the step computed them after that check before the forwards moved first).
+            rollout_logs = {k: v for k, v in rollout_logs.items() if not k.startswith("step_mask/")}
+            rollout_logs.update(self._apply_step_keep(batch))
         batch, advantage_logs = self.compute_advantages(batch)
         behaviour_logs = self._behaviour_weights(batch, sampler_logprobs) if args.use_decoupled_loss else {}
         self.model_wrapped.train()
@@ -431,7 +451,33 @@ class PPOTrainer(PPOPlumbing):
                     )
         return sampler_logprobs, routing
 
-    def _check_step_inputs(self, queries, responses, token_rewards, scores, turn_ids=None, sampler_logprobs=None):
+    def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
+        """Call deferred token rewards; a contract error (seen by this process only) stops every process."""
+        error = rows = None
+        try:
+            rows = deferred()
+        except RewardContractError as err:
+            error = err
+        raise_on_every_process(error, self._count_processes)
+        if rows is not None:
+            self._check_token_rewards(rows, responses)
+        return rows
+
+    def _check_token_rewards(self, token_rewards, responses) -> None:
+        if len(token_rewards) != len(responses):
+            raise ValueError(
+                f"step() got {len(token_rewards)} token_rewards for {len(responses)} responses; pass one per sample."
+            )
+        for i, (rows, r) in enumerate(zip(token_rewards, responses)):
+            if len(rows) != len(r):
+                raise ValueError(
+                    f"token_rewards[{i}] has {len(rows)} entries but responses[{i}] has {len(r)} tokens; "
+                    "give one reward per response token."
+                )
+
+    def _check_step_inputs(
+        self, queries, responses, token_rewards, scores, turn_ids=None, sampler_logprobs=None, deferred=None
+    ):
         n = len(queries)
         lengths = {"queries": n, "responses": len(responses)}
         for name, value in (
@@ -446,7 +492,7 @@ class PPOTrainer(PPOPlumbing):
             raise ValueError(f"step() got lists of different lengths: {lengths}; pass one entry per sample.")
         if n != self.args.batch_size:
             raise ValueError(f"step() got {n} samples but args.batch_size is {self.args.batch_size}.")
-        if token_rewards is None and scores is None:
+        if token_rewards is None and scores is None and deferred is None:
             raise ValueError("step() needs `token_rewards`, `scores` or both.")
         for i, (q, r) in enumerate(zip(queries, responses)):
             if not isinstance(q, torch.Tensor) or not isinstance(r, torch.Tensor) or q.dim() != 1 or r.dim() != 1:
@@ -592,14 +638,30 @@ class PPOTrainer(PPOPlumbing):
         with policy.disable_adapter():
             return policy(**kwargs).logits[:, :resp_width]
 
-    @torch.no_grad()
     def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Log-probs and values of the rollout policy, reference log-probs and the per-token KL, under no grad.
 
         Runs in chunks of `mini_batch_size`; returns a copy of `batch` with `old_logprobs`, `ref_logprobs`, `values`,
         `bootstrap_values`, `kl` and `entropy` ([B, R] / [B]) and, for R2 routing replay, the routing this pass
-        took; and the routing metrics.
+        took; with a step masker, `step_keep` (from the batch's response mask); and the routing (and step-mask)
+        metrics.
         """
+        result, logs = self._rollout_forward(batch)
+        logs.update(self._apply_step_keep(result))
+        return result, logs
+
+    def _apply_step_keep(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics."""
+        if self.step_masker is None:
+            return {}
+        batch["step_keep"] = self.step_masker.keep_mask(
+            batch["response_ids"], batch["response_mask"], self.processing_class
+        )
+        return self.step_masker.stats()
+
+    @torch.no_grad()
+    def _rollout_forward(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The forwards of `rollout_pass` (everything but the step mask) and the routing metrics."""
         args = self.args
         out: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
@@ -630,14 +692,7 @@ class PPOTrainer(PPOPlumbing):
         result = {**batch, **{k: torch.cat(v) for k, v in out.items()}}
         if recorded:
             result[ROUTED_EXPERTS_KEY] = torch.cat(recorded)
-        if self.step_masker is not None:
-            result["step_keep"] = self.step_masker.keep_mask(
-                result["response_ids"], result["response_mask"], self.processing_class
-            )
-        logs = self.routing.take_metrics("routing/rollout_")
-        if self.step_masker is not None:
-            logs.update(self.step_masker.stats())
-        return result, logs
+        return result, self.routing.take_metrics("routing/rollout_")
 
     # ------------------------------------------------------------------ 3. rewards and advantages
     def _lambda(self, lengths: torch.Tensor) -> float | torch.Tensor:
@@ -944,9 +999,9 @@ class PPOTrainer(PPOPlumbing):
             ]
             prompts, queries = self._prompt_ids(rows)
             responses = self.generate(queries, return_prompt=False)
-            error = None
-            try:
-                rewards = self.rewards(rows, prompts, responses, self.state)
+            error = pending = None
+            try:  # sequence rewards now; dense functions prefetched, called by step() after its forwards
+                pending = self.rewards.start(rows, prompts, responses, self.state)
             except RewardContractError as err:  # seen by this process only: every process must stop with it
                 error = err
             raise_on_every_process(error, self._count_processes)
@@ -954,10 +1009,11 @@ class PPOTrainer(PPOPlumbing):
             stats = self.step(
                 queries,
                 responses,
-                token_rewards=rewards.dense.rows if rewards.dense is not None else None,
-                scores=rewards.scores,
-                extra_logs=rewards.metrics,
+                token_rewards=pending.token_rewards if pending.has_dense else None,
+                scores=pending.scores,
+                extra_logs=pending.metrics,  # the dense metrics join it when step() collects them
             )
+            rewards = pending.result()
             losses.append(stats.get("loss/total", 0.0))
             if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
                 self._log_completions(prompts, responses, rewards)

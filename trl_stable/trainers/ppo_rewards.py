@@ -17,14 +17,15 @@ from trl.trainer.utils import get_callable_name
 
 from trl_stable.rewards.dense import (
     DenseRewards,
-    collect_dense_rewards,
+    PendingDenseRewards,
     is_dense_reward,
     sequence_reward_values,
+    start_dense_rewards,
     weighted_reward_sum,
 )
 from trl_stable.trl_internals import call_reward_func, model_name_of, reward_event_loop
 
-__all__ = ["BatchRewards", "RewardFunctions"]
+__all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
 
 
 @dataclass
@@ -35,6 +36,44 @@ class BatchRewards:
     scores: torch.Tensor | None
     dense: DenseRewards | None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class PendingRewards:
+    """A batch's rewards with the sequence-level part computed and the dense functions prefetched, not yet called.
+
+    `PPOTrainer.train` hands `token_rewards` to `step` as its deferred token rewards, so the dense functions are
+    called after the rollout pass and the critic's latency hides behind the policy / value / reference forwards.
+
+    Attributes:
+        scores: As in `BatchRewards`.
+        metrics: The batch's reward metrics; the dense metrics are added to this same dict when the dense rewards
+            are collected (so a `step(extra_logs=pending.metrics)` logs them).
+    """
+
+    def __init__(self, scores: torch.Tensor | None, dense: PendingDenseRewards | None, metrics: dict[str, float]):
+        self.scores = scores
+        self.metrics = metrics
+        self._dense = dense
+        self._result: BatchRewards | None = None
+
+    @property
+    def has_dense(self) -> bool:
+        return self._dense is not None
+
+    def result(self) -> BatchRewards:
+        """Collect the dense rewards (once) and return the batch's rewards."""
+        if self._result is None:
+            dense = None
+            if self._dense is not None:
+                dense = self._dense.collect()
+                self.metrics.update(dense.metrics)
+            self._result = BatchRewards(self.scores, dense, self.metrics)
+        return self._result
+
+    def token_rewards(self) -> list[list[float]] | None:
+        """The per-token dense rows for `step` (None without dense functions); collects them."""
+        dense = self.result().dense
+        return dense.rows if dense is not None else None
 
 
 class RewardFunctions:
@@ -118,6 +157,13 @@ class RewardFunctions:
         self, rows: list[dict], prompts: list[Any], responses: list[torch.Tensor], trainer_state: Any
     ) -> BatchRewards:
         """Score one batch: sequence-level functions first, then the dense ones with ``env_rewards``."""
+        return self.start(rows, prompts, responses, trainer_state).result()
+
+    def start(
+        self, rows: list[dict], prompts: list[Any], responses: list[torch.Tensor], trainer_state: Any
+    ) -> PendingRewards:
+        """Score the sequence-level functions and prefetch the dense ones (`trl_stable.rewards.dense`'s prefetch
+        protocol); the dense functions are called by `PendingRewards.result`."""
         completion_ids = [r.tolist() for r in responses]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         conversational = isinstance(prompts[0], list)
@@ -147,22 +193,22 @@ class RewardFunctions:
         dense = None
         if dense_idx:
             env = scores.tolist() if scores is not None else [0.0] * n
-            dense = collect_dense_rewards(
+            dense_kwargs = dict(
+                env_rewards=env,
+                trainer_state=trainer_state,
+                log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
+                **kwargs,
+            )
+            dense = start_dense_rewards(
                 [self.funcs[i] for i in dense_idx],
                 [self.names[i] for i in dense_idx],
                 [self.weights[i] for i in dense_idx],
                 [len(r) for r in responses],
-                call=lambda func: call_reward_func(
-                    func,
-                    self.loop,
-                    env_rewards=env,
-                    trainer_state=trainer_state,
-                    log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
-                    **kwargs,
-                ),
+                call=lambda func: call_reward_func(func, self.loop, **dense_kwargs),
+                # the same arguments as the later call: the prompt a critic sends must be the one it answers
+                prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
-            metrics.update(dense.metrics)
-        return BatchRewards(scores, dense, metrics)
+        return PendingRewards(scores, dense, metrics)
 
     def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
         conversational = isinstance(prompts[0], list)
