@@ -395,11 +395,8 @@ class PPOTrainer(PPOPlumbing):
             if token_rewards is None and scores is None:
                 raise ValueError("step()'s deferred token_rewards returned None and no `scores` were given.")
         batch, reward_logs = self._drop_broken_rewards(batch, token_rewards, scores)
-        if self.step_masker is not None and not bool(batch["valid"].all()):
-            # The step mask and its counts cover the samples that are trained on: redo them without the samples the
-            # reward check just dropped (the step computed them after that check before the forwards moved first).
-            rollout_logs = {k: v for k, v in rollout_logs.items() if not k.startswith("step_mask/")}
-            rollout_logs.update(self._apply_step_keep(batch))
+        # on the final action mask, so the step mask and its counts cover only the samples that are trained on
+        rollout_logs.update(self._apply_step_keep(batch))
         batch, advantage_logs = self.compute_advantages(batch)
         behaviour_logs = self._behaviour_weights(batch, sampler_logprobs) if args.use_decoupled_loss else {}
         self.model_wrapped.train()
@@ -638,18 +635,6 @@ class PPOTrainer(PPOPlumbing):
         with policy.disable_adapter():
             return policy(**kwargs).logits[:, :resp_width]
 
-    def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Log-probs and values of the rollout policy, reference log-probs and the per-token KL, under no grad.
-
-        Runs in chunks of `mini_batch_size`; returns a copy of `batch` with `old_logprobs`, `ref_logprobs`, `values`,
-        `bootstrap_values`, `kl` and `entropy` ([B, R] / [B]) and, for R2 routing replay, the routing this pass
-        took; with a step masker, `step_keep` (from the batch's response mask); and the routing (and step-mask)
-        metrics.
-        """
-        result, logs = self._rollout_forward(batch)
-        logs.update(self._apply_step_keep(result))
-        return result, logs
-
     def _apply_step_keep(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics."""
         if self.step_masker is None:
@@ -660,8 +645,13 @@ class PPOTrainer(PPOPlumbing):
         return self.step_masker.stats()
 
     @torch.no_grad()
-    def _rollout_forward(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """The forwards of `rollout_pass` (everything but the step mask) and the routing metrics."""
+    def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Log-probs and values of the rollout policy, reference log-probs and the per-token KL, under no grad.
+
+        Runs in chunks of `mini_batch_size`; returns a copy of `batch` with `old_logprobs`, `ref_logprobs`, `values`,
+        `bootstrap_values`, `kl` and `entropy` ([B, R] / [B]) and, for R2 routing replay, the routing this pass
+        took; and the routing metrics. It reads ids and masks only, never the rewards.
+        """
         args = self.args
         out: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
