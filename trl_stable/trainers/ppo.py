@@ -457,19 +457,20 @@ class PPOTrainer(PPOPlumbing):
             error = err
         raise_on_every_process(error, self._count_processes)
         if rows is not None:
-            self._check_token_rewards(rows, responses)
+            self._check_per_token("token_rewards", rows, responses)
         return rows
 
-    def _check_token_rewards(self, token_rewards, responses) -> None:
-        if len(token_rewards) != len(responses):
-            raise ValueError(
-                f"step() got {len(token_rewards)} token_rewards for {len(responses)} responses; pass one per sample."
-            )
-        for i, (rows, r) in enumerate(zip(token_rewards, responses)):
-            if len(rows) != len(r):
+    @staticmethod
+    def _check_per_token(name: str, rows, responses) -> None:
+        """One entry of `rows` per response token of each sample (token rewards, turn ids, sampler log-probs)."""
+        if len(rows) != len(responses):
+            raise ValueError(f"step() got {len(rows)} {name} for {len(responses)} responses; pass one per sample.")
+        what = "reward" if name == "token_rewards" else "entry"
+        for i, (row, r) in enumerate(zip(rows, responses)):
+            if len(row) != len(r):
                 raise ValueError(
-                    f"token_rewards[{i}] has {len(rows)} entries but responses[{i}] has {len(r)} tokens; "
-                    "give one reward per response token."
+                    f"{name}[{i}] has {len(row)} entries but responses[{i}] has {len(r)} tokens; "
+                    f"give one {what} per response token."
                 )
 
     def _check_step_inputs(
@@ -496,17 +497,13 @@ class PPOTrainer(PPOPlumbing):
                 raise ValueError(f"queries[{i}] and responses[{i}] must be 1-D LongTensors.")
             if len(q) == 0 or len(r) == 0:
                 raise ValueError(f"Sample {i} has an empty query or response.")
-            for name, rows in (
-                ("token_rewards", token_rewards),
-                ("turn_ids", turn_ids),
-                ("sampler_logprobs", sampler_logprobs),
-            ):
-                if rows is not None and len(rows[i]) != len(r):
-                    what = "reward" if name == "token_rewards" else "entry"
-                    raise ValueError(
-                        f"{name}[{i}] has {len(rows[i])} entries but responses[{i}] has {len(r)} tokens; "
-                        f"give one {what} per response token."
-                    )
+        for name, rows in (
+            ("token_rewards", token_rewards),
+            ("turn_ids", turn_ids),
+            ("sampler_logprobs", sampler_logprobs),
+        ):
+            if rows is not None:
+                self._check_per_token(name, rows, responses)
 
     def make_batch(self, queries, responses, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
         """Left-padded queries and right-padded responses in one [B, P + R] batch, with the response mask, the turn
