@@ -82,7 +82,7 @@ class RewardContractError(ValueError):
     """A reward function's output breaks the contract above (wrong count or type, an infinite value)."""
 
 
-def raise_on_every_process(error: Exception | None, count_processes: Callable[[bool], int]) -> None:
+def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
     """Raise on every process when any process found `error`, so none is left waiting in a collective.
 
     A reward function runs on each process's own completions, so a broken answer is seen by one process only; if
@@ -90,9 +90,11 @@ def raise_on_every_process(error: Exception | None, count_processes: Callable[[b
 
     Args:
         error: This process's error, or None.
-        count_processes: Sums a flag over processes (e.g. ``lambda flag: accelerator.reduce(tensor, "sum")``).
+        accelerator: The trainer's `accelerate.Accelerator` (its ``reduce`` and ``device``); a collective: every
+            process must call this.
     """
-    if count_processes(error is not None) > 0:
+    flag = torch.tensor(float(error is not None), device=accelerator.device)
+    if accelerator.reduce(flag, reduction="sum").item() > 0:
         if error is not None:
             raise error
         raise RewardContractError(

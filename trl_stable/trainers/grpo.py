@@ -539,11 +539,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
         self.reward_weights = self.reward_weights[keep].clone()
 
-    def _count_processes(self, flag: bool) -> int:
-        """How many processes raise `flag` (a collective: every process must call it)."""
-        flags = torch.tensor(float(flag), device=self.accelerator.device)
-        return int(self.accelerator.reduce(flags, reduction="sum").item())
-
     def _log(self, name: str, value: float) -> None:
         log_metric(self, name, value)
 
@@ -658,7 +653,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     )
                 except RewardContractError as err:
                     error = err
-                raise_on_every_process(error, self._count_processes)
+                raise_on_every_process(error, self.accelerator)
         return rewards_per_func
 
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
@@ -692,7 +687,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             dense = pending.collect()
         except RewardContractError as err:
             error = err
-        raise_on_every_process(error, self._count_processes)
+        raise_on_every_process(error, self.accelerator)
         flush_reward_logs(self, len(pending.completion_lengths))
         for name, value in dense.metrics.items():
             self._log(name, value)

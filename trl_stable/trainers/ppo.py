@@ -455,7 +455,7 @@ class PPOTrainer(PPOPlumbing):
             rows = deferred()
         except RewardContractError as err:
             error = err
-        raise_on_every_process(error, self._count_processes)
+        raise_on_every_process(error, self.accelerator)
         if rows is not None:
             self._check_per_token("token_rewards", rows, responses)
         return rows
@@ -563,7 +563,7 @@ class PPOTrainer(PPOPlumbing):
                 f"Sample {i} of this PPO step has an infinite reward (token_rewards or scores): it would turn every "
                 "advantage of the batch into NaN. Pass finite rewards (NaN marks a sample without a reward)."
             )
-        raise_on_every_process(error, self._count_processes)
+        raise_on_every_process(error, self.accelerator)
         # NaN marks a sample without a reward: RELC-era loops put the score inside token_rewards, so a NaN token is
         # a failed score rather than a token the reward does not apply to (as it is for a dense reward function)
         bad = torch.isnan(dense).any(1)
@@ -883,10 +883,6 @@ class PPOTrainer(PPOPlumbing):
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, reduction="sum")
 
-    def _count_processes(self, flag: bool) -> int:
-        """How many processes raise `flag` (a collective: every process must call it)."""
-        return int(self._reduce_sum(torch.tensor(float(flag), device=self.accelerator.device)).item())
-
     def _masked_gmean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         sums = self._reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).float())
         return (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
@@ -991,7 +987,7 @@ class PPOTrainer(PPOPlumbing):
                 pending = self.rewards.start(rows, prompts, responses, self.state)
             except RewardContractError as err:  # seen by this process only: every process must stop with it
                 error = err
-            raise_on_every_process(error, self._count_processes)
+            raise_on_every_process(error, self.accelerator)
             self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
             stats = self.step(
                 queries,
