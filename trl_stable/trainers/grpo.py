@@ -85,7 +85,7 @@ from trl_stable.trl_internals import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutRecord", "record_sampler_logps"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutRecord"]
 
 # The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
 _TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
