@@ -66,6 +66,7 @@ __all__ = [
     "PendingDenseRewards",
     "RewardContractError",
     "check_finite_rewards",
+    "call_on_every_process",
     "collect_dense_rewards",
     "dense_reward",
     "is_dense_reward",
@@ -101,6 +102,18 @@ def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
             "A reward function broke the reward contract on another process (an infinite value, or a wrong count or "
             "type); that process's error names the function."
         )
+
+
+def call_on_every_process(accelerator: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, where a `RewardContractError` raised on any one process is raised on every process
+    (`raise_on_every_process`); a collective: every process must call this."""
+    error = result = None
+    try:
+        result = fn(*args)
+    except RewardContractError as err:
+        error = err
+    raise_on_every_process(error, accelerator)
+    return result
 
 
 def dense_reward(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -61,10 +61,9 @@ from trl_stable.monitoring.integration import HealthArguments, attach_health_mon
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
-    RewardContractError,
+    call_on_every_process,
     check_finite_rewards,
     is_dense_reward,
-    raise_on_every_process,
     start_dense_rewards,
     weighted_reward_sum,
 )
@@ -646,14 +645,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._rollout is not None:
             self._rollout.rewards_per_func = rewards_per_func
             if self.dense_reward_funcs:
-                error = None
-                try:  # on this process's completions only: a broken answer must stop every process at once
-                    self._rollout.pending_dense = self._start_dense_rewards(
-                        inputs, prompts, completions, completion_ids_list, rewards_per_func
-                    )
-                except RewardContractError as err:
-                    error = err
-                raise_on_every_process(error, self.accelerator)
+                # on this process's completions only: a broken answer must stop every process at once
+                self._rollout.pending_dense = call_on_every_process(
+                    self.accelerator,
+                    self._start_dense_rewards,
+                    *(inputs, prompts, completions, completion_ids_list, rewards_per_func),
+                )
         return rewards_per_func
 
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
@@ -682,12 +679,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         process stops all, and what the functions logged with ``log_metric`` / ``log_extra`` after TRL's own flush is
         flushed the same way, so it is logged with this step.
         """
-        error = dense = None
-        try:
-            dense = pending.collect()
-        except RewardContractError as err:
-            error = err
-        raise_on_every_process(error, self.accelerator)
+        dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
         for name, value in dense.metrics.items():
             self._log(name, value)

@@ -62,7 +62,7 @@ from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
-from trl_stable.rewards.dense import RewardContractError, raise_on_every_process
+from trl_stable.rewards.dense import RewardContractError, call_on_every_process, raise_on_every_process
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.ppo_models import (
@@ -450,12 +450,7 @@ class PPOTrainer(PPOPlumbing):
 
     def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
         """Call deferred token rewards; a contract error (seen by this process only) stops every process."""
-        error = rows = None
-        try:
-            rows = deferred()
-        except RewardContractError as err:
-            error = err
-        raise_on_every_process(error, self.accelerator)
+        rows = call_on_every_process(self.accelerator, deferred)
         if rows is not None:
             self._check_per_token("token_rewards", rows, responses)
         return rows
@@ -982,12 +977,9 @@ class PPOTrainer(PPOPlumbing):
             ]
             prompts, queries = self._prompt_ids(rows)
             responses = self.generate(queries, return_prompt=False)
-            error = pending = None
-            try:  # sequence rewards now; dense functions prefetched, called by step() after its forwards
-                pending = self.rewards.start(rows, prompts, responses, self.state)
-            except RewardContractError as err:  # seen by this process only: every process must stop with it
-                error = err
-            raise_on_every_process(error, self.accelerator)
+            # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
+            # error is seen by this process only: every process must stop with it
+            pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
             self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
             stats = self.step(
                 queries,
