@@ -116,7 +116,7 @@ class _Recorder(GRPOTrainer):
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
-        self.generate_out = out
+        self.generate_out, self.generate_prompts = out, list(prompts)
         return out
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -127,6 +127,7 @@ class _Recorder(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, *args):
         out = super()._calculate_rewards(inputs, prompts, *args)
         self.rewards_out, self.num_prompts = out, len(prompts)
+        self.rewards_args = (list(prompts), *args)
         return out
 
 
@@ -156,6 +157,15 @@ def test_return_arities_on_a_tiny_model(trained):
     assert len(trainer.logps_out) == 3, "trl.GRPOTrainer._get_per_token_logps_and_entropies: expected a 3-tuple"
     rewards = trainer.rewards_out
     assert rewards.shape == (trainer.num_prompts, 1), "trl.GRPOTrainer._calculate_rewards: expected [N, K]"
+
+
+def test_calculate_rewards_gets_what_generate_returned(trained):
+    # GRPOTrainer scores early (in `_generate`) with these arguments; TRL's own later call must be the same
+    trainer, _ = trained
+    prompts, completions, completion_ids = trainer.rewards_args
+    assert prompts == trainer.generate_prompts, "trl.GRPOTrainer: _calculate_rewards got other prompts than _generate"
+    assert completions == trainer.generate_out[3], "trl.GRPOTrainer._generate: completions are no longer index 3"
+    assert completion_ids == trainer.generate_out[1], "trl.GRPOTrainer._generate: completion ids are no longer index 1"
 
 
 def test_batch_dict_keys_we_read(trained):

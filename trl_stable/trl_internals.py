@@ -106,7 +106,8 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         "override",
         ("prompts",),
         "8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images); "
-        "extra_fields (index 5) is a dict holding a rollout_func's extra keys",
+        "extra_fields (index 5) is a dict holding a rollout_func's extra keys; TRL later calls `_calculate_rewards` "
+        "with the same prompts, completions (index 3) and completion ids (index 1), which early scoring relies on",
         _TRAINER_PY,
     ),
     Member(

@@ -2,6 +2,7 @@
 failure handling, metrics, config."""
 
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -411,17 +412,47 @@ def test_prefetch_overlaps_and_pays_once(tokenizer, monkeypatch):
         fn = CriticIntrinsicReward(cfg, tokenizer)
         completions = [" a great day", " great", " so great"]
         ids = encode(tokenizer, completions)
-        fn.prefetch(["p"] * 3, ids)  # returns at once; the environment reward would be computed now
-        assert fn.backend.metrics()["critic/successes"] == 0
-        rows = fn(["p"] * 3, completions, ids, env_rewards=[0.0, 0.5, 2.0])
+        env = [0.0, 0.5, 2.0]
+        handle = fn.prefetch(["p"] * 3, ids, env_rewards=env)  # returns at once, the requests in flight
+        assert fn.backend.metrics()["critic/successes"] == 0 and handle.selected == [0, 1]
+        rows = fn(["p"] * 3, completions, ids, env_rewards=env, prefetched=handle)
         assert [rewarded_text(tokenizer, i, r, +1) if r else None for i, r in zip(ids, rows)] == [
             "great",
             "great",
             None,
         ]
-        assert len(server.received) == 3  # the two critiqued samples were not asked again
+        assert len(server.received) == 2  # the two critiqued samples, each asked once
         m = fn.metrics()
-        assert m["critic/deduplicated"] + m["critic/cache_hits"] == 2
+        # the call collected the prefetch's requests: asked, answered and counted once
+        assert (m["critic/requests"], m["critic/successes"], m["critic/deduplicated"], m["critic/cache_hits"]) == (
+            2,
+            2,
+            0,
+            0,
+        )
+        assert m["critic/last_step_requests"] == 2
+        assert m["critic/last_stage_seconds"] >= m["critic/last_wait_seconds"] >= 0
+        fn.close()
+
+
+def test_prefetch_of_another_batch_is_not_used(tokenizer, monkeypatch, caplog):
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span: great") as server:
+        cfg = CriticRewardConfig(
+            use_intrinsic_reward=True, critic_backend="openai", critic_base_url=server.base_url,
+            intrinsic_reward_threshold=1.0,
+        )  # fmt: skip
+        fn = CriticIntrinsicReward(cfg, tokenizer)
+        completions = [" a great day", " great"]
+        ids = encode(tokenizer, completions)
+        handle = fn.prefetch(["p"] * 2, ids, env_rewards=[0.0, 0.0])
+        expected = CriticIntrinsicReward(cfg, tokenizer, backend=fn.backend)(
+            ["p"] * 2, completions, ids, env_rewards=[0.0, 2.0]
+        )
+        with caplog.at_level(logging.WARNING):
+            rows = fn(["p"] * 2, completions, ids, env_rewards=[0.0, 2.0], prefetched=handle)
+        assert "other completions or env_rewards than its prefetch" in caplog.text
+        assert rows == expected and rows[1] is None  # the call's own env_rewards decide, not the prefetch's
         fn.close()
 
 

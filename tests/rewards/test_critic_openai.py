@@ -31,6 +31,19 @@ def dummy_key(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
 
 
+@pytest.fixture(autouse=True, params=["http", "openai"])
+def transport(request, monkeypatch):
+    """Every test runs through both HTTP clients: the standard-library one (default) and the OpenAI SDK."""
+    original = OpenAICritic.__init__
+
+    def init(self, *args, **kw):
+        kw.setdefault("transport", request.param)
+        original(self, *args, **kw)
+
+    monkeypatch.setattr(OpenAICritic, "__init__", init)
+    return request.param
+
+
 def make(server, **kw):
     defaults = dict(
         model="critic-test", base_url=server.base_url, timeout=2.0, max_retries=2, backoff_base=0.01,

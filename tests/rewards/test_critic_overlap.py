@@ -165,6 +165,9 @@ def test_ppo_critic_requests_are_sent_once_and_joined(tokenizer, tmp_path, monke
     assert len(prompts) == 8 and len(set(prompts)) == len(prompts)  # 2 steps x 4 samples, each asked once
     m = fn.metrics()
     assert m["critic/critiqued"] == 8 and m["critic/failures"] == 0
+    # counted once: the call collected the prefetched requests instead of asking (and counting) them again
+    counts = [m[f"critic/{k}"] for k in ("requests", "successes", "deduplicated", "cache_hits")]
+    assert counts == [8, 8, 0, 0]
 
 
 # ---------------------------------------------------------------------------------------------------------- GRPO
@@ -190,7 +193,7 @@ def grpo_trainer(tokenizer, tmp_path, fn, events=None):
     )
 
 
-def test_grpo_prefetches_in_calculate_rewards_and_calls_after_trls_round(tokenizer, tmp_path, monkeypatch):
+def test_grpo_prefetches_right_after_generation_and_calls_after_trls_round(tokenizer, tmp_path, monkeypatch):
     events = []
     real_round = trl.GRPOTrainer._generate_and_score_completions
 
@@ -203,8 +206,9 @@ def test_grpo_prefetches_in_calculate_rewards_and_calls_after_trls_round(tokeniz
     fn = PrefetchingDenseFn(events)
     trainer = grpo_trainer(tokenizer, tmp_path, fn, events)
     trainer.train()
-    # TRL 1.16 runs its old-logprob pass before _calculate_rewards, so the prefetch comes after it
-    rounds = ["old_logprob_pass", "prefetch", "trl_round_done", "call"]
+    # TRL runs its old-logprob pass before its _calculate_rewards call; the rewards are scored (and the dense
+    # functions prefetched) in _generate instead, so the critic's latency overlaps that pass
+    rounds = ["prefetch", "old_logprob_pass", "trl_round_done", "call"]
     assert events == rounds * (len(events) // len(rounds)) and len(events) >= len(rounds)
     assert fn.prefetched == fn.called
 
@@ -231,3 +235,42 @@ def test_grpo_deferred_contract_error_names_the_function(tokenizer, tmp_path):
     with pytest.raises(RewardContractError, match="broken_fn"):
         trainer.train()
     assert events[:1] == ["prefetch"]
+
+
+class HandleDenseFn(DenseFn):
+    """Its prefetch returns a handle; the protocol hands it back to the call as ``prefetched=``."""
+
+    def prefetch(self, prompts, completions, completion_ids, env_rewards=None, **kwargs):
+        self.events.append("prefetch")
+        return {"ids": [list(c) for c in completion_ids], "env": list(env_rewards)}
+
+    def __call__(self, prompts, completions, completion_ids, env_rewards=None, prefetched=None, **kwargs):
+        self.prefetched.append(prefetched)
+        return super().__call__(prompts, completions, completion_ids, env_rewards=env_rewards, **kwargs)
+
+
+@pytest.mark.parametrize("trainer_kind", ["ppo", "grpo"])
+def test_the_prefetch_handle_reaches_the_call(tokenizer, tmp_path, trainer_kind):
+    fn = HandleDenseFn([])
+    make = ppo_trainer if trainer_kind == "ppo" else grpo_trainer
+    make(tokenizer, tmp_path, fn).train()
+    assert fn.called and fn.prefetched == fn.called  # each call got its own batch's handle
+
+
+def test_grpo_critic_requests_are_sent_and_counted_once(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-DUMMY-overlap-22cc")
+    answer = "Identified Positive Text Span:\n[Span 1]: None identified"
+    with FakeOpenAIServer(answer=lambda prompt: answer) as server:
+        cfg = CriticRewardConfig(
+            use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
+            critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
+        )  # fmt: skip
+        fn = CriticIntrinsicReward(cfg, tokenizer)
+        grpo_trainer(tokenizer, tmp_path, fn).train()
+        fn.close()
+        sent = len(server.received)
+    m = fn.metrics()
+    # every critiqued sample asked once (a completion sampled twice in a group joins the first one's request)
+    assert m["critic/critiqued"] > 0 and sent + m["critic/deduplicated"] == m["critic/critiqued"]
+    counts = [m[f"critic/{k}"] for k in ("requests", "failures", "cache_hits")]
+    assert counts == [m["critic/critiqued"], 0, 0]

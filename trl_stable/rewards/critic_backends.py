@@ -29,7 +29,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -96,29 +96,51 @@ class CriticJob:
     def done(self) -> bool:
         return self._futures is None or all(f.done() for f in self._futures)
 
-    def result(self, timeout: float | None = None) -> list[str | None]:
-        """The answers, in prompt order; None where a request failed or was still running at the deadline."""
+    def as_completed(self, timeout: float | None = None) -> Iterator[tuple[int, str | None]]:
+        """(prompt index, answer) pairs in the order the answers arrive, so the caller can parse one while the others
+        are still in flight; at the deadline (or `timeout`) the unanswered ones follow as None. Every index comes out
+        exactly once; the answers are kept for `result`."""
         if self._answers is not None:
-            return list(self._answers)
+            yield from enumerate(list(self._answers))
+            return
         left = None if self._deadline is None else self._deadline - time.monotonic()
         limits = [t for t in (timeout, left) if t is not None]
         wait_s = max(0.0, min(limits)) if limits else None
-        done, _ = cf.wait(self._futures, timeout=wait_s)
-        answers: list[str | None] = []
-        for fut in self._futures:
-            answer = None
-            if fut in done and not fut.cancelled() and fut.exception() is None:
-                answer = fut.result()
-            elif fut not in done:
-                fut.cancel()  # a request still running finishes on its own (its timeout), unseen by this batch
+        answers: list[str | None] = [None] * len(self._futures)
+        index: dict[cf.Future, list[int]] = {}
+        for i, fut in enumerate(self._futures):  # a deduplicated request is one future for several prompts
+            index.setdefault(fut, []).append(i)
+        pending = set(index)
+        try:
+            for fut in cf.as_completed(index, timeout=wait_s):
+                pending.discard(fut)
+                answer = fut.result() if not fut.cancelled() and fut.exception() is None else None
+                for i in index[fut]:
+                    answers[i] = answer
+                    self._count_missing(answer)
+                    yield i, answer
+        except cf.TimeoutError:
+            pass
+        for fut in pending:
+            fut.cancel()  # a request still running finishes on its own (its timeout), unseen by this batch
+            for i in index[fut]:
                 if self._counters is not None:
                     self._counters.add("deadline_exceeded")
-            # "failures" counts the answers the caller did not get, whatever the reason
-            if answer is None and self._counters is not None:
-                self._counters.add("failures")
-            answers.append(answer)
+                self._count_missing(None)
+                yield i, None
         self._answers = answers
-        return list(answers)
+
+    def _count_missing(self, answer: str | None) -> None:
+        # "failures" counts the answers the caller did not get, whatever the reason
+        if answer is None and self._counters is not None:
+            self._counters.add("failures")
+
+    def result(self, timeout: float | None = None) -> list[str | None]:
+        """The answers, in prompt order; None where a request failed or was still running at the deadline."""
+        if self._answers is None:
+            for _ in self.as_completed(timeout):
+                pass
+        return list(self._answers)
 
 
 class CriticBackend(ABC):
@@ -389,6 +411,10 @@ class OpenAICritic(CriticBackend):
     ``auth_errors``: no request is sent after the first one (`fatal_error` says why); other 4xx fail at once. Each
     request has a `timeout`, each batch a deadline (`batch_timeout`), so nothing blocks forever.
 
+    Requests go through a lean standard-library client (`chat_http.ChatHTTPClient`, ``transport="http"``, the
+    default): a batch's threads share one GIL, and the OpenAI SDK's per-request CPU (about 10x this client's) is what
+    separates a batch from one server latency. ``transport="openai"`` uses the SDK instead.
+
     Answers are cached (memory, and disk with `cache_dir`) only when `answer_validator` accepts them (default: not
     blank; `CriticIntrinsicReward` installs its span parser), so a garbage answer is asked again next time.
 
@@ -415,6 +441,7 @@ class OpenAICritic(CriticBackend):
             `timeout` per extra wave of `concurrency` requests and the rate limit's spacing of the batch.
         seed: Seed of the backoff jitter.
         memory_cache_size: Answers kept in memory (least recently used evicted).
+        transport: ``"http"`` (the standard-library client) or ``"openai"`` (the OpenAI SDK).
     """
 
     name = "openai"
@@ -441,8 +468,11 @@ class OpenAICritic(CriticBackend):
         seed: int | None = None,
         memory_cache_size: int = 4096,
         max_concurrency: int = 256,
+        transport: str = "http",
     ) -> None:
         super().__init__()
+        if transport not in ("http", "openai"):
+            raise ValueError(f"transport must be 'http' (standard library) or 'openai' (the SDK), got {transport!r}.")
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be >= 1 or None (sized to the batch), got {concurrency}.")
         if max_concurrency < 1:
@@ -469,6 +499,7 @@ class OpenAICritic(CriticBackend):
         self._api_key = _Secret(key)
         self.model = model
         self.base_url = base_url
+        self.transport = transport
         self.api_key_env = api_key_env
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -533,7 +564,12 @@ class OpenAICritic(CriticBackend):
 
     def _get_client(self):
         with self._init_lock:
-            if self._client is None:
+            if self._client is None and self.transport == "http":
+                from trl_stable.rewards.chat_http import ChatHTTPClient
+
+                url = self.base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
+                self._client = ChatHTTPClient(url, self._api_key.get())
+            elif self._client is None:
                 import openai
 
                 # Retries are ours (counted, jittered, deadline-aware), so the SDK's own are off.
@@ -567,16 +603,33 @@ class OpenAICritic(CriticBackend):
 
     def _classify(self, exc: BaseException) -> tuple[str, float | None]:
         """(counter name, Retry-After seconds); raises `_NonRetryable` for errors a retry cannot fix."""
-        import openai
+        from trl_stable.rewards import chat_http
 
-        if isinstance(exc, openai.APITimeoutError):
+        if self.transport == "openai":
+            import openai
+
+            timeout_errors, connection_errors, status_errors = (
+                openai.APITimeoutError,
+                openai.APIConnectionError,
+                openai.APIStatusError,
+            )
+        else:
+            timeout_errors, connection_errors, status_errors = (
+                chat_http.ChatTimeout,
+                chat_http.ChatConnectionError,
+                chat_http.ChatStatusError,
+            )
+        if isinstance(exc, timeout_errors):
             return "timeouts", None
-        if isinstance(exc, openai.APIConnectionError):
+        if isinstance(exc, connection_errors):
             return "connection_errors", None
-        if isinstance(exc, openai.APIStatusError):
+        if isinstance(exc, chat_http.ChatBadResponse):
+            return "bad_responses", None
+        if isinstance(exc, status_errors):
             status = exc.status_code
             # A 503 may carry Retry-After too (RFC 9110); the other statuses' headers are read the same way.
-            retry_after = parse_retry_after(getattr(getattr(exc, "response", None), "headers", None))
+            headers = getattr(exc, "headers", None) or getattr(getattr(exc, "response", None), "headers", None)
+            retry_after = parse_retry_after(headers)
             if status == 429:
                 return "rate_limited", retry_after
             if status >= 500 or status in (408, 409):
@@ -615,8 +668,9 @@ class OpenAICritic(CriticBackend):
 
     def _remember(self, key: str, answer: str, usage: Any) -> None:
         if usage is not None:
-            self.counters.add("prompt_tokens", int(getattr(usage, "prompt_tokens", 0) or 0))
-            self.counters.add("completion_tokens", int(getattr(usage, "completion_tokens", 0) or 0))
+            for name in ("prompt_tokens", "completion_tokens"):
+                value = usage.get(name) if isinstance(usage, dict) else getattr(usage, name, 0)
+                self.counters.add(name, int(value or 0) if isinstance(value, (int, float)) else 0)
         # Only answers the validator accepts are kept: a cached garbage answer would be served to every later step
         # and every restarted run, even after the server is healthy again.
         if self._valid(answer):
@@ -629,6 +683,14 @@ class OpenAICritic(CriticBackend):
 
     def _request(self, messages: list[dict[str, str]], timeout: float) -> tuple[str, Any]:
         """One chat-completions call: (answer text, usage); raises on any failure, a body without text included."""
+        if self.transport == "http":
+            payload = {
+                "model": self.model,
+                "messages": messages,
+                "temperature": self.temperature,
+                "max_tokens": self.max_tokens,
+            }
+            return self._get_client().create(payload, timeout)
         resp = self._get_client().chat.completions.create(
             model=self.model,
             messages=messages,

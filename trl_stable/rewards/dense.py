@@ -15,15 +15,16 @@ low).
 **Prefetch (optional).** Answers that take long to come back (an LLM critic behind an API) can overlap the trainer's
 own work. A dense function MAY have a method
 
-    def prefetch(self, prompts, completions, completion_ids, env_rewards=None, **kwargs) -> None: ...
+    def prefetch(self, prompts, completions, completion_ids, env_rewards=None, **kwargs) -> Any: ...
 
-that starts the work and returns at once. Both trainers call it, with keyword arguments, right after the
-sequence-level rewards (so ``env_rewards`` is final) and with the same arguments as the later call; they call the
-function itself only when the token rewards are needed, after their rollout forward passes (PPO: policy, value and
-reference; GRPO: after TRL's scoring round, see `trl_stable.trainers.grpo`). The call must return what it would have
-returned without the prefetch: the prefetch changes when the work is done, never the numbers. Functions without
-`prefetch` are simply called at that later point. `CriticIntrinsicReward.prefetch` sends the critic requests; the
-later call joins them.
+that starts the work and returns at once, with a handle to it (or None). Both trainers call it, with keyword
+arguments, right after the sequence-level rewards (so ``env_rewards`` is final) and with the same arguments as the
+later call; they call the function itself only when the token rewards are needed, after their rollout forward passes
+(PPO: policy, value and reference; GRPO: after TRL's scoring round, see `trl_stable.trainers.grpo`), adding
+``prefetched=<the handle>`` when the prefetch returned one. The call must return what it would have returned without
+the prefetch: the prefetch changes when the work is done, never the numbers. Functions without `prefetch` are simply
+called at that later point. `CriticIntrinsicReward.prefetch` sends the critic requests and returns them; the later
+call collects them, so every request is made and counted once.
 
 The one rule for what a value means, in both trainers:
 
@@ -258,7 +259,8 @@ def collect_dense_rewards(
     names: Sequence[str],
     weights: Sequence[float],
     completion_lengths: Sequence[int],
-    call: Callable[[Callable[..., Any]], Any],
+    call: Callable[..., Any],
+    handles: Sequence[Any] | None = None,
 ) -> DenseRewards:
     """Call every dense reward function through `call(func)` and sum their rows under the contract above.
 
@@ -268,13 +270,17 @@ def collect_dense_rewards(
     Args:
         funcs, names, weights: The dense reward functions, their names and weights (same order).
         completion_lengths: Tokens per completion.
-        call: Invokes one function on the batch and returns its raw output.
+        call: Invokes one function on the batch and returns its raw output; ``call(func, prefetched=h)`` adds the
+            keyword argument.
+        handles: Per function, what its `prefetch` returned (None: not prefetched, called without ``prefetched``).
     """
     total = [[0.0] * n for n in completion_lengths]
     metrics: dict[str, float] = {}
     num_tokens = max(sum(completion_lengths), 1)
-    for func, name, weight in zip(funcs, names, weights, strict=True):
-        rows = validate_dense_rewards(call(func), completion_lengths, name=f"reward function '{name}'")
+    handles = list(handles) if handles is not None else [None] * len(funcs)
+    for func, name, weight, handle in zip(funcs, names, weights, handles, strict=True):
+        out = call(func) if handle is None else call(func, prefetched=handle)
+        rows = validate_dense_rewards(out, completion_lengths, name=f"reward function '{name}'")
         nan_tokens = 0
         sums = []
         for acc, row in zip(total, rows):
@@ -306,14 +312,15 @@ class PendingDenseRewards:
     names: Sequence[str]
     weights: Sequence[float]
     completion_lengths: Sequence[int]
-    call: Callable[[Callable[..., Any]], Any]
+    call: Callable[..., Any]
+    handles: Sequence[Any] | None = None  # per function, what its prefetch returned
     _result: DenseRewards | None = field(default=None, repr=False)
 
     def collect(self) -> DenseRewards:
-        """Call every dense function (joining what its `prefetch` started) and sum the rows under the contract."""
+        """Call every dense function (collecting what its `prefetch` started) and sum the rows under the contract."""
         if self._result is None:
             self._result = collect_dense_rewards(
-                self.funcs, self.names, self.weights, self.completion_lengths, self.call
+                self.funcs, self.names, self.weights, self.completion_lengths, self.call, self.handles
             )
         return self._result
 
@@ -323,7 +330,7 @@ def start_dense_rewards(
     names: Sequence[str],
     weights: Sequence[float],
     completion_lengths: Sequence[int],
-    call: Callable[[Callable[..., Any]], Any],
+    call: Callable[..., Any],
     prefetch: Callable[[Callable[..., Any]], Any],
 ) -> PendingDenseRewards:
     """Prefetch every dense function that has a `prefetch` (through the trainer's `prefetch(func)`, which passes the
@@ -331,9 +338,8 @@ def start_dense_rewards(
 
     Args:
         funcs, names, weights, completion_lengths, call: As for `collect_dense_rewards`.
-        prefetch: Invokes ``func.prefetch`` on the batch; its return value is ignored.
+        prefetch: Invokes ``func.prefetch`` on the batch and returns its handle, handed back to the function's call
+            as ``prefetched=``.
     """
-    for func in funcs:
-        if has_prefetch(func):
-            prefetch(func)
-    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call)
+    handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
+    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call, handles)

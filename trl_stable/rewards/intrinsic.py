@@ -26,6 +26,7 @@ from typing import Any
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
     CriticBackend,
+    CriticJob,
     LexiconCritic,
     OpenAICritic,
     TransformersCritic,
@@ -210,6 +211,14 @@ class CriticRewardConfig:
         default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
     )
     critic_timeout: float = field(default=30.0, metadata={"help": "Seconds per critic request (openai)."})
+    critic_transport: str = field(
+        default="http",
+        metadata={
+            "help": "HTTP client of the openai backend: 'http' (a lean standard-library client; about a tenth of "
+            "the SDK's CPU per request, which is what a batch of concurrent requests waits on) or 'openai' (the "
+            "OpenAI SDK)."
+        },
+    )
     critic_max_retries: int = field(
         default=4, metadata={"help": "Retries of a critic request on 429/5xx/timeout/connection errors (openai)."}
     )
@@ -275,6 +284,11 @@ class CriticRewardConfig:
             raise ValueError(f"critic_retry_after_max must be >= 0 seconds, got {self.critic_retry_after_max}.")
         if not self.critic_temperature >= 0:
             raise ValueError(f"critic_temperature must be >= 0, got {self.critic_temperature}.")
+        if self.critic_transport not in ("http", "openai"):
+            raise ValueError(
+                f"critic_transport must be 'http' (standard-library client) or 'openai' (the SDK), got "
+                f"{self.critic_transport!r}."
+            )
         if self.critic_timeout <= 0:
             raise ValueError(f"critic_timeout must be > 0 seconds, got {self.critic_timeout}.")
         if self.critic_max_retries < 0:
@@ -332,6 +346,7 @@ def build_critic_backend(config: CriticRewardConfig, model: Any = None, tokenize
             max_retries=config.critic_max_retries,
             rate_limit=config.critic_rate_limit,
             cache_dir=config.critic_cache_dir,
+            transport=config.critic_transport,
         )
     critic = model if model is not None else config.critic_model
     if critic is None:
@@ -509,20 +524,39 @@ class CriticIntrinsicReward:
         completion_ids: Sequence[Sequence[int]],
         env_rewards: Sequence[float] | None = None,
         **kwargs: Any,
-    ) -> None:
-        """Start critic requests early, e.g. right after generation while the environment reward is computed.
+    ) -> CriticPrefetch | None:
+        """Start the critic requests now and return at once (the dense-reward prefetch protocol of
+        `trl_stable.rewards.dense`); the trainer passes the result back as ``prefetched=`` to the later call.
 
-        The later call with the same completions joins the requests still in flight and finds the finished ones in
-        the answer cache, so nothing is paid twice. Without `env_rewards` every completion is sent (use it when the
-        threshold selects most samples, or pass the environment rewards known so far); the critic prompt must be the
-        same as in the later call, so templates showing ``{score}`` need the final `env_rewards`. A no-op for
-        backends that answer synchronously (lexicon, transformers), where there is nothing to overlap.
+        That call collects these requests instead of asking again, so each answer is requested, counted and paid
+        once. It must see the same completions and `env_rewards` (templates showing ``{score}`` need the final
+        ones); if it does not, it warns and asks afresh. The token offsets are computed here too, while the critic
+        answers. A no-op (None) for backends that answer synchronously (lexicon, transformers): there is nothing to
+        overlap, and the call does the work.
         """
         if not self.config.use_intrinsic_reward or self.backend is None or not self.backend.concurrent:
-            return
-        _, _, texts, _, critic_prompts = self._prepare(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
-        if critic_prompts:
-            self.backend.submit(critic_prompts, texts=list(texts.values()))
+            return None
+        return self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+
+    def _start(self, tokenizer, prompts, completion_ids, env_rewards) -> CriticPrefetch:
+        """Prepare the batch, submit its critic prompts, and align the token offsets while the critic answers."""
+        started = time.monotonic()
+        before = self.backend.counters.snapshot()
+        selected, ids, texts, prompt_texts, critic_prompts = self._prepare(
+            tokenizer, prompts, completion_ids, env_rewards
+        )
+        job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
+        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
+        return CriticPrefetch(
+            completion_ids=[[int(t) for t in c] for c in completion_ids],
+            env_rewards=None if env_rewards is None else [float(r) for r in env_rewards],
+            selected=selected,
+            prompt_texts=prompt_texts,
+            aligned=aligned,
+            job=job,
+            started=started,
+            counters_before=before,
+        )
 
     def __call__(
         self,
@@ -530,30 +564,32 @@ class CriticIntrinsicReward:
         completions: Sequence[Any],
         completion_ids: Sequence[Sequence[int]],
         env_rewards: Sequence[float] | None = None,
+        prefetched: CriticPrefetch | None = None,
         **kwargs: Any,
     ) -> list[list[float] | None]:
         n = len(completion_ids)
         if not self.config.use_intrinsic_reward or self.backend is None:
             return [None] * n
-        tokenizer = self._tokenizer(kwargs)
-        t0 = time.monotonic()
-        before = self.backend.counters.snapshot()
-        selected, ids, texts, prompt_texts, critic_prompts = self._prepare(
-            tokenizer, prompts, completion_ids, env_rewards
-        )
-        # Start the critic first, align offsets while it answers.
-        job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
-        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
-        answers = job.result() if job is not None else []
+        waited_from = time.monotonic()
+        if prefetched is not None and not prefetched.matches(completion_ids, env_rewards):
+            logger.warning(
+                "The critic call got other completions or env_rewards than its prefetch; asking the critic again "
+                "(the prefetched answers are in the cache). Pass the prefetch the call's own arguments."
+            )
+            prefetched = None
+        batch = prefetched or self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
 
         step = dict.fromkeys(_STEP_COUNTERS, 0)
-        step["steps"], step["samples"], step["critiqued"] = 1, n, len(selected)
+        step["steps"], step["samples"], step["critiqued"] = 1, n, len(batch.selected)
         step["nan_env_rewards"] = sum(_is_nan(r) for r in env_rewards) if env_rewards is not None else 0
         step["tokens_total"] = sum(len(c) for c in completion_ids)
         rows: list[list[float] | None] = [None] * n
-        for i, answer in zip(selected, answers):
-            context = prompt_texts[i] if self.config.critic_include_prompt else ""
-            rows[i] = self._row(answer, *aligned[i], step, context=context)
+        # Each answer is parsed and aligned as it arrives, while the later ones are still in flight.
+        for k, answer in batch.job.as_completed() if batch.job is not None else ():
+            i = batch.selected[k]
+            context = batch.prompt_texts[i] if self.config.critic_include_prompt else ""
+            rows[i] = self._row(answer, *batch.aligned[i], step, context=context)
+        t0, before = batch.started, batch.counters_before
         if step["unparseable"]:
             logger.warning(
                 "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
@@ -567,13 +603,14 @@ class CriticIntrinsicReward:
                 "with a header the parser was not told about (critic/answers_with_ignored_text).",
                 step["answers_with_ignored_text"],
             )
-        self._record(step, time.monotonic() - t0, before, kwargs.get("log_metric"))
+        now = time.monotonic()
+        self._record(step, now - t0, now - waited_from, before, kwargs.get("log_metric"))
         fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
         if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
             raise CriticFailureError(fatal)
-        if selected:  # a step that critiques nothing says nothing about the critic
+        if batch.selected:  # a step that critiques nothing says nothing about the critic
             # An unparseable answer is as useless as no answer: a critic that only answers garbage must stop the run.
-            self._track_failing_steps(step["failed_answers"] + step["unparseable"] == len(selected), step)
+            self._track_failing_steps(step["failed_answers"] + step["unparseable"] == len(batch.selected), step)
         return rows
 
     def _row(
@@ -656,7 +693,7 @@ class CriticIntrinsicReward:
             parts.append(f"{step['unparseable']} unparseable answers")
         return ", ".join(parts) or "no usable answer"
 
-    def _record(self, step: dict, seconds: float, before: dict[str, int], log_metric: Any) -> None:
+    def _record(self, step: dict, seconds: float, wait: float, before: dict[str, int], log_metric: Any) -> None:
         """Add `step` to the cumulative counts, keep the step's ratios, and hand them to TRL's `log_metric` hook."""
         for k, v in step.items():
             self._counts[k] += v
@@ -669,7 +706,8 @@ class CriticIntrinsicReward:
             "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
             "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
             "critic/unparseable_fraction": step["unparseable"] / max(step["answers"], 1),
-            "critic/stage_seconds": seconds,
+            "critic/stage_seconds": seconds,  # from the requests' start (the prefetch, if any) to the rewards
+            "critic/wait_seconds": wait,  # what the trainer waited in the call: the critic's cost after the overlap
         }
         n_spans = step["spans_positive"] + step["spans_negative"]
         for name in ("matched", "partial", "query_only", "unmatched", "fuzzy"):
@@ -693,7 +731,8 @@ class CriticIntrinsicReward:
         spans_matched/partial/query_only/unmatched/fuzzy, tokens_total/rewarded, rewarded_token_fraction. Last step
         (as ``critic/last_...``): critiqued_fraction, failed_fraction, unparseable_fraction, rewarded_token_fraction,
         spans_per_critique, spans_matched_frac/partial_frac/query_only_frac/unmatched_frac/fuzzy_frac,
-        stage_seconds; and consecutive_failing_steps.
+        stage_seconds (from the requests' start, the prefetch if any, to the rewards), wait_seconds (what the call
+        itself waited: the critic's cost to the step after the overlap); and consecutive_failing_steps.
         """
         out = self.backend.metrics() if self.backend is not None else {}
         out.update({f"critic/{k}": float(v) for k, v in self._counts.items()})
@@ -705,6 +744,30 @@ class CriticIntrinsicReward:
     def close(self) -> None:
         if self.backend is not None:
             self.backend.close()
+
+
+@dataclass
+class CriticPrefetch:
+    """A batch whose critic requests `CriticIntrinsicReward.prefetch` started: what the later call needs to collect
+    them. `matches` checks that the call is about the same batch."""
+
+    completion_ids: list[list[int]]
+    env_rewards: list[float] | None
+    selected: list[int]  # the critiqued completions (env reward at or below the threshold), in job order
+    prompt_texts: dict[int, str]
+    aligned: dict[int, tuple[str, list[tuple[int, int]]]]  # completion index -> (decoded text, token char offsets)
+    job: CriticJob | None
+    started: float
+    counters_before: dict[str, int]
+
+    def matches(self, completion_ids: Sequence[Sequence[int]], env_rewards: Sequence[float] | None) -> bool:
+        if [[int(t) for t in c] for c in completion_ids] != self.completion_ids:
+            return False
+        if env_rewards is None or self.env_rewards is None:
+            return env_rewards is None and self.env_rewards is None
+        return len(env_rewards) == len(self.env_rewards) and all(
+            (_is_nan(a) and _is_nan(b)) or float(a) == b for a, b in zip(env_rewards, self.env_rewards)
+        )
 
 
 def make_intrinsic_reward(config: CriticRewardConfig, tokenizer: Any, **kwargs: Any) -> CriticIntrinsicReward:

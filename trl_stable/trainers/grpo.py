@@ -63,6 +63,7 @@ from trl_stable.rewards.dense import (
     PendingDenseRewards,
     call_on_every_process,
     check_finite_rewards,
+    has_prefetch,
     is_dense_reward,
     start_dense_rewards,
     weighted_reward_sum,
@@ -419,6 +420,9 @@ class RolloutRecord:
     record per call, opened by `GRPOTrainer._rollout_record` and dropped when the call returns or raises.
 
     Attributes:
+        inputs: The call's input rows (what `_calculate_rewards` needs when the rewards are scored early).
+        early_rewards: (completion ids, [N_global, K] rewards) scored in `_generate`, right after generation, so the
+            dense prefetch starts before TRL's no-grad passes; TRL's later `_calculate_rewards` call gets them.
         rewards_per_func: [N_global, K] sequence rewards (`_calculate_rewards`).
         pending_dense: The dense reward functions of this call, prefetched in `_calculate_rewards` and collected in
             `_postprocess_generation`, or None.
@@ -427,6 +431,8 @@ class RolloutRecord:
         routing: The batch's routing in trainer layout ([B, P + T, layers, k]) once a rollout pass has run.
     """
 
+    inputs: list[dict[str, Any]] | None = None
+    early_rewards: tuple[list[list[int]], torch.Tensor] | None = None
     rewards_per_func: torch.Tensor | None = None
     pending_dense: PendingDenseRewards | None = None
     dense_rewards: torch.Tensor | None = None
@@ -561,9 +567,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ the per-call record (TRL-imposed channel)
     @contextmanager
-    def _rollout_record(self) -> Iterator[RolloutRecord]:
+    def _rollout_record(self, inputs: list[dict[str, Any]]) -> Iterator[RolloutRecord]:
         """Open the record the hooks of one `_generate_and_score_completions` call fill; always dropped after."""
-        record = RolloutRecord()
+        record = RolloutRecord(inputs=inputs)
         self._rollout = record
         try:
             yield record
@@ -605,7 +611,25 @@ class GRPOTrainer(trl.GRPOTrainer):
                     "routing_replay='R3' got no routing from the sampler: the rollout_func must return "
                     f"'{ROUTED_EXPERTS_KEY}'."
                 )
+        if self._scores_early(result):
+            # TRL scores after its old-logprob and reference passes; scoring (and so starting the critic) here
+            # lets the critic's latency overlap those passes. Same functions, same arguments: same numbers.
+            _, completion_ids_list, _, completions = result[:4]
+            rewards = self._calculate_rewards(self._rollout.inputs, prompts, completions, completion_ids_list)
+            self._rollout.early_rewards = ([list(ids) for ids in completion_ids_list], rewards)
         return result
+
+    def _scores_early(self, generated: tuple) -> bool:
+        """Whether this round's rewards are scored right after generation: only when a dense reward function has
+        work to start early (a prefetch), and not when a rollout_func returned extra fields (TRL merges those into
+        the reward functions' inputs only after `_generate`)."""
+        extra_fields = generated[5]
+        return (
+            self._rollout is not None
+            and self._rollout.inputs is not None
+            and any(has_prefetch(f) for f in self.dense_reward_funcs)
+            and not extra_fields
+        )
 
     # ------------------------------------------------------------------ TRL's no-grad passes (routing point: rollout)
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
@@ -634,6 +658,12 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------ rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        record = self._rollout
+        if record is not None and record.early_rewards is not None:
+            early_ids, early = record.early_rewards
+            record.early_rewards = None
+            if early_ids == [list(ids) for ids in completion_ids_list]:
+                return early  # scored in `_generate`; the dense functions are prefetched already
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         check_finite_rewards(rewards_per_func, self.reward_func_names)
         if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
@@ -668,7 +698,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.dense_reward_func_names,
             self.dense_reward_weights.tolist(),
             [len(ids) for ids in completion_ids_list],
-            call=lambda func: call_reward_func(func, loop, **kwargs),
+            call=lambda func, **extra: call_reward_func(func, loop, **kwargs, **extra),
             prefetch=lambda func: call_reward_func(func.prefetch, loop, **kwargs),  # the call's own arguments
         )
 
@@ -697,7 +727,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _generate_and_score_round(self, inputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One TRL generation + scoring round, post-processed; returns the batch and dynamic sampling's [B] keep."""
-        with self._rollout_record() as record:
+        with self._rollout_record(inputs) as record:
             output = super()._generate_and_score_completions(inputs)
         return self._postprocess_generation(output, record)
 

@@ -204,7 +204,7 @@ class RewardFunctions:
                 [self.names[i] for i in dense_idx],
                 [self.weights[i] for i in dense_idx],
                 [len(r) for r in responses],
-                call=lambda func: call_reward_func(func, self.loop, **dense_kwargs),
+                call=lambda func, **extra: call_reward_func(func, self.loop, **dense_kwargs, **extra),
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
