@@ -67,8 +67,12 @@ from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.ppo_models import (
     PolicyAndValue,
+    ResponseScores,
+    add_fused_logprob_head,
     build_value_head,
     enable_gradient_checkpointing,
+    fused_logprob_labels,
+    fused_scores,
     is_quantized,
     load_policy,
     prepare_policy,
@@ -184,6 +188,9 @@ class PPOTrainer(PPOPlumbing):
             # accelerate does not move quantised (device-mapped) models: put the head where the policy lives
             value_head.to(next(model.parameters()).device)
         self.model = model
+        # Log-probs through TRL's fused LM head: no [B, R, V] logits outside full KL (which needs the distributions)
+        self.fused_policy = add_fused_logprob_head(model, args.temperature)
+        self.fused_ref = self.ref_model is not None and add_fused_logprob_head(self.ref_model, args.temperature)
         wrapper = PolicyAndValue(model, value_head, value_backbone)
 
         # --- rewards, optimisation ---
@@ -603,29 +610,48 @@ class PPOTrainer(PPOPlumbing):
         return scale_with_moments(scores, running, normalize=args.use_score_norm, clip=args.score_clip)
 
     # ------------------------------------------------------------------ 2. rollout pass
-    def _forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw logits [B, R, V] for the response tokens and values [B, R + 1] (V(s_t) for each token, then the value
-        after the last position)."""
-        resp_width = batch["response_ids"].shape[1]
-        logits, values = model(
-            batch["input_ids"], batch["attention_mask"], batch["position_ids"], logits_to_keep=resp_width + 1
-        )
-        return logits[:, :resp_width], values
+    def _forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], need_logits: bool = False
+    ) -> tuple[ResponseScores, torch.Tensor]:
+        """The response tokens' log-probs and entropies, and values [B, R + 1] (V(s_t) for each token, then the value
+        after the last position). Through the fused LM head unless `need_logits` (then also the raw [B, R, V])."""
+        ids, response_ids = batch["input_ids"], batch["response_ids"]
+        resp_width = response_ids.shape[1]
+        if self.fused_policy and not need_logits:
+            out, values = model(
+                ids,
+                batch["attention_mask"],
+                batch["position_ids"],
+                logits_to_keep=resp_width + 1,
+                labels=fused_logprob_labels(ids, response_ids),
+            )
+            return fused_scores(out, resp_width), values
+        logits, values = model(ids, batch["attention_mask"], batch["position_ids"], logits_to_keep=resp_width + 1)
+        logits = logits[:, :resp_width]
+        logprobs, entropy = response_logprobs(logits, response_ids, self.args.temperature)
+        return ResponseScores(logprobs, entropy, logits), values
 
-    def _ref_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        resp_width = batch["response_ids"].shape[1]
-        kwargs = dict(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            logits_to_keep=resp_width + 1,
-            use_cache=False,
-        )
+    def _ref_scores(self, batch: dict[str, torch.Tensor], need_logits: bool = False) -> ResponseScores:
+        """The reference model's view of the response tokens (the policy without its adapter under PEFT)."""
+        ids, response_ids = batch["input_ids"], batch["response_ids"]
+        resp_width = response_ids.shape[1]
+        kwargs = dict(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        fused = (self.fused_ref if self.ref_model is not None else self.fused_policy) and not need_logits
+        if fused:
+            kwargs.update(labels=fused_logprob_labels(ids, response_ids), fused_lm_head=True)
+        else:
+            kwargs.update(logits_to_keep=resp_width + 1, use_cache=False)
         if self.ref_model is not None:
-            return self.ref_model(**kwargs).logits[:, :resp_width]
-        policy = self.unwrapped().policy
-        with policy.disable_adapter():
-            return policy(**kwargs).logits[:, :resp_width]
+            out = self.ref_model(**kwargs)
+        else:
+            policy = self.unwrapped().policy
+            with policy.disable_adapter():
+                out = policy(**kwargs)
+        if fused:
+            return fused_scores(out, resp_width)
+        logits = out.logits[:, :resp_width]
+        logprobs, entropy = response_logprobs(logits, response_ids, self.args.temperature)
+        return ResponseScores(logprobs, entropy, logits)
 
     def _apply_step_keep(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics."""
@@ -652,14 +678,14 @@ class PPOTrainer(PPOPlumbing):
         n = batch["input_ids"].shape[0]
         for start in range(0, n, args.mini_batch_size):
             mb = {k: v[start : start + args.mini_batch_size] for k, v in batch.items()}
+            full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
             with self.accelerator.autocast():
                 with self.routing.rollout_pass(mb["attention_mask"], mb.get(ROUTED_EXPERTS_KEY)) as rollout:
-                    logits, values = self._forward(self.model_wrapped, mb)
-                ref_logits = self._ref_logits(mb)  # outside the routing point: the reference is never replayed
-            logp, entropy = response_logprobs(logits, mb["response_ids"], args.temperature)
-            ref_logp, _ = response_logprobs(ref_logits, mb["response_ids"], args.temperature)
-            if args.kl_penalty == "full":
-                kl = full_kl(logits / args.temperature, ref_logits / args.temperature)
+                    scores, values = self._forward(self.model_wrapped, mb, need_logits=full)
+                ref = self._ref_scores(mb, need_logits=full)  # outside the routing point: never replayed
+            logp, entropy, ref_logp = scores.logprobs, scores.entropy, ref.logprobs
+            if full:
+                kl = full_kl(scores.logits / args.temperature, ref.logits / args.temperature)
             else:
                 kl = kl_estimate(logp, ref_logp, args.kl_penalty)
             values = values.float()
@@ -831,8 +857,8 @@ class PPOTrainer(PPOPlumbing):
         args = self.args
         mask = mb["response_mask"]
         with self.accelerator.autocast(), self.routing.update_pass(mb.get(ROUTED_EXPERTS_KEY)):
-            logits, values = self._forward(self.model_wrapped, mb)
-        logprobs, entropy = response_logprobs(logits, mb["response_ids"], args.temperature)
+            scores, values = self._forward(self.model_wrapped, mb)
+        logprobs, entropy = scores.logprobs, scores.entropy
         vpred = values[:, :-1].float()
         old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
         policy_mask = mask * mb["step_keep"] if "step_keep" in mb else mask  # invalid agent steps: no policy gradient

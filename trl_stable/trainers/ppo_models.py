@@ -10,17 +10,22 @@ import copy
 import importlib.util
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
-from trl.trainer.utils import disable_dropout_in_model, selective_log_softmax_and_entropy
+from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
 from trl_stable.trainers.value_head import ValueHead
 
 __all__ = [
     "PolicyAndValue",
+    "ResponseScores",
+    "add_fused_logprob_head",
+    "fused_logprob_labels",
+    "fused_scores",
     "backbone",
     "build_value_head",
     "create_reference_model",
@@ -185,10 +190,56 @@ def enable_gradient_checkpointing(model: nn.Module, value_backbone: nn.Module | 
         value_backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
+    """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`): called with ``fused_lm_head=True``
+    and labels it returns the labels' log-probs and the entropies, projecting through the LM head in tiles, so the
+    [B, R, V] logits never exist (at batch 64, 1,024 response tokens and a 152k vocabulary they would be ~20 GB in
+    bf16, ~40 GB as fp32 log-softmax). Generation and plain calls keep the original forward.
+
+    Returns whether the head was added (models without output embeddings keep the logits path). Patching a model
+    again (a second trainer on the same model) is safe: the newest patch, with its temperature, serves fused calls.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
+        return False
+    add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+    return True
+
+
+def fused_logprob_labels(input_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
+    """Labels for the fused head: the response block (the last R columns of `input_ids`) scored, the rest -100.
+
+    Every response column is scored, padding included, as the logits path does; the trainer masks padding later."""
+    labels = torch.full_like(input_ids, -100)
+    labels[:, -response_ids.shape[1] :] = response_ids
+    return labels
+
+
+@dataclass
+class ResponseScores:
+    """A forward pass's view of the response tokens: fp32 log-probs [B, R] (with grad when the pass has it), entropy
+    [B, R] (no grad; a metric), and the raw logits [B, R, V] only when a caller needs whole distributions (full
+    KL)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+def fused_scores(out: Any, response_width: int) -> ResponseScores:
+    """`ResponseScores` from a fused-head output (`trl.trainer.utils.FusedCausalLMOutput`, per position of the
+    shifted sequence: the last `response_width` are the response tokens')."""
+    return ResponseScores(
+        out.log_probs[:, -response_width:].float(), out.entropy[:, -response_width:].detach().float()
+    )
+
+
 class PolicyAndValue(nn.Module):
     """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronises them together.
 
-    forward returns the logits and values of the last `logits_to_keep` positions.
+    forward returns the logits and values of the last `logits_to_keep` positions; with `labels` (a policy given the
+    fused head, `add_fused_logprob_head`) the fused output (``log_probs`` / ``entropy`` per position) instead of
+    logits.
     """
 
     def __init__(self, policy: nn.Module, value_head: ValueHead, value_backbone: nn.Module | None):
@@ -197,7 +248,7 @@ class PolicyAndValue(nn.Module):
         self.value_head = value_head
         self.value_backbone = value_backbone
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int):
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int, labels=None):
         captured: dict[str, torch.Tensor] = {}
         handle = None
         if self.value_backbone is None:
@@ -207,13 +258,22 @@ class PolicyAndValue(nn.Module):
 
             handle = backbone(self.policy).register_forward_hook(grab)
         try:
-            out = self.policy(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=logits_to_keep,
-                use_cache=False,
-            )
+            if labels is None:
+                out = self.policy(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    logits_to_keep=logits_to_keep,
+                    use_cache=False,
+                )
+            else:
+                out = self.policy(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    labels=labels,
+                    fused_lm_head=True,
+                )
         finally:
             if handle is not None:
                 handle.remove()
@@ -224,6 +284,8 @@ class PolicyAndValue(nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
         values = self.value_head(hidden[:, -logits_to_keep:])
+        if labels is not None:
+            return out, values
         return out.logits[:, -logits_to_keep:], values
 
 
