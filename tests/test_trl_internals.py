@@ -23,12 +23,14 @@ from trl_stable.trl_internals import (
     GRPO_MEMBERS,
     GRPO_OPTIONAL_BATCH_KEYS,
     HELPER_MEMBERS,
+    LOGPS_FORWARD_SNIPPETS,
     MIRRORED,
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
     forward_kwargs,
     is_reference_pass,
     multimodal_forward_keys,
+    with_mask_position_ids,
 )
 
 
@@ -100,6 +102,45 @@ def test_mirrored_trl_logic_is_unchanged(mirror):
         assert snippet in source, (
             f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} mirrors: update {mirror.ours}"
         )
+
+
+def test_logps_pass_calls_the_model_with_ids_and_mask_only():
+    """`with_mask_position_ids` wraps the model TRL's log-prob pass calls: TRL must call it with the chunk's ids and
+    mask as keywords and set no position ids itself (else the wrapper's would be overridden or duplicated)."""
+    source = inspect.getsource(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    for snippet in LOGPS_FORWARD_SNIPPETS:
+        assert snippet in source, (
+            f"trl.GRPOTrainer._get_per_token_logps_and_entropies no longer contains {snippet!r}, which "
+            "trl_stable.trl_internals.with_mask_position_ids relies on"
+        )
+    assert '"position_ids"' not in source, (
+        "trl.GRPOTrainer._get_per_token_logps_and_entropies now sets position_ids: check "
+        "trl_stable.trl_internals.with_mask_position_ids"
+    )
+
+
+class _NoPositions(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None):
+        return input_ids
+
+
+class _Positions(torch.nn.Module):
+    config = "cfg"
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return position_ids
+
+
+def test_with_mask_position_ids_adds_them_only_where_the_forward_takes_them(trained):
+    trainer, _ = trained
+    plain = _NoPositions()
+    assert with_mask_position_ids(trainer, plain) is plain  # as generate: no position ids for such a model
+    wrapped = with_mask_position_ids(trainer, _Positions())
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert wrapped(input_ids=mask, attention_mask=mask).tolist() == [[0, 0, 1], [0, 1, 2]]
+    given = torch.tensor([[5, 6, 7]])
+    assert wrapped(input_ids=given, attention_mask=mask[:1], position_ids=given) is given  # never overridden
+    assert wrapped.config == "cfg" and wrapped.training  # attribute reads reach the model
 
 
 def _reward(completions, **kwargs):

@@ -28,12 +28,15 @@ from typing import Any
 
 import torch
 
+from trl_stable.core.positions import position_ids_from_mask
+
 __all__ = [
     "GRPO_BATCH_KEYS",
     "CONFIG_NAME_ATTRIBUTE",
     "GRPO_MEMBERS",
     "GRPO_OPTIONAL_BATCH_KEYS",
     "HELPER_MEMBERS",
+    "LOGPS_FORWARD_SNIPPETS",
     "MIRRORED",
     "REF_ADAPTER_NAME",
     "TRANSFORMERS_MEMBERS",
@@ -52,6 +55,7 @@ __all__ = [
     "reward_kwargs",
     "tokenizer_of",
     "train_mode",
+    "with_mask_position_ids",
 ]
 
 
@@ -132,7 +136,9 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         "override",
         _LOGPS_PARAMS,
         "3-tuple (logps [B, T], entropies | None, aux_loss | None); the parameters after compute_aux_loss are the "
-        "multimodal forward keys (`multimodal_forward_keys`)",
+        "multimodal forward keys (`multimodal_forward_keys`); `model` is only called, once per chunk, with the "
+        "chunk's `input_ids` and `attention_mask` as keywords and no `position_ids` (`LOGPS_FORWARD_SNIPPETS`), so "
+        "`with_mask_position_ids` can add them",
         _TRAINER_PY,
     ),
     Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
@@ -380,6 +386,48 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
 )
+
+# The lines of `trl.GRPOTrainer._get_per_token_logps_and_entropies` that `with_mask_position_ids` relies on: the
+# model is called with the chunk's ids and mask as keywords; the contract test also checks that TRL sets no
+# `position_ids` of its own.
+LOGPS_FORWARD_SNIPPETS = (
+    'model_inputs = {"input_ids": input_ids_batch, "attention_mask": attention_mask_batch}',
+    "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)",
+)
+
+
+class _MaskPositionIds:
+    """A model whose every call gets ``position_ids`` derived from that call's ``attention_mask``.
+
+    Attribute reads go to the model, so code that inspects it (its config, `training`) sees the model itself.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("position_ids") is None and kwargs.get("attention_mask") is not None:
+            kwargs["position_ids"] = position_ids_from_mask(kwargs["attention_mask"])
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def with_mask_position_ids(trainer: Any, model: torch.nn.Module) -> Any:
+    """`model` for `trl.GRPOTrainer._get_per_token_logps_and_entropies`, numbering each row from its first real token.
+
+    TRL's pass gives the model no position ids, so a left-padded row is numbered from its first (padding) column,
+    while HF `generate` numbers it from the attention mask (and vLLM sees no padding); see
+    `trl_stable.core.positions`. The returned callable adds `position_ids_from_mask(attention_mask)` to each call.
+    A model whose forward takes no `position_ids` is returned unchanged, as `generate` then passes none either.
+    """
+    inner = trainer.accelerator.unwrap_model(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT forwards **kwargs
+    if "position_ids" not in inspect.signature(inner.forward).parameters:
+        return model
+    return _MaskPositionIds(model)
+
 
 # Parameters of `_get_per_token_logps_and_entropies` that are not multimodal forward inputs.
 _LOGPS_CORE_PARAMS = ("self", *_LOGPS_PARAMS)

@@ -33,3 +33,4 @@ from trl_stable.core.policy_loss import (  # noqa: F401
     ppo_clip_term,
     pre_mask_token_mean,
 )
+from trl_stable.core.positions import position_ids_from_mask  # noqa: F401

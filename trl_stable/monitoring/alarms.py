@@ -89,9 +89,13 @@ _SPECS = [
         metric="mismatch/logp_abs_diff/mean",
         symptom="sampler vs trainer log-prob mean |diff| {value:.4f} > {threshold:.4f}",
         cause="the sampler and the trainer compute different probabilities for the same tokens: precision (fp8/int8 "
-        "vs bf16/fp32), tokenizer or chat-template differences, or MoE routing drift",
+        "vs bf16/fp32), tokenizer or chat-template differences, MoE routing drift, left-padding positions (a model "
+        "with absolute position embeddings, e.g. GPT-2, whose trainer forward numbers a left-padded row from its "
+        "first column while the sampler numbers it from its first real token), or dropout left on in the trainer",
         remedy="use the same precision on both sides, check the tokenizer and re-tokenization, use routing replay "
-        "on MoE models, and correct with the decoupled loss plus IcePop/KPop",
+        "on MoE models, derive position ids from the attention mask (trl_stable's GRPO does with use_decoupled_loss, "
+        "capture_sampler_logps or health_mismatch_monitor; PPO always), set disable_dropout=True, and correct with "
+        "the decoupled loss plus IcePop/KPop",
     ),
     AlarmSpec(
         name="token_filter_masked",
@@ -99,8 +103,8 @@ _SPECS = [
         metric="masked fraction",
         symptom="IcePop/KPop mask {value:.1%} of the tokens (alarm > {threshold:.1%})",
         cause="many tokens have a behaviour weight outside the filter band: large sampler/trainer mismatch",
-        remedy="check precision, tokenizer and MoE routing (routing replay); the filters hide the problem but waste "
-        "the masked samples",
+        remedy="check precision, tokenizer, MoE routing (routing replay), left-padding positions and dropout (see the "
+        "mismatch alarm); the filters hide the problem but waste the masked samples",
     ),
     AlarmSpec(
         name="retokenization",

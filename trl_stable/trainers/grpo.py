@@ -11,7 +11,9 @@ Data flow of one generation batch (`_generate_and_score_completions`):
    - `_generate_single_turn` / `_generate`: generation; with HF `generate` the sampler's per-token log-probs are
      recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`); R3 records
      the sampler's routing into the record;
-   - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it);
+   - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it); this and
+     every other log-prob pass get position ids from the attention mask while an option compares them with the
+     sampler's (`_positions_from_mask`), so left-padded rows are numbered as the sampler numbered them;
    - `_calculate_rewards`: TRL's sequence-level rewards into the record; the dense reward functions are prefetched
      (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. In TRL 1.16 this runs
      after TRL's old-logprob and reference passes, so the critic overlaps what follows it, not those passes.
@@ -77,10 +79,12 @@ from trl_stable.trl_internals import (
     forward_kwargs,
     is_reference_pass,
     log_metric,
+    multimodal_forward_keys,
     replace_logged_advantages,
     reward_kwargs,
     tokenizer_of,
     train_mode,
+    with_mask_position_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -526,6 +530,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             or (self._opt("health_monitor") and self._opt("health_mismatch_monitor"))
         )
 
+    def _positions_from_mask(self) -> bool:
+        """Whether the policy's forwards take position ids derived from the attention mask (`_policy_forward`).
+
+        On whenever trl_stable compares the trainer's log-probs with the sampler's (`_needs_sampler_logps`): HF
+        `generate` and vLLM number a left-padded row from its first real token, TRL's forward from the first column,
+        which on absolute position embeddings (GPT-2) moves the log-probs by up to nats. Off otherwise, so that a run
+        with every trl_stable option at its default keeps TRL's numbers.
+        """
+        return self._needs_sampler_logps()
+
     def _split_dense_reward_funcs(self) -> None:
         dense = [i for i, func in enumerate(self.reward_funcs) if is_dense_reward(func)]
         self.dense_reward_funcs = [self.reward_funcs[i] for i in dense]
@@ -634,6 +648,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ------------------------------------------------------------------ TRL's no-grad passes (routing point: rollout)
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         record = self._rollout
+        forward = self._policy_forward(model, args, kwargs)
         if (
             record is None  # outside TRL's batch building: the updates (replayed in `_compute_loss`)
             or not self.routing.active
@@ -641,7 +656,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             or is_reference_pass(self, model)  # the KL reference keeps its own routing
         ):
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+                forward, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
         # TRL's old-logprob pass of the policy on this call's batch: R2 records, R3 replays the sampler's routing
         sampled = None
@@ -649,12 +664,26 @@ class GRPOTrainer(trl.GRPOTrainer):
             sampled = batch_routing(record.sampled_routing, attention_mask, input_ids.shape[1] - logits_to_keep)
         with self.routing.rollout_pass(attention_mask, sampled) as rollout:
             out = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+                forward, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
         record.routing = rollout.routing
         if sampled is not None:
             self._log_routing("routing/rollout_")
         return out
+
+    def _policy_forward(self, model, args: tuple, kwargs: dict[str, Any]):
+        """`model`, or for a text batch while `_positions_from_mask()` a wrapper that adds position ids derived from
+        the attention mask to each forward (`trl_internals.with_mask_position_ids`), as the sampler numbered them.
+
+        Every pass goes through here (old-logprob, proximal, reference, update), so the ratios between them keep
+        comparing like with like. Multimodal batches keep the model's own numbering: models such as Qwen2-VL derive
+        3-D (M-RoPE) position ids from the images themselves.
+        """
+        if not self._positions_from_mask():
+            return model
+        if len(args) > 3 or any(kwargs.get(key) is not None for key in multimodal_forward_keys()):
+            return model
+        return with_mask_position_ids(self, model)
 
     # ------------------------------------------------------------------ rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

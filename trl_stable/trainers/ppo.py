@@ -46,6 +46,7 @@ from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lamb
 from trl_stable.core.kl import AdaptiveKLController, FixedKLController, full_kl, kl_estimate
 from trl_stable.core.masks import behaviour_weight, filter_behaviour_weight
 from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
+from trl_stable.core.positions import position_ids_from_mask
 from trl_stable.core.ppo_objective import (
     RunningMoments,
     clipped_value_loss,
@@ -525,7 +526,8 @@ class PPOTrainer(PPOPlumbing):
         batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+            # numbered from each row's first real token, as `generate` did: every pass agrees with the sampler
+            "position_ids": position_ids_from_mask(attention_mask),
             "response_ids": input_ids[:, prompt_width:],
             "response_mask": response_mask,
             "response_lengths": torch.tensor([len(r) for r in responses], device=device),
