@@ -53,6 +53,7 @@ __all__ = [
     "replace_logged_advantages",
     "reward_event_loop",
     "reward_kwargs",
+    "rng_state_file",
     "tokenizer_of",
     "train_mode",
     "with_mask_position_ids",
@@ -93,6 +94,7 @@ _LOGPS_PARAMS = (
     "compute_aux_loss",
 )
 _TRAINER_PY = ("trl_stable/trainers/grpo.py",)
+_CHECKPOINTS_PY = ("trl_stable/trainers/grpo_checkpoints.py",)
 
 GRPO_MEMBERS: tuple[Member, ...] = (
     Member(
@@ -195,6 +197,17 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         returns="group size in evaluation",
         used_in=_TRAINER_PY,
     ),
+    # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
+    Member(
+        _GRPO,
+        "_save_checkpoint",
+        "override",
+        ("model", "trial"),
+        "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: `rng_state_file`) and "
+        "rotates old checkpoints by `args.save_total_limit`, read inside this call",
+        _CHECKPOINTS_PY,
+    ),
+    Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _CHECKPOINTS_PY),
 )
 
 TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
@@ -205,6 +218,14 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
         ("generation_config",),
         "a LogitsProcessorList; trl_stable appends its sampler-log-prob recorder last",
         ("trl_stable/sampler_logprobs.py",),
+    ),
+    Member(
+        "transformers.trainer_utils",
+        "rotate_checkpoints",
+        "call",
+        ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"),
+        "None; deletes the oldest `checkpoint-*` folders beyond the limit (GRPO calls it after the marker)",
+        ("trl_stable/trainers/grpo_checkpoints.py",),
     ),
     Member(
         "transformers.modeling_layers.GradientCheckpointingLayer",
@@ -378,6 +399,26 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
+        "trl_stable.trainers.grpo_checkpoints.GRPOCheckpoints._save_checkpoint",
+        "transformers.Trainer._save_checkpoint",
+        (
+            "rotate_checkpoints(",
+            "output_dir=run_dir,",
+            "save_total_limit=self.args.save_total_limit,",
+            "best_model_checkpoint=self.state.best_model_checkpoint,",
+            "use_mtime=True,",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trl_internals.rng_state_file",
+        "transformers.Trainer._save_rng_state",
+        (
+            "if self.args.world_size <= 1:",
+            'torch.save(rng_states, os.path.join(output_dir, "rng_state.pth"))',
+            'torch.save(rng_states, os.path.join(output_dir, f"rng_state_{self.args.process_index}.pth"))',
+        ),
+    ),
+    Mirrored(
         "trl_stable.rewards.dense.weighted_reward_sum",
         "trl.GRPOTrainer._generate_and_score_completions",
         (
@@ -489,6 +530,13 @@ def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None
     for _ in range(min(len(logged), len(advantages))):
         logged.pop()
     logged.extend(advantages)
+
+
+def rng_state_file(trainer: Any) -> str:
+    """The name of this process's RNG file in a checkpoint transformers' `Trainer` wrote (see `MIRRORED`)."""
+    if trainer.args.world_size <= 1:
+        return "rng_state.pth"
+    return f"rng_state_{trainer.args.process_index}.pth"
 
 
 def tokenizer_of(trainer: Any) -> Any:

@@ -467,9 +467,13 @@ class RunLog:
         self.start = self.step = 0
         resume_from = args.ppo_config.resume_from_checkpoint
         if resume_from:
-            trainer.load_checkpoint(resume_from)
+            trainer.load_checkpoint(resume_from, reward_funcs=self._stateful())
             self.start = self.step = trainer.state.global_step
             self.history = _read_history(save_path)[: self.start]
+
+    def _stateful(self) -> list:
+        """The critic, whose counters the checkpoints carry (the trainer does not hold it in a step loop)."""
+        return [] if self.critic is None else [self.critic]
 
     def batches(self, records: Sequence[dict]) -> Iterator[list[dict]]:
         """The prompt batches of this process (`PromptBatches`), from the step the run starts at."""
@@ -500,7 +504,8 @@ class RunLog:
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row['env_reward']:.3f}", kl=f"{row['kl']:.2f}")
         if self.save_freq and self.step % self.save_freq == 0:
-            self.trainer.save_checkpoint(os.path.join(self.save_path, f"checkpoint-{self.step}"))
+            path = os.path.join(self.save_path, f"checkpoint-{self.step}")
+            self.trainer.save_checkpoint(path, reward_funcs=self._stateful())
             if acc.is_main_process:  # a resumed run picks its curve up from here
                 write_history(self.history, self.save_path)
         return row

@@ -264,3 +264,67 @@ def test_dashboard_on_train_end(tmp_path):
     args = SimpleNamespace(output_dir=str(tmp_path), max_completion_length=16)
     simulate(HealthMonitor(dashboard_on_train_end=True), args, records(6))
     assert (tmp_path / "health_dashboard.png").stat().st_size > 10_000
+
+
+def _feed(monitor, args, state, control, logs_list, first_step):
+    flags = []
+    for step, logs in enumerate(logs_list, start=first_step):
+        state.global_step = step
+        logs = dict(logs)
+        state.log_history.append({**logs, "step": step})
+        monitor.on_log(args, state, control, logs=logs)
+        flags.append({k: v for k, v in logs.items() if k.startswith("health/")})
+    return flags
+
+
+def test_checkpoint_state_resumes_alarms_ceiling_remedy_and_events(tmp_path):
+    """A monitor restored from a step-4 checkpoint (through torch's safe loader) behaves from step 5 on exactly as
+    the one that ran on: the zero-std alarm and its remedy stay on, the reward ceiling is kept."""
+    import torch
+
+    logs = records(8, frac_reward_zero_std=lambda i: 0.9, reward=lambda i: [0.2, 0.9, 0.3, 0.4, 0.5, 0.1, 0.2, 0.3][i])
+    config = dict(remedy_virtual_samples=True, reward_max=None, health_file=None)
+    args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")
+    straight = HealthMonitor(**config)
+    state, control = TrainerState(), TrainerControl()
+    straight.on_train_begin(args, state, control)
+    before = _feed(straight, args, state, control, logs[:4], 1)
+    assert before[-1]["health/alarm/zero_std"] == 1.0 and args.advantage_estimator == "ngrpo"
+    torch.save(straight.checkpoint_state(), tmp_path / "state.pt")
+    after_straight = _feed(straight, args, state, control, logs[4:], 5)
+
+    resumed_args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")  # a fresh process's args
+    resumed = HealthMonitor(**config)
+    resumed.load_checkpoint_state(torch.load(tmp_path / "state.pt", weights_only=True), args=resumed_args)
+    assert resumed_args.advantage_estimator == "ngrpo"  # the remedy is on again
+    state = TrainerState()
+    state.global_step = 4
+    resumed.on_train_begin(resumed_args, state, TrainerControl())
+    assert _feed(resumed, resumed_args, state, TrainerControl(), logs[4:], 5) == after_straight
+    assert after_straight[0]["health/alarm/zero_std"] == 1.0 and after_straight[0]["health/reward_ceiling"] == 0.9
+    assert resumed.checkpoint_state() == straight.checkpoint_state()
+    assert resumed.summary() == straight.summary()
+    resumed.on_train_end(resumed_args, state, TrainerControl())
+    assert resumed_args.advantage_estimator == "grpo"  # the user's value, restored at the end
+
+
+def test_resume_drops_the_records_a_killed_run_wrote_after_the_checkpoint(tmp_path):
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    simulate(HealthMonitor(), args, records(5))
+    with open(tmp_path / "health.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"type": "metrics", "st')  # the kill cut the last line short
+    monitor = HealthMonitor()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3  # resumed from the checkpoint of step 3
+    monitor.on_train_begin(args, state, control)
+    _feed(monitor, args, state, control, records(2), 4)
+    lines = read_health(tmp_path / "health.jsonl")
+    assert [(r["type"], r["step"]) for r in lines if r["type"] != "alarm"] == [
+        ("meta", 0),
+        ("metrics", 1),
+        ("metrics", 2),
+        ("metrics", 3),
+        ("meta", 3),
+        ("metrics", 4),
+        ("metrics", 5),
+    ]

@@ -531,3 +531,33 @@ def test_rejected_key_stops_the_run_at_the_first_step(tokenizer, monkeypatch, co
         assert m["critic/auth_errors"] >= 1 and m["critic/attempts"] <= 3 and m["critic/retries"] == 0
         assert m["critic/steps"] == 1  # the failing step is still recorded
         fn.close()
+
+
+def test_checkpoint_state_continues_the_counters(tokenizer):
+    """A critic restored from a checkpoint (through torch's safe loader) counts on from the saved counts: after the
+    same calls its metrics are those of the critic that ran on (the backend's counters included)."""
+    import io
+
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, intrinsic_reward_threshold=0.5, max_consecutive_failing_steps=3
+    )
+    completions = [" The plot was great but the ending was boring.", " It rained."]
+    ids = encode(tokenizer, completions)
+    straight = CriticIntrinsicReward(cfg, tokenizer, backend=ScriptedCritic(lambda p: None))  # every request fails
+    straight(["p", "p"], completions, ids, env_rewards=[0.1, 0.2])
+    buffer = io.BytesIO()
+    torch.save(straight.checkpoint_state(), buffer)
+    resumed = CriticIntrinsicReward(cfg, tokenizer, backend=ScriptedCritic(lambda p: None))
+    buffer.seek(0)
+    resumed.load_checkpoint_state(torch.load(buffer, weights_only=True))
+    for fn in (straight, resumed):
+        fn(["p", "p"], completions, ids, env_rewards=[0.1, 0.9])
+
+    def counts(fn):
+        return {k: v for k, v in fn.metrics().items() if "seconds" not in k}
+
+    assert counts(resumed) == counts(straight)
+    assert counts(resumed)["critic/requests"] == 3 and counts(resumed)["critic/steps"] == 2
+    assert resumed.consecutive_failing_steps == 2  # the third failing step in a row raises, resumed or not
+    with pytest.raises(CriticFailureError, match="3 consecutive steps"):
+        resumed(["p"], completions[:1], ids[:1], env_rewards=[0.1])

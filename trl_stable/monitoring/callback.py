@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import asdict
 from typing import Any
 
 from transformers import TrainerCallback
@@ -100,7 +101,64 @@ class HealthMonitor(TrainerCallback):
             callbacks.insert(0, self)
         return self
 
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The monitor's state for a checkpoint: the tracker's (alarm debouncing, reward window and ceiling,
+        references), the events so far, and the remedy and stop flags. trl_stable's trainers save it with every
+        checkpoint and restore it on resume, so an alarm active at the save is still active on the next step."""
+        return {
+            "tracker": self.tracker.checkpoint_state(),
+            "events": [asdict(event) for event in self.events],
+            "remedy_active": self.remedy_active,
+            "saved_remedy_value": self._saved_remedy_value,
+            "stopped": self._stopped,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any], args: Any = None) -> None:
+        """Continue from `checkpoint_state()`'s output. With the virtual-samples remedy active at the save, `args`
+        (the trainer arguments) gets it back. A run the monitor stopped is not stopped again when resumed: resuming
+        after a stop is the user's decision (the alarm stays active and flagged)."""
+        self.tracker.load_checkpoint_state(state["tracker"])
+        self.events = [HealthEvent(**event) for event in state["events"]]
+        self.remedy_active = state["remedy_active"]
+        self._saved_remedy_value = state["saved_remedy_value"]
+        self._stopped = state["stopped"]
+        if self.remedy_active and args is not None:
+            setattr(args, self.config.virtual_samples_attr, self.config.virtual_samples_value)
+
     # ---- file -----------------------------------------------------------------------------------------------
+    def _drop_records_after(self, step: int) -> None:
+        """Remove the records of steps after `step` from the health file: a run resumed from the checkpoint of
+        `step` redoes them, and a killed run may have logged them (or half a line) after that checkpoint."""
+        if self.health_path is None or not os.path.isfile(self.health_path):
+            return
+        kept, dropped = [], 0
+        with open(self.health_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by the kill
+                    dropped += 1
+                    continue
+                if isinstance(record, dict) and int(record.get("step") or 0) > step:
+                    dropped += 1
+                else:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if not dropped:
+            return
+        tmp = self.health_path + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.health_path)
+        except OSError as err:
+            logger.warning("[health] cannot rewrite %s (%s); the health file is switched off.", self.health_path, err)
+            self.health_path = None
+            return
+        logger.info(
+            "[health] resumed at step %d: dropped %d later record(s) from %s.", step, dropped, self.health_path
+        )
+
     def _write(self, record: dict[str, Any], mode: str = "a") -> None:
         if self.health_path is None:
             return
@@ -120,6 +178,8 @@ class HealthMonitor(TrainerCallback):
         if self.config.health_file and state.is_world_process_zero and getattr(args, "output_dir", None):
             os.makedirs(args.output_dir, exist_ok=True)
             self.health_path = os.path.join(args.output_dir, self.config.health_file)
+            if state.global_step > 0:
+                self._drop_records_after(state.global_step)
             self._write(
                 {"type": "meta", "step": state.global_step, **self.tracker.meta()},
                 # A fresh run starts a fresh file; a resumed one (global_step > 0) appends to its history.

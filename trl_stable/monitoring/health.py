@@ -558,6 +558,32 @@ class HealthTracker:
             "max_completion_length": self.max_completion_length,
         }
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything `update` carries from one record to the next (alarm debouncing, the reward window and ceiling,
+        the references of the relative floors), as plain values for a checkpoint."""
+        return {
+            "alarms": {name: asdict(state) for name, state in self.states.items()},
+            "rewards": list(self.rewards),
+            "reward_ceiling": self.reward_ceiling,
+            "references": {gauge: list(values) for gauge, values in self._references.items()},
+            "max_completion_length": self.max_completion_length,
+        }
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from `checkpoint_state()`'s output: the next `update` behaves as it would have in the saved run.
+
+        Alarms this tracker has but the saved one had not (disabled then) start from rest; saved alarms disabled now
+        are ignored.
+        """
+        for name, saved in state["alarms"].items():
+            if name in self.states:
+                self.states[name] = _AlarmState(**saved)
+        self.rewards = deque(state["rewards"], maxlen=self.config.plateau_window)
+        self.reward_ceiling = state["reward_ceiling"]
+        self._references = {gauge: list(state["references"].get(gauge, [])) for gauge in self._references}
+        if self.config.max_completion_length is None and state["max_completion_length"] is not None:
+            self.max_completion_length = state["max_completion_length"]
+
     def flags(self) -> dict[str, float]:
         """`health/*` metrics for the trainer's logs: the number of active alarms and one 0/1 flag per alarm."""
         flags = {"health/active_alarms": float(len(self.active))}

@@ -73,6 +73,11 @@ class CriticCounters:
         with self._lock:
             return dict(self._values)
 
+    def restore(self, values: dict[str, int]) -> None:
+        """Continue from a `snapshot()` (a resumed run's counters go on from the checkpoint's)."""
+        with self._lock:
+            self._values = {**dict.fromkeys(COUNTER_NAMES, 0), **{k: int(v) for k, v in values.items()}}
+
 
 class CriticJob:
     """The pending answers of one `CriticBackend.submit` call.

@@ -741,6 +741,24 @@ class CriticIntrinsicReward:
         out["critic/consecutive_failing_steps"] = float(self.consecutive_failing_steps)
         return out
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The cumulative counts (this function's and its backend's), the last step's metrics and the failing-step
+        count, for a checkpoint: trl_stable's trainers save it and restore it on resume, so the counters go on."""
+        return {
+            "counts": dict(self._counts),
+            "last": dict(self._last),
+            "consecutive_failing_steps": self.consecutive_failing_steps,
+            "backend_counters": self.backend.counters.snapshot() if self.backend is not None else None,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Continue from `checkpoint_state()`'s output."""
+        self._counts = {**dict.fromkeys(_STEP_COUNTERS, 0), **state["counts"]}
+        self._last = dict(state["last"])
+        self.consecutive_failing_steps = int(state["consecutive_failing_steps"])
+        if self.backend is not None and state["backend_counters"] is not None:
+            self.backend.counters.restore(state["backend_counters"])
+
     def close(self) -> None:
         if self.backend is not None:
             self.backend.close()

@@ -72,6 +72,7 @@ from trl_stable.rewards.dense import (
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.grpo_checkpoints import GRPOCheckpoints
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
@@ -444,7 +445,7 @@ class RolloutRecord:
     routing: torch.Tensor | None = None
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
     filters, dense rewards, dynamic sampling, overlong penalty, NaN-reward handling and MoE routing replay.
 
@@ -1056,6 +1057,27 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._log(metric, value)
 
     # ------------------------------------------------------------------ the updates (routing point: update)
+    # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)
+    def _named_reward_funcs(self) -> list[tuple[str, Any]]:
+        return [
+            *zip(self.reward_func_names, self.reward_funcs),
+            *zip(self.dense_reward_func_names, self.dense_reward_funcs),
+        ]
+
+    def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(shared, per-process) state for a checkpoint: the NaN-reward count (of the gathered batch, the same on
+        every process) and this process's refill RNG (None until the first refill draws from it)."""
+        refill = getattr(self, "_refill_generator", None)
+        shared = {"nan_dropped_total": self._nan_dropped_total}
+        return shared, {"refill_generator": None if refill is None else refill.get_state()}
+
+    def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
+        self._nan_dropped_total = int(shared["nan_dropped_total"])
+        if per_process is not None and per_process["refill_generator"] is not None:
+            generator = torch.Generator()
+            generator.set_state(per_process["refill_generator"])
+            self._refill_generator = generator  # `_refill_prompts` draws from it instead of seeding a new one
+
     def _compute_loss(self, model, inputs):
         routing = inputs.get(ROUTED_EXPERTS_KEY)
         with self.routing.update_pass(routing):

@@ -963,8 +963,10 @@ class PPOTrainer(PPOPlumbing):
         (or `args.num_train_epochs` passes). Saves checkpoints per `args.save_strategy`/`save_steps`.
 
         Args:
-            resume_from_checkpoint: A checkpoint directory, or True for the latest in `args.output_dir`. Restores
-                weights, optimizer, scheduler, KL controller, running score statistics, RNG and data position.
+            resume_from_checkpoint: A checkpoint directory, or True for the newest complete one in `args.output_dir`
+                (newer incomplete ones are skipped and logged). Restores weights, optimizer, scheduler, KL
+                controller, running score statistics, RNG, data position, the health monitor and the reward
+                functions' counters (see docs/reliability.md).
         """
         args = self.args
         if self.train_dataset is None:
@@ -987,10 +989,9 @@ class PPOTrainer(PPOPlumbing):
                 scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
             )
             self.callback_handler.lr_scheduler = self.lr_scheduler
-        if resume_from_checkpoint:
-            if resume_from_checkpoint is True:
-                resume_from_checkpoint = self._latest_checkpoint()
-            self.load_checkpoint(resume_from_checkpoint)
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)  # the newest complete one for True
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
         self._begin(max_steps)
         total_per_step = args.batch_size * self.accelerator.num_processes
         rank = self.accelerator.process_index
@@ -1036,6 +1037,9 @@ class PPOTrainer(PPOPlumbing):
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         self.kl_ctl.value = state["kl_coef"]
         self.running.load_state_dict(state["running"])
+
+    def _named_reward_funcs(self) -> list[tuple[str, Any]]:
+        return list(zip(self.rewards.names, self.rewards.funcs))
 
     def _log_completions(self, prompts: list[Any], responses: list[torch.Tensor], rewards: Any) -> None:
         """The `completions` table of a logged `train()` step (prompt, completion, reward from every process), as

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import random
-import re
+import shutil
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,10 +28,31 @@ from transformers.trainer_callback import (
     TrainerState,
 )
 
+from trl_stable.trainers.checkpoints import (
+    TRAINER_STATE_FILE,
+    CheckpointInfo,
+    collect_stable_state,
+    fsync_tree,
+    load_stable_state,
+    publish,
+    resolve_checkpoint,
+    restore_stable_state,
+    save_durably,
+    stable_state_file,
+    temporary_folder,
+    write_marker,
+)
+
 __all__ = ["PPOPlumbing"]
 
 STATE_FILE = "ppo_state.pt"
 TRAINABLE_FILE = "trainable_weights.pt"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def rng_file(process_index: int) -> str:
+    """The RNG-state file of process `process_index` in a PPO checkpoint."""
+    return f"rng_state_{process_index}.pth"
 
 
 class PPOPlumbing:
@@ -39,7 +61,7 @@ class PPOPlumbing:
     The trainer sets `args`, `accelerator`, `model_wrapped` (a `PolicyAndValue`, possibly DDP-wrapped),
     `processing_class`, `optimizer`, `lr_scheduler` and a `shuffle_generator`, then calls `_init_plumbing`. It
     supplies `_algorithm_state()` / `_load_algorithm_state(state)` for what its checkpoints add (e.g. the KL
-    coefficient).
+    coefficient) and `_named_reward_funcs()` (reward functions with checkpoint state, such as critic counters).
     """
 
     def _init_plumbing(self, callbacks: list[TrainerCallback] | None) -> None:
@@ -150,33 +172,46 @@ class PPOPlumbing:
         if unwrapped.value_backbone is not None:
             unwrapped.value_backbone.save_pretrained(os.path.join(output_dir, "value_model"))
 
-    def _latest_checkpoint(self) -> str:
-        out = self.args.output_dir
-        found = [d for d in os.listdir(out) if re.fullmatch(r"checkpoint-\d+", d)] if os.path.isdir(out) else []
-        if not found:
-            raise ValueError(f"resume_from_checkpoint=True but {out} holds no checkpoint-N directory.")
-        return os.path.join(out, max(found, key=lambda d: int(d.split("-")[1])))
+    def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
+        """Save a resumable checkpoint (weights, optimizer, scheduler, the algorithm's state, RNG, trainer state,
+        trl_stable's state: health monitor, reward-function counters); returns its directory (default
+        `output_dir/checkpoint-{global_step}`). Call it on every process.
 
-    def save_checkpoint(self, output_dir: str | None = None) -> str:
-        """Save a resumable checkpoint (weights, optimizer, scheduler, the algorithm's state, RNG, trainer state);
-        returns its directory (default `output_dir/checkpoint-{global_step}`)."""
-        output_dir = output_dir or os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        self.save_model(output_dir)
-        if self.accelerator.is_main_process:
+        `reward_funcs`: reward functions the trainer does not hold (a step-API loop's critic) whose
+        ``checkpoint_state()`` is saved too; pass the same to `load_checkpoint`.
+
+        Atomic: everything is written into a temporary folder next to the final one, flushed to disk, marked
+        complete and renamed (`trl_stable.trainers.checkpoints`), so the directory exists only complete; a kill while
+        saving leaves the temporary folder, which resume skips. An existing checkpoint of the same name is replaced.
+        """
+        final = os.path.normpath(
+            output_dir or os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        )
+        tmp = temporary_folder(final)
+        accelerator = self.accelerator
+        main = accelerator.is_main_process
+        accelerator.wait_for_everyone()  # every process is done with the step before the folder is (re)made
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier save of this step that was killed
+            os.makedirs(tmp)
+        accelerator.wait_for_everyone()  # the folder exists before the other processes write into it
+        if main:
+            # `_write_model`, not `save_model`: the latter waits for the other processes, which are not in this branch
+            self._write_model(tmp)
             unwrapped = self.unwrapped()
             trainable = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
             weights = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items() if k in trainable}
-            torch.save(weights, os.path.join(output_dir, TRAINABLE_FILE))
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
+            save_durably(weights, os.path.join(tmp, TRAINABLE_FILE))
+            save_durably(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             if self.lr_scheduler is not None:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
-            torch.save(self._algorithm_state(), os.path.join(output_dir, STATE_FILE))
+                save_durably(self.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_FILE))
+            save_durably(self._algorithm_state(), os.path.join(tmp, STATE_FILE))
             self.state.stateful_callbacks = {
                 type(cb).__name__: cb.state()
                 for cb in self.callback_handler.callbacks
                 if isinstance(cb, ExportableState)
             }
-            self.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+            self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_FILE))
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -185,16 +220,48 @@ class PPOPlumbing:
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, os.path.join(output_dir, f"rng_state_{self.accelerator.process_index}.pth"))
-        self.accelerator.wait_for_everyone()
+        rank = accelerator.process_index
+        # part of the atomic unit: a checkpoint without this process's RNG would resume differently, silently
+        save_durably(rng, os.path.join(tmp, rng_file(rank)))
+        save_durably(self._stable_state(reward_funcs), os.path.join(tmp, stable_state_file(rank)))
+        accelerator.wait_for_everyone()  # every process's files are on disk before the marker lists them
+        if main:
+            fsync_tree(tmp)  # save_pretrained does not flush
+            write_marker(tmp, self.state.global_step, accelerator.num_processes)
+            publish(tmp, final)
+        accelerator.wait_for_everyone()  # no process reports or reads the checkpoint before it is in place
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        return output_dir
+        return final
 
-    def load_checkpoint(self, checkpoint_dir: str) -> None:
+    def _all_reward_funcs(self, extra: Sequence[Any]) -> list[tuple[str, Any]]:
+        return self._named_reward_funcs() + [(getattr(f, "__name__", type(f).__name__), f) for f in extra]
+
+    def _stable_state(self, reward_funcs: Sequence[Any]) -> dict[str, Any]:
+        return collect_stable_state(getattr(self, "health_monitor", None), self._all_reward_funcs(reward_funcs))
+
+    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | None) -> CheckpointInfo | None:
+        """The checkpoint `train(resume_from_checkpoint=...)` resumes from: True takes the newest complete one in
+        `args.output_dir` (logging the newer ones skipped, and why); a folder is checked. Raises ValueError, naming
+        the folder and the fix, for an incomplete one."""
+        rank = self.accelerator.process_index
+        return resolve_checkpoint(
+            resume_from_checkpoint,
+            self.args.output_dir,
+            self.accelerator.num_processes,
+            required=(STATE_FILE, TRAINABLE_FILE, "optimizer.pt"),
+            per_process=(rng_file(rank),),
+        )
+
+    def load_checkpoint(self, checkpoint_dir: str | CheckpointInfo, reward_funcs: Sequence[Any] = ()) -> None:
         """Restore everything `save_checkpoint` wrote (for the step API; `train(resume_from_checkpoint=...)` calls
-        it)."""
-        if not os.path.isfile(os.path.join(checkpoint_dir, STATE_FILE)):
-            raise ValueError(f"{checkpoint_dir} is not a PPOTrainer checkpoint (no {STATE_FILE}).")
+        it), `reward_funcs` as in `save_checkpoint`. The folder must be a complete checkpoint (its RNG file
+        included); ValueError names the folder, what is missing and the fix."""
+        info = checkpoint_dir
+        if not isinstance(info, CheckpointInfo):
+            if not checkpoint_dir:
+                raise ValueError(f"load_checkpoint needs a checkpoint folder, got {checkpoint_dir!r}.")
+            info = self._resolve_checkpoint(checkpoint_dir)
+        checkpoint_dir = info.path
         unwrapped = self.unwrapped()
         weights = torch.load(os.path.join(checkpoint_dir, TRAINABLE_FILE), map_location="cpu")
         missing = {n for n, p in unwrapped.named_parameters() if p.requires_grad} - set(weights)
@@ -204,23 +271,29 @@ class PPOPlumbing:
         self.optimizer.load_state_dict(
             torch.load(os.path.join(checkpoint_dir, "optimizer.pt"), map_location="cpu", weights_only=False)
         )
-        sched_path = os.path.join(checkpoint_dir, "scheduler.pt")
+        sched_path = os.path.join(checkpoint_dir, SCHEDULER_FILE)
+        # a step-API checkpoint has no scheduler (the marker vouches that none was lost): train() starts its own
         if self.lr_scheduler is not None and os.path.isfile(sched_path):
             self.lr_scheduler.load_state_dict(torch.load(sched_path, weights_only=False))
         self._load_algorithm_state(torch.load(os.path.join(checkpoint_dir, STATE_FILE), weights_only=False))
-        loaded = TrainerState.load_from_json(os.path.join(checkpoint_dir, "trainer_state.json"))
+        loaded = TrainerState.load_from_json(os.path.join(checkpoint_dir, TRAINER_STATE_FILE))
         self.state.global_step = loaded.global_step
         self.state.epoch = loaded.epoch
         self.state.log_history = loaded.log_history
-        rng_path = os.path.join(checkpoint_dir, f"rng_state_{self.accelerator.process_index}.pth")
-        if os.path.isfile(rng_path):
-            rng = torch.load(rng_path, weights_only=False)
+        if info.same_processes:
+            rng = torch.load(
+                os.path.join(checkpoint_dir, rng_file(self.accelerator.process_index)), weights_only=False
+            )
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
             torch.set_rng_state(rng["torch"])
             self.shuffle_generator.set_state(rng["shuffle"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        stable = load_stable_state(info, self.accelerator.process_index)
+        if stable is not None:
+            monitor = getattr(self, "health_monitor", None)
+            restore_stable_state(stable, monitor, self._all_reward_funcs(reward_funcs), self.args)
 
     # ------------------------------------------------------------------ supplied by the trainer
     def _algorithm_state(self) -> dict[str, Any]:
@@ -228,3 +301,7 @@ class PPOPlumbing:
 
     def _load_algorithm_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _named_reward_funcs(self) -> list[tuple[str, Any]]:
+        """(name, function) of the reward functions, whose checkpoint state (e.g. critic counters) is saved."""
+        return []

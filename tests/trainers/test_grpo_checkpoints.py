@@ -1,0 +1,162 @@
+"""GRPO checkpoints: marked complete after transformers wrote them, resumed from the newest complete one, with the
+dynamic-sampling refill RNG, the NaN-reward count and the health monitor restored (the continuation equals the
+uninterrupted run), and old checkpoints rotated only once the new one is complete."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable.testing import build_causal_lm
+from trl_stable.trainers.checkpoints import MARKER_FILE, checkpoint_problem
+
+PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
+
+
+def reward(prompts, completions, **kwargs):
+    """Groups of the second prompt have no variance (dynamic sampling drops and refills them); the first prompt's
+    odd-length completions have no reward (dropped and counted)."""
+    out = []
+    for prompt, completion in zip(prompts, completions):
+        if prompt == PROMPTS[0] and len(completion) % 2:
+            out.append(None)
+        elif prompt == PROMPTS[1]:
+            out.append(1.0)
+        else:
+            out.append(float(len(completion)))
+    return out
+
+
+def make(tokenizer, out, max_steps=3, **overrides):
+    config = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=0,
+        report_to="none",
+        save_strategy="steps",
+        save_steps=1,
+        use_cpu=True,
+        dynamic_sampling=True,
+        dynamic_sampling_max_refills=2,
+        # reward_above_max (reward_max 1.0) is raised at step 2: the step-2 checkpoint has it active
+        health_monitor_kwargs={"patience": 2},
+    )
+    config.update(overrides)
+    return GRPOTrainer(
+        model=build_causal_lm("qwen2", tokenizer, seed=0),
+        reward_funcs=reward,
+        args=GRPOConfig(**config),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        processing_class=tokenizer,
+    )
+
+
+def steps(trainer):
+    """The per-step logs without wall-clock timings."""
+    return [
+        {k: v for k, v in h.items() if k not in ("step_time", "train_runtime") and "per_second" not in k}
+        for h in trainer.state.log_history
+        if "loss" in h
+    ]
+
+
+def assert_same_weights(a, b):
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    from trl_stable.testing import build_tokenizer
+
+    trainer = make(build_tokenizer(), tmp_path_factory.mktemp("straight"))
+    trainer.train()
+    logs = steps(trainer)
+    assert [h["dynamic_sampling/refill_rounds"] for h in logs] == [2.0, 1.0, 1.0]  # refills at every step
+    assert logs[1]["health/alarm/reward_above_max"] == 1.0
+    return trainer
+
+
+def test_resume_continues_as_the_uninterrupted_run(straight, tokenizer, tmp_path):
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-2")
+    assert checkpoint_problem(checkpoint) is None
+    marker = json.loads(open(os.path.join(checkpoint, MARKER_FILE)).read())
+    assert {"trainer_state.json", "rng_state.pth", "trl_stable_state_0.pt"} <= set(marker["files"])
+    resumed = make(tokenizer, tmp_path)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert_same_weights(straight, resumed)
+    # step 3 draws the refill prompts the uninterrupted run drew, counts NaN rewards on from step 2, and still flags
+    # the alarm active at step 2 with the reward ceiling reached so far
+    assert steps(resumed) == steps(straight)
+    assert resumed._nan_dropped_total == straight._nan_dropped_total > 0
+    assert torch.equal(resumed._refill_generator.get_state(), straight._refill_generator.get_state())
+
+
+def _fail_on(monkeypatch, name):
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if os.path.basename(str(getattr(f, "name", f))) == name:
+            raise OSError(f"killed while writing {name}")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+@pytest.mark.parametrize("killed_file", ["rng_state.pth", "trl_stable_state_0.pt"])
+def test_kill_while_saving_falls_back_to_the_previous_complete_checkpoint(
+    straight, tokenizer, tmp_path, monkeypatch, caplog, killed_file
+):
+    """A kill inside transformers' save (the RNG file) or after it (trl_stable's state, once transformers has
+    rotated): with save_total_limit=1 the step-1 checkpoint is still there, and resume=True takes it."""
+    killed = make(tokenizer, tmp_path, save_total_limit=1)
+    real = killed._save_checkpoint
+
+    def save_checkpoint(model, trial):
+        if killed.state.global_step == 2:
+            _fail_on(monkeypatch, killed_file)
+        return real(model, trial)
+
+    killed._save_checkpoint = save_checkpoint
+    with pytest.raises(OSError, match=f"killed while writing {killed_file}"):
+        killed.train()
+    monkeypatch.undo()
+    assert checkpoint_problem(str(tmp_path / "checkpoint-1")) is None
+    assert (
+        checkpoint_problem(str(tmp_path / "checkpoint-2")) == "saving it was interrupted (its marker says incomplete)"
+    )
+
+    resumed = make(tokenizer, tmp_path, save_total_limit=1)
+    with caplog.at_level(logging.WARNING, logger="trl_stable.trainers.checkpoints"):
+        resumed.train(resume_from_checkpoint=True)
+    assert f"Resuming from {tmp_path / 'checkpoint-1'}, the newest complete checkpoint; skipped: checkpoint-2" in (
+        caplog.text
+    )
+    assert_same_weights(straight, resumed)
+    assert steps(resumed) == steps(straight)
+    health = [json.loads(line) for line in (tmp_path / "health.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in health if r["type"] == "metrics"] == [1, 2, 3]  # the killed run's step 2 is gone
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert checkpoint_problem(str(tmp_path / "checkpoint-3")) is None
+
+
+def test_checkpoint_without_trainer_state_is_refused_with_the_fix(straight, tokenizer, tmp_path):
+    import shutil
+
+    for step in (1, 2):
+        shutil.copytree(os.path.join(straight.args.output_dir, f"checkpoint-{step}"), tmp_path / f"checkpoint-{step}")
+    os.remove(tmp_path / "checkpoint-2" / "trainer_state.json")
+    trainer = make(tokenizer, tmp_path)
+    with pytest.raises(ValueError) as err:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert f"{tmp_path / 'checkpoint-2'} has no trainer_state.json" in str(err.value)
+    assert f"Fix: resume from {tmp_path / 'checkpoint-1'}" in str(err.value)

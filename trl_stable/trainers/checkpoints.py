@@ -1,0 +1,412 @@
+"""Checkpoints both trainers can trust: complete or recognisably incomplete, found by resume, carrying trl_stable's
+own state.
+
+**The marker.** A checkpoint is complete when it holds `MARKER_FILE` with ``"complete": true``: the main process
+writes it last, after every process has written its files and flushed them to disk, with the size of every file in
+the folder. Resume checks those sizes, so a file cut short or lost after the fact is noticed too.
+
+- `PPOTrainer` writes a checkpoint into a hidden temporary folder next to the final one (``.tmp-checkpoint-N``) and
+  renames it when the marker is in. A rename within one filesystem is atomic, so ``checkpoint-N`` never exists
+  half-written; a kill while saving leaves only the temporary folder.
+- `GRPOTrainer`'s checkpoints are written by transformers' `Trainer` straight into ``checkpoint-N``, file by file, the
+  trainer state last; that is not atomic, and transformers' own resume takes the highest-numbered folder whatever it
+  holds. trl_stable writes the marker with ``"complete": false`` before transformers starts and with ``true`` after
+  it (and its own state file) is done, and rotates old checkpoints (``save_total_limit``) only then, so a kill while
+  saving leaves a folder that resume recognises and skips, and the previous complete checkpoint is still there.
+
+**Resume** (`resolve_checkpoint`). ``resume_from_checkpoint=True`` takes the newest complete checkpoint of
+``output_dir`` and logs each newer one it skipped, with the reason. An explicit folder must be complete; one
+without a marker (written by `trl.GRPOTrainer` or an older trl_stable) is accepted with a warning: its completeness
+cannot be checked and trl_stable's state is not in it. A folder without ``trainer_state.json`` is refused with an
+error naming it and the fix.
+
+**trl_stable's state** (`collect_stable_state` / `restore_stable_state`), one file per process
+(``trl_stable_state_<process>.pt``): the health monitor (alarm debouncing, the reward ceiling, its references and
+events), every reward function that has ``checkpoint_state()`` / ``load_checkpoint_state(state)`` (the critic's
+counters), and what the trainer adds (GRPO: the refill RNG and the NaN-reward count). The per-process part (reward
+functions, RNG) is restored only when the run has as many processes as the one that saved; the shared part (the
+health monitor, the trainer's counters of the gathered batch) always.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MARKER_FILE",
+    "TRAINER_STATE_FILE",
+    "CheckpointInfo",
+    "begin_marker",
+    "checkpoint_problem",
+    "collect_stable_state",
+    "fsync_tree",
+    "load_stable_state",
+    "newest_complete_checkpoint",
+    "publish",
+    "resolve_checkpoint",
+    "restore_stable_state",
+    "save_durably",
+    "stable_state_file",
+    "temporary_folder",
+    "write_marker",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER_FILE = "trl_stable_checkpoint.json"
+TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written by both trainers
+TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+_FORMAT = 1
+
+
+def stable_state_file(process_index: int) -> str:
+    """The name of trl_stable's state file of process `process_index` in a checkpoint."""
+    return f"trl_stable_state_{process_index}.pt"
+
+
+def temporary_folder(final: str) -> str:
+    """The folder a checkpoint is written into before it is renamed to `final`: a hidden sibling, on the same
+    filesystem (so the rename is atomic) and matching neither ``checkpoint-N`` nor transformers' ``checkpoint-*``."""
+    final = os.path.normpath(final)
+    return os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final))
+
+
+# ---------------------------------------------------------------------------------------------------- durable writes
+def _fsync_path(path: str, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:  # a directory cannot be opened for fsync on some platforms (Windows); nothing to flush there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str) -> None:
+    """Flush every file under `folder`, and the folders themselves, to disk (libraries' `save_pretrained` does not)."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync_path(os.path.join(root, name))
+        _fsync_path(root, directory=True)
+
+
+def save_durably(obj: Any, path: str) -> None:
+    """`torch.save` to `path`, flushed to disk before returning."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json_durably(data: dict[str, Any], path: str) -> None:
+    """Write `data` to `path` through a temporary file and a rename: a reader sees the old file or the new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path) or ".", directory=True)
+
+
+def begin_marker(folder: str, global_step: int) -> None:
+    """Mark `folder` as being written (``"complete": false``), replacing the marker an earlier save of this step
+    left: from now until `write_marker` resume skips it."""
+    os.makedirs(folder, exist_ok=True)
+    _write_json_durably(
+        {"format": _FORMAT, "complete": False, "global_step": global_step}, os.path.join(folder, MARKER_FILE)
+    )
+
+
+def write_marker(folder: str, global_step: int, num_processes: int) -> None:
+    """Mark `folder` complete, listing every file in it with its size. Call it on the main process only, after
+    every process has written (and flushed) its files."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder).replace(os.sep, "/")
+            if rel not in (MARKER_FILE, MARKER_FILE + ".tmp"):
+                files[rel] = os.path.getsize(path)
+    marker = {
+        "format": _FORMAT,
+        "complete": True,
+        "global_step": global_step,
+        "num_processes": num_processes,
+        "files": files,
+    }
+    _write_json_durably(marker, os.path.join(folder, MARKER_FILE))
+
+
+def publish(tmp: str, final: str) -> None:
+    """Rename the finished checkpoint `tmp` to `final`; an existing `final` (an older save of the same step, e.g.
+    from a run that got further before it was restarted) is replaced."""
+    parent = os.path.dirname(os.path.normpath(final))
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(parent, _OLD_PREFIX + os.path.basename(os.path.normpath(final)))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_path(parent or ".", directory=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------- checking
+def _read_marker(folder: str) -> dict[str, Any] | None:
+    path = os.path.join(folder, MARKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return {"complete": False, "unreadable": True}
+    return marker if isinstance(marker, dict) else {"complete": False, "unreadable": True}
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why `folder` is not a complete trl_stable checkpoint; None when it is."""
+    if not os.path.isdir(folder):
+        return "it does not exist"
+    marker = _read_marker(folder)
+    if marker is None:
+        return f"it has no {MARKER_FILE} (not written by trl_stable, or by an older version)"
+    if marker.get("unreadable"):
+        return f"its {MARKER_FILE} is unreadable"
+    if not marker.get("complete"):
+        return "saving it was interrupted (its marker says incomplete)"
+    for rel, size in sorted(marker.get("files", {}).items()):
+        path = os.path.join(folder, *rel.split("/"))
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != size:
+            return f"{rel} has {os.path.getsize(path)} bytes, {size} were written"
+    if not os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):
+        return f"it has no {TRAINER_STATE_FILE}"
+    return None
+
+
+def _checkpoints_newest_first(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    found = [
+        (int(match.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (match := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def newest_complete_checkpoint(output_dir: str, log: bool = True) -> str:
+    """The newest complete ``checkpoint-N`` folder of `output_dir`; each newer one it skips is logged with the reason
+    (`log`), and so is a temporary folder a kill left behind.
+
+    Raises:
+        ValueError: when there is none, listing what was skipped and why.
+    """
+    skipped = []
+    if os.path.isdir(output_dir):
+        skipped += [
+            f"{name}: saving it was interrupted (a temporary folder, never renamed)"
+            for name in sorted(os.listdir(output_dir))
+            if name.startswith(TMP_PREFIX) and _CHECKPOINT.fullmatch(name[len(TMP_PREFIX) :])
+        ]
+    for name in _checkpoints_newest_first(output_dir):
+        path = os.path.join(output_dir, name)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if log and skipped:
+                logger.warning(
+                    "Resuming from %s, the newest complete checkpoint; skipped: %s.", path, "; ".join(skipped)
+                )
+            elif log:
+                logger.info("Resuming from %s, the newest checkpoint (complete).", path)
+            return path
+        skipped.append(f"{name}: {problem}")
+    detail = f" Skipped: {'; '.join(skipped)}." if skipped else ""
+    raise ValueError(
+        f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint.{detail} Pass the path of a "
+        "checkpoint folder to resume from it (one without a marker is taken unverified), or start without "
+        "resume_from_checkpoint."
+    )
+
+
+def _fix_hint(folder: str) -> str:
+    parent = os.path.dirname(os.path.normpath(folder))
+    try:
+        newest = newest_complete_checkpoint(parent, log=False)
+    except ValueError:
+        return "resume from another checkpoint or start without resume_from_checkpoint"
+    return f"resume from {newest}, the newest complete checkpoint there (resume_from_checkpoint=True takes it)"
+
+
+class CheckpointInfo:
+    """What `resolve_checkpoint` found out about a checkpoint folder.
+
+    Attributes:
+        path: The folder.
+        verified: Whether its marker says complete and every file it lists is whole (else: no marker, unverified).
+        same_processes: Whether it was written by as many processes as this run has (True when unknown): only then
+            are the per-process files (RNG streams, per-process state) restored.
+    """
+
+    def __init__(self, path: str, verified: bool, same_processes: bool):
+        self.path, self.verified, self.same_processes = path, verified, same_processes
+
+
+def resolve_checkpoint(
+    resume_from_checkpoint: str | bool | None,
+    output_dir: str,
+    num_processes: int,
+    required: Sequence[str] = (),
+    per_process: Sequence[str] = (),
+) -> CheckpointInfo | None:
+    """The checkpoint to resume from: `resume_from_checkpoint` True (the newest complete one of `output_dir`), a
+    folder, or None / False (none).
+
+    Args:
+        num_processes: This run's number of processes.
+        required: Files an unverified checkpoint (no marker) must hold besides ``trainer_state.json``.
+        per_process: This process's files it must hold when it was written by as many processes.
+
+    Raises:
+        ValueError: naming the folder and the fix, when it is missing, incomplete or lacks a required file.
+    """
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint is True:
+        folder = newest_complete_checkpoint(output_dir)
+    else:
+        folder = str(resume_from_checkpoint)
+    if not os.path.isdir(folder):
+        raise ValueError(f"resume_from_checkpoint={folder!r} does not exist; {_fix_hint(folder)}.")
+    if not os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):
+        raise ValueError(
+            f"{folder} has no {TRAINER_STATE_FILE}, so it is not a complete checkpoint (saving it was interrupted, or "
+            f"it holds only a saved model). Fix: {_fix_hint(folder)}."
+        )
+    marker = _read_marker(folder)
+    verified = marker is not None
+    if verified:
+        problem = checkpoint_problem(folder)
+        if problem is not None:
+            raise ValueError(f"{folder} is not a complete checkpoint: {problem}. Fix: {_fix_hint(folder)}.")
+    saved_processes = marker.get("num_processes") if marker else None
+    same = saved_processes in (None, num_processes)
+    if not same:
+        logger.warning(
+            "%s was written by %d processes, this run has %d: the per-process state (PPO's RNG streams, reward "
+            "function counters, GRPO's refill RNG) is not restored, so the run does not continue exactly as it would "
+            "have.",
+            folder,
+            saved_processes,
+            num_processes,
+        )
+    missing = [
+        name for name in [*required, *(per_process if same else ())] if not os.path.isfile(os.path.join(folder, name))
+    ]
+    if missing:
+        raise ValueError(
+            f"{folder} is not a complete checkpoint: it lacks {', '.join(missing)}"
+            + ("" if saved_processes else " (or it was written by a different number of processes)")
+            + f". Fix: {_fix_hint(folder)}."
+        )
+    if not verified:
+        logger.warning(
+            "%s has no %s (written by another trainer or an older trl_stable): its completeness cannot be checked, "
+            "and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG and NaN count) is "
+            "not in it and starts fresh.",
+            folder,
+            MARKER_FILE,
+        )
+    return CheckpointInfo(folder, verified, same)
+
+
+# ---------------------------------------------------------------------------------------------- trl_stable's state
+def _stateful(named_funcs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The reward functions with checkpoint state, keyed by position and name (a name may repeat)."""
+    return {
+        f"{i}:{name}": func
+        for i, (name, func) in enumerate(named_funcs)
+        if callable(getattr(func, "checkpoint_state", None)) and callable(getattr(func, "load_checkpoint_state", None))
+    }
+
+
+def collect_stable_state(
+    health_monitor: Any,
+    named_reward_funcs: Sequence[tuple[str, Any]] = (),
+    shared: dict[str, Any] | None = None,
+    per_process: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """trl_stable's state of this process for its checkpoint file (plain Python values and tensors only).
+
+    Args:
+        health_monitor: The trainer's `HealthMonitor`, or None.
+        named_reward_funcs: (name, function) of every reward function; those with ``checkpoint_state()`` are saved.
+        shared: The trainer's state that is the same on every process (computed from gathered values).
+        per_process: The trainer's state of this process alone (e.g. an RNG stream).
+    """
+    return {
+        "format": _FORMAT,
+        "shared": {
+            "health_monitor": None if health_monitor is None else health_monitor.checkpoint_state(),
+            **(shared or {}),
+        },
+        "per_process": {
+            "reward_funcs": {key: func.checkpoint_state() for key, func in _stateful(named_reward_funcs).items()},
+            **(per_process or {}),
+        },
+    }
+
+
+def load_stable_state(info: CheckpointInfo, process_index: int) -> dict[str, Any] | None:
+    """The state file `collect_stable_state` wrote for this process (process 0's when the number of processes
+    changed: only its shared part is used then); None for an unverified checkpoint, which has none."""
+    if not info.verified:
+        return None
+    index = process_index if info.same_processes else 0
+    state = torch.load(os.path.join(info.path, stable_state_file(index)), map_location="cpu", weights_only=True)
+    if not info.same_processes:
+        state["per_process"] = None
+    return state
+
+
+def restore_stable_state(
+    state: dict[str, Any],
+    health_monitor: Any,
+    named_reward_funcs: Sequence[tuple[str, Any]] = (),
+    args: Any = None,
+) -> None:
+    """Restore the health monitor and the reward functions from `state` (see `load_stable_state`); the trainer
+    restores its own ``state["shared"]`` / ``state["per_process"]`` entries.
+
+    A stateful reward function the checkpoint has no state for (added since) starts fresh, with a warning.
+    """
+    saved_monitor = state["shared"].get("health_monitor")
+    if health_monitor is not None and saved_monitor is not None:
+        health_monitor.load_checkpoint_state(saved_monitor, args=args)
+    elif health_monitor is not None:
+        logger.warning("The checkpoint has no health-monitor state (it ran without one): the monitor starts fresh.")
+    if state["per_process"] is None:
+        return
+    saved = state["per_process"]["reward_funcs"]
+    for key, func in _stateful(named_reward_funcs).items():
+        if key in saved:
+            func.load_checkpoint_state(saved[key])
+        else:
+            logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
