@@ -169,6 +169,15 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_TRAINER_PY),
     Member(
         _GRPO,
+        "reward_funcs",
+        "attribute",
+        returns="the list `_calculate_rewards` reads when it calls the reward functions (nn.Modules scored by TRL, "
+        "the rest called with TRL's keywords, async ones awaited): trl_stable swaps in contract-checking wrappers "
+        "for the duration of that call (see MIRRORED)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
         "async_loop",
         "attribute",
         returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
@@ -269,7 +278,14 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "a context manager (the proximal forward runs without recomputation)",
         _TRAINER_PY,
     ),
-    Member("trl.trainer.utils", "is_async_callable", "call", ("func",), "bool", ("trl_stable/trl_internals.py",)),
+    Member(
+        "trl.trainer.utils",
+        "is_async_callable",
+        "call",
+        ("func",),
+        "bool",
+        ("trl_stable/trl_internals.py", *_TRAINER_PY),
+    ),
     Member(
         "trl.trainer.utils",
         "start_event_loop_in_daemon",
@@ -368,6 +384,17 @@ MIRRORED: tuple[Mirrored, ...] = (
             "local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)",
             "total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()",
             "self._metrics[mode][name].append(total / count)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._contract_checked_reward_funcs",
+        "trl.GRPOTrainer._calculate_rewards",
+        (
+            "zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)",
+            "if isinstance(reward_func, nn.Module):",
+            "elif is_async_callable(reward_func):",
+            "prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs",
+            "rewards_per_func = gather(rewards_per_func)",
         ),
     ),
     Mirrored(
