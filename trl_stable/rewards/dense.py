@@ -47,9 +47,11 @@ An infinite reward is read as a broken score rather than a reward: left as it is
 batch into NaN or +-3.4e38 (and the next `generate` would die on an inf/NaN probability), so it is handled exactly as a
 NaN is, with a warning naming the function and the completion.
 
-A completion to which *no* sequence-level function applies (every value None/NaN/inf) has no reward: both trainers
-drop it from the loss with a warning and count it (GRPO's ``nan_reward_action="zero"`` keeps TRL's advantage 0
-instead).
+A completion to which *no* sequence-level function applies (every value None/NaN/inf) has no reward. GRPO does what
+TRL does by default: the completion is kept in the batch with advantage 0, outside the group baseline (and still in
+the loss's token count); ``nan_reward_action="drop"`` removes it from the loss instead, with a warning and the
+``rewards/nan_dropped`` counter, which is what we recommend. PPO, which has no TRL counterpart to match, always drops
+it (``ppo/dropped_samples``): a sample with no score cannot get a return.
 
 `PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN or +-inf
 marks a sample without a reward (RELC-era loops put the environment score inside the token rewards, so a NaN is a

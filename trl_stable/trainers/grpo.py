@@ -134,9 +134,9 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
             overlong punishment, added as a reward function named "overlong_penalty".
         dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
             discount of the dense reward-to-go added to the sequence advantage.
-        nan_reward_action (`str`, defaults to `"drop"`): What to do with a completion every reward function scored
-            None/NaN/inf: "drop" it from the loss (warning + counter; all unscorable raises), or "zero" (TRL:
-            advantage 0).
+        nan_reward_action (`str`, defaults to `"zero"`): What to do with a completion every reward function scored
+            None/NaN/inf: "zero" is TRL's behavior (advantage 0, outside the group baseline, still in the loss's
+            token count); "drop" (recommended) removes it from the loss (warning + counter; all unscorable raises).
         step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
             not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
             `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
@@ -230,11 +230,12 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
     )
     dense_reward_gamma: float = field(default=1.0, metadata={"help": "Discount of the dense reward-to-go, in (0, 1]."})
     nan_reward_action: str = field(
-        default="drop",
+        default="zero",
         metadata={
-            "help": "A completion that every reward function scored None/NaN/inf: 'drop' removes it from the loss "
-            "with a warning and the `rewards/nan_dropped` counter (a batch with no scorable completion raises); "
-            "'zero' keeps TRL's behaviour (advantage 0, still counted in the loss normaliser)."
+            "help": "A completion that every reward function scored None/NaN/inf: 'zero' keeps TRL's behavior "
+            "(advantage 0, outside the group baseline, still counted in the loss's token normalizer); 'drop' "
+            "(recommended) removes it from the loss with a warning and the `rewards/nan_dropped` counter (a batch "
+            "with no scorable completion raises)."
         },
     )
     # step_loss_mask, step_mask_tools: from StepMaskArguments
