@@ -178,6 +178,15 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_TRAINER_PY),
     Member(
         _GRPO,
+        "reward_funcs",
+        "attribute",
+        returns="the list `_calculate_rewards` reads when it calls the reward functions (nn.Modules scored by TRL, "
+        "the rest called with TRL's keywords, async ones awaited): trl_stable swaps in contract-checking wrappers "
+        "for the duration of that call (see MIRRORED)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
         "async_loop",
         "attribute",
         returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
@@ -297,7 +306,14 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "a context manager (the proximal forward runs without recomputation)",
         _TRAINER_PY,
     ),
-    Member("trl.trainer.utils", "is_async_callable", "call", ("func",), "bool", ("trl_stable/trl_internals.py",)),
+    Member(
+        "trl.trainer.utils",
+        "is_async_callable",
+        "call",
+        ("func",),
+        "bool",
+        ("trl_stable/trl_internals.py", *_TRAINER_PY),
+    ),
     Member(
         "trl.trainer.utils",
         "start_event_loop_in_daemon",
@@ -416,6 +432,17 @@ MIRRORED: tuple[Mirrored, ...] = (
             "if self.args.world_size <= 1:",
             'torch.save(rng_states, os.path.join(output_dir, "rng_state.pth"))',
             'torch.save(rng_states, os.path.join(output_dir, f"rng_state_{self.args.process_index}.pth"))',
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._contract_checked_reward_funcs",
+        "trl.GRPOTrainer._calculate_rewards",
+        (
+            "zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)",
+            "if isinstance(reward_func, nn.Module):",
+            "elif is_async_callable(reward_func):",
+            "prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs",
+            "rewards_per_func = gather(rewards_per_func)",
         ),
     ),
     Mirrored(

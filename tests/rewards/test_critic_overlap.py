@@ -134,9 +134,9 @@ def test_ppo_step_takes_deferred_token_rewards(tokenizer, tmp_path):
     assert stats["dense/reward_mean"] == pytest.approx(sum(sum(r) for r in rows) / 4)
 
     def broken():
-        return [[math.inf] * len(r) for r in responses]
+        return [["0.1"] * len(r) for r in responses]
 
-    with pytest.raises(RewardContractError, match="infinite"):
+    with pytest.raises(RewardContractError, match="'0.1' \\(str\\) for token 0 of sample 0"):
         trainer.step(queries, responses, broken)
     with pytest.raises(ValueError, match="token_rewards\\[1\\] has 3 entries"):
         trainer.step(queries, responses, lambda: [[0.0] * 3] * 4)
@@ -228,7 +228,7 @@ def test_grpo_numbers_do_not_depend_on_prefetch(tokenizer, tmp_path):
 def test_grpo_deferred_contract_error_names_the_function(tokenizer, tmp_path):
     class Broken(PrefetchingDenseFn):
         def __call__(self, prompts, completions, completion_ids, **kwargs):
-            return [[math.inf] * len(c) for c in completion_ids]
+            return [["0.1"] * len(c) for c in completion_ids]
 
     events = []
     trainer = grpo_trainer(tokenizer, tmp_path, Broken(events, name="broken_fn"))

@@ -7,22 +7,27 @@ import torch
 
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
-    check_finite_rewards,
+    RewardContractError,
+    RewardTypeError,
+    checked_sequence_reward,
     collect_dense_rewards,
+    infinite_rewards_to_nan,
     sequence_reward_values,
     validate_dense_rewards,
     weighted_reward_sum,
 )
 
 
-def test_sequence_values_none_is_nan_and_inf_raises():
+def test_sequence_values_none_nan_and_inf_do_not_apply(caplog):
     out = sequence_reward_values([1.0, None, 2], 3, "f")
     assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == 2.0
-    with pytest.raises(ValueError, match="'f' returned inf for completion 1"):
-        sequence_reward_values([0.0, float("inf")], 2, "f")
-    with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
+    with caplog.at_level("WARNING"):
+        out = sequence_reward_values([0.0, float("inf"), -float("inf"), 1e39, float("nan")], 5, "f")
+    assert out[0] == 0.0 and all(math.isnan(v) for v in out[1:].tolist())
+    assert "'f' returned inf for completion 1 (and 2 more" in caplog.text  # 1e39 overflows float32: infinite too
+    with pytest.raises(RewardContractError, match="returned 1 values for 2 completions"):
         sequence_reward_values([0.0], 2, "f")
-    with pytest.raises(ValueError, match="'0.5'"):
+    with pytest.raises(TypeError, match="'f' returned '0.5' \\(str\\) for completion 0"):
         sequence_reward_values(["0.5"], 1, "f")
 
 
@@ -33,19 +38,44 @@ def test_weighted_sum_skips_nan_and_keeps_all_nan_rows_nan():
     assert out[0] == pytest.approx(0.5 + 4.0) and out[1] == pytest.approx(6.0) and math.isnan(out[2])
 
 
-def test_check_finite_names_the_function():
-    with pytest.raises(ValueError, match="'b' returned -inf for completion 1"):
-        check_finite_rewards(torch.tensor([[0.0, 1.0], [0.0, -float("inf")]]), ["a", "b"])
+def test_infinite_model_rewards_become_nan(caplog):
+    rewards = torch.tensor([[0.0, 1.0], [0.0, -float("inf")]])
+    with caplog.at_level("WARNING"):
+        out = infinite_rewards_to_nan(rewards, ["a", "b"])
+    assert "'b' returned -inf for completion 1" in caplog.text
+    assert out[1, 0] == 0.0 and math.isnan(out[1, 1]) and out[0].tolist() == [0.0, 1.0]
+    finite = torch.tensor([[0.0, math.nan]])
+    assert infinite_rewards_to_nan(finite, ["a", "b"]) is finite  # nothing to do: TRL's tensor itself
 
 
-def test_dense_rows_none_zero_nan_counted_inf_raises():
+def test_dense_rows_none_zero_nan_and_inf_do_not_apply():
     assert validate_dense_rewards([None, [1, 2]], [3, 2]) == [[0.0, 0.0, 0.0], [1.0, 2.0]]
-    with pytest.raises(ValueError, match="at token 1 of completion 0"):
-        validate_dense_rewards([[0.0, float("inf")]], [2])
-    with pytest.raises(ValueError, match="2 token rewards for completion 0, which has 3"):
+    row = validate_dense_rewards([[0.0, float("inf"), None]], [3])[0]
+    assert row[0] == 0.0 and math.isnan(row[1]) and math.isnan(row[2])
+    with pytest.raises(RewardContractError, match="2 token rewards for completion 0, which has 3"):
         validate_dense_rewards([[0.0, 1.0]], [3])
-    with pytest.raises(ValueError, match="float"):
+    with pytest.raises(TypeError, match="returned 0.5 \\(float\\); return one list"):
         validate_dense_rewards(0.5, [1])
+    with pytest.raises(TypeError, match="token 1 of completion 0"):
+        validate_dense_rewards([[0.0, "1"]], [2])
+
+
+def test_contract_errors_are_value_or_type_errors():
+    # a count is a ValueError, a type a TypeError; both are RewardContractError, raised on every process
+    assert issubclass(RewardTypeError, TypeError) and issubclass(RewardTypeError, RewardContractError)
+    assert issubclass(RewardContractError, ValueError)
+
+
+def test_checked_sequence_reward_defers_the_error():
+    """TRL's caller gathers after the reward functions: a broken answer becomes None rows and the error is kept, so
+    every process reaches that gather before the error is raised on all of them."""
+    errors = []
+    checked = checked_sequence_reward(lambda **kw: ["0.5", 1.0], "f", errors, is_async=False)
+    assert checked(prompts=["a", "b"], completions=["x", "y"]) == [None, None]
+    assert len(errors) == 1 and "'f' returned '0.5'" in str(errors[0])
+    fine = checked_sequence_reward(lambda **kw: [None, 1, float("inf")], "f", errors, is_async=False)
+    out = fine(prompts=["a", "b", "c"])
+    assert out[0] != out[0] and out[1] == 1.0 and out[2] != out[2] and len(errors) == 1
 
 
 def test_collect_dense_rewards_weights_and_metrics():

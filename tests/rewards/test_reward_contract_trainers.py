@@ -1,12 +1,14 @@
 """`trl_stable.rewards.dense`'s NaN / None / inf contract holds in both trainers, on the same reward outputs."""
 
+import math
+
 import pytest
 import torch
 from datasets import Dataset
 
 from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trl_stable.rewards import dense_reward
-from trl_stable.rewards.dense import RewardContractError
+from trl_stable.rewards.dense import RewardTypeError
 from trl_stable.testing import build_causal_lm
 
 NAN, INF = float("nan"), float("inf")
@@ -30,27 +32,29 @@ def make_funcs(sequence_values, dense_first_token=NAN, seen=None):
     return [seq, dense]
 
 
-def train(kind, tokenizer, tmp_path, funcs):
+def train(kind, tokenizer, tmp_path, funcs, max_steps=1, **grpo_options):
+    """One short `train()`; GRPO with `nan_reward_action="drop"` (PPO always drops unscorable samples)."""
     model = build_causal_lm("qwen2", tokenizer, seed=0)
-    common = dict(output_dir=str(tmp_path), max_steps=1, logging_steps=1, report_to="none", save_strategy="no")
+    common = dict(output_dir=str(tmp_path), max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no")
     if kind == "ppo":
         args = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=5, disable_tqdm=True, **common)
         trainer = PPOTrainer(model, funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                              processing_class=tokenizer)  # fmt: skip
     else:
+        grpo_options = {"nan_reward_action": "drop", **grpo_options}
         args = GRPOConfig(per_device_train_batch_size=4, num_generations=2, max_completion_length=5, use_cpu=True,
-                          **common)  # fmt: skip
+                          **common, **grpo_options)  # fmt: skip
         trainer = GRPOTrainer(model, funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2] * 2}),
                               processing_class=tokenizer)  # fmt: skip
     trainer.train()
-    return next(entry for entry in trainer.state.log_history if "rewards/dense/nan_tokens" in entry)
+    return trainer, next(entry for entry in trainer.state.log_history if "rewards/dense/nan_tokens" in entry)
 
 
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
 def test_none_and_nan_do_not_apply(kind, tokenizer, tmp_path):
     # completions 0 and 1: no sequence-level function applies (None, NaN): both trainers drop them
     seen = []
-    logs = train(kind, tokenizer, tmp_path, make_funcs([None, NAN, 1.0, 0.5], seen=seen))
+    _, logs = train(kind, tokenizer, tmp_path, make_funcs([None, NAN, 1.0, 0.5], seen=seen))
     dropped = logs["ppo/dropped_samples"] if kind == "ppo" else logs["rewards/nan_dropped"]
     assert dropped == 2.0
     # the dense NaN token counts as 0 and is reported; the None row is zeros: only completions 2 and 3 add 0.5 a token
@@ -61,16 +65,51 @@ def test_none_and_nan_do_not_apply(kind, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
-def test_infinite_rewards_stop_at_their_source(kind, tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="'seq' returned inf for completion 2"):
-        train(kind, tokenizer, tmp_path / "seq", make_funcs([0.0, 1.0, INF, 0.5]))
-    with pytest.raises(ValueError, match="'dense' returned -inf at token 0 of completion 0"):
-        train(kind, tokenizer, tmp_path / "dense", make_funcs([0.0, 1.0, 0.0, 0.5], dense_first_token=-INF))
+def test_infinite_rewards_are_treated_as_nan(kind, tokenizer, tmp_path, caplog):
+    # completion 2's only sequence reward is inf: it has no reward, like completion 1's NaN; the dense -inf at token 0
+    # of completion 0 counts as a NaN token (0)
+    with caplog.at_level("WARNING"):
+        _, logs = train(kind, tokenizer, tmp_path, make_funcs([0.0, NAN, INF, 0.5], dense_first_token=-INF))
+    dropped = logs["ppo/dropped_samples"] if kind == "ppo" else logs["rewards/nan_dropped"]
+    assert dropped == 2.0
+    assert logs["rewards/dense/nan_tokens"] == 1.0
+    assert "'seq' returned inf for completion 2" in caplog.text
+    assert "'dense' returned -inf for token 0 of completion 0" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["ppo", "grpo"])
+def test_non_numeric_rewards_raise_type_errors_naming_function_and_sample(kind, tokenizer, tmp_path):
+    with pytest.raises(TypeError, match="'seq' returned '0.5' \\(str\\) for completion 1, which is not a number"):
+        train(kind, tokenizer, tmp_path / "seq", make_funcs([0.0, "0.5", 0.0, 0.5]))
+    with pytest.raises(TypeError, match="'dense' returned '1' \\(str\\) for token 0 of completion 0"):
+        train(kind, tokenizer, tmp_path / "dense", make_funcs([0.0, 1.0, 0.0, 0.5], dense_first_token="1"))
+
+
+def test_grpo_infinite_rewards_with_a_trl_stable_estimator_train_on(tokenizer, tmp_path):
+    """+inf from a sequence function and a +inf dense token with RLOO (trl_stable's advantages): finite advantages
+    and losses over two steps (the second generates with the first step's weights). Before, the advantages were
+    -3.4e38 and the next `generate` died on an inf/NaN probability."""
+
+    def seq(completion_ids, **kwargs):
+        return [INF if i == 0 else float(len(ids)) + i for i, ids in enumerate(completion_ids)]
+
+    @dense_reward
+    def dense(completion_ids, **kwargs):
+        return [[INF if i == 1 else 0.1] * len(ids) for i, ids in enumerate(completion_ids)]
+
+    trainer, _ = train("grpo", tokenizer, tmp_path, [seq, dense], max_steps=2, advantage_estimator="rloo")
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in steps)
+    assert all(h["rewards/dense/nan_tokens"] >= 1 for h in steps)
+    advantages = list(trainer._logs["advantages"])
+    assert advantages and all(math.isfinite(a) and abs(a) < 100 for a in advantages)
+    assert any(a != 0 for a in advantages)
 
 
 def test_the_step_api_takes_final_rewards(tokenizer, tmp_path):
-    """`PPOTrainer.step` gets final per-token rewards (RELC puts the score inside them): a NaN marks a sample without
-    a reward and drops it; an infinite value raises, as everywhere."""
+    """`PPOTrainer.step` gets final per-token rewards and scores (RELC puts the score inside them): a NaN or infinite
+    value marks a sample without a reward and drops it; a value that is not a number raises, naming the sample."""
     args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, report_to="none",
                      disable_tqdm=True, save_strategy="no")  # fmt: skip
     trainer = PPOTrainer(build_causal_lm("qwen2", tokenizer, seed=0), args=args, processing_class=tokenizer)
@@ -79,7 +118,17 @@ def test_the_step_api_takes_final_rewards(tokenizer, tmp_path):
     with pytest.warns(UserWarning, match="Dropping 1 of 2"):
         stats = trainer.step(queries, responses, [[0.0, NAN], [0.0, 0.0, 1.0]])
     assert stats["ppo/dropped_samples"] == 1.0
-    with pytest.raises(RewardContractError, match="Sample 1 of this PPO step has an infinite reward"):
-        trainer.step(queries, responses, [[0.0, 1.0], [0.0, INF, 1.0]])
-    with pytest.raises(RewardContractError, match="Sample 0"):
-        trainer.step(queries, responses, scores=[-INF, 0.0])
+    with pytest.warns(UserWarning, match="Dropping 1 of 2"):
+        stats = trainer.step(queries, responses, [[0.0, 1.0], [0.0, INF, 1.0]])
+    assert stats["ppo/dropped_samples"] == 1.0
+    with pytest.warns(UserWarning, match="Dropping 1 of 2"):
+        stats = trainer.step(queries, responses, scores=[-INF, torch.tensor(0.5)])
+    assert stats["ppo/dropped_samples"] == 1.0
+    with pytest.raises(RewardTypeError, match="step\\(\\)'s scores returned '0.5' \\(str\\) for sample 1"):
+        trainer.step(queries, responses, scores=[0.0, "0.5"])
+    with pytest.raises(TypeError, match="token 1 of sample 0"):
+        trainer.step(queries, responses, [[0.0, [1.0]], [0.0, 0.0, 1.0]])
+    with pytest.raises(TypeError, match="token_rewards\\[1\\] is 0.5 \\(float\\)"):
+        trainer.step(queries, responses, [[0.0, 1.0], 0.5])
+    with pytest.raises(TypeError, match="step\\(\\)'s scores is 0.5 \\(float\\)"):
+        trainer.step(queries, responses, scores=0.5)

@@ -318,7 +318,7 @@ def test_nan_reward_drops_sample_with_counter(tokenizer, tmp_path, caplog):
     def sometimes_nan(completions, **kwargs):
         return [float("nan") if i == 1 else 1.0 + i for i in range(len(completions))]
 
-    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(sometimes_nan,))
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(sometimes_nan,), nan_reward_action="drop")
     with caplog.at_level("WARNING"):
         log = train(trainer)
     assert "dropped from the loss" in caplog.text
@@ -332,9 +332,23 @@ def test_all_nan_rewards_raise(tokenizer, tmp_path):
     def broken(completions, **kwargs):
         return [float("nan")] * len(completions)
 
-    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(broken,))
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(broken,), nan_reward_action="drop")
     with pytest.raises(ValueError, match="broken"):
         trainer.train()
+
+
+def test_nan_reward_default_is_trl_advantage_zero(tokenizer, tmp_path):
+    """The default keeps TRL's behavior: the unscorable completion stays in the loss with advantage 0."""
+
+    def sometimes_nan(completions, **kwargs):
+        return [float("nan") if i == 1 else 1.0 + i for i in range(len(completions))]
+
+    trainer = make_trainer(tokenizer, tmp_path, reward_funcs=(sometimes_nan,))
+    log = train(trainer)
+    assert "rewards/nan_dropped" not in log
+    out = trainer.spy_out
+    assert out["advantages"][1] == 0 and "tool_mask" not in out
+    assert out["num_items_in_batch"] == out["completion_mask"].sum()
 
 
 def test_dynamic_sampling_refill_keeps_batch_full(tokenizer, tmp_path):

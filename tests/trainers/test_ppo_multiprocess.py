@@ -63,7 +63,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(tmp_path, script_text: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path, script_text: str, *script_args: str) -> subprocess.CompletedProcess:
     if shutil.which("accelerate") is None:
         pytest.skip("accelerate CLI not installed")
     script = tmp_path / "run_ppo.py"
@@ -92,6 +92,7 @@ def _launch(tmp_path, script_text: str) -> subprocess.CompletedProcess:
         str(_free_port()),
         str(script),
         str(tmp_path),
+        *script_args,
     ]
     try:
         # ~20 s on a loaded 2-core machine; the limit only turns a hung rendezvous into a failure with its output
@@ -117,33 +118,39 @@ def test_two_process_accelerate_run(tmp_path):
     assert logs[0] == pytest.approx(logs[1])
 
 
-INFINITE_ON_ONE_RANK = textwrap.dedent(
+BROKEN_ON_ONE_RANK = textwrap.dedent(
     """
     import os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from trl_stable import PPOConfig, PPOTrainer
+    from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
     from trl_stable.rewards.dense import RewardContractError
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
-    out = sys.argv[1]
+    out, kind = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
 
-    def reward(completion_ids, **kw):  # only rank 1 sees a broken answer
-        return [float("inf") if rank == 1 and i == 0 else 0.5 for i in range(len(completion_ids))]
+    def reward(completion_ids, **kw):  # only rank 1 sees a broken answer; its inf is no error (it does not apply)
+        return ["0.5" if rank == 1 and i == 1 else float("inf") if i == 0 else 0.5 for i in range(len(completion_ids))]
 
     tok = build_tokenizer()
-    args = PPOConfig(output_dir=out, batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3, max_steps=1,
-                     report_to="none", disable_tqdm=True, save_strategy="no")
     ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
-    trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args, processing_class=tok,
-                         train_dataset=ds)
+    common = dict(output_dir=out, max_steps=1, report_to="none", save_strategy="no")
+    if kind == "ppo":
+        args = PPOConfig(batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3, disable_tqdm=True, **common)
+        trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args,
+                             processing_class=tok, train_dataset=ds)
+    else:
+        args = GRPOConfig(per_device_train_batch_size=2, num_generations=2, max_completion_length=3, use_cpu=True,
+                          **common)
+        trainer = GRPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args,
+                              processing_class=tok, train_dataset=ds)
     try:
         trainer.train()
         message = "no error"
     except RewardContractError as err:
-        message = str(err)
+        message = f"{type(err).__name__}: {err}"
     with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
         f.write(message)
     trainer.accelerator.wait_for_everyone()  # both ranks got here: nobody is stuck in a collective
@@ -153,9 +160,10 @@ INFINITE_ON_ONE_RANK = textwrap.dedent(
 )
 
 
-def test_an_infinite_reward_on_one_process_stops_both(tmp_path):
-    proc = _launch(tmp_path, INFINITE_ON_ONE_RANK)
+@pytest.mark.parametrize("kind", ["ppo", "grpo"])
+def test_a_broken_reward_on_one_process_stops_both(tmp_path, kind):
+    proc = _launch(tmp_path, BROKEN_ON_ONE_RANK, kind)
     assert proc.returncode == 0, proc.stderr[-3000:]
     messages = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
-    assert "'reward' returned inf for completion 0" in messages[1]
+    assert "RewardTypeError: Reward function 'reward' returned '0.5' (str) for completion 1" in messages[1]
     assert "on another process" in messages[0]

@@ -208,7 +208,7 @@ def test_nan_sample_is_dropped(tmp_path, tokenizer):
     assert math.isfinite(stats["loss/total"]) and stats["dense/reward_mean"] == pytest.approx(1 / 3)
 
 
-def test_train_drops_nan_and_none_rewards_and_refuses_inf(tmp_path, tokenizer):
+def test_train_drops_nan_none_and_inf_rewards_and_refuses_strings(tmp_path, tokenizer):
     calls = []
 
     def flaky(completion_ids, **kw):
@@ -227,13 +227,23 @@ def test_train_drops_nan_and_none_rewards_and_refuses_inf(tmp_path, tokenizer):
     assert first["ppo/dropped_samples"] == 2.0 and first["env/reward_mean"] == pytest.approx(0.75)
     assert math.isfinite(first["loss/total"]) and math.isfinite(first["objective/kl"])
 
-    def infinite(completion_ids, **kw):
+    def infinite(completion_ids, **kw):  # an infinite reward is a broken score: the sample is dropped, like NaN
         return [1.0, float("inf"), 0.0, 0.0]
 
     trainer = PPOTrainer(
         model, reward_funcs=infinite, args=_args(tmp_path, max_steps=1), processing_class=tokenizer, train_dataset=ds
     )
-    with pytest.raises(ValueError, match="'infinite' returned inf for completion 1"):
+    with pytest.warns(UserWarning, match="Dropping 1 of 4"):
+        trainer.train()
+    assert trainer.state.log_history[0]["env/reward_mean"] == pytest.approx(1 / 3)
+
+    def text(completion_ids, **kw):
+        return [1.0, "0.5", 0.0, 0.0]
+
+    trainer = PPOTrainer(
+        model, reward_funcs=text, args=_args(tmp_path, max_steps=1), processing_class=tokenizer, train_dataset=ds
+    )
+    with pytest.raises(TypeError, match="'text' returned '0.5' \\(str\\) for completion 1"):
         trainer.train()
 
 

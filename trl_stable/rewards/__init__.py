@@ -17,7 +17,13 @@ from trl_stable.rewards.critic_backends import (
     TransformersCritic,
 )
 from trl_stable.rewards.critic_parsing import ParsedCritique, parse_critic_answer
-from trl_stable.rewards.dense import dense_reward, is_dense_reward, validate_dense_rewards
+from trl_stable.rewards.dense import (
+    RewardContractError,
+    RewardTypeError,
+    dense_reward,
+    is_dense_reward,
+    validate_dense_rewards,
+)
 from trl_stable.rewards.intrinsic import (
     CriticFailureError,
     CriticIntrinsicReward,
@@ -36,6 +42,8 @@ from trl_stable.rewards.step_rewards import (
 )
 
 __all__ = [
+    "RewardContractError",
+    "RewardTypeError",
     "dense_reward",
     "is_dense_reward",
     "validate_dense_rewards",

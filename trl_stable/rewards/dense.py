@@ -30,32 +30,46 @@ The one rule for what a value means, in both trainers:
 
 | value | sequence reward (one per completion) | dense reward (one per token) |
 |---|---|---|
-| finite float | the reward | the token's reward |
-| None | "does not apply" (TRL's meaning): left out of the weighted sum | a None *row*: no dense reward, zeros |
+| finite number | the reward | the token's reward |
+| None | "does not apply" (TRL's meaning): left out of the weighted sum | a None *row*: zeros; a None token: as NaN |
 | NaN | the same as None | "does not apply" at this token: 0, counted in ``rewards/<name>/nan_tokens`` |
-| +-inf | error (`ValueError` naming the function and the completion) | error, likewise |
+| +-inf | the same as NaN, with a warning | the same as NaN, with a warning |
+| anything else | `TypeError` naming the function and the completion | `TypeError`, likewise |
 
-A contract error raises `RewardContractError` (a `ValueError`) on every process at once (`raise_on_every_process`),
-since a reward function runs on one process's completions only.
+A number is a Python `int`, `float` or `bool`, a NumPy scalar, or a 0-d tensor or array; the trainers compute in
+float32, so a finite value beyond float32's range (|v| > 3.4e38) is infinite too. A sequence-level function returns
+one of these (or None) per completion in a list, tuple, generator, 1-D tensor or 1-D array; a dense one a list (or
+None) per completion, each row a list, tuple or 1-D tensor/array of numbers. A string ("0.5"), a bare number where a
+list is expected, a nested list or a 2-D tensor is a `TypeError`, and a wrong number of values a `ValueError`; both
+are a `RewardContractError`, raised on every process at once (`raise_on_every_process`), since a reward function runs
+on one process's completions only.
 
-`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN marks a
-sample without a reward (RELC-era loops put the environment score inside the token rewards, so a NaN is a failed
-score, not a token the reward does not apply to) and the sample is dropped; +-inf raises, as everywhere.
+An infinite reward is read as a broken score rather than a reward: left as it is it would turn every advantage of the
+batch into NaN or +-3.4e38 (and the next `generate` would die on an inf/NaN probability), so it is handled exactly as a
+NaN is, with a warning naming the function and the completion.
 
-A completion to which *no* sequence-level function applies (every value None/NaN) has no reward: both trainers
-drop it from the loss with a warning and count it (GRPO's ``nan_reward_action="zero"`` keeps TRL's advantage 0
-instead). An infinite reward is never meaningful and would turn every advantage of the batch into NaN or +-3e38, so
-it stops the run at its source rather than several steps later inside `generate`.
+A completion to which *no* sequence-level function applies (every value None/NaN/inf) has no reward. GRPO does what
+TRL does by default: the completion is kept in the batch with advantage 0, outside the group baseline (and still in
+the loss's token count); ``nan_reward_action="drop"`` removes it from the loss instead, with a warning and the
+``rewards/nan_dropped`` counter, which is what we recommend. PPO, which has no TRL counterpart to match, always drops
+it (``ppo/dropped_samples``): a sample with no score cannot get a return.
+
+`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN or +-inf
+marks a sample without a reward (RELC-era loops put the environment score inside the token rewards, so a NaN is a
+failed score, not a token the reward does not apply to) and the sample is dropped; a value that is not a number is a
+`TypeError` naming the argument and the sample.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -66,13 +80,18 @@ __all__ = [
     "DenseRewards",
     "PendingDenseRewards",
     "RewardContractError",
-    "check_finite_rewards",
+    "RewardTypeError",
     "call_on_every_process",
+    "checked_sequence_reward",
     "collect_dense_rewards",
     "dense_reward",
     "is_dense_reward",
     "has_prefetch",
+    "infinite_rewards_to_nan",
     "raise_on_every_process",
+    "reward_number",
+    "reward_numbers",
+    "reward_row",
     "sequence_reward_values",
     "start_dense_rewards",
     "validate_dense_rewards",
@@ -81,7 +100,11 @@ __all__ = [
 
 
 class RewardContractError(ValueError):
-    """A reward function's output breaks the contract above (wrong count or type, an infinite value)."""
+    """A reward function's output breaks the contract above (a wrong count, or a value that is not a number)."""
+
+
+class RewardTypeError(RewardContractError, TypeError):
+    """A reward function returned something that is not a number (or a list of them) where the contract wants one."""
 
 
 def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
@@ -100,8 +123,8 @@ def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
         if error is not None:
             raise error
         raise RewardContractError(
-            "A reward function broke the reward contract on another process (an infinite value, or a wrong count or "
-            "type); that process's error names the function."
+            "A reward function broke the reward contract on another process (a wrong count, or a value that is not a "
+            "number); that process's error names the function."
         )
 
 
@@ -133,42 +156,171 @@ def has_prefetch(func: Any) -> bool:
     return callable(getattr(func, "prefetch", None))
 
 
-def _as_float(value: Any, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise RewardContractError(
-            f"{name} returned {value!r} for {where}; return a float (or None where it does not apply)."
-        )
-    return float(value)
+# float32's largest finite value: the trainers compute rewards in float32, where anything larger is infinite.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def sequence_reward_values(values: Sequence[Any], num_completions: int, name: str) -> torch.Tensor:
-    """One sequence-level reward function's output as float64 [N], None -> NaN ("does not apply").
+def reward_number(value: Any, subject: str, where: str) -> float:
+    """`value` as a float under the contract's number rule; None -> NaN, +-inf (in float32) -> +-inf.
+
+    Args:
+        value: One reward value.
+        subject: Who returned it, for the error ("Reward function 'f'").
+        where: Which sample, for the error ("completion 3").
 
     Raises:
-        ValueError: naming `name` when the count is wrong, a value is not a number, or a value is +-inf.
+        RewardTypeError: when `value` is not a number: a string, a list, a tensor with dimensions, a complex number.
     """
-    if len(values) != num_completions:
-        raise RewardContractError(
-            f"Reward function '{name}' returned {len(values)} values for {num_completions} completions; return "
-            "exactly one value (or None) per completion."
+    if value is None:
+        return math.nan
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+        if value.dtype.is_complex if isinstance(value, torch.Tensor) else np.iscomplexobj(value):
+            raise RewardTypeError(
+                f"{subject} returned the complex number {value!r} for {where}; return a real number."
+            )
+        value = value.item()
+    elif isinstance(value, np.generic):  # NumPy scalars, np.bool_ included (not a numbers.Real)
+        value = value.item()
+    if isinstance(value, complex):
+        raise RewardTypeError(f"{subject} returned the complex number {value!r} for {where}; return a real number.")
+    if not isinstance(value, numbers.Real):
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            what = f"a {type(value).__name__} of shape {tuple(value.shape)}"
+        elif isinstance(value, (list, tuple)):
+            what = f"a {type(value).__name__} ({value!r:.60})"
+        else:
+            what = f"{value!r:.60} ({type(value).__name__})"
+        raise RewardTypeError(
+            f"{subject} returned {what} for {where}, which is not a number; return a float (or None where it does not "
+            "apply)."
         )
-    where = f"Reward function '{name}'"
-    out = [math.nan if v is None else _as_float(v, where, f"completion {i}") for i, v in enumerate(values)]
-    tensor = torch.tensor(out, dtype=torch.float64)
-    check_finite_rewards(tensor.unsqueeze(1), [name])
-    return tensor
+    return _float32_range(float(value))
 
 
-def check_finite_rewards(rewards_per_func: torch.Tensor, names: Sequence[str]) -> None:
-    """Raise ValueError naming the function and completion of the first +-inf entry of `rewards_per_func` [N, K]."""
+def _float32_range(number: float) -> float:
+    return math.copysign(math.inf, number) if abs(number) > _FLOAT32_MAX else number
+
+
+def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
+    """A reward output's entries as a list: a list, tuple, generator or 1-D tensor / array; anything else raises."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        if values.ndim != 1:
+            raise RewardTypeError(
+                f"{subject} returned a {type(values).__name__} of shape {tuple(values.shape)}; return {expected}."
+            )
+        return list(values)
+    if isinstance(values, (str, bytes, Mapping, Set)) or not isinstance(values, Iterable):
+        raise RewardTypeError(f"{subject} returned {values!r:.60} ({type(values).__name__}); return {expected}.")
+    return list(values)
+
+
+def reward_numbers(values: Any, subject: str, where: Callable[[int], str], expected: str) -> list[float]:
+    """The entries of `values` as floats under the number rule (`reward_number`): None -> NaN, +-inf kept.
+
+    Args:
+        values: A list, tuple, generator or 1-D tensor / array.
+        subject: Who returned it ("Reward function 'f'").
+        where: The name of entry i, for errors ("completion 3").
+        expected: What `subject` should return, for the error when `values` is no such container.
+
+    Raises:
+        RewardTypeError: when `values` is not such a container, or an entry is not a number.
+    """
+    if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex:
+        return [_float32_range(float(v)) for v in values.tolist()]  # one device sync, not one per entry
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
+        return [_float32_range(float(v)) for v in values.tolist()]
+    return [reward_number(v, subject, where(i)) for i, v in enumerate(_as_list(values, subject, expected))]
+
+
+def _warn_infinite(subject: str, where: list[str], values: list[float]) -> None:
+    logger.warning(
+        f"{subject} returned {values[0]} for {where[0]}"
+        + (f" (and {len(where) - 1} more infinite value(s))" if len(where) > 1 else "")
+        + ": an infinite reward is treated as NaN (does not apply), as it would turn every advantage of the batch "
+        "into NaN. Return a finite value, or None/NaN where the function does not apply."
+    )
+
+
+def sequence_reward_values(values: Any, num_completions: int, name: str, subject: str | None = None) -> torch.Tensor:
+    """One sequence-level reward function's output as float64 [N]: None, NaN and +-inf -> NaN ("does not apply").
+
+    Args:
+        values: What the function returned.
+        num_completions: Completions it scored.
+        name: The function's name.
+        subject: Who returned `values`, for errors and warnings; default "Reward function '<name>'".
+
+    Raises:
+        RewardTypeError: naming the function and the completion when `values` is not a list of numbers.
+        RewardContractError: naming the function when the count is wrong.
+    """
+    subject = subject or f"Reward function '{name}'"
+    out = reward_numbers(
+        values, subject, lambda i: f"completion {i}", "a list with one number (or None) per completion"
+    )
+    if len(out) != num_completions:
+        raise RewardContractError(
+            f"{subject} returned {len(out)} values for {num_completions} completions; return exactly one value "
+            "(or None) per completion."
+        )
+    infinite = [i for i, v in enumerate(out) if math.isinf(v)]
+    if infinite:
+        _warn_infinite(subject, [f"completion {i}" for i in infinite], [out[i] for i in infinite])
+        for i in infinite:
+            out[i] = math.nan
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def infinite_rewards_to_nan(rewards_per_func: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """`rewards_per_func` [N, K] with its +-inf entries NaN, with a warning per function (the contract's rule for
+    rewards that did not come through `sequence_reward_values`, e.g. a reward model's logits). The same tensor when
+    every entry is finite or NaN."""
     infinite = torch.isinf(rewards_per_func)
-    if bool(infinite.any()):
-        row, col = (int(i) for i in infinite.nonzero()[0])
-        raise RewardContractError(
-            f"Reward function '{names[col]}' returned {rewards_per_func[row, col].item()} for completion {row}: an "
-            "infinite reward turns every advantage of the batch into NaN. Return a finite value, or None/NaN where "
-            "the function does not apply."
-        )
+    if not bool(infinite.any()):
+        return rewards_per_func
+    for col in infinite.any(dim=0).nonzero().flatten().tolist():
+        rows = infinite[:, col].nonzero().flatten().tolist()
+        values = rewards_per_func[rows, col].tolist()
+        _warn_infinite(f"Reward function '{names[col]}'", [f"completion {r}" for r in rows], values)
+    return rewards_per_func.masked_fill(infinite, math.nan)
+
+
+def checked_sequence_reward(
+    func: Callable[..., Any], name: str, errors: list[RewardContractError], is_async: bool
+) -> Callable[..., Any]:
+    """`func` with its output put through `sequence_reward_values`, for a caller that passes TRL's keywords
+    (``prompts=``, ...) and reads one value per completion: TRL's `_calculate_rewards`.
+
+    A contract error is appended to `errors` and the output replaced by None for every completion, so the caller
+    still reaches the gather it runs after the reward functions; raise ``errors[0]`` after it with
+    `raise_on_every_process`, on every process.
+
+    Args:
+        func: The reward function.
+        name: Its name.
+        errors: Where a contract error goes.
+        is_async: Whether `func` is async (the wrapper then is too, so the caller awaits it).
+    """
+
+    def check(out: Any, prompts: Sequence[Any]) -> list[float | None]:
+        try:
+            return sequence_reward_values(out, len(prompts), name).tolist()
+        except RewardContractError as err:
+            errors.append(err)
+            return [None] * len(prompts)
+
+    if is_async:
+
+        async def checked_async(**kwargs: Any) -> list[float | None]:
+            return check(await func(**kwargs), kwargs["prompts"])
+
+        return checked_async
+
+    def checked(**kwargs: Any) -> list[float | None]:
+        return check(func(**kwargs), kwargs["prompts"])
+
+    return checked
 
 
 def weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
@@ -186,49 +338,59 @@ def weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor | 
     return torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.full_like(rewards, math.nan), rewards)
 
 
-def validate_dense_rewards(
-    rewards: Sequence[Sequence[float] | None], completion_lengths: Sequence[int], name: str = "reward function"
-) -> list[list[float]]:
-    """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; NaN kept).
+def reward_row(row: Any, length: int, subject: str, where: str) -> list[float]:
+    """One completion's per-token rewards as floats under the number rule: None -> NaN, +-inf kept.
+
+    Args:
+        row: A list, tuple or 1-D tensor / array of numbers.
+        length: The completion's tokens.
+        subject: Who returned `row` ("Dense reward function 'f'").
+        where: Which completion ("completion 3").
 
     Raises:
-        ValueError: naming `name` when the number of entries, a per-token length or a value's type does not match,
-            or a token reward is +-inf, so the bug is found at its source rather than deep inside the loss.
+        RewardTypeError: when `row` is not a list of numbers.
+        RewardContractError: when its length is not `length`.
     """
-    if isinstance(rewards, (str, bytes)) or not isinstance(rewards, Sequence):
+    out = reward_numbers(row, subject, lambda t: f"token {t} of {where}", f"a list of per-token numbers for {where}")
+    if len(out) != length:
         raise RewardContractError(
-            f"Dense {name} returned {type(rewards).__name__}; return one list (or None) per completion."
+            f"{subject} returned {len(out)} token rewards for {where}, which has {length} tokens; align the "
+            "per-token rewards to the completion's token ids."
         )
-    if len(rewards) != len(completion_lengths):
+    return out
+
+
+def _dense_row(row: Any, length: int, subject: str, where: str) -> list[float]:
+    out = reward_row(row, length, subject, where)
+    infinite = [t for t, v in enumerate(out) if math.isinf(v)]
+    if infinite:
+        _warn_infinite(subject, [f"token {t} of {where}" for t in infinite], [out[t] for t in infinite])
+        for t in infinite:
+            out[t] = math.nan
+    return out
+
+
+def validate_dense_rewards(
+    rewards: Any, completion_lengths: Sequence[int], name: str = "reward function"
+) -> list[list[float]]:
+    """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; None, NaN and
+    +-inf tokens -> NaN, which `collect_dense_rewards` counts and uses as 0).
+
+    Raises:
+        RewardTypeError: naming `name` and the completion when the output is not a list of rows of numbers.
+        RewardContractError: naming `name` when the number of rows or a row's length does not match.
+    """
+    subject = f"Dense {name}"
+    rows = _as_list(rewards, subject, "one list (or None) per completion")
+    if len(rows) != len(completion_lengths):
         raise RewardContractError(
-            f"Dense {name} returned {len(rewards)} entries for {len(completion_lengths)} completions; "
+            f"{subject} returned {len(rows)} entries for {len(completion_lengths)} completions; "
             "return exactly one list (or None) per completion."
         )
-    out = []
-    for i, (row, length) in enumerate(zip(rewards, completion_lengths)):
-        if row is None:
-            out.append([0.0] * length)
-            continue
-        if torch.is_tensor(row):
-            row = row.reshape(-1).tolist()
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise RewardContractError(
-                f"Dense {name} returned {type(row).__name__} for completion {i}; return a list of per-token floats."
-            )
-        row = [_as_float(v, f"Dense {name}", f"completion {i}") for v in row]
-        if len(row) != length:
-            raise RewardContractError(
-                f"Dense {name} returned {len(row)} token rewards for completion {i}, which has {length} tokens; "
-                "align the per-token rewards to `completion_ids[i]`."
-            )
-        bad = next((t for t, v in enumerate(row) if math.isinf(v)), None)
-        if bad is not None:
-            raise RewardContractError(
-                f"Dense {name} returned {row[bad]} at token {bad} of completion {i}; return finite token rewards "
-                "(NaN where a token's reward does not apply)."
-            )
-        out.append(row)
-    return out
+    return [
+        [0.0] * length if row is None else _dense_row(row, length, subject, f"completion {i}")
+        for i, (row, length) in enumerate(zip(rows, completion_lengths))
+    ]
 
 
 @dataclass
@@ -293,7 +455,9 @@ def collect_dense_rewards(
                 row_sum += value
             sums.append(row_sum)
         if nan_tokens:
-            logger.warning(f"Dense reward function '{name}' returned {nan_tokens} NaN token reward(s); used 0.")
+            logger.warning(
+                f"Dense reward function '{name}' returned {nan_tokens} NaN/None/infinite token reward(s); used 0."
+            )
         metrics[f"rewards/{name}/nan_tokens"] = float(nan_tokens)
         metrics[f"rewards/{name}/token_mean"] = sum(sums) / num_tokens
         metrics[f"rewards/{name}/sum_mean"] = sum(sums) / max(len(sums), 1)

@@ -14,9 +14,11 @@ Data flow of one generation batch (`_generate_and_score_completions`):
    - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it); this and
      every other log-prob pass get position ids from the attention mask while an option compares them with the
      sampler's (`_positions_from_mask`), so left-padded rows are numbered as the sampler numbered them;
-   - `_calculate_rewards`: TRL's sequence-level rewards into the record; the dense reward functions are prefetched
-     (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. In TRL 1.16 this runs
-     after TRL's old-logprob and reference passes, so the critic overlaps what follows it, not those passes.
+   - `_calculate_rewards`: TRL's sequence-level rewards, read under `trl_stable.rewards.dense`'s contract (TRL
+     calls the functions through checking wrappers; inf -> NaN), into the record; the dense reward functions are
+     prefetched (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. TRL calls it
+     after its old-logprob and reference passes; when a dense function has a prefetch, `_generate` calls it right
+     after generation instead (TRL's own call then gets those rewards), so the critic overlaps those passes.
 2. `_postprocess_generation(output, record)`: routing into the batch, advantages (TRL's, or a registered estimator
    of `trl_stable.core.estimators`), NaN-reward drop, dynamic sampling, step masks, then the dense rewards are
    collected (the prefetched requests joined) and the dense advantages added.
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import nanstd
+from trl.trainer.utils import is_async_callable, nanstd
 
 from trl_stable.core import (
     NORMALIZATION_PRESETS,
@@ -63,10 +65,13 @@ from trl_stable.monitoring.integration import HealthArguments, attach_health_mon
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
+    RewardContractError,
     call_on_every_process,
-    check_finite_rewards,
+    checked_sequence_reward,
     has_prefetch,
+    infinite_rewards_to_nan,
     is_dense_reward,
+    raise_on_every_process,
     start_dense_rewards,
     weighted_reward_sum,
 )
@@ -136,8 +141,9 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
             overlong punishment, added as a reward function named "overlong_penalty".
         dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
             discount of the dense reward-to-go added to the sequence advantage.
-        nan_reward_action (`str`, defaults to `"drop"`): What to do with a completion every reward function scored
-            NaN/None: "drop" it from the loss (warning + counter; all NaN raises), or "zero" (TRL: advantage 0).
+        nan_reward_action (`str`, defaults to `"zero"`): What to do with a completion every reward function scored
+            None/NaN/inf: "zero" is TRL's behavior (advantage 0, outside the group baseline, still in the loss's
+            token count); "drop" (recommended) removes it from the loss (warning + counter; all unscorable raises).
         step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
             not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
             `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
@@ -231,11 +237,12 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
     )
     dense_reward_gamma: float = field(default=1.0, metadata={"help": "Discount of the dense reward-to-go, in (0, 1]."})
     nan_reward_action: str = field(
-        default="drop",
+        default="zero",
         metadata={
-            "help": "A completion that every reward function scored NaN/None: 'drop' removes it from the loss with "
-            "a warning and the `rewards/nan_dropped` counter (a batch with no scorable completion raises); 'zero' "
-            "keeps TRL's behaviour (advantage 0, still counted in the loss normaliser)."
+            "help": "A completion that every reward function scored None/NaN/inf: 'zero' keeps TRL's behavior "
+            "(advantage 0, outside the group baseline, still counted in the loss's token normalizer); 'drop' "
+            "(recommended) removes it from the loss with a warning and the `rewards/nan_dropped` counter (a batch "
+            "with no scorable completion raises)."
         },
     )
     # step_loss_mask, step_mask_tools: from StepMaskArguments
@@ -694,13 +701,18 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             record.early_rewards = None
             if early_ids == [list(ids) for ids in completion_ids_list]:
                 return early  # scored in `_generate`; the dense functions are prefetched already
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        check_finite_rewards(rewards_per_func, self.reward_func_names)
+        # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (through the wrappers)
+        errors: list[RewardContractError] = []
+        with self._contract_checked_reward_funcs(errors):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # after TRL's gather, which every process reached: a broken answer on one process stops them all here
+        raise_on_every_process(errors[0] if errors else None, self.accelerator)
+        rewards_per_func = infinite_rewards_to_nan(rewards_per_func, self.reward_func_names)  # reward models' logits
         if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
             raise ValueError(
-                f"Every reward function ({', '.join(self.reward_func_names)}) returned NaN/None for every completion "
-                "of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN usually comes "
-                "from a failed parse or API call)."
+                f"Every reward function ({', '.join(self.reward_func_names)}) returned None/NaN/inf for every "
+                "completion of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN "
+                "usually comes from a failed parse or API call)."
             )
         if self._rollout is not None:
             self._rollout.rewards_per_func = rewards_per_func
@@ -712,6 +724,27 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                     *(inputs, prompts, completions, completion_ids_list, rewards_per_func),
                 )
         return rewards_per_func
+
+    @contextmanager
+    def _contract_checked_reward_funcs(self, errors: list[RewardContractError]) -> Iterator[None]:
+        """Give TRL's `_calculate_rewards` the callable reward functions wrapped by
+        `trl_stable.rewards.dense.checked_sequence_reward` for the duration of one call (see
+        `trl_internals.GRPO_MEMBERS`: TRL reads `reward_funcs` when it calls them); models are left as they are.
+
+        The wrappers hand TRL exactly the values it would have built itself from a well-formed, finite answer (a
+        float per completion, None -> NaN), so the numbers are TRL's; an infinite value reaches TRL as NaN, and an
+        answer that is not numbers leaves as a contract error after TRL's gather instead of being misread."""
+        funcs = self.reward_funcs
+        self.reward_funcs = [
+            func
+            if isinstance(func, torch.nn.Module)
+            else checked_sequence_reward(func, name, errors, is_async=is_async_callable(func))
+            for func, name in zip(funcs, self.reward_func_names, strict=True)
+        ]
+        try:
+            yield
+        finally:
+            self.reward_funcs = funcs
 
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""

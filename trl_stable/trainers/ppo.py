@@ -63,7 +63,13 @@ from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
-from trl_stable.rewards.dense import RewardContractError, call_on_every_process, raise_on_every_process
+from trl_stable.rewards.dense import (
+    RewardContractError,
+    RewardTypeError,
+    call_on_every_process,
+    raise_on_every_process,
+    reward_numbers,
+)
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.ppo_models import (
@@ -376,9 +382,10 @@ class PPOTrainer(PPOPlumbing):
                 resolved, so they may add to it.
 
         The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
-        reward-function output: a NaN `token_rewards` entry or score marks a sample without a reward, which is dropped
-        with a warning (error when all are); an infinite one raises `RewardContractError` on every process. The step
-        is logged (`self.state.log_history`, callbacks).
+        reward-function output: a NaN, None or infinite `token_rewards` entry or score marks a sample without a
+        reward, which is dropped with a warning (error when all are); a value that is not a number raises
+        `trl_stable.rewards.dense.RewardTypeError` (a `TypeError`) on every process. The step is logged
+        (`self.state.log_history`, callbacks).
 
         Returns:
             The step's statistics (objective/kl, loss/policy, loss/value, policy/clipfrac, ...).
@@ -457,21 +464,38 @@ class PPOTrainer(PPOPlumbing):
         return sampler_logprobs, routing
 
     def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
-        """Call deferred token rewards; a contract error (seen by this process only) stops every process."""
-        rows = call_on_every_process(self.accelerator, deferred)
-        if rows is not None:
-            self._check_per_token("token_rewards", rows, responses)
-        return rows
+        """Call deferred token rewards and check their lengths; a contract error (seen by this process only) stops
+        every process."""
+
+        def resolve() -> Any:
+            rows = deferred()
+            if rows is not None:
+                self._check_per_token("token_rewards", rows, responses)
+            return rows
+
+        return call_on_every_process(self.accelerator, resolve)
 
     @staticmethod
     def _check_per_token(name: str, rows, responses) -> None:
-        """One entry of `rows` per response token of each sample (token rewards, turn ids, sampler log-probs)."""
+        """One entry of `rows` per response token of each sample (token rewards, turn ids, sampler log-probs).
+
+        For token rewards the errors are `RewardContractError` (a `ValueError`; `RewardTypeError` for a row that
+        is no list), so deferred token rewards can stop every process with them."""
+        rewards = name == "token_rewards"
+        value_error, type_error = (RewardContractError, RewardTypeError) if rewards else (ValueError, TypeError)
+        if not _is_sized(rows):
+            raise type_error(f"step()'s {name} is {rows!r:.60} ({type(rows).__name__}); pass one row per sample.")
         if len(rows) != len(responses):
-            raise ValueError(f"step() got {len(rows)} {name} for {len(responses)} responses; pass one per sample.")
-        what = "reward" if name == "token_rewards" else "entry"
+            raise value_error(f"step() got {len(rows)} {name} for {len(responses)} responses; pass one per sample.")
+        what = "reward" if rewards else "entry"
         for i, (row, r) in enumerate(zip(rows, responses)):
+            if not _is_sized(row):
+                raise type_error(
+                    f"{name}[{i}] is {row!r:.60} ({type(row).__name__}); give one {what} per response token (a list "
+                    "or a 1-D tensor)."
+                )
             if len(row) != len(r):
-                raise ValueError(
+                raise value_error(
                     f"{name}[{i}] has {len(row)} entries but responses[{i}] has {len(r)} tokens; "
                     f"give one {what} per response token."
                 )
@@ -488,6 +512,10 @@ class PPOTrainer(PPOPlumbing):
             ("sampler_logprobs", sampler_logprobs),
         ):
             if value is not None:
+                if not _is_sized(value):
+                    raise RewardTypeError(
+                        f"step()'s {name} is {value!r:.60} ({type(value).__name__}); pass one entry per sample."
+                    )
                 lengths[name] = len(value)
         if len(set(lengths.values())) != 1:
             raise ValueError(f"step() got lists of different lengths: {lengths}; pass one entry per sample.")
@@ -549,37 +577,37 @@ class PPOTrainer(PPOPlumbing):
         mask = batch["response_mask"]
         n, resp_width = mask.shape
         dense = torch.zeros(n, resp_width, device=device)
-        if token_rewards is not None:
-            for i, row in enumerate(token_rewards):
-                row_t = torch.as_tensor(row, dtype=torch.float32).reshape(-1)
-                dense[i, : len(row_t)] = row_t.to(device)
         score_t = None
-        if scores is not None:
-            values = scores.tolist() if isinstance(scores, torch.Tensor) else scores
-            score_t = torch.as_tensor([float(s) for s in values], dtype=torch.float32, device=device)
         error = None
-        infinite = torch.isinf(dense).any(1)
-        if score_t is not None:
-            infinite |= torch.isinf(score_t)
-        if bool(infinite.any()):
-            i = int(infinite.nonzero()[0])
-            error = RewardContractError(
-                f"Sample {i} of this PPO step has an infinite reward (token_rewards or scores): it would turn every "
-                "advantage of the batch into NaN. Pass finite rewards (NaN marks a sample without a reward)."
-            )
+        try:  # the reward contract's number rule (`trl_stable.rewards.dense`); None, like NaN, marks no reward
+            if token_rewards is not None:
+                for i, row in enumerate(token_rewards):  # lengths checked by `_check_per_token`
+                    values = reward_numbers(
+                        row, "step()'s token_rewards", lambda t, i=i: f"token {t} of sample {i}", "a list per sample"
+                    )
+                    dense[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device=device)
+            if scores is not None:
+                values = reward_numbers(scores, "step()'s scores", lambda i: f"sample {i}", "one score per sample")
+                score_t = torch.tensor(values, dtype=torch.float32, device=device)
+        except RewardContractError as err:
+            error = err
         raise_on_every_process(error, self.accelerator)
-        # NaN marks a sample without a reward: RELC-era loops put the score inside token_rewards, so a NaN token is
-        # a failed score rather than a token the reward does not apply to (as it is for a dense reward function)
-        bad = torch.isnan(dense).any(1)
+        # NaN or +-inf marks a sample without a reward: RELC-era loops put the score inside token_rewards, so a NaN
+        # token is a failed score rather than a token the reward does not apply to (as it is for a dense reward
+        # function); an infinite one would turn every advantage of the batch into NaN
+        bad = ~torch.isfinite(dense).all(1)
         if score_t is not None:
-            bad |= torch.isnan(score_t)
+            bad |= ~torch.isfinite(score_t)
         # decided on every process at once: a process that raised alone would leave the others hanging in a collective
         if self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
             raise ValueError(
-                "Every sample of the batch has a NaN reward (on at least one process); check the reward functions."
+                "Every sample of the batch has a NaN or infinite reward (on at least one process); check the reward "
+                "functions."
             )
         if bool(bad.any()):
-            warnings.warn(f"Dropping {int(bad.sum())} of {n} samples with a NaN reward from this PPO step.")
+            warnings.warn(
+                f"Dropping {int(bad.sum())} of {n} samples with a NaN or infinite reward from this PPO step."
+            )
             mask = mask * (~bad).unsqueeze(1)
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
@@ -1083,6 +1111,13 @@ class PPOTrainer(PPOPlumbing):
         if batch is not None:
             columns = {c: gather_object([str(v) for v in batch[c]]) for c in columns_to_log if c in batch}
             self.log_table("game_log", {**columns, "reward": values.tolist()})
+
+
+def _is_sized(value: Any) -> bool:
+    """Whether `value` holds entries (a list, tuple, >= 1-D tensor or array), not a string or a number."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim > 0
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__len__")
 
 
 def _trim_micro_batch(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from trl.trainer.utils import get_callable_name
 from trl_stable.rewards.dense import (
     DenseRewards,
     PendingDenseRewards,
+    infinite_rewards_to_nan,
     is_dense_reward,
     sequence_reward_values,
     start_dense_rewards,
@@ -181,6 +182,7 @@ class RewardFunctions:
                 func, name = self.funcs[i], self.names[i]
                 if isinstance(func, nn.Module):
                     values = self._score_with_model(func, self.processing_classes[i], prompts, texts)
+                    values = infinite_rewards_to_nan(values.unsqueeze(1), [name]).squeeze(1)
                 else:
                     out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
                     values = sequence_reward_values(out, n, name)
