@@ -47,6 +47,7 @@ def make(tokenizer, out, max_steps=3, **overrides):
         use_cpu=True,
         dynamic_sampling=True,
         dynamic_sampling_max_refills=2,
+        nan_reward_action="drop",  # the NaN-drop count is part of the state resume restores
         # reward_above_max (reward_max 1.0) is raised at step 2: the step-2 checkpoint has it active
         health_monitor_kwargs={"patience": 2},
     )
