@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
     CriticBackend,
@@ -187,7 +188,10 @@ class CriticRewardConfig:
     )
     critic_api_key_env: str = field(
         default="OPENAI_API_KEY",
-        metadata={"help": "Environment variable holding the critic API key (the key itself is never stored)."},
+        metadata={
+            "help": "Name of the environment variable holding the critic API key (the key itself is never stored; "
+            "a value that is no variable name or looks like a key is refused, without repeating it)."
+        },
     )
     critic_concurrency: int | None = field(
         default=None,
@@ -295,6 +299,8 @@ class CriticRewardConfig:
             raise ValueError(f"critic_max_retries must be >= 0, got {self.critic_max_retries}.")
         if self.critic_rate_limit is not None and self.critic_rate_limit <= 0:
             raise ValueError(f"critic_rate_limit must be > 0 or None, got {self.critic_rate_limit}.")
+        # the key itself typed here would be echoed by "set the environment variable ..." errors and saved
+        check_env_var_name("critic_api_key_env", self.critic_api_key_env)
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
             raise ValueError(f"prompt_file {self.prompt_file!r} does not exist; pass an existing critic template.")
 

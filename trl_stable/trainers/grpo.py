@@ -63,6 +63,7 @@ from trl_stable.moe.hook import (
 from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
+from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     RewardContractError,
@@ -109,7 +110,7 @@ _LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
 
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
+class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
     Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor

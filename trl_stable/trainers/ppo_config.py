@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from trl_stable.monitoring.integration import PPOHealthArguments
+from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
@@ -15,7 +16,7 @@ _LAM_SCHEDULES = ("vapo", "relative_position")
 
 
 @dataclass
-class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments):
+class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
