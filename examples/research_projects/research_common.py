@@ -41,7 +41,7 @@ if str(HERE) not in sys.path:  # the task scripts import this module and its nei
 from embedded import embedded_policy  # noqa: E402
 
 from trl_stable import PPOConfig  # noqa: E402
-from trl_stable.redaction import redact, redact_argv  # noqa: E402, F401  (redact_argv: the scripts import it here)
+from trl_stable.redaction import redact, redact_argv  # noqa: E402
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
