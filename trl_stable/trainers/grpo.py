@@ -87,6 +87,15 @@ from trl_stable.rewards.dense import (
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.grpo_checkpoints import GRPOCheckpoints
+from trl_stable.trainers.prompt_checks import (
+    check_generation_budget,
+    check_prompt_column,
+    empty_prompt_error,
+    first_error,
+    model_context,
+    raise_together,
+    too_long_error,
+)
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
@@ -565,6 +574,12 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
         self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
+        # Start-up checks (each generation batch's prompts are checked in `_tokenize_prompts`): a completion length
+        # the model's context cannot take, and a missing or empty prompt, fail now rather than inside a forward.
+        self.model_context = model_context(self.accelerator.unwrap_model(self.model))
+        check_generation_budget(self.model_context, self.max_completion_length, "max_completion_length")
+        if self.rollout_func is None and self.environment_factories is None:  # else the prompts are theirs to make
+            check_prompt_column(self.train_dataset)
         if self.routing.mode == "R3":
             self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
@@ -692,6 +707,33 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         if recorder is not None:
             logprobs = recorder.per_token_logps(completion_ids)
         return completion_ids, logprobs
+
+    def _tokenize_prompts(self, prompts):
+        # A missing, empty or too long prompt is refused here, naming it, rather than failing inside `generate`
+        # (IndexError, or a float-typed empty tensor); every process raises together, since each checks its own.
+        where = "row {} of this process's generation batch".format
+        error = first_error(empty_prompt_error(prompt, where(i)) for i, prompt in enumerate(prompts))
+        result = None
+        if error is None:
+            result = super()._tokenize_prompts(prompts)
+            lengths = [len(ids) for ids in result[0]]
+            if 0 in lengths:
+                i = lengths.index(0)
+                error = ValueError(
+                    f"The prompt of {where(i)} has no tokens ({prompts[i]!r}); every sample needs at least one token "
+                    "to generate from: drop or fill such rows."
+                )
+            elif self.max_completion_length is not None:
+                error = too_long_error(
+                    self.model_context,
+                    lengths,
+                    self.max_completion_length,
+                    where,
+                    "Drop or shorten the long prompts (e.g. dataset.filter on their token count), or lower "
+                    "max_completion_length.",
+                )
+        raise_together(error, self.accelerator)
+        return result
 
     def _generate(self, prompts):
         result = super()._generate(prompts)
