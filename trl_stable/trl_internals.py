@@ -118,6 +118,15 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     ),
     Member(
         _GRPO,
+        "_tokenize_prompts",
+        "override",
+        ("prompts",),
+        "3-tuple (prompt_ids: list[list[int]], images, multimodal_fields); called once per generation batch, before "
+        "generation, only when there is no rollout_func",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
         "_generate_single_turn",
         "override",
         ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
 from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
@@ -102,6 +103,26 @@ def fill_critic_template(template: str, text: str, prompt: str = "", completion:
     score_text = "n/a" if score is None else f"{float(score):.4g}"
     pieces = {"{prompt}": prompt, "{completion}": completion, "{score}": score_text, "{}": text}
     return _PLACEHOLDER_RE.sub(lambda m: pieces[m.group(0)], template)
+
+
+# Every numeric field of CriticRewardConfig and what is valid. The backend-specific fields are not tied to
+# critic_backend: scripts choose the backend late (a critic_base_url means 'openai'), so they are checked alone.
+CRITIC_BOUNDS: dict[str, Bound] = {
+    "positive_reward_value": Bound(),
+    "negative_reward_value": Bound(),
+    "outside_span_reward_value": Bound(),
+    "fuzzy_min_similarity": Bound(low=0.0, high=1.0, low_open=True),
+    "critic_concurrency": Bound(low=1, integer=True, optional=True, fix="None sizes it to the batch."),
+    "critic_max_concurrency": Bound(low=1, integer=True),
+    "critic_retry_after_max": Bound(low=0.0, fix="In seconds."),
+    "critic_timeout": Bound(low=0.0, low_open=True, fix="In seconds."),
+    "critic_max_retries": Bound(low=0, integer=True),
+    "critic_rate_limit": Bound(low=0.0, low_open=True, optional=True, fix="None: unlimited."),
+    "critic_max_tokens": Bound(low=1, integer=True),
+    "critic_temperature": Bound(low=0.0),
+    "critic_batch_size": Bound(low=1, integer=True),
+    "max_consecutive_failing_steps": Bound(low=1, integer=True),
+}
 
 
 @dataclass
@@ -259,11 +280,12 @@ class CriticRewardConfig:
                 "critic_backend='lexicon' has no summarization lexicon; use critic_backend='openai' or "
                 "'transformers' for critic_task='summarization'."
             )
-        for name in ("positive_reward_value", "negative_reward_value", "outside_span_reward_value"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
-        if not 0.0 < self.fuzzy_min_similarity <= 1.0:
-            raise ValueError(f"fuzzy_min_similarity must be in (0, 1], got {self.fuzzy_min_similarity}.")
+        check_bounds(self, CRITIC_BOUNDS)
+        # +inf critiques every completion (and -inf none); NaN compares false with every reward.
+        check_all_finite(self, allow_infinite=("intrinsic_reward_threshold",))
+        check_dependents(
+            self, (Dependent(("fuzzy_min_similarity",), self.fuzzy_span_matching, "fuzzy_span_matching=True"),)
+        )
         if self.use_intrinsic_reward and self.fuzzy_span_matching:
             import_rapidfuzz()  # fail at configuration time, not at the first critiqued step
         if self.critic_task == "toxicity" and self.positive_reward_value != 0 and self.outside_span_reward_value == 0:
@@ -273,32 +295,11 @@ class CriticRewardConfig:
                 "the config with CriticRewardConfig.from_relc(task='toxicity', ...).",
                 self.positive_reward_value,
             )
-        if math.isnan(self.intrinsic_reward_threshold):
-            raise ValueError("intrinsic_reward_threshold is NaN; use a number (inf critiques every completion).")
-        if self.critic_concurrency is not None and self.critic_concurrency < 1:
-            raise ValueError(
-                f"critic_concurrency must be >= 1 or None (sized to the batch), got {self.critic_concurrency}."
-            )
-        for name in (
-            "critic_max_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps",
-        ):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if not self.critic_retry_after_max >= 0:
-            raise ValueError(f"critic_retry_after_max must be >= 0 seconds, got {self.critic_retry_after_max}.")
-        if not self.critic_temperature >= 0:
-            raise ValueError(f"critic_temperature must be >= 0, got {self.critic_temperature}.")
         if self.critic_transport not in ("http", "openai"):
             raise ValueError(
                 f"critic_transport must be 'http' (standard-library client) or 'openai' (the SDK), got "
                 f"{self.critic_transport!r}."
             )
-        if self.critic_timeout <= 0:
-            raise ValueError(f"critic_timeout must be > 0 seconds, got {self.critic_timeout}.")
-        if self.critic_max_retries < 0:
-            raise ValueError(f"critic_max_retries must be >= 0, got {self.critic_max_retries}.")
-        if self.critic_rate_limit is not None and self.critic_rate_limit <= 0:
-            raise ValueError(f"critic_rate_limit must be > 0 or None, got {self.critic_rate_limit}.")
         # the key itself typed here would be echoed by "set the environment variable ..." errors and saved
         check_env_var_name("critic_api_key_env", self.critic_api_key_env)
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):

@@ -88,6 +88,14 @@ from trl_stable.trainers.ppo_models import (
 )
 from trl_stable.trainers.ppo_plumbing import PPOPlumbing
 from trl_stable.trainers.ppo_rewards import RewardFunctions
+from trl_stable.trainers.prompt_checks import (
+    check_generation_budget,
+    check_prompt_column,
+    empty_prompt_error,
+    first_error,
+    model_context,
+    too_long_error,
+)
 from trl_stable.trainers.rollout import LengthSampler, Rollout
 from trl_stable.trl_internals import model_name_of
 
@@ -227,6 +235,10 @@ class PPOTrainer(PPOPlumbing):
         # Invalid agent steps leave the policy loss (assign `trainer.step_masker` for environment-reported steps).
         self.step_masker = CompletionStepMasker(tools=args.step_mask_tools) if args.step_loss_mask else None
         self.routing = RoutingHook(self.unwrapped().policy, args.routing_replay)
+        # The context of every model the sequences go through (a separate value model or reference may differ):
+        # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
+        self.model_contexts = [model_context(m) for m in (model, value_backbone, self.ref_model) if m is not None]
+        self._check_prompts_at_start(train_dataset)
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)
@@ -305,6 +317,19 @@ class PPOTrainer(PPOPlumbing):
                 batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = max(1, int(length_sampler()))
+                too_long = first_error(
+                    too_long_error(
+                        context,
+                        [len(q) for q in batch],
+                        kwargs["max_new_tokens"],
+                        lambda i, start=start: f"query {start + i}",
+                        "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens.",
+                    )
+                    for context in self.model_contexts
+                )
+                if too_long is not None:
+                    policy.train(was_training)
+                    raise too_long
                 input_ids, attention_mask = self._left_pad(batch)
                 record = record_sampler_logps(policy) if capture else nullcontext()
                 with self.routing.sampling() as sampled, record as recorder:
@@ -949,16 +974,29 @@ class PPOTrainer(PPOPlumbing):
         return values.std().item() if values.numel() > 1 else 0.0
 
     # ------------------------------------------------------------------ train()
-    def _prompt_ids(self, rows: list[dict]) -> tuple[list[Any], list[torch.Tensor]]:
+    def _prompt_ids(
+        self, rows: list[dict], indices: Sequence[int] | None = None
+    ) -> tuple[list[Any], list[torch.Tensor]]:
+        """The prompts of `rows` (train_dataset rows `indices`, named in errors) and their token ids, cut to the last
+        `max_prompt_length` tokens.
+
+        Raises:
+            ValueError: naming the row, when a prompt is missing (None) or empty.
+        """
         tok = self.processing_class
         max_len = self.args.max_prompt_length
+        indices = range(len(rows)) if indices is None else indices
         prompts, ids = [], []
-        for row in rows:
+        for index, row in zip(indices, rows):
+            where = f"train_dataset row {index}"
             if "input_ids" in row and row["input_ids"] is not None:
                 q = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
                 prompt = row.get("prompt", tok.decode(q, skip_special_tokens=True))
             elif "prompt" in row:
                 prompt = row["prompt"]
+                error = empty_prompt_error(prompt, where)
+                if error is not None:
+                    raise error
                 if isinstance(prompt, list):
                     q = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_tensors=None)
                     if isinstance(q, dict) or hasattr(q, "keys"):
@@ -968,13 +1006,54 @@ class PPOTrainer(PPOPlumbing):
                     q = torch.as_tensor(tok(prompt)["input_ids"], dtype=torch.long)
             else:
                 raise ValueError("train_dataset rows need a 'prompt' (text or messages) or an 'input_ids' column.")
+            if len(q) == 0:
+                raise ValueError(
+                    f"The prompt of {where} has no tokens ({row.get('prompt', row.get('input_ids'))!r}); every sample "
+                    "needs at least one token to generate from: drop the row or give it one (e.g. the BOS token)."
+                )
             if max_len is not None and len(q) > max_len:
                 q = q[-max_len:]
-            if len(q) == 0:
-                q = torch.tensor([tok.bos_token_id if tok.bos_token_id is not None else self.eos_token_id])
             prompts.append(prompt)
             ids.append(q)
         return prompts, ids
+
+    def _check_prompts_at_start(self, train_dataset: Any) -> None:
+        """Start-up checks: the generation length against each model's context, no missing or empty prompt in
+        `train_dataset`, and, with a learned position table the config does not already keep prompts within, the
+        length of every train prompt (each row tokenized once, here, rather than failing at its batch)."""
+        args = self.args
+        generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
+        for context in self.model_contexts:
+            check_generation_budget(context, generation, "max_new_tokens", args.max_prompt_length)
+        check_prompt_column(train_dataset)
+        learned = [c for c in self.model_contexts if c.learned]
+        if train_dataset is None or not learned or not hasattr(train_dataset, "__len__"):
+            return
+        context = min(learned, key=lambda c: c.limit)
+        longest = context.limit - generation
+        if args.max_prompt_length is not None and args.max_prompt_length <= longest:
+            return  # train() cuts every prompt to a length that fits
+        logger.info(
+            "max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.",
+            args.max_prompt_length,
+            generation,
+            context.describe(),
+            len(train_dataset),
+        )
+        lengths = []
+        for chunk in range(0, len(train_dataset), 256):
+            indices = range(chunk, min(chunk + 256, len(train_dataset)))
+            lengths += [len(q) for q in self._prompt_ids([train_dataset[i] for i in indices], indices)[1]]
+        error = too_long_error(
+            context,
+            lengths,
+            generation,
+            lambda i: f"train_dataset row {i}",
+            f"Set max_prompt_length={longest} (train() keeps a prompt's last tokens), lower max_new_tokens, or drop "
+            "the long rows.",
+        )
+        if error is not None:
+            raise error
 
     def _steps_per_epoch(self) -> int:
         per_step = self.args.batch_size * self.accelerator.num_processes
@@ -1028,11 +1107,9 @@ class PPOTrainer(PPOPlumbing):
             epoch, within = divmod(self.state.global_step, steps_per_epoch)
             order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(args.seed + epoch))
             global_idx = order[within * total_per_step : (within + 1) * total_per_step]
-            rows = [
-                self.train_dataset[i]
-                for i in global_idx[rank * args.batch_size : (rank + 1) * args.batch_size].tolist()
-            ]
-            prompts, queries = self._prompt_ids(rows)
+            local_idx = global_idx[rank * args.batch_size : (rank + 1) * args.batch_size].tolist()
+            rows = [self.train_dataset[i] for i in local_idx]
+            prompts, queries = self._prompt_ids(rows, local_idx)
             responses = self.generate(queries, return_prompt=False)
             # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
             # error is seen by this process only: every process must stop with it
