@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.trainer.utils import get_callable_name
 
+from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,
     PendingDenseRewards,
@@ -32,11 +33,12 @@ __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
 @dataclass
 class BatchRewards:
     """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
-    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics."""
+    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics
+    (this process's shares, `trl_stable.monitoring.reduction.Stat`s)."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Stat | float] = field(default_factory=dict)
 
 
 class PendingRewards:
@@ -47,11 +49,14 @@ class PendingRewards:
 
     Attributes:
         scores: As in `BatchRewards`.
-        metrics: The batch's reward metrics; the dense metrics are added to this same dict when the dense rewards
-            are collected (so a `step(extra_logs=pending.metrics)` logs them).
+        metrics: The batch's reward metrics, as this process's shares (`trl_stable.monitoring.reduction.Stat`s,
+            reduced over processes when `PPOTrainer.step` logs them); the dense metrics are added to this same dict
+            when the dense rewards are collected (so a `step(extra_logs=pending.metrics)` logs them).
     """
 
-    def __init__(self, scores: torch.Tensor | None, dense: PendingDenseRewards | None, metrics: dict[str, float]):
+    def __init__(
+        self, scores: torch.Tensor | None, dense: PendingDenseRewards | None, metrics: dict[str, Stat | float]
+    ):
         self.scores = scores
         self.metrics = metrics
         self._dense = dense
@@ -67,7 +72,12 @@ class PendingRewards:
             dense = None
             if self._dense is not None:
                 dense = self._dense.collect()
-                self.metrics.update(dense.metrics)
+                # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics;
+                # as this process's shares, reduced over processes by `PPOTrainer.step`
+                for name, value in self.metrics.items():
+                    if not isinstance(value, Stat):
+                        self.metrics[name] = logged_metric_stat(name, [value])
+                self.metrics.update(dense_reward_stats(dense.metrics, self._dense.completion_lengths))
             self._result = BatchRewards(self.scores, dense, self.metrics)
         return self._result
 
@@ -171,7 +181,7 @@ class RewardFunctions:
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Stat | float] = {}
         n = len(responses)
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
@@ -186,8 +196,8 @@ class RewardFunctions:
                 else:
                     out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
                     values = sequence_reward_values(out, n, name)
-                finite = values[~torch.isnan(values)]
-                metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
+                # over the samples it scored on every process (reduced in `PPOTrainer.step`)
+                metrics[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
                 columns_out.append(values)
             scores = weighted_reward_sum(torch.stack(columns_out, dim=1), [self.weights[i] for i in sequence])
 
