@@ -24,7 +24,7 @@ import pytest
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # not accelerate's default 29500: another multi-process test running at the same time would collide on it
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -59,7 +59,7 @@ def launch_two_processes(
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
         str(tmp_path),
         *script_args,
