@@ -1108,7 +1108,7 @@ class PPOTrainer(PPOPlumbing):
                 responses,
                 token_rewards=pending.token_rewards if pending.has_dense else None,
                 scores=pending.scores,
-                extra_logs=pending.metrics,  # the dense metrics join it when step() collects them
+                extra_logs=pending.stats,  # the dense metrics join it when step() collects them
             )
             rewards = pending.result()
             losses.append(stats.get("loss/total", 0.0))
