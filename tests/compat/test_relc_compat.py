@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
 from fake_openai_server import FakeOpenAIServer, status  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
-from test_ppo_multiprocess import _free_port  # noqa: E402
+from two_processes import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("relc_shaped_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ def _run_script(tmp_path, server, two_processes):
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path),
+            "--main_process_port", str(free_port()), str(SCRIPT), str(tmp_path),
         ]  # fmt: skip
     try:
         # the limit only turns a hang (e.g. a save that waits on a barrier) into a failure with its output

@@ -24,6 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
+from trl_stable.monitoring.metric_names import (
+    CRITIC_STAGE_SECONDS,
+    CRITIC_STEP_PREFIX,
+    CRITIC_WAIT_SECONDS,
+    critic_step_ratios,
+)
 from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
@@ -704,27 +710,18 @@ class CriticIntrinsicReward:
         """Add `step` to the cumulative counts, keep the step's ratios, and hand them to TRL's `log_metric` hook."""
         for k, v in step.items():
             self._counts[k] += v
-        critiqued = max(step["critiqued"], 1)
+        # the fractions from one table, which the trainers also use to recompute them from the counts of every process
         self._last = {
-            "critic/critiqued_fraction": step["critiqued"] / max(step["samples"], 1),
-            # Critiqued samples that got no intrinsic reward: a failed request or an answer that did not parse.
-            "critic/failed_fraction": (step["failed_answers"] + step["unparseable"]) / critiqued,
-            "critic/request_failed_fraction": step["failed_answers"] / critiqued,
-            "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
-            "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
-            "critic/unparseable_fraction": step["unparseable"] / max(step["answers"], 1),
-            "critic/stage_seconds": seconds,  # from the requests' start (the prefetch, if any) to the rewards
-            "critic/wait_seconds": wait,  # what the trainer waited in the call: the critic's cost after the overlap
+            **critic_step_ratios(step),
+            CRITIC_STAGE_SECONDS: seconds,  # from the requests' start (the prefetch, if any) to the rewards
+            CRITIC_WAIT_SECONDS: wait,  # what the trainer waited in the call: the critic's cost after the overlap
         }
-        n_spans = step["spans_positive"] + step["spans_negative"]
-        for name in ("matched", "partial", "query_only", "unmatched", "fuzzy"):
-            self._last[f"critic/spans_{name}_frac"] = step[f"spans_{name}"] / max(n_spans, 1)
         after = self.backend.counters.snapshot()
         for name in _LOGGED_BACKEND_COUNTERS:
-            self._last[f"critic/step_{name}"] = after.get(name, 0) - before.get(name, 0)
+            self._last[f"{CRITIC_STEP_PREFIX}{name}"] = after.get(name, 0) - before.get(name, 0)
         for name in _STEP_COUNTERS:  # this step's own counts (answers, failed_answers, unparseable, spans, ...)
             if name != "steps":
-                self._last[f"critic/step_{name}"] = step[name]
+                self._last[f"{CRITIC_STEP_PREFIX}{name}"] = step[name]
         if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
             for name, value in self._last.items():
                 log_metric(name, float(value))

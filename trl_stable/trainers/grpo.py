@@ -72,6 +72,13 @@ from trl_stable.moe.hook import (
 from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
+from trl_stable.monitoring.reduction import (
+    Stat,
+    dense_reward_stats,
+    has_own_reduction,
+    reduce_metrics,
+    step_mask_stats,
+)
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
@@ -101,6 +108,7 @@ from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
     flush_reward_logs,
+    flush_reward_metrics,
     forward_kwargs,
     is_reference_pass,
     log_metric,
@@ -658,7 +666,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         log_metric(self, name, value)
 
     def _log_routing(self, prefix: str) -> None:
-        for name, value in self.routing.take_metrics(prefix).items():
+        for name, value in self.routing.take_metrics(prefix, self.accelerator).items():
             self._log(name, value)
 
     def _check_r3_support(self) -> None:
@@ -829,6 +837,9 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 "completion of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN "
                 "usually comes from a failed parse or API call)."
             )
+        # counts and fractions trl_stable's reward functions logged (e.g. arena/judge_calls), summed over processes
+        # here; TRL's flush, which follows, averages the rest over processes as it always does
+        flush_reward_metrics(self, select=has_own_reduction)
         if self._rollout is not None:
             self._rollout.rewards_per_func = rewards_per_func
             if self.dense_reward_funcs:
@@ -889,7 +900,10 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """
         dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
-        for name, value in dense.metrics.items():
+        # token means over every process's tokens, counts summed: the numbers of one process with the global batch
+        for name, value in reduce_metrics(
+            dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator
+        ).items():
             self._log(name, value)
         return dense.as_tensor(device=self.accelerator.device)
 
@@ -1007,28 +1021,34 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
         Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
         prompts; the loop stops when every process has `num_inputs` kept rows or after
-        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows).
+        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows). Every process
+        runs the same rounds, those already full too (their extra rows are not used).
         """
         if forward_kwargs(output):
             raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
-        if keep.all():
+        num_kept = int(keep.sum().item())
+
+        def anyone_short() -> bool:
+            # Decided on every process's count, so all take the same branch: a refill round is full of collectives
+            # (generation, reward gathers), and a process that skipped it alone would leave the others waiting.
+            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
+            return self.accelerator.gather(shortfall).max().item() > 0
+
+        if not anyone_short():
             return output
         kept = [self._select_rows(output, keep)]
         spare = [self._select_rows(output, ~keep)]
-        num_kept = int(keep.sum().item())
         rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
         rounds = 0
-        while rounds < self._opt("dynamic_sampling_max_refills"):
-            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
-            if self.accelerator.gather(shortfall).max().item() <= 0:  # a global decision: processes stay in step
-                break
+        while rounds < self._opt("dynamic_sampling_max_refills") and (rounds == 0 or anyone_short()):
             more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
             kept.append(self._select_rows(more, more_keep))
             spare.append(self._select_rows(more, ~more_keep))
             num_kept += int(more_keep.sum().item())
             rounds += 1
         self._log("dynamic_sampling/refill_rounds", rounds)
-        self._log("dynamic_sampling/frac_batch_filled", min(num_kept, num_inputs) / num_inputs)
+        filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
+        self._log("dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"])
         merged = self._concat_rows(kept + spare)
         merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
         num_items = self._loss_mask(merged).sum()
@@ -1138,7 +1158,8 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer)
-        for name, value in self.step_masker.stats().items():
+        stats = step_mask_stats(self.step_masker.stats())  # each process logs the reasons it saw
+        for name, value in reduce_metrics(stats, self.accelerator, names_may_differ=True).items():
             self._log(name, value)
         self._apply_loss_mask(output, keep)
 

@@ -63,6 +63,7 @@ from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
+from trl_stable.monitoring.reduction import Stat, reduce_metrics, step_mask_stats
 from trl_stable.rewards.dense import (
     RewardContractError,
     RewardTypeError,
@@ -404,7 +405,8 @@ class PPOTrainer(PPOPlumbing):
             sampler_logprobs: With `use_decoupled_loss`, the sampler's log-prob of each response token. None: taken
                 from `responses` when it is a `Rollout`.
             extra_logs: Merged into the step's logs (e.g. reward metrics); read after deferred `token_rewards` are
-                resolved, so they may add to it.
+                resolved, so they may add to it. Floats are logged as given; `trl_stable.monitoring.reduction.Stat`
+                values (what `train()` passes) are reduced over processes.
 
         The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
         reward-function output: a NaN, None or infinite `token_rewards` entry or score marks a sample without a
@@ -451,8 +453,11 @@ class PPOTrainer(PPOPlumbing):
             **rollout_logs,
             **behaviour_logs,
             **(extra_logs or {}),
-            "time/ppo_step": time.time() - step_start,
+            "time/ppo_step": Stat.max(time.time() - step_start),
         }
+        # the step mask's counts, the reward functions' metrics and the step time are this process's own; a reward
+        # function may log a metric on some processes only
+        logs = reduce_metrics(logs, self.accelerator, names_may_differ=True)
         self._end_step(logs)
         return logs
 
@@ -637,7 +642,7 @@ class PPOTrainer(PPOPlumbing):
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
         valid = ~bad
-        logs = {"ppo/dropped_samples": float(self.accelerator.reduce(bad.float().sum(), reduction="sum").item())}
+        logs = {"ppo/dropped_samples": Stat.total(bad.sum())}
         batch["response_mask"] = mask
         batch["valid"] = valid
         # where, not a product: NaN * 0 is NaN. Rewards on tool-output tokens (turn id -1) count nowhere.
@@ -645,11 +650,12 @@ class PPOTrainer(PPOPlumbing):
         if score_t is not None:
             raw_scores = torch.where(valid, score_t, torch.zeros_like(score_t))
             batch["scores"] = self.scale_scores(raw_scores, valid) * valid
-            logs["env/reward_mean"] = self._gmean(raw_scores[valid])
-            logs["env/reward_std"] = self._gstd(raw_scores, valid)
+            # over every process's valid samples: the processes may have dropped different numbers of samples
+            logs["env/reward_mean"] = Stat.mean(raw_scores, valid)
+            logs["env/reward_std"] = Stat.std(raw_scores, valid)
         if self.args.use_score_scaling:
             logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
-        return batch, logs
+        return batch, reduce_metrics(logs, self.accelerator)
 
     def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`core.scale_scores` after merging every process's valid scores into the running statistics (with
@@ -709,13 +715,13 @@ class PPOTrainer(PPOPlumbing):
         return ResponseScores(logprobs, entropy, logits)
 
     def _apply_step_keep(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics."""
+        """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics (`Stat`s)."""
         if self.step_masker is None:
             return {}
         batch["step_keep"] = self.step_masker.keep_mask(
             batch["response_ids"], batch["response_mask"], self.processing_class
         )
-        return self.step_masker.stats()
+        return step_mask_stats(self.step_masker.stats())  # this process's counts, reduced in step()
 
     @torch.no_grad()
     def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -755,7 +761,7 @@ class PPOTrainer(PPOPlumbing):
         result = {**batch, **{k: torch.cat(v) for k, v in out.items()}}
         if recorded:
             result[ROUTED_EXPERTS_KEY] = torch.cat(recorded)
-        return result, self.routing.take_metrics("routing/rollout_")
+        return result, self.routing.take_metrics("routing/rollout_", self.accelerator)
 
     # ------------------------------------------------------------------ 3. rewards and advantages
     def _lambda(self, lengths: torch.Tensor) -> float | torch.Tensor:
@@ -812,24 +818,25 @@ class PPOTrainer(PPOPlumbing):
         # the reward before whitening: KL penalty + dense rewards + score
         rlhf_reward = non_score.sum(1) + dense.sum(1) + (batch["scores"] if "scores" in batch else 0.0)
         maskb = mask.bool()
-        logs = {
-            "objective/kl": self.accelerator.reduce(kl.sum(1)[valid].mean().detach(), reduction="mean").item(),
+        # sample means over every process's valid samples, token means over every process's action tokens
+        stats = {
+            "objective/kl": Stat.mean(kl.sum(1), valid),
             "objective/kl_coef": kl_coef,
-            "objective/entropy": self._gmean((batch["entropy"] * mask).sum(1)[valid]),
-            "objective/non_score_reward": self._gmean(non_score.sum(1)[valid]),
-            "objective/rlhf_reward": self._gmean(rlhf_reward[valid]),
-            "dense/reward_mean": self._gmean(dense.sum(1)[valid]),
-            # sums and counts over every process (a process whose tokens are all masked still joins the reduce)
-            "dense/token_reward_mean": self._masked_gmean(dense, mask),
-            "tokens/response_len_mean": self._gmean(batch["response_lengths"][valid].float()),
+            "objective/entropy": Stat.mean((batch["entropy"] * mask).sum(1), valid),
+            "objective/non_score_reward": Stat.mean(non_score.sum(1), valid),
+            "objective/rlhf_reward": Stat.mean(rlhf_reward, valid),
+            "dense/reward_mean": Stat.mean(dense.sum(1), valid),
+            "dense/token_reward_mean": Stat.mean(dense, maskb),
+            "tokens/response_len_mean": Stat.mean(batch["response_lengths"], valid),
             # share of responses cut at the length cap (no EOS), read by the health monitor's length gauge
-            "tokens/truncated_frac": self._gmean((~ended)[valid].float()),
-            "val/mean": self._gmean(values[maskb]),
-            "returns/mean": self._gmean(returns[maskb]),
-            "advantages/mean": self._gmean(advantages[maskb]),
+            "tokens/truncated_frac": Stat.mean(~ended, valid),
+            "val/mean": Stat.mean(values, maskb),
+            "returns/mean": Stat.mean(returns, maskb),
+            "advantages/mean": Stat.mean(advantages, maskb),
         }
         if "scores" in batch:
-            logs["objective/scores"] = self._gmean(batch["scores"][valid])
+            stats["objective/scores"] = Stat.mean(batch["scores"], valid)
+        logs = reduce_metrics(stats, self.accelerator)
         return batch, logs
 
     def _behaviour_weights(self, batch: dict[str, torch.Tensor], sampler_logprobs) -> dict[str, float]:
@@ -897,15 +904,10 @@ class PPOTrainer(PPOPlumbing):
             if early_stopped:
                 break
             epochs_done += 1
-        stats = {k: float(np.mean(v)) for k, v in records.items()}
-        if stats:
-            keys = sorted(stats)
-            reduced = self.accelerator.reduce(
-                torch.tensor([stats[k] for k in keys], device=self.accelerator.device), reduction="mean"
-            )
-            stats = dict(zip(keys, reduced.tolist()))
+        # means over every process's micro-batches (each process runs the same number of them)
+        stats = {k: Stat.ratio(sum(v), len(v)) for k, v in records.items()}
         stats.update({"ppo/early_stop": float(early_stopped), "ppo/epochs_done": float(epochs_done)})
-        return {**stats, **self.routing.take_metrics("routing/")}
+        return {**reduce_metrics(stats, self.accelerator), **self.routing.take_metrics("routing/", self.accelerator)}
 
     def _loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Clipped policy loss (or the decoupled loss) + vf_coef * clipped value loss on one micro-batch."""
@@ -958,20 +960,6 @@ class PPOTrainer(PPOPlumbing):
     # ------------------------------------------------------------------ cross-process statistics
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, reduction="sum")
-
-    def _masked_gmean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        sums = self._reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).float())
-        return (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
-
-    def _gmean(self, x: torch.Tensor) -> float:
-        return self.accelerator.reduce(x.detach().float().mean(), reduction="mean").item()
-
-    def _gstd(self, x: torch.Tensor, valid: torch.Tensor) -> float:
-        # gather full-size tensors (same shape on every process), then drop the invalid entries
-        values = self.accelerator.gather(x.detach().float().reshape(-1))
-        keep = self.accelerator.gather(valid.reshape(-1).to(x.device)).bool()
-        values = values[keep]
-        return values.std().item() if values.numel() > 1 else 0.0
 
     # ------------------------------------------------------------------ train()
     def _prompt_ids(
@@ -1120,7 +1108,7 @@ class PPOTrainer(PPOPlumbing):
                 responses,
                 token_rewards=pending.token_rewards if pending.has_dense else None,
                 scores=pending.scores,
-                extra_logs=pending.metrics,  # the dense metrics join it when step() collects them
+                extra_logs=pending.stats,  # the dense metrics join it when step() collects them
             )
             rewards = pending.result()
             losses.append(stats.get("loss/total", 0.0))

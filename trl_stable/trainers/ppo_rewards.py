@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.trainer.utils import get_callable_name
 
+from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,
     PendingDenseRewards,
@@ -32,11 +33,14 @@ __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
 @dataclass
 class BatchRewards:
     """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
-    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics."""
+    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics:
+    `metrics` this process's values, `stats` the same as this process's shares for the reduction over processes
+    (`trl_stable.monitoring.reduction.Stat`s, what `PPOTrainer.train` logs)."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
     metrics: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Stat] = field(default_factory=dict)
 
 
 class PendingRewards:
@@ -47,13 +51,23 @@ class PendingRewards:
 
     Attributes:
         scores: As in `BatchRewards`.
-        metrics: The batch's reward metrics; the dense metrics are added to this same dict when the dense rewards
-            are collected (so a `step(extra_logs=pending.metrics)` logs them).
+        metrics: The batch's reward metrics on this process; the dense metrics are added to this same dict when
+            the dense rewards are collected.
+        stats: The same metrics as this process's shares (`trl_stable.monitoring.reduction.Stat`s), completed in
+            place when the dense rewards are collected, so a `step(extra_logs=pending.stats)` logs them reduced over
+            processes.
     """
 
-    def __init__(self, scores: torch.Tensor | None, dense: PendingDenseRewards | None, metrics: dict[str, float]):
+    def __init__(
+        self,
+        scores: torch.Tensor | None,
+        dense: PendingDenseRewards | None,
+        metrics: dict[str, float],
+        stats: dict[str, Stat] | None = None,
+    ):
         self.scores = scores
         self.metrics = metrics
+        self.stats = {} if stats is None else stats
         self._dense = dense
         self._result: BatchRewards | None = None
 
@@ -67,8 +81,13 @@ class PendingRewards:
             dense = None
             if self._dense is not None:
                 dense = self._dense.collect()
+                # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
+                self.stats.update(
+                    {name: logged_metric_stat(name, [v]) for name, v in self.metrics.items() if name not in self.stats}
+                )
+                self.stats.update(dense_reward_stats(dense.metrics, self._dense.completion_lengths))
                 self.metrics.update(dense.metrics)
-            self._result = BatchRewards(self.scores, dense, self.metrics)
+            self._result = BatchRewards(self.scores, dense, self.metrics, self.stats)
         return self._result
 
     def token_rewards(self) -> list[list[float]] | None:
@@ -172,6 +191,7 @@ class RewardFunctions:
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         metrics: dict[str, float] = {}
+        stats: dict[str, Stat] = {}
         n = len(responses)
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
@@ -188,6 +208,8 @@ class RewardFunctions:
                     values = sequence_reward_values(out, n, name)
                 finite = values[~torch.isnan(values)]
                 metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
+                # over the samples it scored on every process, when `PPOTrainer.step` logs it
+                stats[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
                 columns_out.append(values)
             scores = weighted_reward_sum(torch.stack(columns_out, dim=1), [self.weights[i] for i in sequence])
 
@@ -210,7 +232,7 @@ class RewardFunctions:
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
-        return PendingRewards(scores, dense, metrics)
+        return PendingRewards(scores, dense, metrics, stats)
 
     def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
         conversational = isinstance(prompts[0], list)
