@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MAX_BODY = 1 << 20
+GATE_TIMEOUT = 60.0  # a gated request is released after this long even if the gate never filled (the test fails)
 
 
 @dataclass
@@ -90,6 +91,9 @@ class _State:
     in_flight: int = 0
     max_in_flight: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    gate: int = 0  # requests wait until this many have arrived since the reset (0: no gate)
+    arrived: int = 0
+    gate_open: threading.Condition = field(default_factory=threading.Condition)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -140,6 +144,12 @@ class _Handler(BaseHTTPRequestHandler):
             kind = f"status_{action.code}" if kind == "status" else kind
             state.served[kind] = state.served.get(kind, 0) + 1
         try:
+            with state.gate_open:
+                # Concurrency tests: hold each request (counted in flight) until `gate` have arrived, so "all N were
+                # in flight at once" is decided by the client, not by how fast a loaded machine sends them.
+                state.arrived += 1
+                state.gate_open.notify_all()
+                state.gate_open.wait_for(lambda: state.arrived >= state.gate or state.stop.is_set(), GATE_TIMEOUT)
             self._act(action, prompt, body)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             pass  # the client gave up (its timeout): nothing to answer
@@ -237,7 +247,22 @@ class FakeOpenAIServer:
         with self._state.lock:
             self._state.queue.extend(actions)
 
+    def hold_until(self, n: int) -> None:
+        """From now on (until the next reset) every request waits until `n` requests have arrived."""
+        with self._state.gate_open:
+            self._state.gate, self._state.arrived = n, 0
+            self._state.gate_open.notify_all()
+
+    def hold(self) -> None:
+        """Hold every request until `release` (or the gate timeout)."""
+        self.hold_until(1 << 30)
+
+    def release(self) -> None:
+        """Let held requests (and later ones) through."""
+        self.hold_until(0)
+
     def reset(self) -> None:
+        self.hold_until(0)
         with self._state.lock:
             self._state.queue.clear()
             self._state.received.clear()
@@ -252,6 +277,8 @@ class FakeOpenAIServer:
 
     def stop(self) -> None:
         self._state.stop.set()  # wakes handlers sleeping in a delay
+        with self._state.gate_open:  # and those held at the gate
+            self._state.gate_open.notify_all()
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:

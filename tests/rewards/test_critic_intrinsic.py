@@ -403,8 +403,9 @@ def test_script_flags_with_relc_names():
 
 def test_prefetch_overlaps_and_pays_once(tokenizer, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
-    # latency 1 s: the "nothing answered yet" check right after prefetch must hold on a loaded CI machine
-    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span: great", latency=1.0) as server:
+    # the server holds the requests until the check right after prefetch: "nothing answered yet" cannot race
+    with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span: great") as server:
+        server.hold()
         cfg = CriticRewardConfig(
             use_intrinsic_reward=True, critic_backend="openai", critic_base_url=server.base_url,
             intrinsic_reward_threshold=1.0,
@@ -415,6 +416,7 @@ def test_prefetch_overlaps_and_pays_once(tokenizer, monkeypatch):
         env = [0.0, 0.5, 2.0]
         handle = fn.prefetch(["p"] * 3, ids, env_rewards=env)  # returns at once, the requests in flight
         assert fn.backend.metrics()["critic/successes"] == 0 and handle.selected == [0, 1]
+        server.release()
         rows = fn(["p"] * 3, completions, ids, env_rewards=env, prefetched=handle)
         assert [rewarded_text(tokenizer, i, r, +1) if r else None for i, r in zip(ids, rows)] == [
             "great",

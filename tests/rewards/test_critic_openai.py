@@ -163,10 +163,11 @@ def test_unreachable_server():
 
 
 def test_concurrency_is_used_and_bounded():
-    with FakeOpenAIServer(answer=lambda p: "None identified", latency=0.2) as srv:
+    with FakeOpenAIServer(answer=lambda p: "None identified") as srv:
         critic = make(srv, concurrency=6)
+        srv.hold_until(6)  # the first 6 are held until all 6 are in flight: reached only if 6 run at once
         assert critic.generate([f"p{i}" for i in range(18)]) == ["None identified"] * 18
-        assert 2 <= srv.max_in_flight <= 6
+        assert srv.max_in_flight == 6
         srv.reset()
         serial = make(srv, concurrency=1)
         serial.generate(["q1", "q2", "q3"])
@@ -289,11 +290,13 @@ def test_job_deadline_abandons_stuck_requests():
 
 
 def test_identical_prompts_in_flight_are_sent_once():
-    # 0.5 s latency: the first "same text" must still be in flight when its duplicates are submitted, even when a
-    # loaded CI machine pauses the submitting thread
-    with FakeOpenAIServer(answer=lambda p: f"Toxic Span 1: {p.split()[-1]}", latency=0.5) as srv:
+    # held by the server until every prompt is submitted: the first "same text" is in flight when its duplicates come
+    with FakeOpenAIServer(answer=lambda p: f"Toxic Span 1: {p.split()[-1]}") as srv:
         critic = make(srv, concurrency=4)
-        answers = critic.generate(["same text", "same text", "other text", "same text"])
+        srv.hold()
+        job = critic.submit(["same text", "same text", "other text", "same text"])
+        srv.release()
+        answers = job.result()
         assert answers == ["Toxic Span 1: text"] * 4
         assert sorted(r.prompt for r in srv.received) == ["other text", "same text"]
         m = critic.metrics()
@@ -362,14 +365,16 @@ def test_disk_cache_concurrent_writers_never_tear(tmp_path):
 
 
 def test_concurrency_is_sized_to_the_batch_and_capped():
-    # 1 s latency: every request of the batch is still in flight when the last one starts, even on a loaded machine
-    with FakeOpenAIServer(answer=lambda p: "None identified", latency=1.0) as srv:
+    # each request is held until the gate's count is in flight: reached only if the client sends that many at once
+    with FakeOpenAIServer(answer=lambda p: "None identified") as srv:
         critic = make(srv, concurrency=None)
         assert critic.workers == 256
+        srv.hold_until(40)
         assert critic.generate([f"p{i}" for i in range(40)]) == ["None identified"] * 40
         assert srv.max_in_flight == 40  # one wave, not 40 / 32 of them
         srv.reset()
         capped = make(srv, concurrency=None, max_concurrency=8)
+        srv.hold_until(8)
         capped.generate([f"q{i}" for i in range(12)])
         assert srv.max_in_flight == 8
         critic.close(), capped.close()

@@ -107,7 +107,9 @@ class RewardTypeError(RewardContractError, TypeError):
     """A reward function returned something that is not a number (or a list of them) where the contract wants one."""
 
 
-def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
+def raise_on_every_process(
+    error: Exception | None, accelerator: Any, elsewhere: Callable[[], Exception] | None = None
+) -> None:
     """Raise on every process when any process found `error`, so none is left waiting in a collective.
 
     A reward function runs on each process's own completions, so a broken answer is seen by one process only; if
@@ -117,11 +119,15 @@ def raise_on_every_process(error: Exception | None, accelerator: Any) -> None:
         error: This process's error, or None.
         accelerator: The trainer's `accelerate.Accelerator` (its ``reduce`` and ``device``); a collective: every
             process must call this.
+        elsewhere: The error the processes without one raise (default: a `RewardContractError` pointing at the
+            other process's message).
     """
     flag = torch.tensor(float(error is not None), device=accelerator.device)
     if accelerator.reduce(flag, reduction="sum").item() > 0:
         if error is not None:
             raise error
+        if elsewhere is not None:
+            raise elsewhere()
         raise RewardContractError(
             "A reward function broke the reward contract on another process (a wrong count, or a value that is not a "
             "number); that process's error names the function."

@@ -820,10 +820,20 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         record = self._rollout
         if record is not None and record.early_rewards is not None:
+            # scored in `_generate` (every process did: a trainer setting), the dense functions prefetched already
             early_ids, early = record.early_rewards
             record.early_rewards = None
-            if early_ids == [list(ids) for ids in completion_ids_list]:
-                return early  # scored in `_generate`; the dense functions are prefetched already
+            changed = None
+            if early_ids != [list(ids) for ids in completion_ids_list]:
+                changed = RuntimeError(
+                    "trl.GRPOTrainer called _calculate_rewards with other completions than _generate returned, so "
+                    "the rewards scored right after generation do not apply; this TRL version breaks the contract "
+                    "in trl_stable.trl_internals (GRPO_MEMBERS, _generate)."
+                )
+            raise_on_every_process(  # every process is here: no one is left in a gather
+                changed, self.accelerator, lambda: RuntimeError("Another process found TRL's reward call changed.")
+            )
+            return early
         # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (through the wrappers)
         errors: list[RewardContractError] = []
         with self._contract_checked_reward_funcs(errors):

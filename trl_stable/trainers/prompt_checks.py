@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trl_stable.rewards.dense import raise_on_every_process
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -192,10 +194,12 @@ def raise_together(error: Exception | None, accelerator: Any) -> None:
     (each process checks its own prompts). A collective: every process must call it.
     """
     if accelerator.num_processes > 1:
-        flag = torch.tensor(float(error is not None), device=accelerator.device)
-        if accelerator.reduce(flag, reduction="sum").item() > 0 and error is None:
-            error = ValueError("A prompt of another process's batch was refused; that process's error names it.")
-    if error is not None:
+        raise_on_every_process(
+            error,
+            accelerator,
+            lambda: ValueError("A prompt of another process's batch was refused; that process's error names it."),
+        )
+    elif error is not None:
         raise error
 
 
