@@ -19,6 +19,7 @@ from trl_stable import GRPOConfig, GRPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trl_internals import (
     CONFIG_NAME_ATTRIBUTE,
+    ENGINE_MEMBERS,
     GRPO_BATCH_KEYS,
     GRPO_MEMBERS,
     GRPO_OPTIONAL_BATCH_KEYS,
@@ -42,7 +43,11 @@ def _resolve(dotted: str):
         return getattr(importlib.import_module(module), name)
 
 
-METHODS = [m for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + HELPER_MEMBERS + PPO_MEMBERS if m.kind != "attribute"]
+METHODS = [
+    m
+    for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + HELPER_MEMBERS + PPO_MEMBERS + ENGINE_MEMBERS
+    if m.kind != "attribute"
+]
 ATTRIBUTES = [m for m in GRPO_MEMBERS if m.kind == "attribute"]
 
 
@@ -279,3 +284,18 @@ def test_is_reference_pass_reads_the_model_state(trained):
     assert not is_reference_pass(trainer, trainer.model)
     if trainer.ref_model is not None:
         assert is_reference_pass(trainer, trainer.ref_model)
+
+
+def test_sync_gradients_setter_drives_what_backward_reads():
+    # engines.sync_gradients relies on the private setter changing the flag `Accelerator.backward` hands DeepSpeed
+    from accelerate.state import GradientState
+
+    state = GradientState()
+    before = state.sync_gradients
+    try:
+        state._set_sync_gradients(False)
+        assert state.sync_gradients is False
+        state._set_sync_gradients(True)
+        assert state.sync_gradients is True
+    finally:
+        state._set_sync_gradients(before)

@@ -33,6 +33,7 @@ from trl_stable.core.positions import position_ids_from_mask
 __all__ = [
     "GRPO_BATCH_KEYS",
     "CONFIG_NAME_ATTRIBUTE",
+    "ENGINE_MEMBERS",
     "GRPO_MEMBERS",
     "GRPO_OPTIONAL_BATCH_KEYS",
     "HELPER_MEMBERS",
@@ -346,6 +347,31 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         ("examples",),
         "a batch dict with `labels` (-100 where no loss); `padding_free` packs rows into one",
         ("trl_stable/masking/sft.py",),
+    ),
+)
+# What PPOTrainer takes from TRL and accelerate to run under DeepSpeed / FSDP (`trl_stable.trainers.engines`): TRL's
+# engine helpers of `trl.models` (exported there, outside TRL's documented API) and accelerate's private setter of the
+# "this backward closes an optimizer step" flag that DeepSpeed's engine steps on.
+_ENGINES_PY = ("trl_stable/trainers/engines.py",)
+ENGINE_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "trl.models",
+        "unwrap_model_for_generation",
+        "call",
+        ("model", "accelerator"),
+        "a context manager yielding the unwrapped module with ZeRO-3 parameters gathered (reads and toggles "
+        "`is_gradient_checkpointing` / `gradient_checkpointing_disable` / `_enable` on it)",
+        _ENGINES_PY,
+    ),
+    Member("trl.models", "prepare_deepspeed", "call", ("model", "accelerator"), "a DeepSpeed engine", _ENGINES_PY),
+    Member("trl.models", "prepare_fsdp", "call", ("model", "accelerator"), "the FSDP-wrapped model", _ENGINES_PY),
+    Member(
+        "accelerate.state.GradientState",
+        "_set_sync_gradients",
+        "call",
+        ("sync_gradients",),
+        "None; `accelerator.backward` passes the flag to DeepSpeed as the accumulation boundary",
+        _ENGINES_PY,
     ),
 )
 # `config._name_or_path`: the name a model was loaded from (PPO loads its tokenizer and names its reward models by it).

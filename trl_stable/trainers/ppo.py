@@ -72,6 +72,16 @@ from trl_stable.rewards.dense import (
     reward_numbers,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
+from trl_stable.trainers.engines import (
+    Engine,
+    check_engine,
+    configure_deepspeed,
+    generation_call,
+    is_zero3_partitioned,
+    prepare_reference,
+    require_deepspeed_if_asked,
+    sync_gradients,
+)
 from trl_stable.trainers.ppo_config import PPOConfig
 from trl_stable.trainers.ppo_models import (
     PolicyAndValue,
@@ -174,6 +184,7 @@ class PPOTrainer(PPOPlumbing):
         self.args = args
         # None (not "no") lets `accelerate launch --mixed_precision bf16` choose when the config does not.
         mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        require_deepspeed_if_asked()
         self.accelerator = Accelerator(mixed_precision=mixed, cpu=bool(getattr(args, "use_cpu", False)))
         set_seed(args.seed)  # identical value-head init and model copies on every process
 
@@ -195,7 +206,14 @@ class PPOTrainer(PPOPlumbing):
         self.processing_class = processing_class
         self.pad_token_id = processing_class.pad_token_id
         self.eos_token_id = processing_class.eos_token_id
+        self.engine = Engine.of(self.accelerator)
+        check_engine(self.engine, args, quantized=is_quantized(model))
         model, self.is_peft = prepare_policy(model, peft_config, args)
+        if ref_model is None and not self.is_peft and is_zero3_partitioned(model):
+            # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
+            if not model_id:
+                raise ValueError("Under DeepSpeed ZeRO-3 pass `ref_model` (or the policy by name) for the reference.")
+            ref_model = load_policy(model_id, args, None, self.accelerator.local_process_index)
         self.ref_model = reference_model(model, ref_model, self.is_peft, args)
         value_head, value_backbone = build_value_head(model, value_model, args.disable_dropout)
         if args.gradient_checkpointing:
@@ -220,9 +238,11 @@ class PPOTrainer(PPOPlumbing):
                 eps=args.adam_epsilon,
                 weight_decay=args.weight_decay,
             )
+        if self.engine.is_deepspeed:
+            configure_deepspeed(self.accelerator, args)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         if self.ref_model is not None:
-            self.ref_model = self.ref_model.to(self.accelerator.device)
+            self.ref_model = prepare_reference(self.ref_model, self.accelerator, self.engine)
         self.rewards.to(self.accelerator.device)
         self.kl_ctl = (
             AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
@@ -313,7 +333,8 @@ class PPOTrainer(PPOPlumbing):
         sequences, sampler_logps, routing = [], [], []
         was_training = policy.training
         policy.eval()
-        with torch.no_grad(), self.accelerator.autocast():
+        engine_call = generation_call(self.model_wrapped, policy, self.accelerator, self.engine)
+        with torch.no_grad(), self.accelerator.autocast(), engine_call as sample:
             for start in range(0, len(queries), chunk):
                 batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
                 if length_sampler is not None:
@@ -334,7 +355,7 @@ class PPOTrainer(PPOPlumbing):
                 input_ids, attention_mask = self._left_pad(batch)
                 record = record_sampler_logps(policy) if capture else nullcontext()
                 with self.routing.sampling() as sampled, record as recorder:
-                    generated = policy.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                    generated = sample(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
                 generated = generated[:, input_ids.shape[1] :]
                 responses = [self._trim_response(row) for row in generated]
                 if capture:
@@ -704,6 +725,9 @@ class PPOTrainer(PPOPlumbing):
             kwargs.update(logits_to_keep=resp_width + 1, use_cache=False)
         if self.ref_model is not None:
             out = self.ref_model(**kwargs)
+        elif self.engine.is_fsdp:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
+            ids, mask, positions = (kwargs.pop(k) for k in ("input_ids", "attention_mask", "position_ids"))
+            out = self.model_wrapped(ids, mask, positions, reference_kwargs=kwargs)
         else:
             policy = self.unwrapped().policy
             with policy.disable_adapter():
@@ -882,9 +906,12 @@ class PPOTrainer(PPOPlumbing):
                     last_micro = micro_start + args.mini_batch_size >= backward
                     # gradients are all-reduced once per optimizer step, not once per micro-batch
                     sync = nullcontext() if last_micro else self.accelerator.no_sync(self.model_wrapped)
+                    sync_gradients(self.accelerator, self.engine, last_micro)
                     with sync:
                         loss, mb_stats = self._loss(mb)
-                        self.accelerator.backward(loss / args.gradient_accumulation_steps)
+                        # DeepSpeed divides by its gradient_accumulation_steps itself (`configure_deepspeed`)
+                        scale = 1 if self.engine.is_deepspeed else args.gradient_accumulation_steps
+                        self.accelerator.backward(loss / scale)
                     policy_kl = policy_kl + mb_stats.pop("_policykl") / args.gradient_accumulation_steps
                     for k, v in mb_stats.items():
                         records.setdefault(k, []).append(v)
@@ -896,7 +923,8 @@ class PPOTrainer(PPOPlumbing):
                         break
                 if args.max_grad_norm is not None and args.max_grad_norm > 0:
                     norm = self.accelerator.clip_grad_norm_(self.model_wrapped.parameters(), args.max_grad_norm)
-                    records.setdefault("policy/grad_norm", []).append(float(norm))
+                    if norm is not None:  # DeepSpeed clipped inside its step; None before its first step
+                        records.setdefault("policy/grad_norm", []).append(float(norm))
                 self.optimizer.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()

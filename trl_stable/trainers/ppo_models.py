@@ -248,7 +248,45 @@ class PolicyAndValue(nn.Module):
         self.value_head = value_head
         self.value_backbone = value_backbone
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int, labels=None):
+    @property
+    def _no_split_modules(self) -> list[str]:
+        # FSDP's transformer-based auto-wrap reads the layer classes to shard from the model it wraps
+        names = list(getattr(self.policy, "_no_split_modules", None) or [])
+        if self.value_backbone is not None:
+            names += [n for n in getattr(self.value_backbone, "_no_split_modules", None) or [] if n not in names]
+        return names
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        # read (and toggled below) by TRL's `unwrap_model_for_generation` under ZeRO-3
+        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.policy.gradient_checkpointing_disable()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids=None,
+        logits_to_keep: int | None = None,
+        labels=None,
+        generation_kwargs: dict | None = None,
+        reference_kwargs: dict | None = None,
+    ):
+        # Under FSDP2 this module is the FSDP root: a call that bypassed it would find the root's parameters
+        # (embeddings, head) still sharded, so generation and the adapter-free reference pass of a PEFT policy go
+        # through here too (`trl_stable.trainers.engines`).
+        if generation_kwargs is not None:
+            return self.policy.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+        if reference_kwargs is not None:
+            with self.policy.disable_adapter():
+                return self.policy(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **reference_kwargs
+                )
         captured: dict[str, torch.Tensor] = {}
         handle = None
         if self.value_backbone is None:

@@ -42,6 +42,7 @@ from trl_stable.trainers.checkpoints import (
     temporary_folder,
     write_marker,
 )
+from trl_stable.trainers.engines import ENGINE_STATE_DIR
 
 __all__ = ["PPOPlumbing"]
 
@@ -157,20 +158,41 @@ class PPOPlumbing:
         (`value_head.safetensors`, or the separate value model under `value_model/`)."""
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
+        full = self._full_state_dict()
         if self.accelerator.is_main_process:
-            self._write_model(output_dir)
+            self._write_model(output_dir, full)
         self.accelerator.wait_for_everyone()
 
-    def _write_model(self, output_dir: str) -> None:
+    def _sharded_engine(self, what: str) -> bool:
+        engine = getattr(self, "engine", None)
+        return engine is not None and bool(getattr(engine, what))
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Under ZeRO-3 / FSDP, the full `PolicyAndValue` state dict gathered from every process (a collective:
+        call it on every process; the main process gets it). None elsewhere: every process holds the full weights."""
+        if not self._sharded_engine("shards_parameters"):
+            return None
+        return self.accelerator.get_state_dict(self.model_wrapped)
+
+    def _write_model(self, output_dir: str, full_state: dict[str, torch.Tensor] | None = None) -> None:
         """Write what `save_model` saves, from this process alone: no collective, so it may run under
-        ``if accelerator.is_main_process:`` (DDP keeps a full copy of the weights on every process)."""
+        ``if accelerator.is_main_process:`` (DDP keeps a full copy of the weights on every process; under ZeRO-3 /
+        FSDP pass `full_state`, `_full_state_dict()`'s gathered weights)."""
         unwrapped = self.unwrapped()
         os.makedirs(output_dir, exist_ok=True)
-        unwrapped.policy.save_pretrained(output_dir)
+
+        def part(prefix: str) -> dict[str, Any]:
+            # no `state_dict` key at all without full weights: the plain save path, as before engines existed
+            if full_state is None:
+                return {}
+            return {"state_dict": {k[len(prefix) :]: v for k, v in full_state.items() if k.startswith(prefix)}}
+
+        unwrapped.policy.save_pretrained(output_dir, **part("policy."))
         self.processing_class.save_pretrained(output_dir)
-        unwrapped.value_head.save_pretrained(output_dir)
+        unwrapped.value_head.save_pretrained(output_dir, **part("value_head."))
         if unwrapped.value_backbone is not None:
-            unwrapped.value_backbone.save_pretrained(os.path.join(output_dir, "value_model"))
+            value_dir = os.path.join(output_dir, "value_model")
+            unwrapped.value_backbone.save_pretrained(value_dir, **part("value_backbone."))
 
     def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
         """Save a resumable checkpoint (weights, optimizer, scheduler, the algorithm's state, RNG, trainer state,
@@ -191,18 +213,21 @@ class PPOPlumbing:
         accelerator = self.accelerator
         main = accelerator.is_main_process
         accelerator.wait_for_everyone()  # every process is done with the step before the folder is (re)made
+        engine_state = self._sharded_engine("shards_state")
+        full = self._full_state_dict()  # a collective, before the main-process-only writes
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier save of this step that was killed
             os.makedirs(tmp)
         accelerator.wait_for_everyone()  # the folder exists before the other processes write into it
         if main:
             # `_write_model`, not `save_model`: the latter waits for the other processes, which are not in this branch
-            self._write_model(tmp)
-            unwrapped = self.unwrapped()
-            trainable = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
-            weights = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items() if k in trainable}
-            save_durably(weights, os.path.join(tmp, TRAINABLE_FILE))
-            save_durably(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            self._write_model(tmp, full)
+            if not engine_state:
+                unwrapped = self.unwrapped()
+                trainable = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+                weights = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items() if k in trainable}
+                save_durably(weights, os.path.join(tmp, TRAINABLE_FILE))
+                save_durably(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             if self.lr_scheduler is not None:
                 save_durably(self.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_FILE))
             save_durably(self._algorithm_state(), os.path.join(tmp, STATE_FILE))
@@ -212,6 +237,10 @@ class PPOPlumbing:
                 if isinstance(cb, ExportableState)
             }
             self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_FILE))
+        if engine_state:
+            # DeepSpeed / FSDP: weights and optimizer state in per-process shards, written by every process inside
+            # the temporary folder, so the checkpoint stays one atomic unit
+            accelerator.save_state(os.path.join(tmp, ENGINE_STATE_DIR))
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -244,11 +273,12 @@ class PPOPlumbing:
         `args.output_dir` (logging the newer ones skipped, and why); a folder is checked. Raises ValueError, naming
         the folder and the fix, for an incomplete one."""
         rank = self.accelerator.process_index
+        engine_state = self._sharded_engine("shards_state")
         return resolve_checkpoint(
             resume_from_checkpoint,
             self.args.output_dir,
             self.accelerator.num_processes,
-            required=(STATE_FILE, TRAINABLE_FILE, "optimizer.pt"),
+            required=(STATE_FILE,) if engine_state else (STATE_FILE, TRAINABLE_FILE, "optimizer.pt"),
             per_process=(rng_file(rank),),
         )
 
@@ -262,15 +292,29 @@ class PPOPlumbing:
                 raise ValueError(f"load_checkpoint needs a checkpoint folder, got {checkpoint_dir!r}.")
             info = self._resolve_checkpoint(checkpoint_dir)
         checkpoint_dir = info.path
-        unwrapped = self.unwrapped()
-        weights = torch.load(os.path.join(checkpoint_dir, TRAINABLE_FILE), map_location="cpu")
-        missing = {n for n, p in unwrapped.named_parameters() if p.requires_grad} - set(weights)
-        if missing:
-            raise ValueError(f"Checkpoint {checkpoint_dir} lacks trainable weights such as {sorted(missing)[:3]}.")
-        unwrapped.load_state_dict(weights, strict=False)
-        self.optimizer.load_state_dict(
-            torch.load(os.path.join(checkpoint_dir, "optimizer.pt"), map_location="cpu", weights_only=False)
-        )
+        engine_dir = os.path.join(checkpoint_dir, ENGINE_STATE_DIR)
+        if self._sharded_engine("shards_state"):
+            if not os.path.isdir(engine_dir):
+                raise ValueError(
+                    f"Checkpoint {checkpoint_dir} has no {ENGINE_STATE_DIR}/ folder: it was not written under "
+                    "DeepSpeed / FSDP. Resume it with the engine that wrote it (the same accelerate config)."
+                )
+            self.accelerator.load_state(engine_dir)
+        else:
+            if os.path.isdir(engine_dir):
+                raise ValueError(
+                    f"Checkpoint {checkpoint_dir} was written under DeepSpeed / FSDP ({ENGINE_STATE_DIR}/ holds its "
+                    "sharded weights and optimizer): resume it with the same accelerate config."
+                )
+            unwrapped = self.unwrapped()
+            weights = torch.load(os.path.join(checkpoint_dir, TRAINABLE_FILE), map_location="cpu")
+            missing = {n for n, p in unwrapped.named_parameters() if p.requires_grad} - set(weights)
+            if missing:
+                raise ValueError(f"Checkpoint {checkpoint_dir} lacks trainable weights such as {sorted(missing)[:3]}.")
+            unwrapped.load_state_dict(weights, strict=False)
+            self.optimizer.load_state_dict(
+                torch.load(os.path.join(checkpoint_dir, "optimizer.pt"), map_location="cpu", weights_only=False)
+            )
         sched_path = os.path.join(checkpoint_dir, SCHEDULER_FILE)
         # a step-API checkpoint has no scheduler (the marker vouches that none was lost): train() starts its own
         if self.lr_scheduler is not None and os.path.isfile(sched_path):

@@ -36,13 +36,17 @@ class ValueHead(nn.Module):
         hidden_states = hidden_states.to(self.summary.weight.dtype)
         return self.summary(self.dropout(hidden_states)).squeeze(-1).float()
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write the head to `save_directory/value_head.safetensors`; returns the file path."""
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> str:
+        """Write the head to `save_directory/value_head.safetensors`; returns the file path. `state_dict`: the
+        weights to write instead of the module's own (the gathered full weights under ZeRO-3 / FSDP)."""
         from safetensors.torch import save_file
 
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(os.fspath(save_directory), VALUE_HEAD_FILE)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        source = self.state_dict() if state_dict is None else state_dict
+        state = {k: v.detach().contiguous().cpu() for k, v in source.items()}
         save_file(state, path, metadata={"hidden_size": str(self.hidden_size)})
         return path
 

@@ -1,0 +1,206 @@
+"""PPOTrainer under accelerate's engines: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2.
+
+What each engine changes for PPO, and where it is handled:
+
+- **generation** (`generation_call`): ZeRO-3 and FSDP2 keep only a shard of each parameter on a process. Under ZeRO-3
+  the full parameters are gathered for `generate` with TRL's `unwrap_model_for_generation` (as TRL's GRPO does).
+  Under FSDP2 the policy is not the FSDP root (the root is `PolicyAndValue`, which also holds the value head), so
+  calling ``policy.generate`` directly would bypass the root's all-gather; generation therefore runs *through* the
+  root's forward (`PolicyAndValue.forward(generation_kwargs=...)`), with ``synced_gpus=True`` because every decoding
+  step all-gathers the layers and every process has to take part in each one.
+- **reference model** (`prepare_reference`): TRL's `prepare_deepspeed` (ZeRO-3 shards it too; ZeRO-1/2 keep a full
+  copy per process, ZeRO stage 0) and `prepare_fsdp`, as TRL's GRPO prepares its reference.
+- **DeepSpeed's own loop** (`configure_deepspeed`, `sync_gradients`): the engine owns gradient accumulation and
+  clipping, so its micro-batch size, accumulation steps and clipping come from `PPOConfig`, and each backward tells
+  it whether the micro-batch closes an optimizer step.
+- **checkpoints**: optimizer state (and under ZeRO-3 / FSDP the weights) live in shards, so PPO checkpoints store
+  them with `accelerator.save_state` in an ``engine/`` folder inside the atomic checkpoint
+  (`trl_stable.trainers.ppo_plumbing`), and the model files from the gathered full state dict.
+- **what is refused** (`check_engine`): combinations that cannot work, with the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ENGINE_STATE_DIR",
+    "Engine",
+    "check_engine",
+    "configure_deepspeed",
+    "generation_call",
+    "is_zero3_partitioned",
+    "prepare_reference",
+    "require_deepspeed_if_asked",
+    "sync_gradients",
+]
+
+# The folder of a PPO checkpoint that holds `accelerator.save_state`'s per-process files under DeepSpeed / FSDP.
+ENGINE_STATE_DIR = "engine"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The distributed engine accelerate runs the trainer under.
+
+    Attributes:
+        zero_stage: DeepSpeed's ZeRO stage (0-3); None when DeepSpeed is not used.
+        fsdp_version: 1 or 2 under FSDP; None otherwise.
+        num_processes: The number of processes.
+    """
+
+    zero_stage: int | None = None
+    fsdp_version: int | None = None
+    num_processes: int = 1
+
+    @classmethod
+    def of(cls, accelerator: Any) -> Engine:
+        state = accelerator.state
+        ds_plugin = getattr(state, "deepspeed_plugin", None)
+        fsdp_plugin = getattr(state, "fsdp_plugin", None)
+        return cls(
+            zero_stage=int(ds_plugin.zero_stage) if ds_plugin is not None else None,
+            fsdp_version=int(getattr(fsdp_plugin, "fsdp_version", 1)) if fsdp_plugin is not None else None,
+            num_processes=int(accelerator.num_processes),
+        )
+
+    @property
+    def name(self) -> str:
+        if self.zero_stage is not None:
+            return f"deepspeed_zero{self.zero_stage}"
+        if self.fsdp_version is not None:
+            return f"fsdp{self.fsdp_version}"
+        return "ddp" if self.num_processes > 1 else "single"
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.zero_stage is not None
+
+    @property
+    def is_zero3(self) -> bool:
+        return self.zero_stage == 3
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.fsdp_version is not None
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether a process holds only a shard of each parameter (ZeRO-3, FSDP): full weights need a collective."""
+        return self.is_zero3 or self.is_fsdp
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether the optimizer state (at least) is split over processes: checkpoints go through the engine."""
+        return self.is_deepspeed or self.is_fsdp
+
+
+def require_deepspeed_if_asked() -> None:
+    """Raise a clear ImportError when accelerate was asked for DeepSpeed (``accelerate launch --config_file
+    deepspeed_zero*.yaml`` sets ``ACCELERATE_USE_DEEPSPEED``) but deepspeed is not installed."""
+    asked = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+    if asked and importlib.util.find_spec("deepspeed") is None:
+        raise ImportError(
+            "The accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED) but deepspeed is not installed: "
+            "`pip install deepspeed`, or launch with examples/accelerate_configs/multi_gpu.yaml or fsdp.yaml."
+        )
+
+
+def check_engine(engine: Engine, args: Any, *, quantized: bool) -> None:
+    """Refuse, naming the fix, what PPOTrainer cannot run under `engine`."""
+    if engine.fsdp_version == 1:
+        raise ValueError(
+            "PPOTrainer supports FSDP2 only: set `fsdp_version: 2` in the accelerate config "
+            "(examples/accelerate_configs/fsdp.yaml). FSDP1 cannot generate through the policy, which is not the "
+            "FSDP root (the root also holds the value head)."
+        )
+    if quantized and (engine.is_deepspeed or engine.is_fsdp):
+        raise ValueError(
+            f"load_in_4bit/load_in_8bit place the model with a device map, which {engine.name} cannot shard or "
+            "wrap: train the quantized policy with DDP (examples/accelerate_configs/multi_gpu.yaml) or turn "
+            "quantization off."
+        )
+    if args.num_shared_layers is not None and engine.shards_parameters:
+        raise ValueError(
+            f"num_shared_layers shares the policy's first layers with the reference model, which {engine.name} "
+            "cannot do (the policy's parameters are sharded by the engine that trains them, the reference's by "
+            "another): set `num_shared_layers=None`."
+        )
+    if args.early_stopping and args.target_kl is not None and engine.is_deepspeed:
+        raise ValueError(
+            "early_stopping checks the policy KL after a mini-batch's backward passes and skips the optimizer "
+            "step, but DeepSpeed steps inside the last backward: set `early_stopping=False` (or `target_kl=None`), "
+            "or use DDP / FSDP."
+        )
+
+
+def configure_deepspeed(accelerator: Any, args: Any) -> None:
+    """Fill DeepSpeed's micro-batch size, accumulation steps and clipping from `args` (PPO's loop decides them; the
+    accelerate config's values would silently disagree with `mini_batch_size` / `gradient_accumulation_steps`)."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = args.mini_batch_size
+    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    config["train_batch_size"] = "auto"  # accelerate derives it from the two above and the number of processes
+    if accelerator.state.deepspeed_plugin.zero_stage == 3:
+        # save_model and checkpoints write the full model from the gathered 16-bit weights
+        config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    if args.max_grad_norm is not None and args.max_grad_norm > 0:
+        config["gradient_clipping"] = args.max_grad_norm
+    else:
+        config.pop("gradient_clipping", None)
+
+
+def sync_gradients(accelerator: Any, engine: Engine, last_micro_batch: bool) -> None:
+    """Under DeepSpeed, tell `accelerator.backward` whether this micro-batch closes an optimizer step (the engine
+    steps inside backward at that boundary). PPO does not use `accelerator.accumulate`: it counts micro-batches
+    itself, per mini-batch group."""
+    if engine.is_deepspeed:
+        accelerator.gradient_state._set_sync_gradients(last_micro_batch)
+
+
+def prepare_reference(ref_model: nn.Module, accelerator: Any, engine: Engine) -> nn.Module:
+    """Place the frozen reference model the way TRL's GRPO does for the engine in use."""
+    if engine.is_deepspeed:
+        from trl.models import prepare_deepspeed
+
+        return prepare_deepspeed(ref_model, accelerator)
+    if engine.is_fsdp:
+        from trl.models import prepare_fsdp
+
+        return prepare_fsdp(ref_model, accelerator)
+    return ref_model.to(accelerator.device)
+
+
+@contextmanager
+def generation_call(
+    model_wrapped: nn.Module, policy: nn.Module, accelerator: Any, engine: Engine
+) -> Iterator[Callable[..., torch.Tensor]]:
+    """A callable ``sample(input_ids=..., attention_mask=..., **generate_kwargs)`` that runs the policy's
+    `generate` with the full parameters available, for the life of the context (see the module docstring)."""
+    if engine.is_zero3:
+        from trl.models import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model_wrapped, accelerator) as unwrapped:
+            yield unwrapped.policy.generate
+    elif engine.is_fsdp:
+
+        def through_root(input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            kwargs.setdefault("synced_gpus", engine.num_processes > 1)
+            return model_wrapped(input_ids=input_ids, attention_mask=attention_mask, generation_kwargs=kwargs)
+
+        yield through_root
+    else:
+        yield policy.generate
+
+
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters as it was built (``zero3_init_flag``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
