@@ -934,6 +934,10 @@ class PPOTrainer(PPOPlumbing):
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, reduction="sum")
 
+    def _reduce_to_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """`_reduce_sum` of a CPU tensor (the reward statistics), through the device the backend needs (NCCL)."""
+        return self._reduce_sum(x.to(self.accelerator.device)).cpu()
+
     def _masked_gmean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         sums = self._reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).float())
         return (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
@@ -1037,6 +1041,8 @@ class PPOTrainer(PPOPlumbing):
             # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
             # error is seen by this process only: every process must stop with it
             pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+            if args.multi_objective_aggregation == "normalize_then_sum":
+                pending.normalize_then_sum(self._reduce_to_cpu)
             self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
             stats = self.step(
                 queries,

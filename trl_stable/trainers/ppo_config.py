@@ -12,6 +12,7 @@ from trl_stable.trainers.step_mask_args import StepMaskArguments
 
 _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
+_AGGREGATIONS = ("sum", "normalize_then_sum")
 
 
 @dataclass
@@ -179,6 +180,15 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
         default=None,
         metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."},
     )
+    multi_objective_aggregation: str = field(
+        default="sum",
+        metadata={
+            "help": "How `train()` combines several sequence-level reward functions into the score: 'sum' (the "
+            "weighted sum of the raw rewards) or 'normalize_then_sum' (GDPO, arXiv 2601.05242: each reward "
+            "z-scored over the batch of every process, then the weighted sum; `trl_stable.core.gdpo_scores`). "
+            "Dense reward functions are added per token either way. TRL's GRPOConfig field of the same name."
+        },
+    )
     use_score_scaling: bool = field(
         default=False, metadata={"help": "Divide the sequence scores by their running std."}
     )
@@ -258,6 +268,11 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
             raise ValueError(f"init_kl_coef must be >= 0, got {self.init_kl_coef}.")
         if self.adap_kl_ctrl and (self.target is None or self.target <= 0 or self.horizon <= 0):
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
+        if self.multi_objective_aggregation not in _AGGREGATIONS:
+            raise ValueError(
+                f"multi_objective_aggregation must be one of {_AGGREGATIONS}, got "
+                f"{self.multi_objective_aggregation!r}; 'normalize_then_sum' is GDPO."
+            )
         if self.use_score_norm and not self.use_score_scaling:
             raise ValueError("use_score_norm only acts with use_score_scaling=True; set both or neither.")
         if self.score_clip is not None and self.score_clip <= 0:
