@@ -271,6 +271,14 @@ PPO_MEMBERS: tuple[Member, ...] = (
     ),  # fmt: skip
     Member("trl.trainer.utils", "get_callable_name", "call", ("func",), "the reward function's log name", _PPO[2:]),
     Member(
+        "trl.trainer.utils",
+        "generate_model_card",
+        "call",
+        ("base_model", "model_name", "hub_model_id", "dataset_name", "tags", "wandb_url", "trackio_url"),
+        "a `huggingface_hub.ModelCard` (its `text` extended, then saved as README.md)",
+        _PPO[1:2],
+    ),
+    Member(
         "transformers.trainer_callback.CallbackHandler",
         "__init__",
         "call",
