@@ -88,6 +88,7 @@ from trl_stable.trainers.ppo_models import (
 )
 from trl_stable.trainers.ppo_plumbing import PPOPlumbing
 from trl_stable.trainers.ppo_rewards import RewardFunctions
+from trl_stable.trainers.ppo_vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
 from trl_stable.trainers.rollout import LengthSampler, Rollout
 from trl_stable.trl_internals import model_name_of
 
@@ -227,6 +228,13 @@ class PPOTrainer(PPOPlumbing):
         # Invalid agent steps leave the policy loss (assign `trainer.step_masker` for environment-reported steps).
         self.step_masker = CompletionStepMasker(tools=args.step_mask_tools) if args.step_loss_mask else None
         self.routing = RoutingHook(self.unwrapped().policy, args.routing_replay)
+        # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
+        self.vllm_rollouts = None
+        if args.use_vllm:
+            check_vllm_routing(args)
+            self.vllm_rollouts = VLLMRollouts(
+                self.unwrapped().policy, self.accelerator, processing_class, args, model_id
+            )
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)
@@ -284,6 +292,14 @@ class PPOTrainer(PPOPlumbing):
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
         chunk = batch_size or args.generation_batch_size or len(queries)
+        if self.vllm_rollouts is not None:
+            if generation_kwargs:
+                raise ValueError(
+                    f"generate() got {sorted(generation_kwargs)} with use_vllm=True: set sampling on PPOConfig "
+                    "(temperature, top_k, top_p, generation_kwargs for vLLM's SamplingParams)."
+                )
+            rollout = vllm_rollout(self, queries, chunk, length_sampler, return_prompt)
+            return rollout[0] if single else rollout
         kwargs = {
             "do_sample": True,
             "top_k": args.top_k,
@@ -814,6 +830,8 @@ class PPOTrainer(PPOPlumbing):
         behav = torch.zeros_like(prox)
         for i, row in enumerate(sampler_logprobs):
             behav[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32).to(behav.device)
+        # a sampler that gave no log-prob for a token (vLLM's None) leaves it uncorrected: weight 1, not NaN
+        behav = torch.where(torch.isnan(behav), prox, behav)
         lower, upper = args.filter_bounds
         raw = behaviour_weight(prox, behav, mask)
         weight, keep = filter_behaviour_weight(

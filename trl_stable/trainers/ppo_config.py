@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
+from trl_stable.trainers.vllm_args import VLLMArguments
 
 _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
@@ -16,7 +17,7 @@ _AGGREGATIONS = ("sum", "normalize_then_sum")
 
 
 @dataclass
-class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments):
+class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
@@ -291,3 +292,4 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
         if self.num_shared_layers is not None and self.num_shared_layers < 0:
             raise ValueError("num_shared_layers must be >= 0 or None.")
         self.validate_step_mask_arguments()
+        self.validate_vllm_arguments()
