@@ -218,7 +218,11 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
         default=None, metadata={"help": "Generate in chunks of this many prompts (None: all at once)."}
     )
     generation_kwargs: dict | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for `generate` (override the fields above)."}
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for `generate` (override the fields above); with `use_vllm`, for vLLM's "
+            "`SamplingParams`."
+        },
     )
     step_loss_mask: bool = field(
         default=False,
