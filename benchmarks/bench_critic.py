@@ -1,18 +1,20 @@
-"""Benchmark of the critic intrinsic-reward stage (issue 5).
+"""Benchmark of the critic intrinsic-reward stage.
 
 Measured side by side in one run, against a loopback OpenAI-compatible server (127.0.0.1, ephemeral port) with a
 fixed per-request latency:
 
 1. wall time of the whole intrinsic-reward stage (critic prompts, requests, parsing, alignment) for `--samples`
-   completions: ours (concurrency sized to the batch, the default) vs a RELC-like baseline (2 workers, no cache), as
-   a ratio; the limit is about one latency plus parsing and alignment;
+   completions: ours (concurrency sized to the batch, the default; also through the OpenAI SDK) vs a RELC-like
+   baseline (2 workers, no cache), as a ratio; the limit is about one latency plus parsing and alignment;
 2. the same stage re-run by a restarted process with the on-disk cache (no request paid twice);
 3. the same stage with `--fault_rate` of the requests failing (deterministic per prompt and attempt, in equal
    parts: 429 with Retry-After, 500, a hang past the client timeout, a garbage answer), both pipelines against the
    same faults: the stage completes, our counters are checked against what the server did, and the ratio is printed;
-4. span-alignment throughput (responses/s): the public path, the streaming decoder, the prefix-decoding fallback.
+4. span-alignment throughput (responses/s): the public path, the streaming decoder, the prefix-decoding fallback;
+5. the PPO step ratio of `bench_critic_overlap.py` (one round): a 100 ms critic vs an instant one, with and without
+   the prefetch overlap.
 
-Run: ``python benchmarks/bench_critic.py`` (about a minute); ``--samples 256 --latency 0.3`` for more.
+Run: ``python benchmarks/bench_critic.py`` (a few minutes); ``--samples 256 --latency 0.3`` for more.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,6 +161,12 @@ def main() -> None:
     parser.add_argument("--baseline_workers", type=int, default=2, help="RELC's number of critic workers.")
     parser.add_argument("--repeats", type=int, default=3, help="Timed batches per pipeline (median reported).")
     parser.add_argument("--align_responses", type=int, default=2000, help="Responses for the alignment benchmark.")
+    parser.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=4,
+        help="PPO steps per arm of the overlap ratio (bench_critic_overlap.py, one round); 0 skips it.",
+    )
     args = parser.parse_args()
 
     tokenizer = build_tokenizer()
@@ -282,6 +291,14 @@ def main() -> None:
     print(f"streaming decoder offsets only:                  {stream:8.0f} responses/s")
     print(f"prefix-decoding fallback (quadratic):            {prefix:8.0f} responses/s")
     print(f"RATIO streaming / prefix decoding: {stream / prefix:.1f}x")
+
+    if args.overlap_steps > 0:
+        # the third ratio: a PPO step with a slow critic vs an instant one, with and without the prefetch overlap
+        print(f"== PPO step with a {args.latency * 1000:.0f} ms critic vs an instant one (bench_critic_overlap.py)")
+        script = os.path.join(HERE, "bench_critic_overlap.py")
+        cmd = [sys.executable, script, "--latency", str(args.latency), "--steps", str(args.overlap_steps)]
+        out = subprocess.run([*cmd, "--repeats", "1"], capture_output=True, text=True, check=False)
+        print("\n".join(line for line in out.stdout.splitlines() if line.startswith(("overlap=", "step time"))))
 
 
 if __name__ == "__main__":

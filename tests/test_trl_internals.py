@@ -157,6 +157,11 @@ class _Recorder(GRPOTrainer):
         self.single_turn_out = out
         return out
 
+    def _tokenize_prompts(self, prompts):
+        out = super()._tokenize_prompts(prompts)
+        self.tokenize_out, self.tokenized_prompts = out, list(prompts)
+        return out
+
     def _generate(self, prompts):
         out = super()._generate(prompts)
         self.generate_out, self.generate_prompts = out, list(prompts)
@@ -196,6 +201,16 @@ def test_return_arities_on_a_tiny_model(trained):
     trainer, _ = trained
     assert len(trainer.single_turn_out) == 2, "trl.GRPOTrainer._generate_single_turn: expected (ids, logprobs)"
     assert len(trainer.generate_out) == 8, "trl.GRPOTrainer._generate: expected an 8-tuple"
+    prompt_ids = trainer.tokenize_out[0]
+    assert len(trainer.tokenize_out) == 3 and len(prompt_ids) == len(trainer.tokenized_prompts), (
+        "trl.GRPOTrainer._tokenize_prompts: expected (prompt_ids, images, multimodal_fields), one row per prompt"
+    )
+    assert all(isinstance(ids, list) and ids and isinstance(ids[0], int) for ids in prompt_ids), (
+        "trl.GRPOTrainer._tokenize_prompts: prompt_ids rows are not lists of token ids"
+    )
+    assert [list(ids) for ids in trainer.generate_out[0]] == prompt_ids, (
+        "trl.GRPOTrainer._tokenize_prompts: its prompt_ids are not the ones `_generate` generates from"
+    )
     assert isinstance(trainer.generate_out[5], dict), "trl.GRPOTrainer._generate: extra_fields (index 5) not a dict"
     assert len(trainer.logps_out) == 3, "trl.GRPOTrainer._get_per_token_logps_and_entropies: expected a 3-tuple"
     rewards = trainer.rewards_out

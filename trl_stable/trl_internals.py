@@ -119,6 +119,15 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     ),
     Member(
         _GRPO,
+        "_tokenize_prompts",
+        "override",
+        ("prompts",),
+        "3-tuple (prompt_ids: list[list[int]], images, multimodal_fields); called once per generation batch, before "
+        "generation, only when there is no rollout_func",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
         "_generate_single_turn",
         "override",
         ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
@@ -463,6 +472,13 @@ MIRRORED: tuple[Mirrored, ...] = (
             "for column in sorted(set(gather_object(list(self._pending_extra_logs)))):",
             "values = self._pending_extra_logs.get(column, [None] * len(prompts))",
             'self._logs["extra"][column].extend(gather_object(values))',
+        ),
+    ),
+    Mirrored(
+        # TRL's mean over every call, kept for the metrics trl_stable has no other reduction for
+        "trl_stable.trl_internals.flush_reward_metrics",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
             "for name in sorted(set(gather_object(list(self._pending_metrics)))):",
             "local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)",
             "total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()",
@@ -585,8 +601,9 @@ def log_metric(trainer: Any, name: str, value: float) -> None:
 
 def flush_reward_logs(trainer: Any, num_local: int) -> None:
     """Flush what reward functions logged through ``log_extra`` / ``log_metric`` since TRL's own flush, as TRL does
-    right after `_calculate_rewards` (columns gathered, metrics averaged over processes). A collective: every process
-    calls it. GRPO calls it after the dense reward functions it collects later than TRL's flush.
+    right after `_calculate_rewards` (columns gathered; metrics reduced over processes by `flush_reward_metrics`). A
+    collective: every process calls it. GRPO calls it after the dense reward functions it collects later than TRL's
+    flush.
 
     Args:
         num_local: Completions on this process (the length of a column no function logged here).
@@ -597,13 +614,32 @@ def flush_reward_logs(trainer: Any, num_local: int) -> None:
         values = trainer._pending_extra_logs.get(column, [None] * num_local)
         trainer._logs["extra"][column].extend(gather_object(values))
     trainer._pending_extra_logs.clear()
+    flush_reward_metrics(trainer)
+
+
+def flush_reward_metrics(trainer: Any, select: Callable[[str], bool] | None = None) -> None:
+    """Move the metrics reward functions logged through ``log_metric`` (TRL's `_pending_metrics`) into TRL's metric
+    buffer, reduced over processes: TRL's mean over every call for metrics trl_stable does not know, the kind
+    `trl_stable.monitoring.reduction.logged_metric_stat` names for the ones it does (the critic's counts summed and
+    its fractions recomputed from them, ...). A collective: every process calls it.
+
+    Args:
+        select: Flush only the names it accepts (the others stay for TRL's own flush); None: all.
+    """
+    from accelerate.utils import gather_object
+
+    from trl_stable.monitoring.reduction import logged_metric_stat, reduce_metrics
+
+    # sorted union: every process reduces the same names in the same order, those it did not log with no share
+    names = [
+        name for name in sorted(set(gather_object(list(trainer._pending_metrics)))) if select is None or select(name)
+    ]
+    if not names:
+        return
+    stats = {name: logged_metric_stat(name, trainer._pending_metrics.pop(name, [])) for name in names}
     mode = train_mode(trainer)
-    for name in sorted(set(gather_object(list(trainer._pending_metrics)))):
-        values = trainer._pending_metrics.get(name, [])
-        local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=trainer.accelerator.device)
-        total, count = trainer.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
-        trainer._metrics[mode][name].append(total / count)
-    trainer._pending_metrics.clear()
+    for name, value in reduce_metrics(stats, trainer.accelerator).items():
+        trainer._metrics[mode][name].append(value)
 
 
 def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None:

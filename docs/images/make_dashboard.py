@@ -1,10 +1,14 @@
-"""Regenerate `docs/images/dashboard.png`: a synthetic 150-step run whose faults trip the dashboard's alarms.
+"""Regenerate `docs/images/dashboard.png`: a synthetic 150-step GRPO run whose faults trip the dashboard's alarms;
+with `--ppo OUTPUT_DIR`, also `docs/images/dashboard_ppo.png` from a real PPO run's health file.
 
     python docs/images/make_dashboard.py
+    python examples/research_projects/sentiment/ppo_intrinsic.py --use_intrinsic_reward   # the README's command
+    python docs/images/make_dashboard.py --ppo outputs/sentiment/ppo_intrinsic
 
-Deterministic (seeded); it replays the log history through the same rules as a live run.
+The synthetic run is deterministic (seeded); it replays the log history through the same rules as a live run.
 """
 
+import argparse
 import math
 import random
 from pathlib import Path
@@ -39,10 +43,17 @@ def synthetic_history(n: int = 150, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ppo", help="output dir of the README's PPO command (its health.jsonl)")
+    cli = parser.parse_args()
     out = render_dashboard(
         synthetic_history(),
         Path(__file__).with_name("dashboard.png"),
         max_completion_length=128,
-        title="synthetic run (150 steps)",
+        title="synthetic GRPO run (150 steps)",
     )
     print(f"wrote {out}")
+    if cli.ppo:
+        title = "PPO, the README's main command (sentiment, embedded default, 160 steps)"
+        out = render_dashboard(cli.ppo, Path(__file__).with_name("dashboard_ppo.png"), title=title)
+        print(f"wrote {out}")

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import random
-import re
 import sys
 import typing
 import warnings
@@ -42,6 +41,7 @@ if str(HERE) not in sys.path:  # the task scripts import this module and its nei
 from embedded import embedded_policy  # noqa: E402
 
 from trl_stable import PPOConfig  # noqa: E402
+from trl_stable.redaction import redact, redact_argv  # noqa: E402
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ def parse_script_args(
         description: The help text's headline.
         file_values: Values already read from a config file (instead of a `--config` flag).
     """
+    from_sys_argv = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file, argv = pop_config_flag(argv)
     values = dict(file_values or {})
@@ -130,12 +131,15 @@ def parse_script_args(
 
     mode_defaults = getattr(cls, "mode_defaults", None)
     if mode_defaults is None or "-h" in argv or "--help" in argv:
-        return parse({})
-    args = parse(mode_defaults(parse(mode_defaults(None))))
-    # RELC flags whose meaning differs from the field they map onto (a length range) are converted once, here
-    finalize = getattr(cls, "finalize", None)
-    args = finalize(args) if finalize is not None else args
-    warn_ignored_relc_flags(args)
+        args = parse({})
+    else:
+        args = parse(mode_defaults(parse(mode_defaults(None))))
+        # RELC flags whose meaning differs from the field they map onto (a length range) are converted once, here
+        finalize = getattr(cls, "finalize", None)
+        args = finalize(args) if finalize is not None else args
+        warn_ignored_relc_flags(args)
+    if from_sys_argv:  # parsed: trackers (wandb) record sys.argv with the run, so its secrets go now
+        redact_argv(sys.argv)
     return args
 
 
@@ -309,37 +313,11 @@ def default_save_path(task: str, intrinsic: bool, given: str | None) -> str:
     return given or str(Path("outputs") / task / ("ppo_intrinsic" if intrinsic else "ppo_baseline"))
 
 
-SECRET_FIELDS = ("perspective_api", "perspective_api_key", "api_key", "hub_token")
-REDACTED = "<redacted>"
-_URL_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
-
-
 def public_args(args: Any) -> dict:
-    """The run's arguments as a dict for `run_args.json`: API keys replaced by "<redacted>", credentials in URLs
-    (``http://user:key@host``) removed."""
-    out = {}
-    for f in fields(args):
-        value = getattr(args, f.name)
-        if hasattr(value, "__dataclass_fields__"):
-            value = public_args(value)
-        elif f.name in SECRET_FIELDS and value:
-            value = REDACTED
-        elif isinstance(value, str):
-            value = _URL_USERINFO.sub(r"\1", value)
-        out[f.name] = value
-    return out
-
-
-def redact_argv(argv: list[str]) -> None:
-    """Replace, in place, the values of secret flags (`--perspective_api KEY`) in a command line once it is parsed:
-    trackers such as wandb record `sys.argv` with the run."""
-    for i, arg in enumerate(argv):
-        name, eq, _ = arg.partition("=")
-        if name.lstrip("-") in SECRET_FIELDS:
-            if eq:
-                argv[i] = f"{name}={REDACTED}"
-            elif i + 1 < len(argv):
-                argv[i + 1] = REDACTED
+    """The run's arguments as a dict for `run_args.json`: every secret field (`hub_token`, `perspective_api`, any
+    `*_token` / `*_key` / `*_secret`, see `trl_stable.redaction.is_secret_name`) replaced by "<redacted>", credentials
+    in URLs (``http://user:key@host``) removed."""
+    return redact(args)
 
 
 def save_run_args(args: Any, save_path: str) -> None:

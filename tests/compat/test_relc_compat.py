@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
 from fake_openai_server import FakeOpenAIServer, status  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
-from test_ppo_multiprocess import _free_port  # noqa: E402
+from two_processes import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("relc_shaped_script.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +90,9 @@ def test_config_translates_to_trl_stable():
     config = relc.PPOConfig(batch_size=8, mini_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=None)
     stable = config.to_trl_stable(output_dir="unused")
     assert (stable.batch_size, stable.mini_batch_size, stable.gradient_accumulation_steps) == (8, 2, 2)
-    assert stable.max_grad_norm == 0.0 and stable.early_stopping is False and stable.target_kl == 1
+    assert stable.max_grad_norm == 0.0 and stable.early_stopping is False and stable.target_kl is None
+    early = relc.PPOConfig(early_stopping=True, target_kl=0.5, adap_kl_ctrl=False, target=3).to_trl_stable("unused")
+    assert (early.target_kl, early.adap_kl_ctrl, early.target) == (0.5, False, 6.0)  # old TRL ignored target=3
     assert stable.learning_rate == 1e-5 and stable.report_to == []
     with pytest.raises(ValueError, match="multiple"):
         relc.PPOConfig(batch_size=6, mini_batch_size=4)
@@ -184,7 +186,7 @@ def _run_script(tmp_path, server, two_processes):
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path),
+            "--main_process_port", str(free_port()), str(SCRIPT), str(tmp_path),
         ]  # fmt: skip
     try:
         # the limit only turns a hang (e.g. a save that waits on a barrier) into a failure with its output

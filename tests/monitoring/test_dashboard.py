@@ -1,15 +1,17 @@
 """The dashboard PNG: from a log history, a health file, an output dir; and the console command."""
 
 import json
+import random
 import runpy
 import sys
 from types import SimpleNamespace
 
+import matplotlib.pyplot as plt
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from trl_stable.monitoring import HealthMonitor, render_dashboard
-from trl_stable.monitoring.dashboard import load_run, main
+from trl_stable.monitoring import ALARMS, HealthConfig, HealthMonitor, render_dashboard
+from trl_stable.monitoring.dashboard import _config_of, _figure, load_run, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -143,13 +145,20 @@ def test_truncated_last_health_line_is_skipped_with_a_warning(tmp_path):
 
 
 def test_missing_metrics_and_eval_logs_render(tmp_path):
-    # Only the reward is logged (a custom trainer), with evaluation records mixed in: other panels say "no data".
+    # Only the reward is logged (a custom trainer), with evaluation records mixed in: only its panel is drawn.
     records = [{"step": i, "reward": 0.1 * i} for i in range(1, 6)]
     records.insert(2, {"step": 2, "eval_loss": 1.0, "eval_reward": 0.0})
     run = load_run(records)
     assert set(run.steps) == {"reward"}
     assert_png(render_dashboard(run, tmp_path / "sparse.png"))
-    assert_png(render_dashboard([], tmp_path / "empty.png"))
+    fig = _figure(run, HealthConfig(), None)
+    assert panel_titles(fig) == ["reward/mean"]
+    plt.close(fig)
+    # nothing at all: one message, not a grid of empty panels
+    assert open(render_dashboard([], tmp_path / "empty.png"), "rb").read()[:8] == PNG_MAGIC
+    fig = _figure(load_run([]), HealthConfig(), None)
+    assert [text.get_text() for ax in fig.axes for text in ax.texts] == ["no health gauges recorded yet"]
+    plt.close(fig)
 
 
 def test_console_entry_point_targets_main():
@@ -180,3 +189,91 @@ def test_bands_follow_the_thresholds_the_run_recorded(tmp_path):
     assert run.meta["max_completion_length"] == 32
     run.meta["plateau_window"] = 1  # a corrupt or foreign meta line: the given thresholds are used
     assert _config_of(run, HealthConfig()) == HealthConfig()
+
+
+def ppo_history(n=80):
+    """Log records under trl_stable PPOTrainer's names, shaped like the README's main command: the reward rises to
+    its ceiling while the KL to the reference climbs to 5-7x the target 6 with kl_coef stuck near 0.1."""
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        out.append(
+            {
+                "step": i + 1,
+                "env/reward_mean": min(0.99, 0.15 + 0.02 * i) + rng.uniform(-0.05, 0.05),
+                "policy/grad_norm": 1.5 + rng.uniform(-0.5, 0.5),
+                "loss/total": 0.1,
+                "tokens/response_len_mean": 14 + rng.uniform(-2, 2),
+                "tokens/truncated_frac": 0.1,
+                "policy/entropy": 1.0 - 0.008 * i + rng.uniform(-0.05, 0.05),
+                "objective/kl": min(40.0, 0.6 * i) + rng.uniform(-3, 3),
+                "objective/kl_coef": 0.1 + 2e-5 * i,
+                "loss/value": 1.7 / (1 + 0.2 * i) + 0.2,
+            }
+        )
+    return out
+
+
+def panel_titles(fig):
+    return [ax.get_title().split(" (")[0] for ax in fig.axes if ax.get_title()]
+
+
+def test_ppo_dashboard_has_kl_and_value_loss_panels_and_no_empty_panel(tmp_path):
+    config = HealthConfig(reward_max=None, kl_target=6.0)
+    run = load_run(ppo_history(), config, max_completion_length=20)
+    assert any(e["alarm"] == "kl_above_target" and e["kind"] == "raised" for e in run.events)
+    fig = _figure(run, _config_of(run, config), "ppo")
+    try:
+        # PPO has no groups and, here, no sampler log-probs: those panels are left out, not drawn empty
+        assert panel_titles(fig) == [
+            "reward/mean", "grad_norm", "completion length vs cap", "entropy", "KL to reference", "value loss",
+        ]  # fmt: skip
+        texts = [text.get_text() for ax in fig.axes for text in ax.texts]
+        assert "no data" not in texts and not any("no sampler log-probs" in t for t in texts)
+        assert "kl_above_target" in texts  # named on the KL panel
+        footnote = fig.get_supxlabel()
+        assert "frac_reward_zero_std" in footnote and "mismatch" in footnote and "value_loss" not in footnote
+        kl_panel = next(ax for ax in fig.axes if ax.get_title().startswith("KL to reference"))
+        assert "target 6" in kl_panel.get_title()
+    finally:
+        plt.close(fig)
+    assert_png(render_dashboard(run, tmp_path / "ppo.png"))
+
+
+def many_alarms_history(n=60):
+    """Alarms raised at nearly the same step on the same panel (mismatch, masked tokens, re-tokenization) and on
+    neighbouring panels, some near the right edge."""
+    out = []
+    for i in range(n):
+        out.append(
+            {
+                "step": i + 1,
+                "reward": 0.3 + 0.005 * i if i < 40 else 1.3,
+                "grad_norm": 0.5 if i < 50 else 0.0,
+                "frac_reward_zero_std": 0.1 if i < 20 else 0.9,
+                "completions/mean_length": 60.0 if i > 55 else 20.0,
+                "entropy": 1.5 if i < 52 else 0.01,
+                "mismatch/logp_abs_diff/mean": 0.002 if i < 20 else 0.05,
+                "token_filter/icepop/masked_token_frac": 0.01 if i < 21 else 0.4,
+                "retokenization/mismatched": 0.0 if i < 22 else 3.0,
+            }
+        )
+    return out
+
+
+def test_alarm_labels_do_not_overlap_and_stay_in_their_panel():
+    fig = _figure(load_run(many_alarms_history(), max_completion_length=64), HealthConfig(), None)
+    try:
+        renderer = fig.canvas.get_renderer()
+        labels = [(ax, text) for ax in fig.axes for text in ax.texts if text.get_text() in ALARMS]
+        assert {"mismatch", "token_filter_masked", "retokenization", "zero_std"} <= {t.get_text() for _, t in labels}
+        boxes = [text.get_window_extent(renderer) for _, text in labels]
+        for i, box in enumerate(boxes):
+            for other in boxes[i + 1 :]:
+                assert not box.overlaps(other), (labels[i][1].get_text(), "overlaps another label")
+        for (ax, text), box in zip(labels, boxes):
+            panel = ax.get_window_extent(renderer)
+            inside = panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
+            assert inside, f"{text.get_text()} leaves its panel"
+    finally:
+        plt.close(fig)

@@ -9,6 +9,7 @@ from trl_stable.monitoring import ALARMS, HealthConfig, HealthTracker, extract_g
 from trl_stable.monitoring.health import floor_from_reference
 
 CAP = 64
+KL_TARGET = 6.0  # PPOConfig's default `target`
 
 
 def healthy_history(n=80, seed=0, converge=False):
@@ -33,13 +34,14 @@ def healthy_history(n=80, seed=0, converge=False):
                 "token_filter/icepop/masked_token_frac": 0.01,
                 "token_filter/icepop/masked_seq_frac": 0.3,  # sequence shares are not the gauge
                 "retokenization/mismatched": 0.0,
+                "objective/kl": KL_TARGET * (0.7 + rng.uniform(-0.25, 0.25)),  # held near its target
             }
         )
     return history
 
 
 def replay(history, **config):
-    tracker = HealthTracker(HealthConfig(**config), max_completion_length=CAP)
+    tracker = HealthTracker(HealthConfig(**config), max_completion_length=CAP, kl_target=KL_TARGET)
     events = []
     for record in history:
         events.extend(tracker.update(record, step=record["step"]))
@@ -79,6 +81,7 @@ FAULTS = {
     "token_filter_masked": ("token_filter/icepop/masked_token_frac", lambda i: 0.4),
     "retokenization": ("retokenization/mismatched", lambda i: 2.0),
     "nonfinite": ("grad_norm", lambda i: float("nan")),
+    "kl_above_target": ("objective/kl", lambda i: 5 * KL_TARGET),
 }
 
 
@@ -105,6 +108,8 @@ def test_fault_trips_its_alarm_once(alarm):
         # The window (50) must first fill with the flat reward; then the plateau's patience (50 // 5).
         assert 31 < event.step <= 31 + 50 + 10
         assert "best reward reached" in event.symptom
+    elif alarm == "kl_above_target":
+        assert event.step == 31 + 4  # kl_patience 5: sustained, not one noisy batch
     else:
         assert event.step == 31 + 2  # patience 3: the third consecutive record
     # An alarm driven by one gauge must not drag unrelated alarms with it.
@@ -274,6 +279,10 @@ def test_event_record_is_strict_json():
         ({"metric_keys": {"nope": ["x"]}}, "metric_keys"),
         ({"length_cap_ratio": 1.5}, "length_cap_ratio"),
         ({"mismatch_threshold": -1.0}, "mismatch_threshold"),
+        ({"kl_target": 0.0}, "kl_target"),
+        ({"kl_target": float("nan")}, "kl_target"),
+        ({"kl_alarm_ratio": 0.5}, "kl_alarm_ratio"),
+        ({"kl_patience": 0}, "kl_patience"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, match):
@@ -308,3 +317,60 @@ def test_confident_model_is_not_an_entropy_collapse():
 def test_floor_from_reference_by_hand(reference, expected):
     # entropy defaults: absolute 0.05, relative 10%; the floor never exceeds half the reference
     assert floor_from_reference(reference, 0.05, 0.1) == pytest.approx(expected)
+
+
+def kl_records(values, coef=0.1):
+    return [{"step": i + 1, "objective/kl": v, "objective/kl_coef": coef} for i, v in enumerate(values)]
+
+
+def test_kl_alarm_needs_sustained_drift_and_clears_on_recovery():
+    # target 6, alarm above 12 for 5 records: a spike and a burst of 4 are noise, the 5th record in a row is drift
+    values = [5.0] * 10 + [40.0] + [5.0] * 5 + [20.0] * 4 + [5.0] * 5 + [30.0] * 8 + [6.0] * 5
+    tracker, events = replay(kl_records(values))
+    assert [(e.kind, e.alarm, e.step) for e in events] == [
+        ("raised", "kl_above_target", 25 + 5),
+        ("cleared", "kl_above_target", 33 + 3),
+    ]
+    raised_event = events[0]
+    assert raised_event.symptom == "KL to the reference 30.00 stays above 12.00 (5.0x the target 6; kl_coef 0.1)"
+    assert raised_event.threshold == 12.0 and raised_event.value == 30.0
+    for remedy in ("raise init_kl_coef", "adap_kl_ctrl=True", "shorter horizon", "lower the learning rate"):
+        assert remedy in raised_event.message()
+    assert tracker.active == [] and tracker.flags()["health/alarm/kl_above_target"] == 0.0
+
+
+def test_kl_alarm_thresholds_are_configurable_and_need_a_target():
+    values = [30.0] * 10  # 5x the target
+    assert raised(replay(kl_records(values))[1]) == ["kl_above_target"]
+    assert raised(replay(kl_records(values), kl_alarm_ratio=6.0)[1]) == []
+    assert raised(replay(kl_records(values), kl_target=20.0)[1]) == []  # the config's target wins
+    assert [e.step for e in replay(kl_records(values), kl_patience=2)[1]] == [2]
+    # GRPO's per-token `kl` has no target: no alarm unless one is declared in its unit
+    grpo = [{"step": i, "kl": 0.5} for i in range(1, 11)]
+    assert not any(HealthTracker(HealthConfig()).update(r, step=r["step"]) for r in grpo)
+    assert raised(replay(grpo, kl_target=0.05)[1]) == ["kl_above_target"]
+
+
+# objective/kl of the README's main command (examples/research_projects/sentiment/ppo_intrinsic.py
+# --use_intrinsic_reward, embedded default: target 6, init_kl_coef 0.1, horizon 10000), one value per PPO step; the
+# adaptive coefficient went from 0.1 to 0.103 while the KL sat at 5-7x its target for 100 steps
+README_RUN_KL = [
+    0.0, -0.0, 0.4, 1.3, 2.4, 2.4, 3.3, 2.6, 4.8, 5.6, 6.5, 4.9, 3.8, 5.5, 6.8, 5.9, 7.4, 2.4, 6.4, 6.1, 3.1, 7.3, 4.8,
+    7.1, 8.8, 6.7, 10.1, 8.1, 9.8, 11.8, 15.3, 12.7, 18.1, 10.0, 13.7, 19.4, 19.3, 18.3, 14.0, 11.9, 22.0, 23.9, 20.2,
+    19.3, 23.3, 27.5, 19.8, 24.8, 26.2, 31.7, 35.1, 35.2, 35.2, 25.4, 41.6, 33.3, 45.8, 32.5, 36.4, 34.8, 41.4, 32.8,
+    42.6, 28.6, 42.4, 40.5, 43.1, 37.3, 38.4, 31.6, 41.1, 47.0, 34.8, 33.1, 37.5, 32.5, 49.0, 39.4, 37.5, 43.8, 42.9,
+    42.5, 40.0, 44.4, 43.9, 43.5, 38.3, 35.3, 39.8, 42.9, 48.4, 40.1, 38.5, 43.4, 42.5, 41.5, 36.0, 39.8, 32.8, 40.5,
+    42.0, 38.1, 42.5, 44.9, 43.3, 41.0, 41.3, 41.0, 40.3, 42.3, 46.7, 43.1, 42.3, 41.5, 46.8, 46.9, 40.7, 40.9, 41.8,
+    42.3, 35.8, 42.2, 42.6, 40.5, 43.0, 39.0, 42.7, 40.6, 42.1, 45.3, 42.6, 42.0, 38.8, 36.6, 38.2, 39.6, 38.5, 45.5,
+    40.5, 38.4, 38.6, 41.7, 47.7, 42.4, 42.6, 41.9, 41.8, 39.8, 37.9, 40.8, 42.3, 42.5, 43.0, 43.5, 41.0, 38.1, 42.0,
+    42.1, 42.4, 41.9,
+]  # fmt: skip
+
+
+def test_readme_main_command_kl_drift_is_flagged():
+    tracker, events = replay(kl_records(README_RUN_KL))
+    kinds = [(e.kind, e.alarm) for e in events]
+    assert kinds[0] == ("raised", "kl_above_target") and ("cleared", "kl_above_target") not in kinds
+    assert events[0].step == 39  # above 2 x 6 at steps 35-39 (13.7 ... 14.0): the fifth record in a row
+    assert tracker.active == ["kl_above_target"]
+    assert "x the target 6" in events[0].symptom

@@ -202,6 +202,23 @@ def test_warning_alarm_never_stops(tmp_path):
     assert len(seen) == 12 and not control.should_training_stop
 
 
+def test_kl_target_comes_from_ppo_arguments(tmp_path):
+    ppo_args = SimpleNamespace(output_dir=str(tmp_path), adap_kl_ctrl=True, target=6.0)
+    monitor = HealthMonitor(reward_max=None)
+    simulate(monitor, ppo_args, [{"objective/kl": 30.0, "objective/kl_coef": 0.1}] * 6)
+    assert [(e.kind, e.alarm, e.step) for e in monitor.events] == [("raised", "kl_above_target", 5)]
+    lines = read_health(tmp_path / "health.jsonl")
+    assert lines[0]["kl_target"] == 6.0 and lines[1]["kl"] == 30.0 and lines[1]["kl_coef"] == 0.1
+    # GRPO's arguments have no KL controller: its `kl` gauge is recorded, and raises nothing
+    monitor = HealthMonitor(reward_max=None)
+    simulate(monitor, SimpleNamespace(output_dir=str(tmp_path / "grpo"), beta=0.04), [{"kl": 30.0}] * 6)
+    assert monitor.events == [] and monitor.tracker.kl_target is None
+    # a target in the config wins over the trainer's
+    monitor = HealthMonitor(reward_max=None, kl_target=20.0)
+    simulate(monitor, ppo_args, [{"objective/kl": 30.0}] * 6)
+    assert monitor.events == [] and monitor.tracker.kl_target == 20.0
+
+
 def test_config_from_trainer_args():
     assert health_config_from_args(SimpleNamespace(health_monitor=False)) is None
     cfg = health_config_from_args(

@@ -232,9 +232,10 @@ def test_ppo_run_writes_health_file_and_dashboard(tokenizer, tmp_path):
     logged = [h for h in trainer.state.log_history if "health/active_alarms" in h]
     assert len(logged) == 2
     records = read_health(tmp_path)
-    assert records[0]["max_completion_length"] == 6
+    assert records[0]["max_completion_length"] == 6 and records[0]["kl_target"] == 6.0  # PPOConfig's `target`
     metrics = [r for r in records if r["type"] == "metrics"]
     assert len(metrics) == 2 and {"reward", "entropy", "completion_length"} <= set(metrics[0])
+    assert {"kl", "kl_coef", "value_loss"} <= set(metrics[0])  # the PPO dashboard's KL and value-loss panels
     assert dashboard_main([str(tmp_path)]) == 0
     assert (tmp_path / "health_dashboard.png").stat().st_size > 10_000
 

@@ -4,7 +4,7 @@ trl_stable state, and a run resumed from it on 2 processes ends with the uninter
 import json
 import textwrap
 
-from test_ppo_multiprocess import _launch
+from two_processes import launch_two_processes
 
 SCRIPT = textwrap.dedent(
     """
@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_two_process_checkpoint_and_resume(tmp_path):
-    proc = _launch(tmp_path, SCRIPT)
+    proc = launch_two_processes(tmp_path, SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     marker = json.loads((tmp_path / "a" / "checkpoint-2" / "trl_stable_checkpoint.json").read_text())
     assert marker["complete"] and marker["num_processes"] == 2

@@ -91,7 +91,9 @@ def test_early_stop_and_ratio_threshold(tmp_path, tokenizer):
     stats = trainer.step(QUERIES, RESPONSES, scores=[1.0, -1.0, 0.5, 0.0])
     # the first mini-batch sees ratio 1 (KL 0) and steps; a later one exceeds 1.5 x target_kl and stops the epochs
     assert stats["ppo/early_stop"] == 1.0 and stats["ppo/epochs_done"] < 4
-    zeroed = _trainer(tmp_path, tokenizer, ratio_threshold=0.5)  # mean ratio 1 > 0.5: every loss is zeroed
+    zeroed = _trainer(tmp_path, tokenizer)
+    # below the mean ratio 1 every step starts at, so every loss is zeroed (PPOConfig refuses it: set past the check)
+    zeroed.args.ratio_threshold = 0.5
     before = {n: p.detach().clone() for n, p in zeroed.unwrapped().named_parameters()}
     stats = zeroed.step(QUERIES, RESPONSES, scores=[1.0, -1.0, 0.5, 0.0])
     assert stats["ppo/loss_zeroed"] == 1.0

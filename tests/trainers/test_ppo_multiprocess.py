@@ -1,121 +1,221 @@
-"""PPOTrainer under accelerate with 2 CPU processes: both finish with identical weights and shared statistics.
+"""PPOTrainer under accelerate with 2 CPU processes: both finish with identical weights, and every process logs the
+numbers one process holding the global batch would log.
 
-`accelerate launch --cpu --num_processes 2` starts a single process (accelerate's simple launcher); two CPU processes
-need `--multi_gpu --num_processes 2` with `ACCELERATE_USE_CPU=true` (torchrun underneath, gloo backend).
+`train()` runs with a sequence reward that gives rank 1 one unscored sample per step (so the processes keep different
+numbers of samples), a dense reward and the lexicon critic: the reward metrics are checked against values recomputed
+from what each process's reward functions saw. `step()` on fixed halves of one global batch (responses of different
+lengths, a NaN score, sampler log-probs, a step mask) is compared with one process stepping the whole batch: every
+logged statistic must agree.
 """
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
+import math
 import textwrap
 
 import pytest
+import torch
+from two_processes import check_returncode, launch_two_processes
+
+from trl_stable import PPOConfig, PPOTrainer
+from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.testing import build_causal_lm
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import json, math, os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
     from trl_stable import PPOConfig, PPOTrainer
-    from trl_stable.rewards import dense_reward
+    from trl_stable.masking.rl import CompletionStepMasker
+    from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig, dense_reward
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
-    @dense_reward
-    def low_ids(prompts, completions, completion_ids, **kw):
-        return [[1.0 if t < 300 else 0.0 for t in ids] for ids in completion_ids]
-
     out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    seen = {"length": [], "dense": [], "critic": []}
+
+    def length(completion_ids, trainer_state, **kw):  # rank 1's first sample of each step has no score: dropped
+        values = [None if rank == 1 and i == 0 else len(c) / 5 for i, c in enumerate(completion_ids)]
+        seen["length"].append({"step": trainer_state.global_step, "values": values})
+        return values
+
+    @dense_reward
+    def low_ids(prompts, completions, completion_ids, trainer_state, **kw):
+        rows = [[1.0 if t < 300 else float("nan") if t > 800 else 0.0 for t in ids] for ids in completion_ids]
+        seen["dense"].append({"step": trainer_state.global_step,
+                              "sum": sum(v for r in rows for v in r if not math.isnan(v)),
+                              "tokens": sum(len(r) for r in rows), "rows": len(rows),
+                              "nan": sum(math.isnan(v) for r in rows for v in r)})
+        return rows
+
+    class Critic(CriticIntrinsicReward):
+        def __call__(self, *a, trainer_state=None, **kw):
+            rows = super().__call__(*a, trainer_state=trainer_state, **kw)
+            seen["critic"].append({"step": trainer_state.global_step, **self._last})
+            return rows
+
     tok = build_tokenizer()
+    model = build_causal_lm("qwen2", tok, seed=0)
+    bias = torch.zeros(len(tok))
+    bias[tok.eos_token_id] = 5.0  # EOS about every 7th token: responses of different lengths on each process
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    critic = Critic(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tok)
     args = PPOConfig(output_dir=out, batch_size=4, mini_batch_size=1, gradient_accumulation_steps=2, ppo_epochs=2,
                      max_new_tokens=5, min_new_tokens=2, learning_rate=1e-3, max_steps=2, report_to="none",
                      disable_tqdm=True, save_strategy="no", use_score_scaling=True,
-                     use_decoupled_loss=True, token_filter="icepop")
+                     use_decoupled_loss=True, token_filter="icepop", step_loss_mask=True)
     ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
-    trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=[lambda completion_ids, **kw: [
-        len(c) / 5 for c in completion_ids], low_ids], args=args, processing_class=tok, train_dataset=ds)
+    trainer = PPOTrainer(model, reward_funcs=[length, low_ids, critic], args=args, processing_class=tok,
+                         train_dataset=ds)
     trainer.train()
-    rank = trainer.accelerator.process_index
     weights = trainer.unwrapped().state_dict()
     checksum = float(sum(v.double().sum() for v in weights.values()))
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "checksum": checksum,
               "steps": trainer.state.global_step, "kl_coef": trainer.kl_ctl.value, "count": trainer.running.count,
-              "logs": {k: v for k, v in trainer.state.log_history[-1].items()
-                       if k.startswith(("objective/", "behaviour_weight/", "mismatch/", "loss/"))}}
+              "train_logs": trainer.state.log_history, "seen": seen}
+
+    # step() on this process's half of a fixed global batch
+    with open(os.path.join(out, "batch.json")) as f:
+        batch = json.load(f)
+    half = slice(rank * 4, rank * 4 + 4)
+    stepper = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), args=PPOConfig(output_dir=out, **batch["config"]),
+                         processing_class=tok)
+    stepper.step_masker = CompletionStepMasker(extra_steps=lambda text, i: [
+        {"start": 0, "end": 1, "unit": "char", "type": "code",
+         "metadata": {"exec_status": "crash" if len(text) % 3 == 0 else "ok"}}] if text else [])
+    stats = stepper.step([torch.tensor(q) for q in batch["queries"][half]],
+                         [torch.tensor(r) for r in batch["responses"][half]],
+                         token_rewards=batch["token_rewards"][half], scores=batch["scores"][half],
+                         sampler_logprobs=[torch.tensor(lp) for lp in batch["sampler_logprobs"][half]])
+    record["step_logs"] = stats
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    # both ranks are done; skip the interpreter's teardown, where gloo's destructors race with the peer's exit and can
-    # abort ("terminate called ...", SIGABRT) depending on timing
+    # both ranks are done; skip the interpreter's teardown (see two_processes)
     trainer.accelerator.wait_for_everyone()
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(0)
     """
 )
 
-
-def _free_port() -> int:
-    # not accelerate's default 29500: another multi-process test running at the same time would collide on it
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(tmp_path, script_text: str, *script_args: str) -> subprocess.CompletedProcess:
-    if shutil.which("accelerate") is None:
-        pytest.skip("accelerate CLI not installed")
-    script = tmp_path / "run_ppo.py"
-    script.write_text(script_text)
-    env = {
-        **os.environ,
-        "ACCELERATE_USE_CPU": "true",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(_free_port()),
-        str(script),
-        str(tmp_path),
-        *script_args,
-    ]
-    try:
-        # ~20 s on a loaded 2-core machine; the limit only turns a hung rendezvous into a failure with its output
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:]
-        pytest.fail(f"the 2-process run did not finish within 300 s; stderr tail:\n{tail!r}")
+# The step() comparison: the global batch and the per-process config; one process steps it with batch_size 8.
+STEP_CONFIG = dict(batch_size=4, mini_batch_size=1, gradient_accumulation_steps=4, ppo_epochs=2, learning_rate=1e-3,
+                   report_to="none", disable_tqdm=True, save_strategy="no", use_score_scaling=True,
+                   use_score_norm=True, whiten_rewards=True, use_decoupled_loss=True, token_filter="icepop",
+                   step_loss_mask=True)  # fmt: skip
 
 
-def test_two_process_accelerate_run(tmp_path):
-    proc = _launch(tmp_path, SCRIPT)
-    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "terminate" in line]
-    assert proc.returncode == 0, "\n".join(errors[:20]) + "\n...\n" + proc.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def _global_batch() -> dict:
+    gen = torch.Generator().manual_seed(7)
+    lengths = [3, 6, 2, 5, 7, 1, 4, 6]  # different numbers of tokens on the two processes
+    queries = [torch.randint(3, 900, (2 + i % 3,), generator=gen).tolist() for i in range(8)]
+    responses = [torch.randint(3, 900, (n,), generator=gen).tolist() for n in lengths]
+    token_rewards = [[0.1 * ((t + i) % 3) for t in range(n)] for i, n in enumerate(lengths)]
+    scores = [0.5, -1.0, 2.0, 0.0, 1.5, float("nan"), -0.5, 1.0]  # the NaN: a sample dropped on process 1
+    # near the tiny model's log-probs (about -log 937); one token far off, for IcePop to mask
+    logps = [[-6.84 + 0.05 * ((t + i) % 3 - 1) + (3.0 if (i, t) == (4, 2) else 0.0) for t in range(n)]
+             for i, n in enumerate(lengths)]  # fmt: skip
+    return dict(queries=queries, responses=responses, token_rewards=token_rewards, scores=scores,
+                sampler_logprobs=logps, config=STEP_CONFIG)  # fmt: skip
+
+
+def _mask_steps(text, i):
+    return [
+        {"start": 0, "end": 1, "unit": "char", "type": "code",
+         "metadata": {"exec_status": "crash" if len(text) % 3 == 0 else "ok"}}
+    ] if text else []  # fmt: skip
+
+
+def _one_process_step(tokenizer, tmp_path, batch) -> dict:
+    config = {**batch["config"], "batch_size": 8, "gradient_accumulation_steps": 8}
+    trainer = PPOTrainer(
+        build_causal_lm("qwen2", tokenizer, seed=0), args=PPOConfig(output_dir=str(tmp_path), **config),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.step_masker = CompletionStepMasker(extra_steps=_mask_steps)
+    return trainer.step(
+        [torch.tensor(q) for q in batch["queries"]],
+        [torch.tensor(r) for r in batch["responses"]],
+        token_rewards=batch["token_rewards"],
+        scores=batch["scores"],
+        sampler_logprobs=[torch.tensor(lp) for lp in batch["sampler_logprobs"]],
+    )
+
+
+def test_two_process_accelerate_run(tokenizer, tmp_path):
+    # one test per launch: under pytest-xdist a module fixture would launch once per worker
+    (tmp_path / "batch.json").write_text(json.dumps(_global_batch()))
+    proc = launch_two_processes(tmp_path, SCRIPT)
+    check_returncode(proc)
+    run = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    check_replicas_and_logs_agree(run)
+    check_train_logs_the_global_reward_metrics(run)
+    check_step_logs_what_one_process_with_the_global_batch_logs(run, tokenizer, tmp_path / "one_process")
+
+
+def check_replicas_and_logs_agree(run):
+    records = run
     assert all(r["world"] == 2 and r["steps"] == 2 for r in records)
     # DDP keeps the replicas in sync; the KL controller and running score stats use all processes' samples
     assert records[0]["checksum"] == pytest.approx(records[1]["checksum"], rel=1e-6)
     assert records[0]["kl_coef"] == pytest.approx(records[1]["kl_coef"])
-    assert records[0]["count"] == pytest.approx(16.0)  # 2 steps x 2 processes x 4 samples
+    assert records[0]["count"] == pytest.approx(14.0)  # 2 steps x (4 + 3 scored) samples
     # logged statistics are reduced over processes: every rank reports the same numbers
-    logs = [r["logs"] for r in records]
-    assert "behaviour_weight/max" in logs[0] and "objective/kl" in logs[0] and "loss/policy" in logs[0]
+    logs = [[{k: v for k, v in h.items() if not k.startswith("time/")} for h in r["train_logs"]] for r in records]
+    assert "behaviour_weight/max" in logs[0][0] and "critic/step_samples" in logs[0][0]
     assert logs[0] == pytest.approx(logs[1])
+
+
+def _per_step(records, kind):
+    per_rank = [{e["step"]: e for e in r["seen"][kind]} for r in records]
+    return {step: (per_rank[0][step], per_rank[1][step]) for step in per_rank[0]}
+
+
+def check_train_logs_the_global_reward_metrics(run):
+    logs = {h["step"]: h for h in run[0]["train_logs"] if "step" in h}
+    for step, parts in _per_step(run, "length").items():
+        h = logs[step + 1]
+        scored = [v for p in parts for v in p["values"] if v is not None]
+        assert h["rewards/length/mean"] == pytest.approx(sum(scored) / len(scored), rel=1e-6)
+        assert h["env/reward_mean"] == pytest.approx(sum(scored) / len(scored), rel=1e-6)
+        assert h["env/reward_std"] == pytest.approx(torch.tensor(scored).std().item(), rel=1e-5)
+        assert h["ppo/dropped_samples"] == 1.0
+        per_process = [
+            sum(v for v in p["values"] if v is not None) / sum(v is not None for v in p["values"]) for p in parts
+        ]
+        assert not math.isclose(h["env/reward_mean"], sum(per_process) / 2)  # not a mean of per-process means
+    for step, parts in _per_step(run, "dense").items():
+        h = logs[step + 1]
+        assert h["rewards/low_ids/token_mean"] == pytest.approx(
+            sum(p["sum"] for p in parts) / sum(p["tokens"] for p in parts)
+        )
+        assert h["rewards/low_ids/sum_mean"] == pytest.approx(
+            sum(p["sum"] for p in parts) / sum(p["rows"] for p in parts)
+        )
+        assert h["rewards/low_ids/nan_tokens"] == sum(p["nan"] for p in parts)
+    for step, parts in _per_step(run, "critic").items():
+        h = logs[step + 1]
+        for name in ("samples", "critiqued", "answers", "tokens_total", "tokens_rewarded"):
+            assert h[f"critic/step_{name}"] == sum(p[f"critic/step_{name}"] for p in parts), name
+        rewarded = sum(p["critic/step_tokens_rewarded"] for p in parts)
+        assert h["critic/rewarded_token_fraction"] == pytest.approx(
+            rewarded / sum(p["critic/step_tokens_total"] for p in parts)
+        )
+        assert h["critic/stage_seconds"] == pytest.approx(max(p["critic/stage_seconds"] for p in parts))
+
+
+def check_step_logs_what_one_process_with_the_global_batch_logs(run, tokenizer, tmp_path):
+    reference = _one_process_step(tokenizer, tmp_path, _global_batch())
+    for record in run:
+        logs = record["step_logs"]
+        keys = {k for k in reference if not k.startswith("time/")}
+        assert keys == {k for k in logs if not k.startswith("time/")}
+        different = {
+            k: (logs[k], reference[k]) for k in keys if logs[k] != pytest.approx(reference[k], rel=1e-4, abs=1e-6)
+        }
+        assert not different
+    assert reference["ppo/dropped_samples"] == 1.0 and 0 < reference["step_mask/frac_invalid_steps"] < 1
+    assert 0 < reference["token_filter/icepop/masked_token_frac"] < 1
 
 
 BROKEN_ON_ONE_RANK = textwrap.dedent(
@@ -162,7 +262,7 @@ BROKEN_ON_ONE_RANK = textwrap.dedent(
 
 @pytest.mark.parametrize("kind", ["ppo", "grpo"])
 def test_a_broken_reward_on_one_process_stops_both(tmp_path, kind):
-    proc = _launch(tmp_path, BROKEN_ON_ONE_RANK, kind)
+    proc = launch_two_processes(tmp_path, BROKEN_ON_ONE_RANK, kind)
     assert proc.returncode == 0, proc.stderr[-3000:]
     messages = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert "RewardTypeError: Reward function 'reward' returned '0.5' (str) for completion 1" in messages[1]

@@ -177,8 +177,9 @@ class PPOConfig:
             adap_kl_ctrl=self.adap_kl_ctrl,
             init_kl_coef=self.init_kl_coef if self.init_kl_coef is not None else 0.2,
             kl_penalty=self.kl_penalty,
-            target=self.target,
-            horizon=self.horizon,
+            # old TRL ignored the controller's target/horizon with a fixed coefficient and target_kl without
+            # early_stopping; trl_stable refuses an ignored setting, so only the ones that act are carried over
+            **({"target": self.target, "horizon": self.horizon} if self.adap_kl_ctrl else {}),
             gamma=float(self.gamma),
             lam=self.lam,
             cliprange=self.cliprange,
@@ -193,7 +194,7 @@ class PPOConfig:
             max_grad_norm=self.max_grad_norm if self.max_grad_norm is not None else 0.0,  # 0: no clipping
             seed=self.seed,
             early_stopping=self.early_stopping,
-            target_kl=self.target_kl,
+            target_kl=self.target_kl if self.early_stopping else None,
             ratio_threshold=self.ratio_threshold,
             use_score_scaling=self.use_score_scaling,
             use_score_norm=self.use_score_norm,

@@ -126,23 +126,42 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
 
 
 def load_tools(value: Any) -> Any:
-    """Tools given as a JSON string or the path of a JSON file become the object they encode; others pass through.
+    """Tools given as a JSON string or the path of a JSON file become the object they encode; the result is checked
+    (every tool a name or a spec with a name, see `normalize_signatures`) and returned as given, so a config can
+    refuse a bad tool list when it is built rather than at the first tool call.
 
     Raises:
-        ValueError: when a string is neither valid JSON nor a readable JSON file.
+        ValueError: when a string is neither valid JSON nor a readable JSON file, when the tools are not a list of
+            names / specs or a ``{name: signature}`` dict (e.g. a number), or when a spec has no name.
     """
-    if not isinstance(value, str):
-        return value
-    try:
-        if os.path.isfile(value):
-            with open(value, encoding="utf-8") as f:
-                return json.load(f)
-        return json.loads(value)
-    except (json.JSONDecodeError, OSError) as err:
+    if isinstance(value, str):
+        try:
+            if os.path.isfile(value):
+                with open(value, encoding="utf-8") as f:
+                    value = json.load(f)
+            else:
+                value = json.loads(value)
+        except (json.JSONDecodeError, OSError) as err:
+            raise ValueError(
+                f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, "
+                "a {name: signature} dict, or a path to a JSON file."
+            ) from err
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (Mapping, Sequence)):
         raise ValueError(
-            f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, a "
-            "{name: signature} dict, or a path to a JSON file."
-        ) from err
+            f"Tools must be a list of tool names or specs, a {{name: signature}} dict, a JSON string or the path of a "
+            f"JSON file; got {type(value).__name__} {_short(value)}."
+        )
+    if isinstance(value, Mapping) and (value.get("type") == "function" or isinstance(value.get("name"), str)):
+        raise ValueError(f"{_short(value)} is one tool spec; pass a list of specs ([spec]).")
+    normalize_signatures(value)  # raises on a spec without a name or a signature that is not a dict
+    return value
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, dict[str, Any] | None]:
@@ -163,8 +182,8 @@ def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dic
             out[tool] = None
         elif isinstance(tool, Mapping):
             spec = tool.get("function", tool) if isinstance(tool.get("function"), Mapping) else tool
-            if "name" not in spec:
-                raise ValueError(f"A tool spec needs a 'name'; got keys {sorted(spec)}.")
+            if not isinstance(spec.get("name"), str) or not spec["name"]:
+                raise ValueError(f"A tool spec needs a non-empty 'name'; got {_short(dict(spec))}.")
             out[str(spec["name"])] = _normalize_schema(spec.get("parameters"))
         else:
             raise ValueError(f"A tool must be a name or a spec dict, got {type(tool).__name__}.")

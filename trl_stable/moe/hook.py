@@ -155,10 +155,13 @@ class RoutingHook:
         with self.replay.replay(routing):
             yield
 
-    def take_metrics(self, prefix: str = "routing/") -> dict[str, float]:
-        """The agreement metrics of the replayed passes since the last call, under `prefix`; then reset them."""
+    def take_metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:
+        """The agreement metrics of the replayed passes since the last call, under `prefix`; then reset them.
+
+        With `accelerator`, over every process's tokens (a collective: every process calls it).
+        """
         if self.replay is None:
             return {}
-        metrics = self.replay.metrics(prefix=prefix)
+        metrics = self.replay.metrics(prefix=prefix, accelerator=accelerator)
         self.replay.reset_metrics()
         return metrics

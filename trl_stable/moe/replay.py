@@ -23,11 +23,13 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from trl_stable.moe.adapters import RouterAdapter, adapter_for, unsupported_error
+from trl_stable.monitoring.reduction import Stat, reduce_metrics
 
 _OWNER_ATTRIBUTE = "_trl_stable_routing_replay"
 
@@ -422,7 +424,7 @@ class RoutingReplay:
         self.clear()
 
     # ------------------------------------------------------------------ metrics
-    def metrics(self, prefix: str = "routing/") -> dict[str, float]:
+    def metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:
         """Agreement metrics accumulated over replayed passes since the last `reset_metrics`.
 
         - ``{prefix}agreement``: mean over layers of the share of replayed tokens whose replayed top-k *set* equals
@@ -430,24 +432,29 @@ class RoutingReplay:
         - ``{prefix}replayed_frac``: share of tokens seen in replay passes whose experts came from the record
           (the rest were marked -1 and kept the router's choice).
 
-        Empty when no replayed pass ran.
+        Empty when no replayed pass ran. With `accelerator` (an `accelerate.Accelerator`; a collective: every process
+        calls it) the counts of every process's tokens are summed first, so the shares are those of the global batch.
         """
-        layers = [s for s in self._states if s.seen is not None and int(s.seen) > 0]
-        if not layers:
+        counts = {
+            f"{i}/{what}": Stat.total(0 if getattr(state, what) is None else getattr(state, what))
+            for i, state in enumerate(self._states)
+            for what in ("seen", "replayed", "agree")
+        }
+        totals = reduce_metrics(counts, accelerator)
+        seen = [totals[f"{i}/seen"] for i in range(len(self._states))]
+        replayed = [totals[f"{i}/replayed"] for i in range(len(self._states))]
+        if not any(n > 0 for n in seen):
             return {}
         out: dict[str, float] = {}
         agreements = []
-        for i, state in enumerate(self._states):
-            if state.seen is None or int(state.seen) == 0:
-                continue
-            replayed = int(state.replayed)
-            if replayed:
-                value = float(state.agree) / replayed
+        for i in range(len(self._states)):
+            if seen[i] > 0 and replayed[i] > 0:
+                value = totals[f"{i}/agree"] / replayed[i]
                 agreements.append(value)
                 out[f"{prefix}agreement/layer_{i}"] = value
         if agreements:
             out[f"{prefix}agreement"] = sum(agreements) / len(agreements)
-        out[f"{prefix}replayed_frac"] = sum(float(s.replayed) for s in layers) / sum(float(s.seen) for s in layers)
+        out[f"{prefix}replayed_frac"] = sum(replayed) / sum(seen)
         return out
 
     def reset_metrics(self) -> None:

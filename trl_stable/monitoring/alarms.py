@@ -117,6 +117,19 @@ _SPECS = [
         "mismatching samples from the loss",
     ),
     AlarmSpec(
+        name="kl_above_target",
+        severity=WARNING,
+        metric="objective/kl",
+        symptom="KL to the reference {value:.2f} stays above {threshold:.2f}",
+        cause="the policy moves away from the reference faster than the KL penalty pulls it back: the KL "
+        "coefficient is too small for this learning rate, or the adaptive controller too slow to catch up (its "
+        "coefficient moves at most 20% x samples / horizon per step, a fraction of a percent with the default "
+        "horizon of 10000), and the reward is being bought with KL (reward hacking, degenerate text)",
+        remedy="raise init_kl_coef; use the adaptive KL controller (adap_kl_ctrl=True) with a shorter horizon so "
+        "kl_coef can respond within the run; lower the learning rate (or ppo_epochs); read some samples for "
+        "reward hacking",
+    ),
+    AlarmSpec(
         name="nonfinite",
         severity=CRITICAL,
         metric="loss / grad_norm",

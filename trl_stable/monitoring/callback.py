@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -63,6 +64,15 @@ def _max_completion_length(args: Any) -> int | None:
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:
             return value
+    return None
+
+
+def _kl_target(args: Any) -> float | None:
+    """PPOConfig's `target` (the KL the adaptive controller steers to, in `objective/kl`'s unit); None for trainer
+    arguments without a KL controller (GRPO's `kl` has no target)."""
+    value = getattr(args, "target", None) if hasattr(args, "adap_kl_ctrl") else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
     return None
 
 
@@ -175,6 +185,8 @@ class HealthMonitor(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.tracker.max_completion_length is None:
             self.tracker.max_completion_length = _max_completion_length(args)
+        if self.tracker.kl_target is None:
+            self.tracker.kl_target = _kl_target(args)
         if self.config.health_file and state.is_world_process_zero and getattr(args, "output_dir", None):
             os.makedirs(args.output_dir, exist_ok=True)
             self.health_path = os.path.join(args.output_dir, self.config.health_file)

@@ -1,5 +1,6 @@
 """The training-health dashboard: one PNG with the four gauges (reward, zero-variance share, grad norm, completion
-length vs cap) plus entropy and the sampler/trainer mismatch, healthy bands shaded and alarms marked.
+length vs cap) plus entropy, the sampler/trainer mismatch and, for PPO, the KL to the reference and the value loss;
+healthy bands shaded, alarms marked and named, panels without data left out.
 
 From the command line::
 
@@ -18,6 +19,7 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ _ALARM_PANEL = {
     "mismatch": "mismatch",
     "token_filter_masked": "mismatch",
     "retokenization": "mismatch",
+    "kl_above_target": "kl",
 }
 
 
@@ -181,8 +184,36 @@ def load_run(
     return _from_log_history(_log_history(path), config, max_completion_length)
 
 
-_PANELS = ("reward", "frac_reward_zero_std", "grad_norm", "completion_length", "entropy", "mismatch")
+_PANELS = (
+    "reward",
+    "frac_reward_zero_std",
+    "grad_norm",
+    "completion_length",
+    "entropy",
+    "mismatch",
+    "kl",
+    "value_loss",
+)
+# panel -> the gauges it draws: a panel none of whose gauges was recorded is left out of the figure
+_PANEL_GAUGES = {
+    "reward": ("reward",),
+    "frac_reward_zero_std": ("frac_reward_zero_std",),
+    "grad_norm": ("grad_norm",),
+    "completion_length": ("completion_length", "clipped_ratio"),
+    "entropy": ("entropy",),
+    "mismatch": ("mismatch", "mismatch_max", "masked_fraction"),
+    "kl": ("kl",),
+    "value_loss": ("value_loss",),
+}
+# why a panel can be missing, for the figure's footnote
+_MISSING_WHY = {
+    "frac_reward_zero_std": "no groups (PPO)",
+    "mismatch": "no sampler log-probs recorded: vLLM, the decoupled loss or health_mismatch_monitor record them",
+    "kl": "no KL logged (GRPO with beta=0)",
+    "value_loss": "no value model (GRPO)",
+}
 _GREEN, _AMBER, _RED = "tab:green", "tab:orange", "tab:red"
+_LABEL_FONT = 7
 
 
 def _shade(ax, low, high, color, label=None):
@@ -196,25 +227,29 @@ def _plot(ax, run: RunHealth, name: str, label: str | None = None, **kwargs) -> 
     return x, y
 
 
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
 def _floor(values: list[float], absolute: float, relative: float, window: int) -> float:
     """The tracker's floor for a gauge: its reference is the median of the first `window` finite values."""
-    early = [v for v in values if math.isfinite(v)][:window]
+    early = _finite(values)[:window]
     return floor_from_reference(statistics.median(early) if len(early) == window else None, absolute, relative)
 
 
-def _draw_reward(ax, run: RunHealth, cfg: HealthConfig) -> None:
+def _draw_reward(ax, run: RunHealth, cfg: HealthConfig):
     _, y = _plot(ax, run, "reward", "reward/mean", color="tab:blue")
     reward_max = cfg.reward_max
     if reward_max is not None:
         _shade(ax, reward_max - cfg.ceiling_margin, reward_max, _GREEN, "at the maximum")
         ax.axhline(reward_max, color=_GREEN, ls="--", lw=1, label=f"declared max {reward_max:g}")
-    finite = [v for v in y if math.isfinite(v)]
+    finite = _finite(y)
     if finite:
         ax.axhline(max(finite), color="grey", ls=":", lw=1, label=f"ceiling reached {max(finite):.3f}")
     ax.set_title("reward/mean (healthy: rising)")
 
 
-def _draw_zero_std(ax, run: RunHealth, cfg: HealthConfig) -> None:
+def _draw_zero_std(ax, run: RunHealth, cfg: HealthConfig):
     healthy, alarm = cfg.zero_std_healthy, cfg.zero_std_alarm
     _shade(ax, 0, healthy, _GREEN, f"healthy < {healthy:.0%}")
     _shade(ax, healthy, alarm, _AMBER)
@@ -224,7 +259,7 @@ def _draw_zero_std(ax, run: RunHealth, cfg: HealthConfig) -> None:
     ax.set_title(f"frac_reward_zero_std (healthy < {healthy:.0%})")
 
 
-def _draw_grad_norm(ax, run: RunHealth, cfg: HealthConfig) -> None:
+def _draw_grad_norm(ax, run: RunHealth, cfg: HealthConfig):
     # log scale: exact zeros are drawn at the bottom of the "near zero" band
     x, y = run.series("grad_norm")
     floor = _floor(y, cfg.grad_norm_floor, cfg.grad_norm_relative_floor, cfg.reference_window)
@@ -237,7 +272,7 @@ def _draw_grad_norm(ax, run: RunHealth, cfg: HealthConfig) -> None:
     ax.set_title("grad_norm (healthy: steady, non-zero)")
 
 
-def _draw_length(ax, run: RunHealth, cfg: HealthConfig) -> None:
+def _draw_length(ax, run: RunHealth, cfg: HealthConfig):
     _plot(ax, run, "completion_length", "mean length", color="tab:blue")
     cap = run.meta.get("max_completion_length")
     if cap:
@@ -246,23 +281,23 @@ def _draw_length(ax, run: RunHealth, cfg: HealthConfig) -> None:
         _shade(ax, ratio * cap, cap, _RED, f"> {ratio:.0%} of cap")
         ax.axhline(cap, color=_RED, ls="--", lw=1, label=f"cap {cap}")
         ax.set_ylim(0, cap * 1.05)
-    _draw_share(ax, run, "clipped_ratio", "truncated share", ":")
     ax.set_title("completion length vs cap (healthy: steady)")
+    return _draw_share(ax, run, "clipped_ratio", "truncated share (right)", ":")
 
 
-def _draw_share(ax, run: RunHealth, name: str, label: str, ls: str) -> None:
-    """A share in [0, 1] on a right-hand axis of `ax`."""
+def _draw_share(ax, run: RunHealth, name: str, label: str, ls: str):
+    """A share in [0, 1] on a right-hand axis of `ax`; returns that axis (None without data)."""
     x, y = run.series(name)
     if not x:
-        return
+        return None
     twin = ax.twinx()
-    twin.plot(x, y, color="tab:purple", ls=ls, label=label)
+    twin.plot(x, y, color="tab:purple", ls=ls, lw=1, label=label)
     twin.set_ylim(0, 1)
-    twin.set_ylabel(label)
-    twin.legend(loc="upper right", fontsize=7)
+    twin.set_ylabel(label.replace(" (right)", ""), fontsize=8)
+    return twin
 
 
-def _draw_entropy(ax, run: RunHealth, cfg: HealthConfig) -> None:
+def _draw_entropy(ax, run: RunHealth, cfg: HealthConfig):
     _, y = _plot(ax, run, "entropy", color="tab:blue")
     floor = _floor(y, cfg.entropy_floor, cfg.entropy_relative_floor, cfg.reference_window)
     _shade(ax, 0, floor, _RED, f"collapsed < {floor:.3g}")
@@ -270,8 +305,8 @@ def _draw_entropy(ax, run: RunHealth, cfg: HealthConfig) -> None:
     ax.set_title("entropy (healthy: slow decline)")
 
 
-def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig) -> None:
-    x, _ = _plot(ax, run, "mismatch", "mean |logp diff|", color="tab:blue")
+def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig):
+    _plot(ax, run, "mismatch", "mean |logp diff|", color="tab:blue")
     _plot(ax, run, "mismatch_max", "max |logp diff|", color="tab:blue", ls=":", lw=1)
     threshold = cfg.mismatch_threshold
     values = run.series("mismatch")[1] + run.series("mismatch_max")[1]
@@ -282,28 +317,69 @@ def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig) -> None:
         _shade(ax, low, threshold, _GREEN, f"healthy < {threshold:g}")
         _shade(ax, threshold, high, _RED)
         ax.set_ylim(low, high)
-    elif not x:
-        ax.text(
-            0.5,
-            0.5,
-            "no sampler log-probs recorded\n(enable an option that captures them, or vLLM)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=9,
-            color="grey",
-        )
-    _draw_share(ax, run, "masked_fraction", "IcePop/KPop masked", "--")
     ax.set_title(f"sampler vs trainer mismatch (alarm > {threshold:g})")
+    return _draw_share(ax, run, "masked_fraction", "IcePop/KPop masked (right)", "--")
 
 
-def _mark_events(axes, panels: dict, events: list[dict[str, Any]]) -> list[str]:
-    """Raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; returns the names
-    of the alarms raised."""
+def _draw_kl(ax, run: RunHealth, cfg: HealthConfig):
+    _, y = _plot(ax, run, "kl", "KL to reference", color="tab:blue")
+    target = run.meta.get("kl_target") or cfg.kl_target
+    finite = _finite(y)
+    if target and finite:
+        alarm = cfg.kl_alarm_ratio * target
+        low, high = min(0.0, min(finite)), max(max(finite), alarm) * 1.08
+        _shade(ax, low, target, _GREEN, f"at most the target {target:g}")
+        _shade(ax, target, alarm, _AMBER)
+        _shade(ax, alarm, high, _RED, f"alarm > {cfg.kl_alarm_ratio:g}x target")
+        ax.axhline(target, color=_GREEN, ls="--", lw=1)
+        ax.set_ylim(low, high)
+        ax.set_title(f"KL to reference (healthy: near the target {target:g})")
+    else:
+        ax.set_title("KL to reference (no target declared)")
+    x, coef = run.series("kl_coef")
+    if not x:
+        return None
+    twin = ax.twinx()
+    twin.plot(x, coef, color="tab:purple", ls="--", lw=1, label="kl_coef (right)")
+    top = max(_finite(coef) or [0.0])
+    twin.set_ylim(0, top * 1.5 if top > 0 else 1.0)
+    twin.set_ylabel("kl_coef", fontsize=8)
+    return twin
+
+
+def _draw_value_loss(ax, run: RunHealth, cfg: HealthConfig):
+    _, y = _plot(ax, run, "value_loss", "value loss", color="tab:blue")
+    positive = [v for v in _finite(y) if v > 0]
+    if positive and max(positive) / min(positive) > 30:  # a loss that falls by decades reads on a log scale
+        ax.set_yscale("log")
+    ax.set_title("value loss (healthy: falling, then steady)")
+
+
+_DRAW = {
+    "reward": _draw_reward,
+    "frac_reward_zero_std": _draw_zero_std,
+    "grad_norm": _draw_grad_norm,
+    "completion_length": _draw_length,
+    "entropy": _draw_entropy,
+    "mismatch": _draw_mismatch,
+    "kl": _draw_kl,
+    "value_loss": _draw_value_loss,
+}
+
+
+def _has_data(run: RunHealth, panel: str) -> bool:
+    return any(run.steps.get(gauge) for gauge in _PANEL_GAUGES[panel])
+
+
+def _alarm_marks(panels: dict, events: list[dict[str, Any]]) -> tuple[dict, list[str]]:
+    """Raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel. Returns
+    ({axes: [(step, alarm, color)]} of the labels to place, one per alarm and panel at its first raise; the names of
+    the alarms raised)."""
+    labels: dict[Any, list[tuple[int, str, str]]] = {}
     raised = []
     for event in events:
         if event.get("type") == "stop":
-            for ax in axes.flat:
+            for ax in panels.values():
                 ax.axvline(event["step"], color="black", lw=1.5)
         if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
             continue
@@ -317,18 +393,62 @@ def _mark_events(axes, panels: dict, events: list[dict[str, Any]]) -> list[str]:
         raised.append(name)
         if ax is not None:
             ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
-            ax.annotate(
+            if name not in {label[1] for label in labels.get(ax, [])}:
+                labels.setdefault(ax, []).append((int(event["step"]), name, color))
+    return labels, raised
+
+
+def _place_labels(fig, labels: dict, tops: dict) -> None:
+    """Write each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no
+    other label (measured in pixels on the final layout); a label that would leave the panel goes left of its
+    line."""
+    if not labels:
+        return
+    fig.canvas.draw()  # the final layout: from here on, positions in pixels are those of the saved figure
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    to_points = 72.0 / fig.dpi
+    for ax, items in labels.items():
+        top = tops.get(ax, ax)  # the right-hand axis, when there is one, is drawn over the panel's own lines
+        frame = ax.get_window_extent(renderer)
+        rows: list[float] = []  # right edge, in pixels, of the last label of each row
+        for step, name, color in sorted(items):
+            text = top.annotate(
                 name,
-                (event["step"], 1.0),
+                (step, 1.0),
                 xycoords=("data", "axes fraction"),
-                rotation=90,
+                xytext=(3, -3),
+                textcoords="offset points",
+                ha="left",
                 va="top",
-                ha="right",
-                fontsize=7,
+                fontsize=_LABEL_FONT,
                 color=color,
-                zorder=6,  # above the legend box, which may sit where the label starts
+                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
+                zorder=6,
             )
-    return raised
+            box = text.get_window_extent(renderer)
+            if box.x1 > frame.x1 - 3:  # keep clear of the frame
+                text.set_horizontalalignment("right")
+                text.xyann = (-3, -3)
+                box = text.get_window_extent(renderer)
+            row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
+            if row == len(rows):
+                rows.append(box.x1)
+            rows[row] = box.x1
+            text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
+
+
+def _legend(ax, top) -> None:
+    """One legend for a panel and its right-hand axis, under the panel, where it covers no data and no label."""
+    handles, names = ax.get_legend_handles_labels()
+    if top is not ax:
+        more = top.get_legend_handles_labels()
+        handles, names = handles + more[0], names + more[1]
+    if handles:
+        ax.legend(
+            handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
+            fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
+        )  # fmt: skip
 
 
 def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
@@ -340,16 +460,6 @@ def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
         return config
 
 
-_DRAW = {
-    "reward": _draw_reward,
-    "frac_reward_zero_std": _draw_zero_std,
-    "grad_norm": _draw_grad_norm,
-    "completion_length": _draw_length,
-    "entropy": _draw_entropy,
-    "mismatch": _draw_mismatch,
-}
-
-
 def render_dashboard(
     source: str | os.PathLike | Sequence[Mapping[str, Any]] | RunHealth,
     path: str | os.PathLike | None = None,
@@ -358,7 +468,10 @@ def render_dashboard(
     max_completion_length: int | None = None,
     title: str | None = None,
 ) -> Path:
-    """Render the health dashboard of a run into one PNG.
+    """Render the health dashboard of a run into one PNG: a panel per gauge the run recorded (reward, zero-std
+    share, grad norm, completion length, entropy, mismatch; for PPO also the KL to the reference with its target
+    and the value loss), healthy bands shaded, alarms marked and named. Panels without data are left out and named
+    in a footnote.
 
     Args:
         source: an output dir, a `health.jsonl`, a `trainer_state.json`, a log-history list, or a [`RunHealth`].
@@ -372,36 +485,61 @@ def render_dashboard(
     Returns:
         `Path` of the written PNG.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     run = source if isinstance(source, RunHealth) else load_run(source, config, max_completion_length)
     if path is None:
         is_dir = isinstance(source, (str, os.PathLike)) and Path(source).is_dir()
         path = Path(source) / DASHBOARD_FILE if is_dir else Path(DASHBOARD_FILE)
     path = Path(path)
-    cfg = _config_of(run, config or HealthConfig())
-
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
-    panels = dict(zip(_PANELS, axes.flat, strict=True))
-    for name, ax in panels.items():
-        _DRAW[name](ax, run, cfg)
-    raised = _mark_events(axes, panels, run.events)
-    for ax in axes.flat:
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=7)
-        if not ax.lines:
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-    summary = ", ".join(sorted(set(raised))) or "none"
-    fig.suptitle(f"{title or 'training health'} — alarms raised: {summary}", fontsize=12)
+    fig = _figure(run, _config_of(run, config or HealthConfig()), title)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=90)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
     return path
+
+
+def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
+    """The dashboard's matplotlib figure (the caller saves and closes it)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    shown = [name for name in _PANELS if _has_data(run, name)]
+    ncols = max(1, min(len(shown), 3 if len(shown) <= 6 else 4))
+    nrows = max(1, math.ceil(len(shown) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4.2 * nrows), layout="constrained", squeeze=False)
+    fig.get_layout_engine().set(h_pad=6 / 72, w_pad=4 / 72)  # room between the headline and the panel titles
+    for ax in axes.flat[max(len(shown), 1) :]:
+        ax.remove()
+    panels = dict(zip(shown, axes.flat))
+    tops = {}
+    for name, ax in panels.items():
+        top = _DRAW[name](ax, run, cfg)
+        tops[ax] = top if top is not None else ax
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        ax.grid(alpha=0.3)
+    labels, raised = _alarm_marks(panels, run.events)
+    for ax in panels.values():
+        _legend(ax, tops[ax])
+    if not shown:
+        axes.flat[0].set_axis_off()
+        axes.flat[0].text(0.5, 0.5, "no health gauges recorded yet", ha="center", va="center", color="grey")
+    missing = [name for name in _PANELS if name not in shown]
+    if shown and missing:
+        notes = "; ".join(f"{name} ({_MISSING_WHY[name]})" if name in _MISSING_WHY else name for name in missing)
+        # wrapped to the figure's width (about 17 characters of 8-point text per inch)
+        fig.supxlabel(textwrap.fill(f"not shown, no data: {notes}", 17 * 5 * ncols), fontsize=8, color="grey")
+    summary = ", ".join(sorted(set(raised))) or "none"
+    headline = f"{title or 'training health'} — alarms raised: {summary}"
+    fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
+    _place_labels(fig, labels, tops)
+    return fig
 
 
 def _alarm_summary(run: RunHealth) -> str:
@@ -427,6 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default=None, help="PNG path (default: OUTPUT_DIR/health_dashboard.png)")
     parser.add_argument("--max-completion-length", type=int, default=None, help="completion cap, if not recorded")
     parser.add_argument("--reward-max", type=float, default=None, help="declared reward maximum (default 1.0)")
+    parser.add_argument(
+        "--kl-target", type=float, default=None, help="KL target of the run, if not recorded (PPOConfig's `target`)"
+    )
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
 
@@ -435,10 +576,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = Path(args.source) if Path(args.source).is_dir() else Path(args.source).parent
         output = base / DASHBOARD_FILE
     try:
-        config = HealthConfig(reward_max=args.reward_max) if args.reward_max is not None else HealthConfig()
+        given = {"reward_max": args.reward_max, "kl_target": args.kl_target}
+        given = {name: value for name, value in given.items() if value is not None}
+        config = HealthConfig(**given)
         run = load_run(args.source, config, args.max_completion_length)
-        if args.reward_max is not None:
-            run.meta["reward_max"] = args.reward_max
+        run.meta.update(given)
         written = render_dashboard(run, output, config=config, title=args.title or str(args.source))
     except (OSError, ValueError) as err:  # a missing, unreadable or foreign file, an unwritable -o: no traceback
         print(f"error: {err}", file=sys.stderr)

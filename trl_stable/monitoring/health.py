@@ -43,6 +43,10 @@ DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
     "retokenization": ("retokenization/mismatched",),
     # both trainers' names (`token_filter/<filter>/masked_token_frac`, ...); the gauge is their maximum
     "masked_fraction": MASKED_FRACTION_KEYS,
+    # KL to the reference: PPO's sequence KL first (the unit of its `target`), then TRL GRPO's per-token mean
+    "kl": ("objective/kl", "kl"),
+    "kl_coef": ("objective/kl_coef",),
+    "value_loss": ("loss/value",),
 }
 # Filter shares logged under other names (custom loops, other frameworks' keys such as `kpop/masked_frac`). Sequence
 # shares are left out: with a token-level filter one masked token marks a whole sequence.
@@ -134,6 +138,29 @@ class HealthConfig:
     masked_fraction_alarm: float = field(
         default=0.1, metadata={"help": "Alarm when IcePop/KPop mask more than this share of tokens."}
     )
+    kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "The KL to the reference the run aims at, in the unit of the KL gauge (PPO: `objective/kl`, "
+            "summed over a response). None takes the trainer arguments' `target` (PPOConfig: the adaptive KL "
+            "controller's target, default 6; with a fixed kl coefficient still the budget the alarm holds the run "
+            "to); without one (GRPO) the KL alarm is off unless this is set (in the unit of TRL's per-token `kl`)."
+        },
+    )
+    kl_alarm_ratio: float = field(
+        default=2.0,
+        metadata={
+            "help": "Alarm when the KL to the reference stays above this multiple of kl_target (the adaptive "
+            "controller's own error clip is +-20%, so 2x is far out of its control)."
+        },
+    )
+    kl_patience: int = field(
+        default=5,
+        metadata={
+            "help": "Consecutive log records the KL must stay above kl_alarm_ratio x kl_target before the alarm is "
+            "raised: one noisy batch is no drift."
+        },
+    )
     patience: int = field(
         default=3, metadata={"help": "Consecutive log records a condition must hold before its alarm is raised."}
     )
@@ -201,7 +228,7 @@ class HealthConfig:
                 f"Need 0 <= zero_std_healthy <= zero_std_alarm <= 1, got zero_std_healthy={self.zero_std_healthy}, "
                 f"zero_std_alarm={self.zero_std_alarm}."
             )
-        for name in ("plateau_window", "reference_window", "patience", "clear_patience"):
+        for name in ("plateau_window", "reference_window", "patience", "clear_patience", "kl_patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.plateau_window < 4:
@@ -220,6 +247,10 @@ class HealthConfig:
         ):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}.")
+        if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
+            raise ValueError(f"kl_target must be a finite number > 0 or None (the trainer's), got {self.kl_target}.")
+        if not (math.isfinite(self.kl_alarm_ratio) and self.kl_alarm_ratio >= 1):
+            raise ValueError(f"kl_alarm_ratio must be a finite multiple >= 1 of kl_target, got {self.kl_alarm_ratio}.")
         self.mismatch_band = tuple(self.mismatch_band)
         if len(self.mismatch_band) != 2 or not 0 < self.mismatch_band[0] < 1 < self.mismatch_band[1]:
             raise ValueError(f"mismatch_band must be (low, high) with 0 < low < 1 < high, got {self.mismatch_band}.")
@@ -347,6 +378,8 @@ class HealthTracker:
     Args:
         config ([`HealthConfig`], *optional*): thresholds and debouncing; defaults when `None`.
         max_completion_length (`int`, *optional*): completion cap when `config.max_completion_length` is unset.
+        kl_target (`float`, *optional*): the KL target when `config.kl_target` is unset (the KL alarm is off
+            without one).
 
     Example:
     ```python
@@ -357,9 +390,15 @@ class HealthTracker:
     ```
     """
 
-    def __init__(self, config: HealthConfig | None = None, max_completion_length: int | None = None):
+    def __init__(
+        self,
+        config: HealthConfig | None = None,
+        max_completion_length: int | None = None,
+        kl_target: float | None = None,
+    ):
         self.config = config or HealthConfig()
         self.max_completion_length = self.config.max_completion_length or max_completion_length
+        self.kl_target = self.config.kl_target or kl_target
         self.states = {name: _AlarmState() for name in ALARMS if name not in self.config.disabled_alarms}
         self.rewards: deque[float] = deque(maxlen=self.config.plateau_window)
         self.reward_ceiling: float | None = None
@@ -438,6 +477,9 @@ class HealthTracker:
             out["token_filter_masked"] = (value > cfg.masked_fraction_alarm, value, cfg.masked_fraction_alarm)
         if "retokenization" in finite:
             out["retokenization"] = (finite["retokenization"] > 0, finite["retokenization"], 0.0)
+        if "kl" in finite and self.kl_target:
+            threshold = cfg.kl_alarm_ratio * self.kl_target
+            out["kl_above_target"] = (finite["kl"] > threshold, finite["kl"], threshold)
         return out
 
     def _length_condition(self, finite: dict[str, float]) -> tuple[bool, float | None, float | None] | None:
@@ -476,6 +518,8 @@ class HealthTracker:
         cfg = self.config
         if name == "nonfinite":  # failures that corrupt the weights must not wait
             return 1, cfg.clear_patience
+        if name == "kl_above_target":
+            return cfg.kl_patience, cfg.clear_patience
         if name == "reward_plateau":
             # A trend measured over a sliding window flickers with the reward's noise: a plateau must hold for a
             # fifth of a window before it is raised and give way to half a window of rise before it clears.
@@ -524,7 +568,16 @@ class HealthTracker:
             symptom += f"; best reward reached {self.reward_ceiling:.3f}"
         if name == "mismatch":
             symptom += self._mismatch_detail()
+        if name == "kl_above_target":
+            symptom += self._kl_detail(value)
         return symptom
+
+    def _kl_detail(self, kl: float) -> str:
+        """How far above the target the KL is, and the coefficient that failed to hold it."""
+        extra = f" ({kl / self.kl_target:.1f}x the target {self.kl_target:g}"
+        if "kl_coef" in self.last_gauges:
+            extra += f"; kl_coef {self.last_gauges['kl_coef']:.3g}"
+        return extra + ")"
 
     def _mismatch_detail(self) -> str:
         """The spread behind the mean |diff|: its max and the share of token ratios outside the band."""
@@ -548,7 +601,7 @@ class HealthTracker:
 
     def meta(self) -> dict[str, Any]:
         """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
-        and the completion cap in use."""
+        and the completion cap and KL target in use."""
         scalars = {
             k: v for k, v in self.config.to_dict().items() if isinstance(v, (bool, int, float, str, type(None)))
         }
@@ -556,6 +609,7 @@ class HealthTracker:
             **scalars,
             "mismatch_band": list(self.config.mismatch_band),
             "max_completion_length": self.max_completion_length,
+            "kl_target": self.kl_target,
         }
 
     def checkpoint_state(self) -> dict[str, Any]:

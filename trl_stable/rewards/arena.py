@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_stable.monitoring.metric_names import ARENA_FAILED_JUDGE_CALLS, ARENA_JUDGE_CALLS
+
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
 PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, linked from the top-level prompts/
@@ -529,6 +531,6 @@ class ArenaReward:
             self.failed_calls += failed
         log_metric = kwargs.get("log_metric")
         if callable(log_metric):
-            log_metric("arena/judge_calls", float(calls))
-            log_metric("arena/failed_judge_calls", float(failed))
+            log_metric(ARENA_JUDGE_CALLS, float(calls))  # counts: summed over processes by the trainers
+            log_metric(ARENA_FAILED_JUDGE_CALLS, float(failed))
         return rewards

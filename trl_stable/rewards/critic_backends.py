@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from trl_stable.redaction import check_env_var_name
+
 logger = logging.getLogger(__name__)
 
 COUNTER_NAMES = (
@@ -492,6 +494,7 @@ class OpenAICritic(CriticBackend):
             raise ValueError(f"rate_limit must be > 0 requests per second or None, got {rate_limit}.")
         if memory_cache_size < 0:
             raise ValueError(f"memory_cache_size must be >= 0, got {memory_cache_size}.")
+        check_env_var_name("api_key_env", api_key_env)  # a key passed here would be echoed by the errors below
         key = api_key if api_key is not None else os.environ.get(api_key_env)
         self._key_from_env = api_key is None
         if not key:

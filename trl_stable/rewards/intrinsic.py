@@ -23,6 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
+from trl_stable.monitoring.metric_names import (
+    CRITIC_STAGE_SECONDS,
+    CRITIC_STEP_PREFIX,
+    CRITIC_WAIT_SECONDS,
+    critic_step_ratios,
+)
+from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
     CriticBackend,
@@ -101,6 +109,26 @@ def fill_critic_template(template: str, text: str, prompt: str = "", completion:
     score_text = "n/a" if score is None else f"{float(score):.4g}"
     pieces = {"{prompt}": prompt, "{completion}": completion, "{score}": score_text, "{}": text}
     return _PLACEHOLDER_RE.sub(lambda m: pieces[m.group(0)], template)
+
+
+# Every numeric field of CriticRewardConfig and what is valid. The backend-specific fields are not tied to
+# critic_backend: scripts choose the backend late (a critic_base_url means 'openai'), so they are checked alone.
+CRITIC_BOUNDS: dict[str, Bound] = {
+    "positive_reward_value": Bound(),
+    "negative_reward_value": Bound(),
+    "outside_span_reward_value": Bound(),
+    "fuzzy_min_similarity": Bound(low=0.0, high=1.0, low_open=True),
+    "critic_concurrency": Bound(low=1, integer=True, optional=True, fix="None sizes it to the batch."),
+    "critic_max_concurrency": Bound(low=1, integer=True),
+    "critic_retry_after_max": Bound(low=0.0, fix="In seconds."),
+    "critic_timeout": Bound(low=0.0, low_open=True, fix="In seconds."),
+    "critic_max_retries": Bound(low=0, integer=True),
+    "critic_rate_limit": Bound(low=0.0, low_open=True, optional=True, fix="None: unlimited."),
+    "critic_max_tokens": Bound(low=1, integer=True),
+    "critic_temperature": Bound(low=0.0),
+    "critic_batch_size": Bound(low=1, integer=True),
+    "max_consecutive_failing_steps": Bound(low=1, integer=True),
+}
 
 
 @dataclass
@@ -187,7 +215,10 @@ class CriticRewardConfig:
     )
     critic_api_key_env: str = field(
         default="OPENAI_API_KEY",
-        metadata={"help": "Environment variable holding the critic API key (the key itself is never stored)."},
+        metadata={
+            "help": "Name of the environment variable holding the critic API key (the key itself is never stored; "
+            "a value that is no variable name or looks like a key is refused, without repeating it)."
+        },
     )
     critic_concurrency: int | None = field(
         default=None,
@@ -255,11 +286,12 @@ class CriticRewardConfig:
                 "critic_backend='lexicon' has no summarization lexicon; use critic_backend='openai' or "
                 "'transformers' for critic_task='summarization'."
             )
-        for name in ("positive_reward_value", "negative_reward_value", "outside_span_reward_value"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
-        if not 0.0 < self.fuzzy_min_similarity <= 1.0:
-            raise ValueError(f"fuzzy_min_similarity must be in (0, 1], got {self.fuzzy_min_similarity}.")
+        check_bounds(self, CRITIC_BOUNDS)
+        # +inf critiques every completion (and -inf none); NaN compares false with every reward.
+        check_all_finite(self, allow_infinite=("intrinsic_reward_threshold",))
+        check_dependents(
+            self, (Dependent(("fuzzy_min_similarity",), self.fuzzy_span_matching, "fuzzy_span_matching=True"),)
+        )
         if self.use_intrinsic_reward and self.fuzzy_span_matching:
             import_rapidfuzz()  # fail at configuration time, not at the first critiqued step
         if self.critic_task == "toxicity" and self.positive_reward_value != 0 and self.outside_span_reward_value == 0:
@@ -269,32 +301,13 @@ class CriticRewardConfig:
                 "the config with CriticRewardConfig.from_relc(task='toxicity', ...).",
                 self.positive_reward_value,
             )
-        if math.isnan(self.intrinsic_reward_threshold):
-            raise ValueError("intrinsic_reward_threshold is NaN; use a number (inf critiques every completion).")
-        if self.critic_concurrency is not None and self.critic_concurrency < 1:
-            raise ValueError(
-                f"critic_concurrency must be >= 1 or None (sized to the batch), got {self.critic_concurrency}."
-            )
-        for name in (
-            "critic_max_concurrency", "critic_batch_size", "critic_max_tokens", "max_consecutive_failing_steps",
-        ):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if not self.critic_retry_after_max >= 0:
-            raise ValueError(f"critic_retry_after_max must be >= 0 seconds, got {self.critic_retry_after_max}.")
-        if not self.critic_temperature >= 0:
-            raise ValueError(f"critic_temperature must be >= 0, got {self.critic_temperature}.")
         if self.critic_transport not in ("http", "openai"):
             raise ValueError(
                 f"critic_transport must be 'http' (standard-library client) or 'openai' (the SDK), got "
                 f"{self.critic_transport!r}."
             )
-        if self.critic_timeout <= 0:
-            raise ValueError(f"critic_timeout must be > 0 seconds, got {self.critic_timeout}.")
-        if self.critic_max_retries < 0:
-            raise ValueError(f"critic_max_retries must be >= 0, got {self.critic_max_retries}.")
-        if self.critic_rate_limit is not None and self.critic_rate_limit <= 0:
-            raise ValueError(f"critic_rate_limit must be > 0 or None, got {self.critic_rate_limit}.")
+        # the key itself typed here would be echoed by "set the environment variable ..." errors and saved
+        check_env_var_name("critic_api_key_env", self.critic_api_key_env)
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
             raise ValueError(f"prompt_file {self.prompt_file!r} does not exist; pass an existing critic template.")
 
@@ -697,27 +710,18 @@ class CriticIntrinsicReward:
         """Add `step` to the cumulative counts, keep the step's ratios, and hand them to TRL's `log_metric` hook."""
         for k, v in step.items():
             self._counts[k] += v
-        critiqued = max(step["critiqued"], 1)
+        # the fractions from one table, which the trainers also use to recompute them from the counts of every process
         self._last = {
-            "critic/critiqued_fraction": step["critiqued"] / max(step["samples"], 1),
-            # Critiqued samples that got no intrinsic reward: a failed request or an answer that did not parse.
-            "critic/failed_fraction": (step["failed_answers"] + step["unparseable"]) / critiqued,
-            "critic/request_failed_fraction": step["failed_answers"] / critiqued,
-            "critic/rewarded_token_fraction": step["tokens_rewarded"] / max(step["tokens_total"], 1),
-            "critic/spans_per_critique": (step["spans_positive"] + step["spans_negative"]) / max(step["answers"], 1),
-            "critic/unparseable_fraction": step["unparseable"] / max(step["answers"], 1),
-            "critic/stage_seconds": seconds,  # from the requests' start (the prefetch, if any) to the rewards
-            "critic/wait_seconds": wait,  # what the trainer waited in the call: the critic's cost after the overlap
+            **critic_step_ratios(step),
+            CRITIC_STAGE_SECONDS: seconds,  # from the requests' start (the prefetch, if any) to the rewards
+            CRITIC_WAIT_SECONDS: wait,  # what the trainer waited in the call: the critic's cost after the overlap
         }
-        n_spans = step["spans_positive"] + step["spans_negative"]
-        for name in ("matched", "partial", "query_only", "unmatched", "fuzzy"):
-            self._last[f"critic/spans_{name}_frac"] = step[f"spans_{name}"] / max(n_spans, 1)
         after = self.backend.counters.snapshot()
         for name in _LOGGED_BACKEND_COUNTERS:
-            self._last[f"critic/step_{name}"] = after.get(name, 0) - before.get(name, 0)
+            self._last[f"{CRITIC_STEP_PREFIX}{name}"] = after.get(name, 0) - before.get(name, 0)
         for name in _STEP_COUNTERS:  # this step's own counts (answers, failed_answers, unparseable, spans, ...)
             if name != "steps":
-                self._last[f"critic/step_{name}"] = step[name]
+                self._last[f"{CRITIC_STEP_PREFIX}{name}"] = step[name]
         if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
             for name, value in self._last.items():
                 log_metric(name, float(value))

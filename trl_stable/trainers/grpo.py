@@ -41,6 +41,15 @@ import trl
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import is_async_callable, nanstd
 
+from trl_stable.config_checks import (
+    Bound,
+    Dependent,
+    check_all_finite,
+    check_bounds,
+    check_dependents,
+    check_training_length,
+    training_argument_bounds,
+)
 from trl_stable.core import (
     NORMALIZATION_PRESETS,
     behaviour_weight,
@@ -63,6 +72,14 @@ from trl_stable.moe.hook import (
 from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
+from trl_stable.monitoring.reduction import (
+    Stat,
+    dense_reward_stats,
+    has_own_reduction,
+    reduce_metrics,
+    step_mask_stats,
+)
+from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     RewardContractError,
@@ -78,10 +95,20 @@ from trl_stable.rewards.dense import (
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.grpo_checkpoints import GRPOCheckpoints
+from trl_stable.trainers.prompt_checks import (
+    check_generation_budget,
+    check_prompt_column,
+    empty_prompt_error,
+    first_error,
+    model_context,
+    raise_together,
+    too_long_error,
+)
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
     flush_reward_logs,
+    flush_reward_metrics,
     forward_kwargs,
     is_reference_pass,
     log_metric,
@@ -107,9 +134,51 @@ _PRESET_TRL_FIELDS = {
 _TRL_DEFAULTS = {"scale_rewards": "group", "loss_type": "dapo", "multi_objective_aggregation": "sum_then_normalize"}
 _LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
 
+# The numeric fields trl_stable adds to `trl.GRPOConfig` and what is valid (the token filter's and the health
+# monitor's check themselves; overlong_penalty_tokens <= max_completion_length is checked with the other options).
+GRPO_BOUNDS: dict[str, Bound] = {
+    "advantage_eps": Bound(low=0.0, optional=True, fix="None uses 1e-4 (1e-6 for 'ngrpo')."),
+    "ngrpo_r_max": Bound(),
+    "ngrpo_num_virtual": Bound(low=1, integer=True, fix="NGRPO adds at least one virtual sample per group."),
+    "dynamic_sampling_max_refills": Bound(low=0, integer=True, fix="0 lets the batch shrink instead."),
+    "overlong_penalty_tokens": Bound(low=1, integer=True, optional=True, fix="None disables the overlong penalty."),
+    "overlong_penalty_factor": Bound(low=0.0, low_open=True),
+    "dense_reward_coef": Bound(),
+    "dense_reward_gamma": Bound(low=0.0, high=1.0, low_open=True),
+    "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
+}
+# TRL's own sampling, batch and loss numbers, which `trl.GRPOConfig` does not check (a top_p of 1.5 or a zero
+# temperature reaches `generate`; num_generations=0 divides by zero). Refusing them changes no valid run.
+TRL_GRPO_BOUNDS: dict[str, Bound] = {
+    "per_device_train_batch_size": Bound(low=1, integer=True),
+    "num_generations": Bound(low=2, integer=True, fix="GRPO compares completions of the same prompt."),
+    "num_generations_eval": Bound(low=1, integer=True, optional=True, fix="None uses num_generations."),
+    "max_completion_length": Bound(low=1, integer=True, optional=True),
+    "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None derives it from the batch size."),
+    "steps_per_generation": Bound(low=1, integer=True, optional=True, fix="None uses gradient_accumulation_steps."),
+    "temperature": Bound(low=0.0, low_open=True),
+    "top_p": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 turns nucleus sampling off."),
+    "top_k": Bound(low=0, integer=True, optional=True, fix="0 turns top-k off."),
+    "min_p": Bound(low=0.0, high=1.0, optional=True, fix="None turns min-p off."),
+    "repetition_penalty": Bound(low=0.0, low_open=True, fix="1.0 turns the penalty off."),
+    "beta": Bound(low=0.0, fix="0 turns the KL term off."),
+    "num_iterations": Bound(low=1, integer=True),
+    "epsilon": Bound(low=0.0, low_open=True),
+    "epsilon_high": Bound(low=0.0, low_open=True, optional=True, fix="None uses epsilon."),
+    "delta": Bound(low=1.0, low_open=True, optional=True, fix="None turns the two-sided clip off."),
+    "top_entropy_quantile": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 trains on every token."),
+    "ref_model_mixup_alpha": Bound(low=0.0, high=1.0),
+    "ref_model_sync_steps": Bound(low=1, integer=True),
+    "sapo_temperature_neg": Bound(low=0.0, low_open=True),
+    "sapo_temperature_pos": Bound(low=0.0, low_open=True),
+    "vllm_importance_sampling_clip_min": Bound(low=0.0, optional=True),
+    "vllm_importance_sampling_clip_max": Bound(low=0.0, low_open=True, optional=True),
+    "off_policy_mask_threshold": Bound(low=0.0, optional=True, fix="None turns the off-policy mask off."),
+}
+
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
+class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
     Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
@@ -249,7 +318,11 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
     routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
 
     def __post_init__(self):
+        # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).
+        check_bounds(self, {**training_argument_bounds(self), **TRL_GRPO_BOUNDS, **GRPO_BOUNDS})
         super().__post_init__()
+        check_all_finite(self)
+        check_training_length(self)
         self._validate_stable_options()
         self.validate_health_arguments()
 
@@ -280,8 +353,6 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
             raise ValueError(
                 "advantage_leave_one_out=True needs a mean: set advantage_mean_level='group' (RLOO) or 'batch'."
             )
-        if self.advantage_eps is not None and self.advantage_eps < 0:
-            raise ValueError(f"advantage_eps={self.advantage_eps} must be >= 0.")
         fixed = {"gdpo": ("advantage_eps", "advantage_std_unbiased"), "ngrpo": ("advantage_std_unbiased",)}
         for name in fixed.get(self.advantage_estimator, ()):
             if getattr(self, name) != _STABLE_DEFAULTS[name]:
@@ -296,10 +367,6 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
                     f"for advantage_estimator={self.advantage_estimator!r} and the advantage_* overrides; unset "
                     "scale_rewards and choose the std with advantage_std_level ('batch', 'group' or 'none')."
                 )
-        if self.ngrpo_num_virtual < 1:
-            raise ValueError(
-                f"ngrpo_num_virtual={self.ngrpo_num_virtual} must be >= 1: NGRPO adds at least one virtual sample."
-            )
         if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "gdpo":
             if self.advantage_estimator != "grpo" or self._own_normalization_requested():
                 raise ValueError(
@@ -348,19 +415,31 @@ class GRPOConfig(trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMa
                     f"overlong_penalty_tokens={self.overlong_penalty_tokens} must be in [1, max_completion_length="
                     f"{self.max_completion_length}]."
                 )
-            if self.overlong_penalty_factor <= 0:
-                raise ValueError(f"overlong_penalty_factor={self.overlong_penalty_factor} must be > 0.")
-        if self.dynamic_sampling_max_refills < 0:
-            raise ValueError(f"dynamic_sampling_max_refills={self.dynamic_sampling_max_refills} must be >= 0.")
-        if self.dynamic_sampling_max_refills > 0 and not self.dynamic_sampling:
-            raise ValueError(
-                "dynamic_sampling_max_refills refills the groups dynamic sampling drops; set dynamic_sampling=True "
-                "(or dynamic_sampling_max_refills=0)."
-            )
-        if not 0 < self.dense_reward_gamma <= 1:
-            raise ValueError(f"dense_reward_gamma={self.dense_reward_gamma} must be in (0, 1].")
         if self.nan_reward_action not in ("drop", "zero"):
             raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
+        hf_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
+        check_dependents(
+            self,
+            (
+                Dependent(
+                    ("ngrpo_r_max", "ngrpo_num_virtual"),
+                    self.advantage_estimator == "ngrpo" or self.health_remedy_virtual_samples,
+                    "advantage_estimator='ngrpo' (or health_remedy_virtual_samples=True, which switches to it)",
+                ),
+                Dependent(
+                    ("overlong_penalty_factor",),
+                    self.overlong_penalty_tokens is not None,
+                    "overlong_penalty_tokens set (the penalty's ramp, in tokens)",
+                ),
+                Dependent(("dynamic_sampling_max_refills",), self.dynamic_sampling, "dynamic_sampling=True"),
+                Dependent(
+                    ("capture_sampler_logps",),
+                    hf_generate,
+                    "HF generation (use_vllm=False, use_transformers_continuous_batching=False; vLLM returns the "
+                    "sampler's log-probs itself)",
+                ),
+            ),
+        )
 
     def _own_normalization_requested(self) -> bool:
         """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""
@@ -477,6 +556,17 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 f"reward_weights has {len(args.reward_weights)} entries but {len(funcs)} reward functions were "
                 "passed in reward_funcs (dense ones included); give one weight per reward function."
             )
+        if isinstance(args, GRPOConfig) and not any(is_dense_reward(func) for func in funcs):
+            check_dependents(
+                args,
+                (
+                    Dependent(
+                        ("dense_reward_coef", "dense_reward_gamma"),
+                        False,
+                        "a dense reward function in reward_funcs (marked with trl_stable.rewards.dense_reward)",
+                    ),
+                ),
+            )
         self._rollout: RolloutRecord | None = None  # set only inside `_rollout_record`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
         self._nan_dropped_total = 0
@@ -493,6 +583,12 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
         self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
+        # Start-up checks (each generation batch's prompts are checked in `_tokenize_prompts`): a completion length
+        # the model's context cannot take, and a missing or empty prompt, fail now rather than inside a forward.
+        self.model_context = model_context(self.accelerator.unwrap_model(self.model))
+        check_generation_budget(self.model_context, self.max_completion_length, "max_completion_length")
+        if self.rollout_func is None and self.environment_factories is None:  # else the prompts are theirs to make
+            check_prompt_column(self.train_dataset)
         if self.routing.mode == "R3":
             self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
@@ -570,7 +666,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         log_metric(self, name, value)
 
     def _log_routing(self, prefix: str) -> None:
-        for name, value in self.routing.take_metrics(prefix).items():
+        for name, value in self.routing.take_metrics(prefix, self.accelerator).items():
             self._log(name, value)
 
     def _check_r3_support(self) -> None:
@@ -620,6 +716,33 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         if recorder is not None:
             logprobs = recorder.per_token_logps(completion_ids)
         return completion_ids, logprobs
+
+    def _tokenize_prompts(self, prompts):
+        # A missing, empty or too long prompt is refused here, naming it, rather than failing inside `generate`
+        # (IndexError, or a float-typed empty tensor); every process raises together, since each checks its own.
+        where = "row {} of this process's generation batch".format
+        error = first_error(empty_prompt_error(prompt, where(i)) for i, prompt in enumerate(prompts))
+        result = None
+        if error is None:
+            result = super()._tokenize_prompts(prompts)
+            lengths = [len(ids) for ids in result[0]]
+            if 0 in lengths:
+                i = lengths.index(0)
+                error = ValueError(
+                    f"The prompt of {where(i)} has no tokens ({prompts[i]!r}); every sample needs at least one token "
+                    "to generate from: drop or fill such rows."
+                )
+            elif self.max_completion_length is not None:
+                error = too_long_error(
+                    self.model_context,
+                    lengths,
+                    self.max_completion_length,
+                    where,
+                    "Drop or shorten the long prompts (e.g. dataset.filter on their token count), or lower "
+                    "max_completion_length.",
+                )
+        raise_together(error, self.accelerator)
+        return result
 
     def _generate(self, prompts):
         result = super()._generate(prompts)
@@ -714,6 +837,9 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 "completion of this batch, so there is nothing to learn from; fix the reward function(s) (a NaN "
                 "usually comes from a failed parse or API call)."
             )
+        # counts and fractions trl_stable's reward functions logged (e.g. arena/judge_calls), summed over processes
+        # here; TRL's flush, which follows, averages the rest over processes as it always does
+        flush_reward_metrics(self, select=has_own_reduction)
         if self._rollout is not None:
             self._rollout.rewards_per_func = rewards_per_func
             if self.dense_reward_funcs:
@@ -774,7 +900,10 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """
         dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
-        for name, value in dense.metrics.items():
+        # token means over every process's tokens, counts summed: the numbers of one process with the global batch
+        for name, value in reduce_metrics(
+            dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator
+        ).items():
             self._log(name, value)
         return dense.as_tensor(device=self.accelerator.device)
 
@@ -892,28 +1021,34 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
         Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
         prompts; the loop stops when every process has `num_inputs` kept rows or after
-        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows).
+        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows). Every process
+        runs the same rounds, those already full too (their extra rows are not used).
         """
         if forward_kwargs(output):
             raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
-        if keep.all():
+        num_kept = int(keep.sum().item())
+
+        def anyone_short() -> bool:
+            # Decided on every process's count, so all take the same branch: a refill round is full of collectives
+            # (generation, reward gathers), and a process that skipped it alone would leave the others waiting.
+            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
+            return self.accelerator.gather(shortfall).max().item() > 0
+
+        if not anyone_short():
             return output
         kept = [self._select_rows(output, keep)]
         spare = [self._select_rows(output, ~keep)]
-        num_kept = int(keep.sum().item())
         rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
         rounds = 0
-        while rounds < self._opt("dynamic_sampling_max_refills"):
-            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
-            if self.accelerator.gather(shortfall).max().item() <= 0:  # a global decision: processes stay in step
-                break
+        while rounds < self._opt("dynamic_sampling_max_refills") and (rounds == 0 or anyone_short()):
             more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
             kept.append(self._select_rows(more, more_keep))
             spare.append(self._select_rows(more, ~more_keep))
             num_kept += int(more_keep.sum().item())
             rounds += 1
         self._log("dynamic_sampling/refill_rounds", rounds)
-        self._log("dynamic_sampling/frac_batch_filled", min(num_kept, num_inputs) / num_inputs)
+        filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
+        self._log("dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"])
         merged = self._concat_rows(kept + spare)
         merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
         num_items = self._loss_mask(merged).sum()
@@ -1023,7 +1158,8 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer)
-        for name, value in self.step_masker.stats().items():
+        stats = step_mask_stats(self.step_masker.stats())  # each process logs the reasons it saw
+        for name, value in reduce_metrics(stats, self.accelerator, names_may_differ=True).items():
             self._log(name, value)
         self._apply_loss_mask(output, keep)
 

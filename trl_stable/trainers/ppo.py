@@ -63,6 +63,7 @@ from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
+from trl_stable.monitoring.reduction import Stat, reduce_metrics, step_mask_stats
 from trl_stable.rewards.dense import (
     RewardContractError,
     RewardTypeError,
@@ -89,6 +90,14 @@ from trl_stable.trainers.ppo_models import (
 from trl_stable.trainers.ppo_plumbing import PPOPlumbing
 from trl_stable.trainers.ppo_rewards import RewardFunctions
 from trl_stable.trainers.ppo_vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
+from trl_stable.trainers.prompt_checks import (
+    check_generation_budget,
+    check_prompt_column,
+    empty_prompt_error,
+    first_error,
+    model_context,
+    too_long_error,
+)
 from trl_stable.trainers.rollout import LengthSampler, Rollout
 from trl_stable.trl_internals import model_name_of
 
@@ -228,6 +237,10 @@ class PPOTrainer(PPOPlumbing):
         # Invalid agent steps leave the policy loss (assign `trainer.step_masker` for environment-reported steps).
         self.step_masker = CompletionStepMasker(tools=args.step_mask_tools) if args.step_loss_mask else None
         self.routing = RoutingHook(self.unwrapped().policy, args.routing_replay)
+        # The context of every model the sequences go through (a separate value model or reference may differ):
+        # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
+        self.model_contexts = [model_context(m) for m in (model, value_backbone, self.ref_model) if m is not None]
+        self._check_prompts_at_start(train_dataset)
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
         if args.use_vllm:
@@ -321,6 +334,19 @@ class PPOTrainer(PPOPlumbing):
                 batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = max(1, int(length_sampler()))
+                too_long = first_error(
+                    too_long_error(
+                        context,
+                        [len(q) for q in batch],
+                        kwargs["max_new_tokens"],
+                        lambda i, start=start: f"query {start + i}",
+                        "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens.",
+                    )
+                    for context in self.model_contexts
+                )
+                if too_long is not None:
+                    policy.train(was_training)
+                    raise too_long
                 input_ids, attention_mask = self._left_pad(batch)
                 record = record_sampler_logps(policy) if capture else nullcontext()
                 with self.routing.sampling() as sampled, record as recorder:
@@ -395,7 +421,8 @@ class PPOTrainer(PPOPlumbing):
             sampler_logprobs: With `use_decoupled_loss`, the sampler's log-prob of each response token. None: taken
                 from `responses` when it is a `Rollout`.
             extra_logs: Merged into the step's logs (e.g. reward metrics); read after deferred `token_rewards` are
-                resolved, so they may add to it.
+                resolved, so they may add to it. Floats are logged as given; `trl_stable.monitoring.reduction.Stat`
+                values (what `train()` passes) are reduced over processes.
 
         The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
         reward-function output: a NaN, None or infinite `token_rewards` entry or score marks a sample without a
@@ -442,8 +469,11 @@ class PPOTrainer(PPOPlumbing):
             **rollout_logs,
             **behaviour_logs,
             **(extra_logs or {}),
-            "time/ppo_step": time.time() - step_start,
+            "time/ppo_step": Stat.max(time.time() - step_start),
         }
+        # the step mask's counts, the reward functions' metrics and the step time are this process's own; a reward
+        # function may log a metric on some processes only
+        logs = reduce_metrics(logs, self.accelerator, names_may_differ=True)
         self._end_step(logs)
         return logs
 
@@ -628,7 +658,7 @@ class PPOTrainer(PPOPlumbing):
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
         valid = ~bad
-        logs = {"ppo/dropped_samples": float(self.accelerator.reduce(bad.float().sum(), reduction="sum").item())}
+        logs = {"ppo/dropped_samples": Stat.total(bad.sum())}
         batch["response_mask"] = mask
         batch["valid"] = valid
         # where, not a product: NaN * 0 is NaN. Rewards on tool-output tokens (turn id -1) count nowhere.
@@ -636,11 +666,12 @@ class PPOTrainer(PPOPlumbing):
         if score_t is not None:
             raw_scores = torch.where(valid, score_t, torch.zeros_like(score_t))
             batch["scores"] = self.scale_scores(raw_scores, valid) * valid
-            logs["env/reward_mean"] = self._gmean(raw_scores[valid])
-            logs["env/reward_std"] = self._gstd(raw_scores, valid)
+            # over every process's valid samples: the processes may have dropped different numbers of samples
+            logs["env/reward_mean"] = Stat.mean(raw_scores, valid)
+            logs["env/reward_std"] = Stat.std(raw_scores, valid)
         if self.args.use_score_scaling:
             logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
-        return batch, logs
+        return batch, reduce_metrics(logs, self.accelerator)
 
     def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`core.scale_scores` after merging every process's valid scores into the running statistics (with
@@ -700,13 +731,13 @@ class PPOTrainer(PPOPlumbing):
         return ResponseScores(logprobs, entropy, logits)
 
     def _apply_step_keep(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics."""
+        """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics (`Stat`s)."""
         if self.step_masker is None:
             return {}
         batch["step_keep"] = self.step_masker.keep_mask(
             batch["response_ids"], batch["response_mask"], self.processing_class
         )
-        return self.step_masker.stats()
+        return step_mask_stats(self.step_masker.stats())  # this process's counts, reduced in step()
 
     @torch.no_grad()
     def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -746,7 +777,7 @@ class PPOTrainer(PPOPlumbing):
         result = {**batch, **{k: torch.cat(v) for k, v in out.items()}}
         if recorded:
             result[ROUTED_EXPERTS_KEY] = torch.cat(recorded)
-        return result, self.routing.take_metrics("routing/rollout_")
+        return result, self.routing.take_metrics("routing/rollout_", self.accelerator)
 
     # ------------------------------------------------------------------ 3. rewards and advantages
     def _lambda(self, lengths: torch.Tensor) -> float | torch.Tensor:
@@ -803,24 +834,25 @@ class PPOTrainer(PPOPlumbing):
         # the reward before whitening: KL penalty + dense rewards + score
         rlhf_reward = non_score.sum(1) + dense.sum(1) + (batch["scores"] if "scores" in batch else 0.0)
         maskb = mask.bool()
-        logs = {
-            "objective/kl": self.accelerator.reduce(kl.sum(1)[valid].mean().detach(), reduction="mean").item(),
+        # sample means over every process's valid samples, token means over every process's action tokens
+        stats = {
+            "objective/kl": Stat.mean(kl.sum(1), valid),
             "objective/kl_coef": kl_coef,
-            "objective/entropy": self._gmean((batch["entropy"] * mask).sum(1)[valid]),
-            "objective/non_score_reward": self._gmean(non_score.sum(1)[valid]),
-            "objective/rlhf_reward": self._gmean(rlhf_reward[valid]),
-            "dense/reward_mean": self._gmean(dense.sum(1)[valid]),
-            # sums and counts over every process (a process whose tokens are all masked still joins the reduce)
-            "dense/token_reward_mean": self._masked_gmean(dense, mask),
-            "tokens/response_len_mean": self._gmean(batch["response_lengths"][valid].float()),
+            "objective/entropy": Stat.mean((batch["entropy"] * mask).sum(1), valid),
+            "objective/non_score_reward": Stat.mean(non_score.sum(1), valid),
+            "objective/rlhf_reward": Stat.mean(rlhf_reward, valid),
+            "dense/reward_mean": Stat.mean(dense.sum(1), valid),
+            "dense/token_reward_mean": Stat.mean(dense, maskb),
+            "tokens/response_len_mean": Stat.mean(batch["response_lengths"], valid),
             # share of responses cut at the length cap (no EOS), read by the health monitor's length gauge
-            "tokens/truncated_frac": self._gmean((~ended)[valid].float()),
-            "val/mean": self._gmean(values[maskb]),
-            "returns/mean": self._gmean(returns[maskb]),
-            "advantages/mean": self._gmean(advantages[maskb]),
+            "tokens/truncated_frac": Stat.mean(~ended, valid),
+            "val/mean": Stat.mean(values, maskb),
+            "returns/mean": Stat.mean(returns, maskb),
+            "advantages/mean": Stat.mean(advantages, maskb),
         }
         if "scores" in batch:
-            logs["objective/scores"] = self._gmean(batch["scores"][valid])
+            stats["objective/scores"] = Stat.mean(batch["scores"], valid)
+        logs = reduce_metrics(stats, self.accelerator)
         return batch, logs
 
     def _behaviour_weights(self, batch: dict[str, torch.Tensor], sampler_logprobs) -> dict[str, float]:
@@ -890,15 +922,10 @@ class PPOTrainer(PPOPlumbing):
             if early_stopped:
                 break
             epochs_done += 1
-        stats = {k: float(np.mean(v)) for k, v in records.items()}
-        if stats:
-            keys = sorted(stats)
-            reduced = self.accelerator.reduce(
-                torch.tensor([stats[k] for k in keys], device=self.accelerator.device), reduction="mean"
-            )
-            stats = dict(zip(keys, reduced.tolist()))
+        # means over every process's micro-batches (each process runs the same number of them)
+        stats = {k: Stat.ratio(sum(v), len(v)) for k, v in records.items()}
         stats.update({"ppo/early_stop": float(early_stopped), "ppo/epochs_done": float(epochs_done)})
-        return {**stats, **self.routing.take_metrics("routing/")}
+        return {**reduce_metrics(stats, self.accelerator), **self.routing.take_metrics("routing/", self.accelerator)}
 
     def _loss(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Clipped policy loss (or the decoupled loss) + vf_coef * clipped value loss on one micro-batch."""
@@ -956,31 +983,30 @@ class PPOTrainer(PPOPlumbing):
         """`_reduce_sum` of a CPU tensor (the reward statistics), through the device the backend needs (NCCL)."""
         return self._reduce_sum(x.to(self.accelerator.device)).cpu()
 
-    def _masked_gmean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        sums = self._reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).float())
-        return (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
-
-    def _gmean(self, x: torch.Tensor) -> float:
-        return self.accelerator.reduce(x.detach().float().mean(), reduction="mean").item()
-
-    def _gstd(self, x: torch.Tensor, valid: torch.Tensor) -> float:
-        # gather full-size tensors (same shape on every process), then drop the invalid entries
-        values = self.accelerator.gather(x.detach().float().reshape(-1))
-        keep = self.accelerator.gather(valid.reshape(-1).to(x.device)).bool()
-        values = values[keep]
-        return values.std().item() if values.numel() > 1 else 0.0
-
     # ------------------------------------------------------------------ train()
-    def _prompt_ids(self, rows: list[dict]) -> tuple[list[Any], list[torch.Tensor]]:
+    def _prompt_ids(
+        self, rows: list[dict], indices: Sequence[int] | None = None
+    ) -> tuple[list[Any], list[torch.Tensor]]:
+        """The prompts of `rows` (train_dataset rows `indices`, named in errors) and their token ids, cut to the last
+        `max_prompt_length` tokens.
+
+        Raises:
+            ValueError: naming the row, when a prompt is missing (None) or empty.
+        """
         tok = self.processing_class
         max_len = self.args.max_prompt_length
+        indices = range(len(rows)) if indices is None else indices
         prompts, ids = [], []
-        for row in rows:
+        for index, row in zip(indices, rows):
+            where = f"train_dataset row {index}"
             if "input_ids" in row and row["input_ids"] is not None:
                 q = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
                 prompt = row.get("prompt", tok.decode(q, skip_special_tokens=True))
             elif "prompt" in row:
                 prompt = row["prompt"]
+                error = empty_prompt_error(prompt, where)
+                if error is not None:
+                    raise error
                 if isinstance(prompt, list):
                     q = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_tensors=None)
                     if isinstance(q, dict) or hasattr(q, "keys"):
@@ -990,13 +1016,54 @@ class PPOTrainer(PPOPlumbing):
                     q = torch.as_tensor(tok(prompt)["input_ids"], dtype=torch.long)
             else:
                 raise ValueError("train_dataset rows need a 'prompt' (text or messages) or an 'input_ids' column.")
+            if len(q) == 0:
+                raise ValueError(
+                    f"The prompt of {where} has no tokens ({row.get('prompt', row.get('input_ids'))!r}); every sample "
+                    "needs at least one token to generate from: drop the row or give it one (e.g. the BOS token)."
+                )
             if max_len is not None and len(q) > max_len:
                 q = q[-max_len:]
-            if len(q) == 0:
-                q = torch.tensor([tok.bos_token_id if tok.bos_token_id is not None else self.eos_token_id])
             prompts.append(prompt)
             ids.append(q)
         return prompts, ids
+
+    def _check_prompts_at_start(self, train_dataset: Any) -> None:
+        """Start-up checks: the generation length against each model's context, no missing or empty prompt in
+        `train_dataset`, and, with a learned position table the config does not already keep prompts within, the
+        length of every train prompt (each row tokenized once, here, rather than failing at its batch)."""
+        args = self.args
+        generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
+        for context in self.model_contexts:
+            check_generation_budget(context, generation, "max_new_tokens", args.max_prompt_length)
+        check_prompt_column(train_dataset)
+        learned = [c for c in self.model_contexts if c.learned]
+        if train_dataset is None or not learned or not hasattr(train_dataset, "__len__"):
+            return
+        context = min(learned, key=lambda c: c.limit)
+        longest = context.limit - generation
+        if args.max_prompt_length is not None and args.max_prompt_length <= longest:
+            return  # train() cuts every prompt to a length that fits
+        logger.info(
+            "max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.",
+            args.max_prompt_length,
+            generation,
+            context.describe(),
+            len(train_dataset),
+        )
+        lengths = []
+        for chunk in range(0, len(train_dataset), 256):
+            indices = range(chunk, min(chunk + 256, len(train_dataset)))
+            lengths += [len(q) for q in self._prompt_ids([train_dataset[i] for i in indices], indices)[1]]
+        error = too_long_error(
+            context,
+            lengths,
+            generation,
+            lambda i: f"train_dataset row {i}",
+            f"Set max_prompt_length={longest} (train() keeps a prompt's last tokens), lower max_new_tokens, or drop "
+            "the long rows.",
+        )
+        if error is not None:
+            raise error
 
     def _steps_per_epoch(self) -> int:
         per_step = self.args.batch_size * self.accelerator.num_processes
@@ -1050,11 +1117,9 @@ class PPOTrainer(PPOPlumbing):
             epoch, within = divmod(self.state.global_step, steps_per_epoch)
             order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(args.seed + epoch))
             global_idx = order[within * total_per_step : (within + 1) * total_per_step]
-            rows = [
-                self.train_dataset[i]
-                for i in global_idx[rank * args.batch_size : (rank + 1) * args.batch_size].tolist()
-            ]
-            prompts, queries = self._prompt_ids(rows)
+            local_idx = global_idx[rank * args.batch_size : (rank + 1) * args.batch_size].tolist()
+            rows = [self.train_dataset[i] for i in local_idx]
+            prompts, queries = self._prompt_ids(rows, local_idx)
             responses = self.generate(queries, return_prompt=False)
             # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
             # error is seen by this process only: every process must stop with it
@@ -1067,7 +1132,7 @@ class PPOTrainer(PPOPlumbing):
                 responses,
                 token_rewards=pending.token_rewards if pending.has_dense else None,
                 scores=pending.scores,
-                extra_logs=pending.metrics,  # the dense metrics join it when step() collects them
+                extra_logs=pending.stats,  # the dense metrics join it when step() collects them
             )
             rewards = pending.result()
             losses.append(stats.get("loss/total", 0.0))

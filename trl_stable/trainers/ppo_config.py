@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from trl_stable.config_checks import (
+    Bound,
+    Dependent,
+    check_all_finite,
+    check_bounds,
+    check_dependents,
+    check_training_length,
+    training_argument_bounds,
+)
 from trl_stable.monitoring.integration import PPOHealthArguments
+from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trainers.vllm_args import VLLMArguments
@@ -15,9 +25,51 @@ _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 _AGGREGATIONS = ("sum", "normalize_then_sum")
 
+# Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
+# `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
+PPO_BOUNDS: dict[str, Bound] = {
+    "num_shared_layers": Bound(low=0, integer=True, optional=True, fix="None copies every layer."),
+    "batch_size": Bound(low=1, integer=True),
+    "mini_batch_size": Bound(low=1, integer=True),
+    "ppo_epochs": Bound(low=1, integer=True),
+    "init_kl_coef": Bound(low=0.0, fix="0 turns the KL penalty off."),
+    "target": Bound(low=0.0, low_open=True, optional=True),
+    "horizon": Bound(low=0.0, low_open=True, optional=True),
+    "target_kl": Bound(low=0.0, low_open=True, optional=True, fix="None (or early_stopping=False) disables the stop."),
+    "cliprange": Bound(low=0.0, low_open=True),
+    "cliprange_value": Bound(low=0.0, low_open=True),
+    "vf_coef": Bound(low=0.0, fix="A negative coefficient would ascend the value error."),
+    "ratio_threshold": Bound(
+        low=1.0,
+        low_open=True,
+        fix="The first mini-batch of every step has mean ratio 1, so a threshold <= 1 zeroes (nearly) every loss; "
+        "RELC uses 10.",
+    ),
+    "gamma": Bound(low=0.0, high=1.0),
+    "lam": Bound(low=0.0, high=1.0),
+    "lam_alpha": Bound(low=0.0, low_open=True),
+    "lam_q": Bound(low=0.0, high=1.0, low_open=True),
+    "score_clip": Bound(low=0.0, low_open=True, optional=True, fix="None disables the clip."),
+    "max_prompt_length": Bound(low=1, integer=True, optional=True, fix="None keeps whole prompts."),
+    "min_new_tokens": Bound(low=0, integer=True, optional=True, fix="None always generates max_new_tokens."),
+    "max_new_tokens": Bound(low=1, integer=True),
+    "temperature": Bound(low=0.0, low_open=True),
+    "top_k": Bound(low=0, integer=True, fix="0 turns top-k off."),
+    "top_p": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 turns nucleus sampling off."),
+    "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None generates the whole batch at once."),
+    "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
+}
+
 
 @dataclass
-class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments):
+class PPOConfig(
+    SecretsNotPickled,
+    TrainingArguments,
+    PPOHealthArguments,
+    DecoupledLossArguments,
+    StepMaskArguments,
+    VLLMArguments,
+):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
@@ -246,13 +298,16 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
     def __post_init__(self):
         if self.log_with is not None:
             self.report_to = self.log_with
+        # Before TrainingArguments' own checks, which divide by some of these (a zero accumulation would be a
+        # ZeroDivisionError there and below, not an error naming the field).
+        check_bounds(self, {**training_argument_bounds(self), **PPO_BOUNDS})
         super().__post_init__()
+        check_all_finite(self)
+        check_training_length(self)
         self.validate_health_arguments()
         from trl_stable.moe.hook import check_routing_replay_mode  # lazy: keeps this module import-light
 
         check_routing_replay_mode(self.routing_replay)
-        if self.batch_size < 1 or self.mini_batch_size < 1 or self.ppo_epochs < 1:
-            raise ValueError("batch_size, mini_batch_size and ppo_epochs must be >= 1.")
         backward = self.mini_batch_size * self.gradient_accumulation_steps
         if self.batch_size % backward != 0:
             raise ValueError(
@@ -263,37 +318,30 @@ class PPOConfig(TrainingArguments, PPOHealthArguments, DecoupledLossArguments, S
             raise ValueError(f"kl_penalty must be one of {_KL_PENALTIES}, got {self.kl_penalty!r}.")
         if self.lam_schedule is not None and self.lam_schedule not in _LAM_SCHEDULES:
             raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
-        if not 0.0 <= self.lam <= 1.0 or not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma ({self.gamma}) and lam ({self.lam}) must lie in [0, 1].")
-        if self.lam_alpha <= 0 or not 0.0 < self.lam_q <= 1.0:
-            raise ValueError("lam_alpha must be > 0 and lam_q in (0, 1].")
-        if self.cliprange <= 0 or self.cliprange_value <= 0:
-            raise ValueError("cliprange and cliprange_value must be > 0.")
-        if self.init_kl_coef < 0:
-            raise ValueError(f"init_kl_coef must be >= 0, got {self.init_kl_coef}.")
-        if self.adap_kl_ctrl and (self.target is None or self.target <= 0 or self.horizon <= 0):
+        if self.adap_kl_ctrl and (self.target is None or self.horizon is None):
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
         if self.multi_objective_aggregation not in _AGGREGATIONS:
             raise ValueError(
                 f"multi_objective_aggregation must be one of {_AGGREGATIONS}, got "
                 f"{self.multi_objective_aggregation!r}; 'normalize_then_sum' is GDPO."
             )
-        if self.use_score_norm and not self.use_score_scaling:
-            raise ValueError("use_score_norm only acts with use_score_scaling=True; set both or neither.")
-        if self.score_clip is not None and self.score_clip <= 0:
-            raise ValueError(f"score_clip must be > 0 or None, got {self.score_clip}.")
-        if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must be between 0 and max_new_tokens ({self.max_new_tokens})."
             )
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1.")
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0.")
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("Choose one of load_in_4bit and load_in_8bit.")
+        check_dependents(
+            self,
+            (
+                Dependent(("target", "horizon"), self.adap_kl_ctrl, "adap_kl_ctrl=True (the adaptive KL controller)"),
+                Dependent(("target_kl",), self.early_stopping, "early_stopping=True"),
+                Dependent(("lam",), self.lam_schedule is None, "lam_schedule=None (a schedule sets lambda itself)"),
+                Dependent(("lam_alpha",), self.lam_schedule == "vapo", "lam_schedule='vapo'"),
+                Dependent(("lam_q",), self.lam_schedule == "relative_position", "lam_schedule='relative_position'"),
+                Dependent(("use_score_norm",), self.use_score_scaling, "use_score_scaling=True"),
+            ),
+        )
         self.validate_decoupled_loss_arguments()
-        if self.num_shared_layers is not None and self.num_shared_layers < 0:
-            raise ValueError("num_shared_layers must be >= 0 or None.")
         self.validate_step_mask_arguments()
         self.validate_vllm_arguments()

@@ -258,22 +258,12 @@ class PolicyAndValue(nn.Module):
 
             handle = backbone(self.policy).register_forward_hook(grab)
         try:
-            if labels is None:
-                out = self.policy(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    logits_to_keep=logits_to_keep,
-                    use_cache=False,
-                )
-            else:
-                out = self.policy(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    labels=labels,
-                    fused_lm_head=True,
-                )
+            head = (
+                dict(logits_to_keep=logits_to_keep, use_cache=False)
+                if labels is None
+                else dict(labels=labels, fused_lm_head=True)
+            )
+            out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **head)
         finally:
             if handle is not None:
                 handle.remove()

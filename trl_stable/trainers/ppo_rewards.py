@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.trainer.utils import get_callable_name
 
 from trl_stable.core.ppo_objective import Reduce, gdpo_scores
+from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,
     PendingDenseRewards,
@@ -33,11 +34,14 @@ __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
 @dataclass
 class BatchRewards:
     """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
-    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics."""
+    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics:
+    `metrics` this process's values, `stats` the same as this process's shares for the reduction over processes
+    (`trl_stable.monitoring.reduction.Stat`s, what `PPOTrainer.train` logs)."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
     metrics: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Stat] = field(default_factory=dict)
 
 
 class PendingRewards:
@@ -48,8 +52,11 @@ class PendingRewards:
 
     Attributes:
         scores: As in `BatchRewards`.
-        metrics: The batch's reward metrics; the dense metrics are added to this same dict when the dense rewards
-            are collected (so a `step(extra_logs=pending.metrics)` logs them).
+        metrics: The batch's reward metrics on this process; the dense metrics are added to this same dict when
+            the dense rewards are collected.
+        stats: The same metrics as this process's shares (`trl_stable.monitoring.reduction.Stat`s), completed in
+            place when the dense rewards are collected, so a `step(extra_logs=pending.stats)` logs them reduced over
+            processes.
     """
 
     def __init__(
@@ -57,11 +64,13 @@ class PendingRewards:
         scores: torch.Tensor | None,
         dense: PendingDenseRewards | None,
         metrics: dict[str, float],
+        stats: dict[str, Stat] | None = None,
         rewards_per_func: torch.Tensor | None = None,
         weights: Sequence[float] = (),
     ):
         self.scores = scores
         self.metrics = metrics
+        self.stats = {} if stats is None else stats
         self.rewards_per_func = rewards_per_func  # [N, K] sequence-level rewards, NaN where one does not apply
         self.weights = list(weights)
         self._dense = dense
@@ -85,8 +94,13 @@ class PendingRewards:
             dense = None
             if self._dense is not None:
                 dense = self._dense.collect()
+                # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
+                self.stats.update(
+                    {name: logged_metric_stat(name, [v]) for name, v in self.metrics.items() if name not in self.stats}
+                )
+                self.stats.update(dense_reward_stats(dense.metrics, self._dense.completion_lengths))
                 self.metrics.update(dense.metrics)
-            self._result = BatchRewards(self.scores, dense, self.metrics)
+            self._result = BatchRewards(self.scores, dense, self.metrics, self.stats)
         return self._result
 
     def token_rewards(self) -> list[list[float]] | None:
@@ -190,6 +204,7 @@ class RewardFunctions:
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         metrics: dict[str, float] = {}
+        stats: dict[str, Stat] = {}
         n = len(responses)
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
@@ -206,6 +221,8 @@ class RewardFunctions:
                     values = sequence_reward_values(out, n, name)
                 finite = values[~torch.isnan(values)]
                 metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
+                # over the samples it scored on every process, when `PPOTrainer.step` logs it
+                stats[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
                 columns_out.append(values)
             rewards_per_func = torch.stack(columns_out, dim=1)
             scores = weighted_reward_sum(rewards_per_func, [self.weights[i] for i in sequence])
@@ -229,7 +246,7 @@ class RewardFunctions:
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
-        return PendingRewards(scores, dense, metrics, rewards_per_func, [self.weights[i] for i in sequence])
+        return PendingRewards(scores, dense, metrics, stats, rewards_per_func, [self.weights[i] for i in sequence])
 
     def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
         conversational = isinstance(prompts[0], list)

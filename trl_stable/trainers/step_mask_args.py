@@ -34,12 +34,13 @@ class StepMaskArguments:
     )
 
     def validate_step_mask_arguments(self) -> None:
-        """Parse `step_mask_tools` (see `trl_stable.masking.load_tools`); raise ValueError on bad or unused tools."""
+        """Parse and check `step_mask_tools` (see `trl_stable.masking.load_tools`) now, not at the first tool call;
+        raise ValueError on bad or unused tools."""
         from trl_stable.masking.validation import load_tools  # lazy: the config modules stay import-light
 
         try:
             self.step_mask_tools = load_tools(self.step_mask_tools)
         except ValueError as err:
-            raise ValueError(f"step_mask_tools: {err}") from err
+            raise ValueError(f"step_mask_tools is invalid: {err}") from err
         if self.step_mask_tools is not None and not self.step_loss_mask:
             raise ValueError("step_mask_tools is set but step_loss_mask=False; set step_loss_mask=True to use it.")

@@ -41,6 +41,7 @@ from research_common import (  # noqa: E402
     plot_reward_curve,
     pop_config_flag,
     read_config,
+    redact_argv,
     save_run_args,
     truncate_queries,
     use_one_thread,
@@ -232,9 +233,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         values.pop("algorithm")
         # one output flag for the whole family: --output_dir is the PPO script's --model_save_path
         rest = [a.replace("--output_dir", "--model_save_path", 1) if a.startswith("--output_dir") else a for a in rest]
-        return _ppo_script.main(parse_script_args(_ppo_script.ScriptArguments, rest, file_values=values))
-    description = __doc__.split("\n\n")[0]
-    return run_grpo(parse_script_args(GRPOScriptArguments, rest, description, file_values=values))
+        args, run = parse_script_args(_ppo_script.ScriptArguments, rest, file_values=values), _ppo_script.main
+    else:
+        description = __doc__.split("\n\n")[0]
+        args, run = parse_script_args(GRPOScriptArguments, rest, description, file_values=values), run_grpo
+    if argv is None:  # parsed: trackers (wandb) record sys.argv with the run, so its secrets go now
+        redact_argv(sys.argv)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ from research_common import (  # noqa: E402
     loop_ppo_config,
     parse_script_args,
     ppo_mode_defaults,
-    redact_argv,
     relc_length_range,
     tokenize_queries,
 )
@@ -157,5 +156,4 @@ def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
 
 if __name__ == "__main__":
     arguments = parse_script_args(ToxicityArguments, description=__doc__.split("\n\n")[0])
-    redact_argv(sys.argv)  # a --perspective_api key must not reach a tracker's copy of the command line
     main(arguments)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from research_common import is_embedded, load_script_module, parse_script_args, redact_argv  # noqa: E402
+from research_common import is_embedded, load_script_module, parse_script_args  # noqa: E402
 
 _toxicity = load_script_module(Path(__file__).resolve().parent / "ppo_intrinsic.py", "toxicity_ppo_intrinsic")
 ToxicityArguments, main = _toxicity.ToxicityArguments, _toxicity.main
@@ -67,5 +67,4 @@ def run(args: PeftToxicityArguments) -> list[dict]:
 
 if __name__ == "__main__":
     arguments = parse_script_args(PeftToxicityArguments, description=__doc__.split("\n\n")[0])
-    redact_argv(sys.argv)  # a --perspective_api key must not reach a tracker's copy of the command line
     run(arguments)

@@ -1,0 +1,217 @@
+"""Field checks shared by trl_stable's configuration classes: numbers in range, no NaN or inf, and settings that only
+apply to another option.
+
+Each config lists its numeric fields once, as a table of [`Bound`]s, and calls [`check_bounds`] in `__post_init__`;
+[`check_all_finite`] then refuses a NaN or infinite float in any field the table does not name (the inherited
+`TrainingArguments` and TRL fields included). A setting that only acts together with another option is refused when
+it is set without that option ([`check_dependents`]): one rule for every such pair, so a value the run would ignore
+never passes silently. Every error names the field, the value, what is valid and how to fix it.
+
+The module imports nothing heavy: the config modules stay import-light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Bound",
+    "Dependent",
+    "TRAINING_ARGUMENT_BOUNDS",
+    "check_all_finite",
+    "check_bounds",
+    "check_dependents",
+    "check_training_length",
+    "field_default",
+    "training_argument_bounds",
+]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The valid values of one numeric field.
+
+    Attributes:
+        low, high: The bounds (None: unbounded on that side).
+        low_open, high_open: Exclude the bound itself (``low < x`` rather than ``low <= x``).
+        integer: The value must be an `int` (a `bool` is not one).
+        optional: None is valid (the field's "off" or "automatic" value).
+        fix: What to do instead, appended to the error (e.g. "use None to disable the early stop").
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    optional: bool = False
+    fix: str = ""
+
+    def describe(self) -> str:
+        """The rule in words, e.g. ``"an integer >= 1"`` or ``"None or a finite number in (0, 1]"``."""
+        kind = "an integer" if self.integer else "a finite number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            rule = f"{kind} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        elif self.low is not None:
+            rule = f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.high is not None:
+            rule = f"{kind} {'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            rule = kind
+        return f"None or {rule}" if self.optional else rule
+
+    def accepts(self, value: float) -> bool:
+        """Whether a finite number `value` lies within the bounds."""
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
+    """Check each field of `config` named in `bounds` against its [`Bound`].
+
+    Raises:
+        TypeError: A value is not a number (a str, a bool, a list), or not an int where the bound wants one.
+        ValueError: A value is NaN, infinite or out of range; the message names the field, the valid values and the
+            bound's fix.
+    """
+    for name, bound in bounds.items():
+        value = getattr(config, name)
+        if value is None and bound.optional:
+            continue
+        fix = f" {bound.fix}" if bound.fix else ""
+        if not _is_number(value) or (bound.integer and not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name}={value!r} ({type(value).__name__}) must be {bound.describe()}.{fix}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value} must be {bound.describe()}, not NaN or infinite.{fix}")
+        if not bound.accepts(value):
+            raise ValueError(f"{name}={value!r} must be {bound.describe()}.{fix}")
+
+
+def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
+    """Refuse a NaN or infinite float in any dataclass field of `config` (in a list or tuple too, e.g.
+    ``reward_weights``), except the fields in `allow_infinite`, where +-inf means something and only NaN is refused.
+
+    Raises:
+        ValueError: naming the field (and the entry of a list).
+    """
+    allow_infinite = set(allow_infinite)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name, None)
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            if not _is_number(item) or isinstance(item, numbers.Integral) or math.isfinite(item):
+                continue
+            where = f.name if index is None else f"{f.name}[{index}]"
+            if f.name in allow_infinite:
+                if not math.isnan(item):
+                    continue
+                raise ValueError(f"{where} is NaN, which compares false with every number; use a number or +-inf.")
+            raise ValueError(f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful.")
+
+
+def field_default(config: Any, name: str) -> Any:
+    """The default of dataclass field `name` of `config` (its default factory called), or `dataclasses.MISSING`."""
+    f = type(config).__dataclass_fields__[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+@dataclass(frozen=True)
+class Dependent:
+    """Fields that only act when another option is on.
+
+    Attributes:
+        fields: The dependent fields. One counts as set when it is neither None nor its default.
+        active: Whether the option they need is on (evaluated on the config).
+        needs: The option in words, as the fix says it, e.g. ``"advantage_estimator='ngrpo'"``.
+    """
+
+    fields: tuple[str, ...]
+    active: bool
+    needs: str
+
+
+def check_dependents(config: Any, dependents: Iterable[Dependent]) -> None:
+    """Refuse a dependent field set while the option it needs is off: the run would ignore it, silently.
+
+    Raises:
+        ValueError: naming the fields set, the option they need, and both fixes.
+    """
+    for dep in dependents:
+        if dep.active:
+            continue
+        set_fields = [
+            name
+            for name in dep.fields
+            if getattr(config, name) is not None and getattr(config, name) != field_default(config, name)
+        ]
+        if set_fields:
+            shown = ", ".join(f"{name}={getattr(config, name)!r}" for name in set_fields)
+            one = len(set_fields) == 1
+            raise ValueError(
+                f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run would ignore "
+                f"{'it' if one else 'them'}. Set {dep.needs}, or unset {', '.join(set_fields)}."
+            )
+
+
+# The `TrainingArguments` fields trl_stable's trainers read. transformers checks few of them (warmup_steps >= 0, a
+# non-zero logging_steps), so a negative learning rate or a zero accumulation would otherwise train wrongly or fail
+# with a ZeroDivisionError far from the setting.
+TRAINING_ARGUMENT_BOUNDS: dict[str, Bound] = {
+    "learning_rate": Bound(low=0.0),
+    "weight_decay": Bound(low=0.0),
+    "adam_beta1": Bound(low=0.0, high=1.0, high_open=True),
+    "adam_beta2": Bound(low=0.0, high=1.0, high_open=True),
+    "adam_epsilon": Bound(low=0.0),
+    "max_grad_norm": Bound(low=0.0, optional=True, fix="0 (or None) disables gradient clipping."),
+    "num_train_epochs": Bound(low=0.0),
+    "max_steps": Bound(low=-1, integer=True, fix="-1 trains for num_train_epochs instead."),
+    "gradient_accumulation_steps": Bound(low=1, integer=True, fix="Use 1 for no gradient accumulation."),
+    "warmup_steps": Bound(low=0.0, fix="A value in [0, 1) is a fraction of the training steps."),
+    "seed": Bound(low=0, high=2**32 - 1, integer=True),
+}
+_STEPS_BOUND = Bound(low=0.0, low_open=True, fix="A value in (0, 1) is a fraction of the training steps.")
+
+
+def training_argument_bounds(config: Any) -> dict[str, Bound]:
+    """[`TRAINING_ARGUMENT_BOUNDS`], plus `logging_steps` / `save_steps` when their strategy is "steps" (the only
+    strategy that divides by them)."""
+    bounds = dict(TRAINING_ARGUMENT_BOUNDS)
+    for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy")):
+        value = getattr(config, strategy)
+        if str(getattr(value, "value", value)) == "steps":
+            bounds[name] = _STEPS_BOUND
+    return bounds
+
+
+def check_training_length(config: Any) -> None:
+    """Refuse a run with no training step: ``max_steps <= 0`` (train for epochs) with ``num_train_epochs == 0``.
+
+    Raises:
+        ValueError: naming both fields.
+    """
+    if config.max_steps <= 0 and config.num_train_epochs == 0:
+        raise ValueError(
+            f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run has no training "
+            "step. Set max_steps > 0 (steps) or num_train_epochs > 0 (passes over train_dataset)."
+        )

@@ -1,0 +1,246 @@
+"""Secrets out of everything a run writes: one rule for which fields hold secrets, applied by every writer.
+
+- [`is_secret_name`]: whether a field (or mapping key, or command-line flag) holds a secret: names ending in `_token`,
+  `_key`, `_secret`, `_password` or `_credentials`, and `token`, `password`, `api_key`, `authorization`,
+  `perspective_api`, ... (special-token fields such as `pad_token` are not secrets, nor is a `*_env` field, which
+  names an environment variable, nor a `*_file` / `*_path` / `*_dir` one).
+- [`redact`]: a config (dataclass, mapping, list) as plain data with every secret replaced by `"<redacted>"` and
+  credentials removed from URLs (``https://user:key@host`` -> ``https://host``): what `run_args.json` holds.
+- [`redact_argv`]: the same on a command line, in place (trackers record `sys.argv`).
+- [`SecretsNotPickled`]: a config mixin: pickling (transformers' `Trainer` saves `torch.save(args)` as
+  `training_args.bin` in every checkpoint and pushes it to the Hub) drops the secrets, and `to_dict` (logs, tracker
+  configs) redacts them. Copies keep them.
+- [`check_env_var_name`]: for the fields that want an environment variable's *name* (`critic_api_key_env`): a value
+  that is no valid name or looks like a key is refused, and the error does not repeat it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, fields, is_dataclass
+from typing import Any
+
+__all__ = [
+    "REDACTED",
+    "SecretsNotPickled",
+    "check_env_var_name",
+    "is_secret_name",
+    "looks_like_secret",
+    "redact",
+    "redact_argv",
+    "redact_text",
+]
+
+REDACTED = "<redacted>"
+
+_SECRET_SUFFIXES = ("_token", "_key", "_secret", "_password", "_passwd", "_credentials", "_apikey")
+_SECRET_NAMES = frozenset(
+    {
+        "token",
+        "key",
+        "secret",
+        "password",
+        "passwd",
+        "credentials",
+        "api_key",
+        "apikey",
+        "auth",
+        "authorization",
+        "bearer",
+        "cookie",
+        "perspective_api",  # RELC's flag for the Perspective API key
+    }
+)
+_SECRET_PARTS = ("password", "secret", "api_key", "apikey", "authorization", "credential", "access_token")
+# Named like secrets, hold none: tokenizer special tokens, and fields that point at a secret (a variable's name, a
+# file) rather than hold it.
+_NOT_SECRET = frozenset({f"{kind}_token" for kind in ("pad", "eos", "bos", "unk", "sep", "cls", "mask")})
+_POINTER_SUFFIXES = ("_env", "_file", "_path", "_dir", "_id", "_ids", "_name")
+
+_URL_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+_QUERY_SECRET = re.compile(
+    r"([?&](?:api[_-]?key|key|token|access_token|secret|password|auth|sig|signature)=)[^&#\s]+", re.IGNORECASE
+)
+# Placeholders transformers' TrainingArguments.to_dict already puts in place of `*_token` fields ("<HUB_TOKEN>")
+_PLACEHOLDER = re.compile(r"<[A-Z_]+>|" + re.escape(REDACTED))
+
+
+def _normalize(name: str) -> str:
+    """`--grpo.hub-token` -> `hub_token`: the last dotted part, lowercase, dashes as underscores."""
+    return str(name).lstrip("-").rsplit(".", 1)[-1].lower().replace("-", "_")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a field, mapping key or flag called `name` holds a secret (see the module docstring).
+
+    Example:
+        >>> [is_secret_name(n) for n in ("hub_token", "--grpo.hub_token", "pad_token", "critic_api_key_env")]
+        [True, True, False, False]
+    """
+    name = _normalize(name)
+    if name in _NOT_SECRET or name.endswith(_POINTER_SUFFIXES):
+        return False
+    return name in _SECRET_NAMES or name.endswith(_SECRET_SUFFIXES) or any(part in name for part in _SECRET_PARTS)
+
+
+def redact_text(text: str) -> str:
+    """`text` without URL credentials (``scheme://user:key@host`` -> ``scheme://host``) and with secret query
+    parameters (``?api_key=...``, ``&token=...``) replaced by `REDACTED`."""
+    text = _URL_USERINFO.sub(r"\1", text)
+    return _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
+
+
+def _is_set(value: Any) -> bool:
+    # An unset secret (None, "") is shown as it is: the reader learns no secret was given.
+    return value is not None and value != "" and not (isinstance(value, str) and _PLACEHOLDER.fullmatch(value))
+
+
+def _redact_field(name: str, value: Any, replacement: Any) -> Any:
+    if is_secret_name(name) and _is_set(value):
+        return replacement
+    if _normalize(name).endswith("_env") and isinstance(value, str) and looks_like_secret(value):
+        return replacement  # a key typed where a variable name belongs (the config refuses it; belt and braces)
+    return redact(value, replacement)
+
+
+def redact(value: Any, replacement: Any = REDACTED) -> Any:
+    """`value` as plain data (a dataclass becomes a dict of its fields; mappings, lists and tuples are copied) with
+    every secret-named field or key (`is_secret_name`) that is set replaced by `replacement`, and every string
+    cleaned by `redact_text`. Anything else is returned as it is.
+
+    Example:
+        >>> redact({"hub_token": "hf_abc", "model_init_kwargs": {"token": "x"}, "url": "https://u:p@host/v1"})
+        {'hub_token': '<redacted>', 'model_init_kwargs': {'token': '<redacted>'}, 'url': 'https://host/v1'}
+    """
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _redact_field(f.name, getattr(value, f.name), replacement) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {key: _redact_field(str(key), item, replacement) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(item, replacement) for item in value) if type(value) in (list, tuple) else value
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Replace, in place, the values of secret flags (`--hub_token X`, `--grpo.hub_token=X`, `--perspective_api X`)
+    and URL credentials in a command line; returns `argv`. Call it once the command line is parsed: trackers such
+    as wandb record `sys.argv` with the run."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if arg.startswith("-") and is_secret_name(name):
+            if eq:
+                argv[i] = f"{name}={REDACTED}"
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                argv[i + 1] = REDACTED
+        elif isinstance(arg, str):
+            argv[i] = redact_text(arg)
+    return argv
+
+
+# ------------------------------------------------------------------------------------ environment-variable names
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Prefixes of common API keys and tokens (OpenAI, Stripe, Hugging Face, GitHub, GitLab, Slack, Google), followed by a
+# separator or not; AWS access key ids are AKIA/ASIA and 16 upper-case characters.
+_KEY_PREFIX = re.compile(r"(sk|pk|rk|hf|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abprs]|AIza|ya29)[-_.]?[A-Za-z0-9]")
+_AWS_KEY_ID = re.compile(r"(AKIA|ASIA)[A-Z0-9]{16}")
+
+
+def _char_class(char: str) -> str:
+    return "l" if char.islower() else "u" if char.isupper() else "d" if char.isdigit() else "o"
+
+
+def looks_like_secret(value: str) -> bool:
+    """Whether `value`, given where an environment variable's name belongs, looks like a key instead: a known key
+    prefix (``sk-``, ``hf_``, ``ghp_``, ``AKIA``, ...) on a long value with digits, a long hex string, or a long
+    value without underscores that switches between lower case, upper case and digits at every other character, as
+    random keys do. Variable names (``OPENAI_API_KEY``, ``my_critic_key_2``, ``CriticKey``) do not.
+
+    Example:
+        >>> [looks_like_secret(v) for v in ("OPENAI_API_KEY", "sk-proj-abc123DEF456ghi789", "hf_" + "aB3" * 10)]
+        [False, True, True]
+    """
+    value = str(value)
+    if len(value) >= 20 and _KEY_PREFIX.match(value) and re.search(r"\d", value):
+        return True
+    if _AWS_KEY_ID.fullmatch(value) or (len(value) >= 32 and re.fullmatch(r"[0-9a-fA-F-]+", value)):
+        return True
+    if len(value) < 20 or "_" in value or not all(re.search(c, value) for c in ("[a-z]", "[A-Z]", r"\d")):
+        return False
+    switches = sum(_char_class(a) != _char_class(b) for a, b in zip(value, value[1:]))
+    return switches >= 0.5 * len(value)
+
+
+def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_KEY") -> None:
+    """Raise ValueError unless `value` is an environment variable's name that does not look like a key. The message
+    names `field_name` and never repeats `value` (it may be the key itself, and errors end up in logs)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{field_name} must name an environment variable holding the key, e.g. {example!r}.")
+    valid = _ENV_NAME.fullmatch(value) is not None
+    if valid and not looks_like_secret(value):
+        return
+    what = (
+        "looks like a key (a variable really named so needs a name like MY_API_KEY)"
+        if valid
+        else "is not a valid environment variable name (letters, digits and underscores, not starting with a digit)"
+    )
+    raise ValueError(
+        f"{field_name} takes the NAME of the environment variable that holds the key, not the key itself; the value "
+        f"given {what} and is not shown here. Put the key in an environment variable (export {example}=...) and "
+        f"pass its name: {field_name}={example!r}."
+    )
+
+
+# ------------------------------------------------------------------------------------ configs: pickles and logs
+
+
+def _scrub(name: str, value: Any, replacement: Any) -> Any:
+    """`value` with secrets replaced, keeping its type (a pickled config must load back as the same objects): plain
+    dicts are copied with their secret keys replaced, strings cleaned, anything else kept."""
+    if is_secret_name(name) and _is_set(value):
+        return replacement
+    if isinstance(value, dict) and type(value) is dict:
+        return {key: _scrub(str(key), item, replacement) for key, item in value.items()}
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+class SecretsNotPickled:
+    """Mixin for trainer configs (`TrainingArguments` subclasses; put it first among the bases).
+
+    transformers' `Trainer` saves `torch.save(self.args)` as `training_args.bin` next to the weights and in every
+    checkpoint, and uploads it with `push_to_hub`: pickling this config leaves its secret fields (`hub_token`,
+    `token` in `model_init_kwargs`, URL credentials, see [`is_secret_name`]) unset (None), so a loaded
+    `training_args.bin` falls back to the environment's credentials. `to_dict` (what `repr`, the logs and the
+    tracker configs show) redacts them too. `copy.copy` / `copy.deepcopy` keep them.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: _scrub(name, value, None) for name, value in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return new
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: _scrub(name, value, REDACTED) for name, value in super().to_dict().items()}
+
+    def __str__(self) -> str:
+        # TrainingArguments.__str__'s layout; it hides `*_token` fields only, not a token inside a dict or a URL
+        shown = sorted((name, _scrub(name, value, REDACTED)) for name, value in asdict(self).items())
+        return f"{type(self).__name__}(\n{''.join(f'{name}={value},{chr(10)}' for name, value in shown)})"

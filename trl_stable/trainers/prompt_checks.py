@@ -1,0 +1,204 @@
+"""Prompt checks both trainers run before they generate: no empty or missing prompt, and prompt + generation within
+the model's context.
+
+The context is the number of positions the model's config declares (`max_position_embeddings`, `n_positions`, ...).
+A model with a *learned* position table (GPT-2, OPT, GPT-Neo) cannot go past it: a longer sequence is an
+``IndexError: index out of range in self`` deep inside the embedding. Such a setting or prompt is refused, naming
+the field or the sample and the fix. A model with rotary or relative positions (Llama, Qwen, ...) runs past it, on
+positions it was not trained on: a warning at start-up, and nothing per prompt (TRL runs such prompts too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ModelContext",
+    "check_generation_budget",
+    "check_prompt_column",
+    "empty_prompt_error",
+    "model_context",
+    "raise_together",
+    "too_long_error",
+]
+
+# Config attributes that hold the context length, in the order transformers' model families use them.
+CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """The positions a model covers.
+
+    Attributes:
+        limit: The declared context length, or None when the config declares none.
+        source: Where it was read, e.g. ``"config.n_positions"``.
+        learned: Whether the model has a learned position table of `limit` rows (a longer sequence fails).
+    """
+
+    limit: int | None
+    source: str = ""
+    learned: bool = False
+
+    def describe(self) -> str:
+        kind = (
+            "a learned position table: a longer sequence fails with an IndexError"
+            if self.learned
+            else "positions past it are ones the model was not trained on"
+        )
+        return f"the model's context of {self.limit} positions ({self.source}; {kind})"
+
+
+def model_context(model: nn.Module) -> ModelContext:
+    """The context `model` declares, and whether a learned position table enforces it.
+
+    The table is recognized as an `nn.Embedding` other than the token embedding with `limit` rows (OPT and BioGPT
+    keep two more, for their position offset).
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in CONTEXT_ATTRIBUTES:
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            break
+    else:
+        return ModelContext(None)
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    learned = any(
+        isinstance(module, nn.Embedding) and module is not tokens and limit <= module.num_embeddings <= limit + 2
+        for module in model.modules()
+    )
+    return ModelContext(limit, f"config.{name}", learned)
+
+
+def check_generation_budget(
+    context: ModelContext, generation_tokens: int | None, field: str, prompt_tokens: int | None = None
+) -> None:
+    """Start-up check of the generation length (and, when given, the longest prompt the config keeps) against the
+    context.
+
+    Args:
+        context: The model's context (`model_context`).
+        generation_tokens: The most tokens one completion may have (`max_new_tokens`, `max_completion_length`).
+        field: The name of that setting, for the message.
+        prompt_tokens: The longest prompt the config lets through (PPO's `max_prompt_length`), or None.
+
+    Raises:
+        ValueError: With a learned position table, when the generation length alone fills the context.
+    """
+    if context.limit is None or generation_tokens is None:
+        return
+    if generation_tokens >= context.limit:
+        message = (
+            f"{field}={generation_tokens} leaves no room for a prompt in {context.describe()}. Lower {field} below "
+            f"{context.limit}."
+        )
+        if context.learned:
+            raise ValueError(message)
+        logger.warning(message)
+    elif prompt_tokens is not None and prompt_tokens + generation_tokens > context.limit and not context.learned:
+        logger.warning(
+            "max_prompt_length=%d + %s=%d exceeds %s. Lower max_prompt_length to %d or less, or %s.",
+            prompt_tokens,
+            field,
+            generation_tokens,
+            context.describe(),
+            context.limit - generation_tokens,
+            field,
+        )
+
+
+def _show(prompt: Any, limit: int = 80) -> str:
+    text = repr(prompt)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
+    """The error for a prompt that is missing (None), not text or messages, or empty; None when it is fine.
+
+    Args:
+        prompt: The prompt as the dataset holds it (text, a list of chat messages, or token ids).
+        where: The sample, for the message (e.g. ``"train_dataset row 7"``).
+    """
+    if prompt is None:
+        problem = "is None (a missing value)"
+    elif isinstance(prompt, str):
+        problem = "is an empty string" if not prompt else None
+    elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+        problem = "is empty (no messages or token ids)" if len(prompt) == 0 else None
+    else:
+        problem = f"is a {type(prompt).__name__}, not text, chat messages or token ids"
+    if problem is None:
+        return None
+    shown = "" if prompt is None else f": {_show(prompt)}"
+    return ValueError(
+        f"The prompt of {where} {problem}{shown}. Every sample needs a prompt to generate from: drop or fill such "
+        "rows (e.g. dataset.filter(lambda row: bool(row['prompt'])))."
+    )
+
+
+def too_long_error(
+    context: ModelContext, lengths: Sequence[int], generation_tokens: int, where: Callable[[int], str], fix: str
+) -> ValueError | None:
+    """The error for the prompts whose length plus `generation_tokens` passes a learned position table; None when
+    every prompt fits (or the positions are not learned).
+
+    Args:
+        context: The model's context.
+        lengths: The prompt lengths, in tokens.
+        generation_tokens: The completion budget they get.
+        where: Names sample i for the message.
+        fix: What to do, appended to the message.
+    """
+    if context.limit is None or not context.learned:
+        return None
+    longest = context.limit - generation_tokens
+    over = [i for i, n in enumerate(lengths) if n > longest]
+    if not over:
+        return None
+    shown = ", ".join(f"{where(i)} ({lengths[i]} tokens)" for i in over[:3])
+    more = f" and {len(over) - 3} more" if len(over) > 3 else ""
+    return ValueError(
+        f"{shown}{more}: with {generation_tokens} generated tokens the sequence passes {context.describe()}; a "
+        f"prompt may have at most {longest} tokens. {fix}"
+    )
+
+
+def check_prompt_column(dataset: Any, column: str = "prompt", name: str = "train_dataset") -> None:
+    """Raise `empty_prompt_error` for the first row of `dataset` whose `column` is missing or empty.
+
+    Reads the column at once (fast for a `datasets.Dataset`); datasets without named columns (iterable, torch
+    datasets) are skipped and checked per batch instead.
+    """
+    if dataset is None or column not in (getattr(dataset, "column_names", None) or ()):
+        return
+    for i, prompt in enumerate(dataset[column]):
+        error = empty_prompt_error(prompt, f"{name} row {i}")
+        if error is not None:
+            raise error
+
+
+def raise_together(error: Exception | None, accelerator: Any) -> None:
+    """Raise `error` on every process when any process has one, so none is left waiting in the next collective
+    (each process checks its own prompts). A collective: every process must call it.
+    """
+    if accelerator.num_processes > 1:
+        flag = torch.tensor(float(error is not None), device=accelerator.device)
+        if accelerator.reduce(flag, reduction="sum").item() > 0 and error is None:
+            error = ValueError("A prompt of another process's batch was refused; that process's error names it.")
+    if error is not None:
+        raise error
+
+
+def first_error(errors: Iterable[ValueError | None]) -> ValueError | None:
+    """The first of `errors` that is not None."""
+    return next((e for e in errors if e is not None), None)
