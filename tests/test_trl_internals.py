@@ -28,6 +28,7 @@ from trl_stable.trl_internals import (
     MIRRORED,
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
+    VLLM_MEMBERS,
     forward_kwargs,
     is_reference_pass,
     multimodal_forward_keys,
@@ -48,6 +49,7 @@ METHODS = [
     for m in GRPO_MEMBERS + TRANSFORMERS_MEMBERS + HELPER_MEMBERS + PPO_MEMBERS + ENGINE_MEMBERS
     if m.kind != "attribute"
 ]
+METHODS += [m for m in VLLM_MEMBERS if m.kind == "call"]
 ATTRIBUTES = [m for m in GRPO_MEMBERS if m.kind == "attribute"]
 
 
@@ -299,3 +301,15 @@ def test_sync_gradients_setter_drives_what_backward_reads():
         assert state.sync_gradients is True
     finally:
         state._set_sync_gradients(before)
+
+
+def test_vllm_helper_reads_what_ppo_sets_and_patches():
+    """PPO's vLLM rollouts set `max_completion_length` per call, wrap `llm.generate` and replace the module's `LLM`
+    while the helper is built: each must still be what TRL's `VLLMGeneration` reads (vLLM itself is not needed)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    generate = inspect.getsource(VLLMGeneration.generate)
+    assert "max_completion_length = self.max_completion_length" in generate, "generate no longer reads the cap"
+    assert "self.llm.generate(" in generate, "colocate generate no longer calls self.llm.generate (R3 capture)"
+    assert "self.llm = LLM(" in inspect.getsource(VLLMGeneration._init_vllm), "the engine is no longer built by LLM"
+    assert "return prompt_ids, completion_ids, logprobs, logprob_token_ids" in generate

@@ -41,6 +41,7 @@ __all__ = [
     "MIRRORED",
     "REF_ADAPTER_NAME",
     "TRANSFORMERS_MEMBERS",
+    "VLLM_MEMBERS",
     "Member",
     "Mirrored",
     "PPO_MEMBERS",
@@ -281,6 +282,14 @@ PPO_MEMBERS: tuple[Member, ...] = (
     ),  # fmt: skip
     Member("trl.trainer.utils", "get_callable_name", "call", ("func",), "the reward function's log name", _PPO[2:]),
     Member(
+        "trl.trainer.utils",
+        "generate_model_card",
+        "call",
+        ("base_model", "model_name", "hub_model_id", "dataset_name", "tags", "wandb_url", "trackio_url"),
+        "a `huggingface_hub.ModelCard` (its `text` extended, then saved as README.md)",
+        _PPO[1:2],
+    ),
+    Member(
         "transformers.trainer_callback.CallbackHandler",
         "__init__",
         "call",
@@ -303,6 +312,52 @@ PPO_MEMBERS: tuple[Member, ...] = (
         ("report_to",),
         "the callback classes of the `report_to` integrations",
         _PPO[1:2],
+    ),
+)
+# TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo_vllm.py`).
+_PPO_VLLM = ("trl_stable/trainers/ppo_vllm.py",)
+_VLLM_GENERATION = "trl.generation.vllm_generation.VLLMGeneration"
+VLLM_MEMBERS: tuple[Member, ...] = (
+    Member(
+        _VLLM_GENERATION,
+        "__init__",
+        "call",
+        ("model", "accelerator", "processing_class", "mode"),
+        "a helper holding the colocate engine in `llm` or the server client; keyword arguments as GRPOTrainer passes",
+        _PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "generate",
+        "call",
+        ("prompts", "images", "num_generations"),
+        "4-tuple (prompt_ids, completion_ids, logprobs [B][T][1] with None for NaN, logprob_token_ids)",
+        _PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION, "sync_weights", "call", (), "None (gathers shards, merges LoRA, loads into vLLM)", _PPO_VLLM
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "max_completion_length",
+        "attribute",
+        returns="set per call: `generate` reads it for vLLM's max_tokens",
+        used_in=_PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "llm",
+        "patch",
+        returns="the colocate `vllm.LLM`; its `generate` is wrapped for one call to read `routed_experts` (R3)",
+        used_in=_PPO_VLLM,
+    ),
+    Member(
+        "trl.generation.vllm_generation",
+        "LLM",
+        "patch",
+        returns="the engine class `_init_vllm` builds from; replaced while the helper is built, to pass "
+        "`enable_return_routed_experts=True` (R3)",
+        used_in=_PPO_VLLM,
     ),
 )
 # Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.

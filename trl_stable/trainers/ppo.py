@@ -99,6 +99,7 @@ from trl_stable.trainers.ppo_models import (
 )
 from trl_stable.trainers.ppo_plumbing import PPOPlumbing
 from trl_stable.trainers.ppo_rewards import RewardFunctions
+from trl_stable.trainers.ppo_vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -260,6 +261,13 @@ class PPOTrainer(PPOPlumbing):
         # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
         self.model_contexts = [model_context(m) for m in (model, value_backbone, self.ref_model) if m is not None]
         self._check_prompts_at_start(train_dataset)
+        # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
+        self.vllm_rollouts = None
+        if args.use_vllm:
+            check_vllm_routing(args)
+            self.vllm_rollouts = VLLMRollouts(
+                self.unwrapped().policy, self.accelerator, processing_class, args, model_id
+            )
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)
@@ -317,6 +325,14 @@ class PPOTrainer(PPOPlumbing):
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
         chunk = batch_size or args.generation_batch_size or len(queries)
+        if self.vllm_rollouts is not None:
+            if generation_kwargs:
+                raise ValueError(
+                    f"generate() got {sorted(generation_kwargs)} with use_vllm=True: set sampling on PPOConfig "
+                    "(temperature, top_k, top_p, generation_kwargs for vLLM's SamplingParams)."
+                )
+            rollout = vllm_rollout(self, queries, chunk, length_sampler, return_prompt)
+            return rollout[0] if single else rollout
         kwargs = {
             "do_sample": True,
             "top_k": args.top_k,
@@ -870,6 +886,8 @@ class PPOTrainer(PPOPlumbing):
         behav = torch.zeros_like(prox)
         for i, row in enumerate(sampler_logprobs):
             behav[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32).to(behav.device)
+        # a sampler that gave no log-prob for a token (vLLM's None) leaves it uncorrected: weight 1, not NaN
+        behav = torch.where(torch.isnan(behav), prox, behav)
         lower, upper = args.filter_bounds
         raw = behaviour_weight(prox, behav, mask)
         weight, keep = filter_behaviour_weight(
@@ -988,6 +1006,10 @@ class PPOTrainer(PPOPlumbing):
     # ------------------------------------------------------------------ cross-process statistics
     def _reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(x, reduction="sum")
+
+    def _reduce_to_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """`_reduce_sum` of a CPU tensor (the reward statistics), through the device the backend needs (NCCL)."""
+        return self._reduce_sum(x.to(self.accelerator.device)).cpu()
 
     # ------------------------------------------------------------------ train()
     def _prompt_ids(
@@ -1130,6 +1152,8 @@ class PPOTrainer(PPOPlumbing):
             # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
             # error is seen by this process only: every process must stop with it
             pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+            if args.multi_objective_aggregation == "normalize_then_sum":
+                pending.normalize_then_sum(self._reduce_to_cpu)
             self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
             stats = self.step(
                 queries,

@@ -19,9 +19,11 @@ from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
+from trl_stable.trainers.vllm_args import VLLMArguments
 
 _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
+_AGGREGATIONS = ("sum", "normalize_then_sum")
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
 # `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
@@ -60,7 +62,14 @@ PPO_BOUNDS: dict[str, Bound] = {
 
 
 @dataclass
-class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments):
+class PPOConfig(
+    SecretsNotPickled,
+    TrainingArguments,
+    PPOHealthArguments,
+    DecoupledLossArguments,
+    StepMaskArguments,
+    VLLMArguments,
+):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
     Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
@@ -224,6 +233,15 @@ class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, Decoup
         default=None,
         metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."},
     )
+    multi_objective_aggregation: str = field(
+        default="sum",
+        metadata={
+            "help": "How `train()` combines several sequence-level reward functions into the score: 'sum' (the "
+            "weighted sum of the raw rewards) or 'normalize_then_sum' (GDPO, arXiv 2601.05242: each reward "
+            "z-scored over the batch of every process, then the weighted sum; `trl_stable.core.gdpo_scores`). "
+            "Dense reward functions are added per token either way. TRL's GRPOConfig field of the same name."
+        },
+    )
     use_score_scaling: bool = field(
         default=False, metadata={"help": "Divide the sequence scores by their running std."}
     )
@@ -252,7 +270,11 @@ class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, Decoup
         default=None, metadata={"help": "Generate in chunks of this many prompts (None: all at once)."}
     )
     generation_kwargs: dict | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for `generate` (override the fields above)."}
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for `generate` (override the fields above); with `use_vllm`, for vLLM's "
+            "`SamplingParams`."
+        },
     )
     step_loss_mask: bool = field(
         default=False,
@@ -298,6 +320,11 @@ class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, Decoup
             raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
         if self.adap_kl_ctrl and (self.target is None or self.horizon is None):
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
+        if self.multi_objective_aggregation not in _AGGREGATIONS:
+            raise ValueError(
+                f"multi_objective_aggregation must be one of {_AGGREGATIONS}, got "
+                f"{self.multi_objective_aggregation!r}; 'normalize_then_sum' is GDPO."
+            )
         if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must be between 0 and max_new_tokens ({self.max_new_tokens})."
@@ -317,3 +344,4 @@ class PPOConfig(SecretsNotPickled, TrainingArguments, PPOHealthArguments, Decoup
         )
         self.validate_decoupled_loss_arguments()
         self.validate_step_mask_arguments()
+        self.validate_vllm_arguments()

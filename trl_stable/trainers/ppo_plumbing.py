@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from huggingface_hub import HfApi
 from transformers import TrainerCallback
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import (
@@ -29,6 +30,7 @@ from transformers.trainer_callback import (
 )
 
 from trl_stable.trainers.checkpoints import (
+    TMP_PREFIX,
     TRAINER_STATE_FILE,
     CheckpointInfo,
     collect_stable_state,
@@ -45,6 +47,17 @@ from trl_stable.trainers.checkpoints import (
 from trl_stable.trainers.engines import ENGINE_STATE_DIR
 
 __all__ = ["PPOPlumbing"]
+
+# Not uploaded by `push_to_hub`: transformers' own ignore list (private files, checkpoints), and the hidden folders
+# an interrupted checkpoint save leaves behind.
+HUB_IGNORE_PATTERNS = ("_*", "checkpoint-*", f"{TMP_PREFIX}*")
+PPO_CITATION = """\
+@article{schulman2017proximal,
+    title        = {{Proximal Policy Optimization Algorithms}},
+    author       = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+    year         = 2017,
+    eprint       = {arXiv:1707.06347}
+}"""
 
 STATE_FILE = "ppo_state.pt"
 TRAINABLE_FILE = "trainable_weights.pt"
@@ -193,6 +206,113 @@ class PPOPlumbing:
         if unwrapped.value_backbone is not None:
             value_dir = os.path.join(output_dir, "value_model")
             unwrapped.value_backbone.save_pretrained(value_dir, **part("value_backbone."))
+
+    # ------------------------------------------------------------------ the Hub
+    def _hub_repo_name(self) -> str:
+        return self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
+        """Write `output_dir/README.md`: TRL's model card (`trl.trainer.utils.generate_model_card`, as TRL's
+        trainers write it) plus a section on the value head and how to load the policy (adapter or full model).
+        Main process only."""
+        if not self.accelerator.is_main_process:
+            return
+        from trl.trainer.utils import generate_model_card
+
+        from trl_stable.trl_internals import model_name_of
+
+        unwrapped = self.unwrapped()
+        base_model = getattr(self.args, "model_name", None) or model_name_of(unwrapped.policy)
+        if base_model and os.path.isdir(base_model):  # a local path names no Hub model
+            base_model = None
+        tags = {tags} if isinstance(tags, str) else set(tags or ())
+        tags.update({"trl", "ppo", "trl_stable"})
+        if getattr(self, "is_peft", False):
+            tags.add("peft")
+        card = generate_model_card(
+            base_model=base_model,
+            model_name=model_name or self._hub_repo_name().split("/")[-1],
+            hub_model_id=self._hub_repo_name(),
+            dataset_name=dataset_name,
+            tags=sorted(tags),
+            wandb_url=None,
+            trackio_url=None,
+            trainer_name="PPO",
+            trainer_citation=PPO_CITATION,
+            paper_title="Proximal Policy Optimization Algorithms",
+            paper_id="1707.06347",
+        )
+        card.text += self._value_head_card_section(unwrapped)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        card.save(os.path.join(self.args.output_dir, "README.md"))
+
+    def _value_head_card_section(self, unwrapped: Any) -> str:
+        policy = (
+            "a LoRA adapter: load it with `peft.AutoPeftModelForCausalLM.from_pretrained`"
+            if getattr(self, "is_peft", False)
+            else "a full causal LM: load it with `transformers.AutoModelForCausalLM.from_pretrained`"
+        )
+        critic = (
+            "on the policy's last hidden state (`value_head.safetensors`)"
+            if unwrapped.value_backbone is None
+            else "on a separate critic, saved under `value_model/` with its head in `value_head.safetensors`"
+        )
+        return (
+            "\n\n## PPO value head\n\n"
+            f"The policy is {policy}. The trained value head is a scalar head {critic}, kept to resume PPO or to "
+            "score states; load it with `trl_stable.trainers.value_head.ValueHead.from_pretrained(folder)`.\n"
+        )
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Upload the policy (full model or LoRA adapter), tokenizer, value head and a model card to the Hub repo
+        `args.hub_model_id` (default: the `output_dir` folder's name), as `transformers.Trainer.push_to_hub` does:
+        `save_model` into `output_dir`, `create_model_card`, then one `upload_folder` of `output_dir` without its
+        checkpoints. Call it on every process (saving waits for all); only the main process uploads.
+
+        Args:
+            commit_message: The Hub commit message.
+            blocking: False: return a `Future` of the upload (`run_as_future`).
+            token: Token with write access; None: `args.hub_token`, else the logged-in token. It is passed to the
+                Hub client only, never written to a file.
+            revision: The branch to commit to; None: `args.hub_revision` (the default branch when unset).
+            private: Make a new repo private; None: `args.hub_private_repo`.
+            kwargs: `create_model_card`'s `model_name`, `dataset_name`, `tags`.
+
+        Returns:
+            The upload's `CommitInfo` (a `Future` when not blocking); None on the other processes.
+        """
+        args = self.args
+        token = token if token is not None else args.hub_token
+        self.save_model(args.output_dir)
+        if not self.accelerator.is_main_process:
+            return None
+        self.create_model_card(**kwargs)
+        api = HfApi()
+        repo = api.create_repo(
+            self._hub_repo_name(),
+            token=token,
+            private=private if private is not None else args.hub_private_repo,
+            exist_ok=True,
+        )
+        return api.upload_folder(
+            repo_id=repo.repo_id,
+            folder_path=args.output_dir,
+            commit_message=commit_message,
+            token=token,
+            run_as_future=not blocking,
+            ignore_patterns=list(HUB_IGNORE_PATTERNS),
+            revision=revision if revision is not None else getattr(args, "hub_revision", None),
+        )
 
     def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
         """Save a resumable checkpoint (weights, optimizer, scheduler, the algorithm's state, RNG, trainer state,

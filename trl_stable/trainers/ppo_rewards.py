@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.trainer.utils import get_callable_name
 
+from trl_stable.core.ppo_objective import Reduce, gdpo_scores
 from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,
@@ -64,12 +65,24 @@ class PendingRewards:
         dense: PendingDenseRewards | None,
         metrics: dict[str, float],
         stats: dict[str, Stat] | None = None,
+        rewards_per_func: torch.Tensor | None = None,
+        weights: Sequence[float] = (),
     ):
         self.scores = scores
         self.metrics = metrics
         self.stats = {} if stats is None else stats
+        self.rewards_per_func = rewards_per_func  # [N, K] sequence-level rewards, NaN where one does not apply
+        self.weights = list(weights)
         self._dense = dense
         self._result: BatchRewards | None = None
+
+    def normalize_then_sum(self, reduce_sum: Reduce | None = None) -> None:
+        """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`: each sequence-level reward z-scored over the
+        batch, then weighted); a collective with `reduce_sum`, so every process calls it. The dense functions, whose
+        requests are already out, keep the raw weighted sum as their ``env_rewards``."""
+        if self.rewards_per_func is None:
+            return
+        self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
 
     @property
     def has_dense(self) -> bool:
@@ -195,7 +208,7 @@ class RewardFunctions:
         n = len(responses)
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
-        scores = None
+        scores = rewards_per_func = None
         if sequence:
             columns_out = []
             for i in sequence:
@@ -211,7 +224,8 @@ class RewardFunctions:
                 # over the samples it scored on every process, when `PPOTrainer.step` logs it
                 stats[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
                 columns_out.append(values)
-            scores = weighted_reward_sum(torch.stack(columns_out, dim=1), [self.weights[i] for i in sequence])
+            rewards_per_func = torch.stack(columns_out, dim=1)
+            scores = weighted_reward_sum(rewards_per_func, [self.weights[i] for i in sequence])
 
         dense_idx = [i for i, f in enumerate(self.funcs) if is_dense_reward(f)]
         dense = None
@@ -232,7 +246,7 @@ class RewardFunctions:
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
-        return PendingRewards(scores, dense, metrics, stats)
+        return PendingRewards(scores, dense, metrics, stats, rewards_per_func, [self.weights[i] for i in sequence])
 
     def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
         conversational = isinstance(prompts[0], list)

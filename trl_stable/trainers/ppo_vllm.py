@@ -1,0 +1,223 @@
+"""PPO rollouts through TRL's own vLLM integration (`trl.generation.vllm_generation.VLLMGeneration`, GRPO's helper).
+
+`PPOConfig(use_vllm=True)` builds the helper with GRPO's arguments (colocate: an engine per process; server: a
+`trl vllm-serve` server), syncs the policy's weights into it once per PPO step (the helper gathers ZeRO-3 / FSDP
+shards and merges LoRA adapters itself), and turns its output into the `Rollout` HF generation gives: responses cut
+after EOS, and vLLM's per-token log-probs as the sampler log-probs (the decoupled loss and the mismatch monitor read
+them). TRL's colocate engine returns log-probs after temperature / top-k / top-p (``logprobs_mode=
+"processed_logprobs"``), the distribution the tokens were drawn from, as `trl_stable.sampler_logprobs` records for HF.
+
+Routing replay R3 takes vLLM's ``routed_experts`` ([prompt + completion tokens, layers, k] per sequence) in colocate
+mode when the installed vLLM can return them (`vllm_routed_experts_support`); otherwise PPOTrainer refuses R3 at init
+with the vLLM version in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import trl.generation.vllm_generation as trl_vllm
+from trl.generation.vllm_generation import VLLMGeneration
+
+from trl_stable.trainers.rollout import Rollout
+
+__all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
+
+ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
+
+
+def _field_names(cls: Any) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    try:
+        return set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def vllm_routed_experts_support() -> str | None:
+    """None when the installed vLLM can return the routed experts of each sequence; else why not, naming the version.
+
+    Needs the engine argument ``enable_return_routed_experts`` and the ``routed_experts`` field of vLLM's
+    `CompletionOutput`."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    import vllm
+
+    version = getattr(vllm, "__version__", "of unknown version")
+    from vllm.outputs import CompletionOutput
+
+    missing = []
+    if ROUTED_EXPERTS_FLAG not in _field_names(vllm.EngineArgs):
+        missing.append(f"EngineArgs.{ROUTED_EXPERTS_FLAG}")
+    if "routed_experts" not in _field_names(CompletionOutput):
+        missing.append("CompletionOutput.routed_experts")
+    if missing:
+        return f"vLLM {version} does not return routed experts (it has no {' / '.join(missing)})"
+    return None
+
+
+def check_vllm_routing(args: Any) -> None:
+    """Raise ValueError when routing replay R3 cannot get the sampler's routing from vLLM (called at trainer init)."""
+    if getattr(args, "routing_replay", "off") != "R3" or not args.use_vllm:
+        return
+    reason = vllm_routed_experts_support()
+    if reason is not None:
+        raise ValueError(
+            f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}. Fix: a vLLM whose engine "
+            f"takes `{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False (HF generate records R3 itself)."
+        )
+
+
+@contextmanager
+def _engine_returns_routed_experts(enabled: bool) -> Iterator[None]:
+    """While TRL's helper builds its colocate engine, build it with ``enable_return_routed_experts=True`` (TRL's
+    `LLM(...)` call takes no extra engine arguments); a module-level patch, undone on exit."""
+    if not enabled:
+        yield
+        return
+    original = trl_vllm.LLM
+    trl_vllm.LLM = functools.partial(original, **{ROUTED_EXPERTS_FLAG: True})
+    try:
+        yield
+    finally:
+        trl_vllm.LLM = original
+
+
+@contextmanager
+def _request_outputs(generation: Any) -> Iterator[list[Any]]:
+    """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` during one helper call (TRL keeps only
+    ids and log-probs of them); an instance-level patch, undone on exit."""
+    llm = generation.llm
+    outputs: list[Any] = []
+    had_instance_attr = "generate" in vars(llm)
+    original = llm.generate
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        outputs.extend(result)
+        return result
+
+    llm.generate = recording
+    try:
+        yield outputs
+    finally:
+        if had_instance_attr:
+            llm.generate = original
+        else:
+            del llm.generate
+
+
+class VLLMRollouts:
+    """TRL's vLLM helper built from a `PPOConfig`, with the PPO step its weights were last synced at.
+
+    Args:
+        policy: The policy module (unwrapped; a PEFT model is merged into vLLM's copy at each sync).
+        accelerator: The trainer's accelerator.
+        processing_class: The policy tokenizer.
+        args: The `PPOConfig` (`vllm_*` fields, sampling fields, `batch_size` / `generation_batch_size`).
+        model_id: The name or path the policy was loaded from; colocate engines load it from there.
+    """
+
+    def __init__(self, policy: torch.nn.Module, accelerator: Any, processing_class: Any, args: Any, model_id: Any):
+        if args.vllm_mode == "colocate" and not model_id:
+            raise ValueError(
+                "use_vllm with vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` as a "
+                "name or path (or a model loaded from one), or use vllm_mode='server'."
+            )
+        self.return_routing = args.routing_replay == "R3"
+        if self.return_routing and args.vllm_mode != "colocate":
+            raise ValueError("routing_replay='R3' with use_vllm needs vllm_mode='colocate'.")  # the config checks it
+        chunk = args.generation_batch_size or args.batch_size
+        with _engine_returns_routed_experts(self.return_routing):
+            self.generation = VLLMGeneration(
+                model=policy,
+                accelerator=accelerator,
+                processing_class=processing_class,
+                mode=args.vllm_mode,
+                server_base_url=args.vllm_server_base_url,
+                server_host=args.vllm_server_host,
+                server_port=args.vllm_server_port,
+                server_timeout=args.vllm_server_timeout,
+                group_port=args.vllm_group_port,
+                tensor_parallel_size=args.vllm_tensor_parallel_size,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_length=args.vllm_max_model_length,
+                max_num_seqs=chunk * args.vllm_tensor_parallel_size,
+                enable_sleep_mode=args.vllm_enable_sleep_mode,
+                model_impl=args.vllm_model_impl,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_completion_length=args.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only: what the decoupled loss needs
+                generation_kwargs=args.generation_kwargs,
+            )
+        self.synced_step: int | None = None  # None: sync before the first rollout (the policy may differ from disk)
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, step: int
+    ) -> tuple[list[list[int]], list[list[float]] | None, list[Any] | None]:
+        """Completion ids, their sampler log-probs (NaN where vLLM gave none) and, for R3, vLLM's routed experts, of
+        one chunk of prompts; syncs the policy's weights first when a PPO step has run since the last sync. A
+        collective (weight gathering, server-mode gathers): every process calls it."""
+        if step != self.synced_step:
+            self.generation.sync_weights()
+            self.synced_step = step
+        self.generation.max_completion_length = max_new_tokens  # a length sampler's cap, read by each generate
+        record = _request_outputs(self.generation) if self.return_routing else nullcontext([])
+        with record as outputs:
+            _, completion_ids, logprobs, _ = self.generation.generate([list(p) for p in prompts], None, 1)
+        sampler = None
+        if logprobs is not None:
+            sampler = [[math.nan if lp[0] is None else float(lp[0]) for lp in row] for row in logprobs]
+        routing = None
+        if self.return_routing:
+            routing = [out.outputs[0].routed_experts for out in outputs]
+            if len(routing) != len(completion_ids) or any(r is None for r in routing):
+                raise RuntimeError(
+                    "routing_replay='R3': vLLM returned no routed experts for some sequences although the engine was "
+                    f"built with {ROUTED_EXPERTS_FLAG}=True."
+                )
+        return [list(c) for c in completion_ids], sampler, routing
+
+
+def vllm_rollout(
+    trainer: Any,
+    queries: list[torch.Tensor],
+    chunk: int,
+    length_sampler: Callable[[], int] | None,
+    return_prompt: bool,
+) -> Rollout:
+    """`PPOTrainer.generate` through vLLM: the same `Rollout` as HF generation (responses cut after EOS, on the
+    trainer's device), with vLLM's log-probs as the sampler log-probs and, for R3, its routing."""
+    device = trainer.accelerator.device
+    rollouts: VLLMRollouts = trainer.vllm_rollouts
+    sequences, sampler_logps, routing = [], [], []
+    for start in range(0, len(queries), chunk):
+        batch = [q.to(device).long() for q in queries[start : start + chunk]]
+        max_new = max(1, int(length_sampler())) if length_sampler is not None else trainer.args.max_new_tokens
+        ids, logps, routes = rollouts.sample([q.tolist() for q in batch], max_new, trainer.state.global_step)
+        responses = [trainer._trim_response(torch.tensor(c, dtype=torch.long, device=device)) for c in ids]
+        if any(len(r) == 0 for r in responses):
+            raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
+        if logps is not None:
+            sampler_logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(logps, responses)]
+        if routes is not None:
+            routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
+        sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
+    return Rollout(
+        sequences,
+        queries,
+        sampler_logprobs=sampler_logps or None,
+        routing=routing or None,
+        with_prompt=return_prompt,
+    )

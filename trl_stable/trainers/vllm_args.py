@@ -1,0 +1,81 @@
+"""vLLM rollout fields of trl_stable's PPOConfig (a dataclass mixin, like `StepMaskArguments`).
+
+The names and defaults are those of `trl.GRPOConfig`, so a GRPO user's vLLM settings carry over to PPO unchanged;
+`trl_stable.trainers.ppo_vllm` hands them to TRL's own vLLM helper (`trl.generation.vllm_generation.VLLMGeneration`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["VLLMArguments"]
+
+_MODES = ("server", "colocate")
+
+
+@dataclass
+class VLLMArguments:
+    """Fields that route PPO's rollouts through vLLM (TRL's integration: colocate or a `trl vllm-serve` server)."""
+
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample the rollouts with vLLM instead of HF generate (TRL's vLLM integration, as in GRPO). The "
+            "sampler's log-probs come from vLLM and feed the decoupled loss and the mismatch monitor. Needs `vllm`."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vLLM engine in each training process, on its GPU; 'server': requests to a "
+            "separate `trl vllm-serve` server (see vllm_server_*)."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "Server mode: base URL of the server; overrides host and port."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the server."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up."}
+    )
+    vllm_group_port: int = field(
+        default=51216, metadata={"help": "Server mode: port of the weight-update communicator."}
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Colocate mode: share of GPU memory vLLM reserves (weights and KV cache)."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Colocate mode: tensor-parallel size; must divide the number of processes."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Colocate mode: context length (prompt + response); None: from the model config."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Colocate mode: offload vLLM's weights and cache between rollouts (less memory, slower)."},
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "vLLM model implementation: 'vllm', 'transformers' or 'auto'."}
+    )
+
+    def validate_vllm_arguments(self) -> None:
+        """Raise ValueError, naming the field and the fix, on vLLM settings that cannot work."""
+        if self.vllm_mode not in _MODES:
+            raise ValueError(f"vllm_mode must be one of {_MODES}, got {self.vllm_mode!r}.")
+        if not self.use_vllm:
+            return
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization must lie in (0, 1], got {self.vllm_gpu_memory_utilization}."
+            )
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.")
+        if getattr(self, "routing_replay", "off") == "R3" and self.vllm_mode == "server":
+            raise ValueError(
+                "routing_replay='R3' with vllm_mode='server': TRL's vLLM client returns no routed experts. Fix: "
+                "vllm_mode='colocate' (with a vLLM that returns them) or routing_replay='R2'."
+            )
+        if getattr(self, "load_in_8bit", False):
+            raise ValueError("use_vllm does not support load_in_8bit (vLLM has no in-flight 8-bit); use load_in_4bit.")
