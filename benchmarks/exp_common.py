@@ -193,7 +193,7 @@ def steps_to(curve: np.ndarray, level: float, window: int = 5) -> float:
 
 
 def med_range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
-    """'median (min-max)'; inf (never reached) is written as 'never'."""
+    """'median (min-max)'; inf (never reached) is written as 'never', with the count of runs that got there."""
     values = list(values)
 
     def f(v: float) -> str:
@@ -201,7 +201,9 @@ def med_range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
 
     if not values:
         return "-"
-    return f"{f(statistics.median(values))} ({f(min(values))}-{f(max(values))})"
+    text = f"{f(statistics.median(values))} ({f(min(values))}-{f(max(values))})"
+    reached = sum(not math.isinf(v) for v in values)
+    return text if reached == len(values) else f"{text}, {reached}/{len(values)} reached"
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -1,21 +1,23 @@
 """NGRPO vs GRPO where most groups are all wrong at the start: learning progress and the share of zero-gradient groups.
 
 Task: 8 prompts, each with its own random set of `--targets` answer tokens out of the tiny vocabulary (1,030 ids);
-reward 1 if the first completion token is in the prompt's set, else 0 (a verifiable 0/1 reward, as in RLVR). Two
+reward 1 if the first completion token is in the prompt's set, else 0 (a verifiable 0/1 reward, as in RLVR). The
 starting policies (`--inits`):
 
 - `random`: the kit's random initialisation, close to uniform: P(correct) = 32/1030 = 3% per sample, so about 78% of
   the groups of 8 are all wrong at step 0;
 - `confident`: the same model first fitted (soft-target cross-entropy) to put `--wrong-prob` of its first-token mass on
   one wrong token per prompt (a policy that is confidently wrong on hard prompts): P(correct) about 0.6%, about 95% of
-  the groups all wrong.
+  the groups all wrong;
+- `plausible` (not in the default run): 80% on the wrong token, 15% on 16 alternatives of which 4 are right, 5%
+  uniform (a policy whose second choices include the answer).
 
 Arms: `grpo` (TRL's group mean / std) and `ngrpo` (`advantage_estimator="ngrpo"`: one virtual sample of reward 1 per
 group, so an all-wrong group gets A = -1/3 per sample instead of 0). A group gives no gradient when all its
 advantages are 0: under GRPO when its rewards are all equal, under NGRPO only when they are all 1. On-policy (one
 update per batch, ratio 1), so NGRPO's asymmetric clipping would not act and is not part of the comparison.
 
-    python benchmarks/exp_ngrpo.py             # 5 seeds x 2 arms x 2 inits x 100 steps, ~5 minutes on 2 CPU cores
+    python benchmarks/exp_ngrpo.py             # 5 seeds x 2 arms x 2 inits x 100 steps, 3-8 minutes on 2 CPU cores
     python benchmarks/exp_ngrpo.py --quick     # CI smoke test
 """
 
@@ -111,7 +113,13 @@ def make_run(args, tokenizer):
         )
         reward = column(logs, "reward")
         homogeneous = column(logs, "frac_reward_zero_std")  # TRL's count of groups whose rewards are all equal
-        return {"reward": reward, "zero_grad": zero_grad[: len(reward)], "homogeneous": homogeneous}, {}
+        return {
+            "reward": reward,
+            "zero_grad": zero_grad[: len(reward)],
+            "homogeneous": homogeneous,
+            "entropy": column(logs, "entropy"),
+            "grad_norm": column(logs, "grad_norm"),
+        }, {}
 
     return run
 
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
             "zero_grad_mean": dead.mean(axis=1),
             "reward_final": reward[:, -tail:].mean(axis=1),
             "steps_to_level": np.array([steps_to(r, args.level) for r in reward]),
+            "entropy_start": runs.matrix(key, "entropy")[:, :tail].mean(axis=1),
+            "entropy_final": runs.matrix(key, "entropy")[:, -tail:].mean(axis=1),
+            "grad_norm_final": runs.matrix(key, "grad_norm")[:, -tail:].mean(axis=1),
         }
         summary[key] = {k: v.tolist() for k, v in stats.items()}
         summary[key]["zero_grad"] = dead.tolist()
@@ -153,16 +164,22 @@ def main(argv: list[str] | None = None) -> dict:
                 med_range(stats["zero_grad_mean"], "{:.2f}"),
                 med_range(stats["reward_final"], "{:.2f}"),
                 med_range(stats["steps_to_level"], "{:.0f}"),
+                med_range(stats["entropy_start"], "{:.2f}"),
+                med_range(stats["entropy_final"], "{:.2f}"),
+                med_range(stats["grad_norm_final"], "{:.3f}"),
             ]
         )
     print_table(
-        f"median (min-max) over {args.seeds} seeds; zero-gradient share = groups whose advantages are all 0",
+        f"median (min-max) over {args.seeds} seeds; zero-gradient groups = groups whose advantages are all 0",
         [
             "init/arm",
             f"zero-grad groups, first {tail} steps",
             "zero-grad groups, whole run",
             f"reward, last {tail} steps",
             f"steps to reward {args.level}",
+            f"entropy (nats), first {tail} steps",
+            f"entropy, last {tail} steps",
+            f"grad norm, last {tail} steps",
         ],
         rows,
     )

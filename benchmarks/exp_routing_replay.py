@@ -17,13 +17,14 @@ step 0). Two settings, each with its arms (same weights, prompts and noise draws
 - `r3`: on-policy, the sampler's log-probs in the loss (`use_decoupled_loss=True`, no token filter). Arms `off` and
   `R3` (the proximal pass and the update replay the sampler's experts).
 - `r2`: `num_iterations=4` updates per generation batch against TRL's old-logprob pass (plain loss). Arms `off` and
-  `R2` (the updates replay the old-logprob pass's experts); learning rate `--learning-rate` / 4.
+  `R2` (the updates replay the old-logprob pass's experts); `--r2-steps` optimizer steps (a quarter of them
+  generate).
 
 Reported: the reward curve of the sampler's completions, its peak and last-steps mean, and the ratio spread the loss
 sees: `behaviour_weight/max` for r3; for r2 TRL's `clip_ratio/region_mean` (the clipped token share) at the first
 update of each batch, which runs at the old-logprob pass's weights, so only routing can move its ratio off 1.
 
-    python benchmarks/exp_routing_replay.py             # 5 seeds x 2 settings x 2 arms x 60 steps, ~5 min, 2 CPUs
+    python benchmarks/exp_routing_replay.py             # 5 seeds x 2 settings x 2 arms, ~5 minutes on 2 CPUs
     python benchmarks/exp_routing_replay.py --quick     # CI smoke test
 """
 
@@ -99,20 +100,18 @@ def make_run(args, tokenizer):
         model = drifting_moe(tokenizer, seed, args.init_range, args.expert_scale)
         NoisyRouting(model, args.drift, seed=5000 + seed)  # the hooks keep it alive with the model
         config = {"routing_replay": arm}
-        learning_rate = args.learning_rate
         if scenario == "r3":
             config["use_decoupled_loss"] = True
         else:
             config["num_iterations"] = 4
-            learning_rate = args.learning_rate / 4  # 4 updates per batch: about the same move per batch as r3
         trainer_logs = train_grpo(
             model,
             tokenizer,
             [in_target_share],
             seed,
-            args.steps,
+            args.steps if scenario == "r3" else args.r2_steps,
             max_completion_length=8,
-            learning_rate=learning_rate,
+            learning_rate=args.learning_rate,
             **config,
         )[1]
         # r2: the reward is logged on the steps that generate, the first update of each batch, which runs at the
@@ -131,6 +130,7 @@ def make_run(args, tokenizer):
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__, steps=60, seeds=5, quick_steps=3)
     p.add_argument("--scenarios", default="r3,r2", help="comma-separated: r3, r2")
+    p.add_argument("--r2-steps", type=int, default=120, help="optimizer steps of the r2 runs (4 per batch)")
     p.add_argument("--drift", type=float, default=0.1, help="routing noise, in units of the router logits' std")
     p.add_argument("--expert-scale", type=float, default=10.0, help="factor on the experts' output projections")
     p.add_argument("--learning-rate", type=float, default=1e-2)
@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="initializer_range of the MoE (the kit's default is 0.02)",
     )
     args = finish_args(p.parse_args(argv), "exp_routing_replay")
+    if args.quick:
+        args.r2_steps = 4
     tokenizer = build_tokenizer()
     scenarios = args.scenarios.split(",")
     keys = [f"{s}/{arm}" for s in scenarios for arm in SCENARIO_ARMS[s]]
@@ -178,19 +180,27 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(len(scenarios), "", width=5.0, height=3.6)
+        fig, axes = figure(len(scenarios), "", nrows=2, width=5.0, height=3.3)
         titles = {
             "r3": "on-policy, sampler log-probs in the loss",
             "r2": "4 updates per batch (old-logprob pass)",
         }
-        for ax, scenario in zip(axes, scenarios, strict=True):
+        spread_labels = {
+            "r3": "max behaviour weight per batch",
+            "r2": "clipped token share, 1st update of a batch",
+        }
+        for i, scenario in enumerate(scenarios):
+            ax_r, ax_s = axes[i], axes[len(scenarios) + i]
+            window = 5 if scenario == "r3" else 2
             for arm, color in zip(SCENARIO_ARMS[scenario], COLORS, strict=False):
                 key = f"{scenario}/{arm}"
-                window = 5 if scenario == "r3" else 2
                 x = runs.matrix(key, "step")[0]
-                band(ax, runs.matrix(key, "reward"), f"replay {arm}", color, window=window, x=x)
-            ax.set(title=titles[scenario], xlabel="optimizer step", ylabel="training reward (smoothed)")
-            ax.legend(loc="upper left")
+                band(ax_r, runs.matrix(key, "reward"), f"replay {arm}", color, window=window, x=x)
+                band(ax_s, runs.matrix(key, "spread"), f"replay {arm}", color, window=window, x=x)
+            ax_r.set(title=titles[scenario], xlabel="optimizer step", ylabel="training reward (smoothed)")
+            ax_s.set(title=spread_labels[scenario], xlabel="optimizer step")
+            ax_r.legend(loc="upper left")
+            ax_s.legend(loc="upper right")
         fig.suptitle(
             f"Routing replay, tiny Qwen3-MoE, routing noise {args.drift}x logit std; median and min-max over "
             f"{args.seeds} seeds",
