@@ -452,3 +452,23 @@ def test_disabled_jitter_stays_off_in_checkpoint_recomputation(tokenizer):
         grads[checkpointing] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         assert all(m.jitter_noise == 0.5 for m in model.modules() if hasattr(m, "jitter_noise"))
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gate_at_experts_whose_probabilities_underflow_is_finite(tokenizer, family):
+    """A router that drifted far from the recorded experts (logit gap ~200) gives them fp32 probabilities of exactly
+    0; renormalising those is 0 / 0. The gate then takes its exact value, the softmax over the replayed experts'
+    logits, and its gradient stays finite; a row without underflow keeps the family's own value."""
+    from trl_stable.moe.adapters import adapter_for
+
+    router = _routers(build_causal_lm(family, tokenizer))[0]
+    if hasattr(router, "norm_topk_prob"):
+        router.norm_topk_prob = True
+    logits = torch.tensor([[200.0, 0.0, -5.0, 1.0], [0.5, 0.1, -0.3, 0.2]], requires_grad=True)
+    index = torch.tensor([[1, 2], [1, 2]])
+    weights = adapter_for(router).gate(router, logits, index)
+    assert torch.allclose(weights[0], torch.softmax(torch.tensor([0.0, -5.0]), -1))
+    probs = torch.softmax(logits[1].detach(), -1)[[1, 2]]
+    assert torch.allclose(weights[1], probs / probs.sum())
+    (weights * torch.tensor([[1.0, 2.0], [1.0, 2.0]])).sum().backward()
+    assert torch.isfinite(logits.grad).all()

@@ -17,6 +17,21 @@ import torch
 from torch import nn
 
 
+def _renormalize(weights: torch.Tensor, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`weights / weights.sum(-1)`, the families' renormalisation over the k experts, safe where the sum is 0.
+
+    A router always renormalises over its own top-k, whose probabilities cannot all be 0. Replayed experts can be
+    ones a drifted router now gives fp32 probabilities that underflow to 0 (logit gaps of ~100), and 0 / 0 would
+    put NaN in the forward and in every gradient. There the weights take their exact value, the softmax of the
+    replayed experts' logits; every other row is the family's division, unchanged to the bit.
+    """
+    total = weights.sum(dim=-1, keepdim=True)
+    underflow = total == 0
+    renormalized = weights / torch.where(underflow, torch.ones_like(total), total)
+    exact = torch.nn.functional.softmax(router_logits.float().gather(1, index), dim=-1).to(weights.dtype)
+    return torch.where(underflow, exact, renormalized)
+
+
 def _softmax_topk_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Qwen2-MoE / Qwen3-MoE / OLMoE gating at fixed experts.
 
@@ -26,7 +41,7 @@ def _softmax_topk_gate(router: nn.Module, router_logits: torch.Tensor, index: to
     probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
     weights = probs.gather(1, index)
     if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = _renormalize(weights, router_logits, index)
     return weights.to(router_logits.dtype)
 
 
@@ -34,7 +49,7 @@ def _mixtral_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.T
     """Mixtral gating at fixed experts: w = softmax(logits in fp32)[index], always renormalised, kept in fp32."""
     probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
     weights = probs.gather(1, index)
-    return weights / weights.sum(dim=-1, keepdim=True)
+    return _renormalize(weights, router_logits, index)
 
 
 def _deepseek_v3_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
