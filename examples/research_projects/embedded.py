@@ -25,6 +25,8 @@ SENTIMENT_REVIEWS = DATA_DIR / "imdb_like_reviews.jsonl"
 TOXICITY_PROMPTS = DATA_DIR / "toxicity_prompts.jsonl"
 SUMMARIZATION_DATA = DATA_DIR / "summarization.jsonl"
 TASKS = ("sentiment", "toxicity", "summarization")
+# Not a task: every shipped English text, what the evaluation's scoring LM (`eval_utils.EMBEDDED_SCORER`) learns.
+ENGLISH = "english"
 # What a summary is asked with, as in the TL;DR setup of the paper's summarization task.
 SUMMARY_PROMPT = "{article}\nTL;DR:"
 
@@ -44,7 +46,13 @@ def warmup_texts(task: str) -> list[str]:
     if task == "summarization":
         # The policy is pre-trained on the articles only: learning to summarise is the SFT script's job.
         return [r["article"] for r in read_jsonl(SUMMARIZATION_DATA)]
-    raise ValueError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
+    if task == ENGLISH:
+        from trl_stable.testing.kit import corpus
+
+        texts = warmup_texts("sentiment") + warmup_texts("toxicity") + warmup_texts("summarization")
+        texts += [r["summary"] for r in read_jsonl(SUMMARIZATION_DATA)]
+        return texts + [line for line in corpus().splitlines() if line.strip()]
+    raise ValueError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)} (or {ENGLISH!r}: all shipped text).")
 
 
 def default_cache_dir() -> Path:
@@ -67,7 +75,8 @@ def embedded_policy(
     the next time, so only the first call pays the few seconds of warm-up.
 
     Args:
-        task: "sentiment", "toxicity" or "summarization" (which text to warm up on).
+        task: "sentiment", "toxicity" or "summarization" (which text to warm up on), or "english" (all of them: the
+            evaluation's scoring LM).
         seed: Seed of the initial weights and of the warm-up batches.
         num_layers: Transformer layers (the test kit uses 2).
         hidden_size: Width of the model (the test kit uses 32).

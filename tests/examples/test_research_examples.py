@@ -115,8 +115,9 @@ def test_truncated_queries_and_smoothing():
     assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
 
 
-def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path):
-    """Embedded sentiment run: trains with the lexicon critic, checkpoints, saves, plots; the eval scripts read it."""
+def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path, capsys):
+    """Embedded sentiment run: trains with the lexicon critic, checkpoints, saves, plots, prints its before/after
+    summary; the eval scripts read it."""
     from research_common import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
@@ -125,6 +126,10 @@ def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path):
     history = mod.main(parse_script_args(mod.ScriptArguments, argv + SMALL + SMALL_PPO_NESTED))
     assert len(history) == 2 and all(math.isfinite(h["env_reward"]) for h in history)
     assert any(h["intrinsic_reward"] != 0.0 for h in history)  # the critic found sentiment words
+    assert all(0.0 <= h["distinct_2"] <= 1.0 for h in history)
+    printed = capsys.readouterr().out
+    assert "Summary: means of steps 1-1 -> steps 2-2" in printed and "distinct-2 of the rollouts" in printed
+    assert printed.count("    before: ") == 2 and printed.count("    after:  ") == 2
     for name in ("config.json", "model.safetensors", "value_head.safetensors", "reward_curve.png", "run_args.json"):
         assert (out / name).is_file(), name
     assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()

@@ -87,6 +87,7 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
             "--ppo_config.learning_rate", "1e-3", "--ppo_config.batch_size", "4", "--ppo_config.mini_batch_size", "1",
             "--ppo_config.gradient_accumulation_steps", "2", "--ppo_config.target_kl", "3.0",
             "--ppo_config.kl_penalty", "abs", "--ppo_config.ppo_epochs", "1", *SMALL,
+            "--intrinsic_reward_max_sum", "None",  # RELC's unbounded values (the embedded default bounds the sum)
         ]  # fmt: skip
         history = mod.main(parse_script_args(mod.ScriptArguments, argv))
         received = srv.received
