@@ -92,7 +92,10 @@ def embedded_policy(
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     texts = warmup_texts(task)
-    key_src = json.dumps([task, seed, num_layers, hidden_size, warmup_steps, texts, torch.__version__])
+    # "seeded-dropout": warm-ups before it drew their dropout masks from the process's unseeded RNG, so two
+    # processes warmed up different models from the same settings; those cache entries are not reused
+    settings = [task, seed, num_layers, hidden_size, warmup_steps, texts, torch.__version__, "seeded-dropout"]
+    key_src = json.dumps(settings)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / f"{task}-L{num_layers}-H{hidden_size}-S{warmup_steps}-seed{seed}-{key}"
@@ -106,7 +109,9 @@ def embedded_policy(
         "gpt2", tokenizer, seed=seed, n_layer=num_layers, n_embd=hidden_size, n_head=n_head, n_positions=256
     )
     if warmup_steps > 0:
-        _warm_up(model, tokenizer, texts, seed, warmup_steps, show_progress, task)
+        with torch.random.fork_rng(devices=[]):  # dropout masks from `seed`, the caller's RNG left as it was
+            torch.manual_seed(seed)
+            _warm_up(model, tokenizer, texts, seed, warmup_steps, show_progress, task)
     model.eval()
     # Save to a temporary sibling and rename: concurrent first calls never see a half-written model.
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -93,3 +93,24 @@ def test_offline_sentiment_classifiers_hand_values(name, text, expected):
         assert afinn_score([text]) == [score]
         expected = (math.tanh(score / 5) + 1) / 2
     assert prob == pytest.approx(expected)
+
+
+def test_embedded_warm_up_does_not_depend_on_the_process_rng(tmp_path):
+    """Dropout masks of the warm-up come from its seed: two processes (here: two RNG states) build the same model,
+    and the caller's RNG is left as it was."""
+    from embedded import embedded_policy
+
+    models = []
+    for i, global_seed in enumerate((1, 2)):
+        torch.manual_seed(global_seed)
+        model, _ = embedded_policy(
+            "sentiment", seed=3, warmup_steps=3, cache_dir=tmp_path / str(i), show_progress=False
+        )
+        models.append(model)
+        torch.manual_seed(global_seed)
+        expected = torch.rand(2)
+        torch.manual_seed(global_seed)
+        embedded_policy("sentiment", seed=3, warmup_steps=3, cache_dir=tmp_path / f"fresh{i}", show_progress=False)
+        assert (torch.rand(2) == expected).all()
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+        assert torch.equal(a, b)
