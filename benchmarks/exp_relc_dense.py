@@ -6,11 +6,12 @@ with a value model and the adaptive KL controller (target 6), every arm in one r
 
 ``--task credit``: credit assignment. The sequence reward is no sum over tokens: 1 if the 16-token continuation
     uses none of the banned words "the", "and", "a", else 0 (about 14% of the untrained policy's continuations are
-    clean). A rule critic names each banned word in the answer format of the LLM critics, and
-    `CriticIntrinsicReward` turns its spans into token rewards (-0.5 on the banned words' tokens, the per-sample
-    sum bounded by 1). Arms: ``sparse`` (the reward only), ``dense`` (plus the critic's token rewards) and
-    ``critic_sum`` (the same critic total added to the last token: the critic's information without its location,
-    which isolates credit assignment from the extra reward).
+    clean). The policy cannot stop early to dodge them: its EOS logit is masked in every forward pass (policy and
+    reference alike, so the samples stay on-policy and the KL honest). A rule critic names each banned word in the
+    answer format of the LLM critics, and `CriticIntrinsicReward` turns its spans into token rewards (-0.5 on the
+    banned words' tokens, the per-sample sum bounded by 1). Arms: ``sparse`` (the reward only), ``dense`` (plus the
+    critic's token rewards) and ``critic_sum`` (the same critic total added to the last token: the critic's
+    information without its location, which isolates credit assignment from the extra reward).
 ``--task sentiment``: the README's main command (`examples/research_projects/sentiment/ppo_intrinsic.py`, embedded
     default, VADER as the environment reward). Arms: ``baseline`` (no critic), ``critic_vader`` (the earlier
     default: a lexicon critic reading VADER's own word list, RELC's unbounded +-0.5 per token), ``critic_relc`` (the
@@ -18,7 +19,7 @@ with a value model and the adaptive KL controller (target 6), every arm in one r
     bounded by the reward's range: `intrinsic_reward_max_sum=1`, the embedded default now).
 
 Judged by what the training signal cannot hack: held-out prompts (`eval_scripts/neutral_prompts.jsonl`, sampled and
-scored with `eval_scripts/eval_utils`: top-p 0.9), the positive rate under TextBlob's lexicon (neither the reward
+scored with `eval_scripts/eval_utils.py`: top-p 0.9), the positive rate under TextBlob's lexicon (neither the reward
 nor the critic), perplexity under a separately trained scoring LM (`embedded-scorer`, not the policy nor its
 reference), dist-1/2/3, and the reward at matched KL: the best 10-step mean reward reached while the 10-step mean KL
 stayed within a budget (the reward-vs-KL frontier), not the reward per step alone.
@@ -31,7 +32,7 @@ stayed within a budget (the reward-vs-KL frontier), not the reward per step alon
 
 Prints a table of medians [min, max] over seeds and writes `results_<task>.json`, `results_<task>.md` under
 `--output_dir`, and the figure (per-step reward with a min-max band over seeds, the reward-vs-KL frontier, distinct-2
-of the rollouts) to `docs/images/relc_<task>.png` (`--quick`: under `--output_dir`).
+of the rollouts) to `docs/images/relc_<task>.png` (`--figure_dir`; `--quick`: under `--output_dir`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ SENTIMENT_FLAGS = {
     "critic_relc": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "None"],
     "critic_bounded": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "1.0"],
     "critic_vader": ["--use_intrinsic_reward", "--critic_lexicon", "vader", "--intrinsic_reward_max_sum", "None"],
+    # not run by default: a tighter bound (half the reward's range)
+    "critic_bounded_half": [
+        "--use_intrinsic_reward",
+        "--critic_lexicon",
+        "afinn",
+        "--intrinsic_reward_max_sum",
+        "0.5",
+    ],
 }
 STEPS = {"credit": 80, "sentiment": 100}
 # The reward level of "steps to reach" and the KL budgets of the frontier, per task.
@@ -136,18 +145,26 @@ def credit_critic(tokenizer, max_sum: float | None = 1.0) -> CriticIntrinsicRewa
     return CriticIntrinsicReward(config, tokenizer, backend=BannedWordCritic())
 
 
+def mask_eos(model, eos_token_id: int):
+    """Make EOS impossible in every forward pass of `model` (a hook on its output embeddings; the reference model,
+    a deep copy, inherits it). Masking only in `generate` (``min_new_tokens``) would sample from a distribution the
+    PPO loss and the KL do not see: the KL estimate went negative as the policy moved mass onto the masked EOS."""
+
+    def hook(module, inputs, logits):
+        return logits.index_fill(-1, torch.tensor([eos_token_id], device=logits.device), -1e9)
+
+    model.get_output_embeddings().register_forward_hook(hook)
+    return model
+
+
 def run_credit(arm: str, seed: int, cli: argparse.Namespace, out: Path) -> tuple[list[dict], object, object]:
     """One PPO run of the credit task; returns (history, trained policy, tokenizer)."""
     script = load_script_module(SCRIPT, "sentiment_ppo_intrinsic")
     argv = [*cli.ppo_flags, "--ppo_config.seed", str(seed), "--model_save_path", str(out)]
     args = parse_script_args(script.ScriptArguments, argv)
-    ppo = replace(
-        args.ppo_config,
-        min_new_tokens=None,
-        max_new_tokens=cli.new_tokens,
-        generation_kwargs={"min_new_tokens": cli.new_tokens},  # fixed length: ending early is no way out
-    )
+    ppo = replace(args.ppo_config, min_new_tokens=None, max_new_tokens=cli.new_tokens)
     model, tokenizer = script.load_policy(None, seed, args, "sentiment", True)
+    mask_eos(model, tokenizer.eos_token_id)  # every continuation runs its 16 tokens: ending early is no way out
     texts = script.load_review_texts(None, True)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, str(out)), processing_class=tokenizer)
@@ -238,11 +255,13 @@ def heldout_eval(task: str, model, tokenizer, scorer, cli: argparse.Namespace, s
     return metrics
 
 
-def initial_policy(seed: int, cli: argparse.Namespace):
+def initial_policy(task: str, seed: int, cli: argparse.Namespace):
     """The untrained embedded policy of `seed` (every arm of that seed starts from it), for a reference column."""
     script = load_script_module(SCRIPT, "sentiment_ppo_intrinsic")
     args = parse_script_args(script.ScriptArguments, [*cli.ppo_flags, "--ppo_config.seed", str(seed)])
     model, tokenizer = script.load_policy(None, seed, args, "sentiment", True)
+    if task == "credit":
+        mask_eos(model, tokenizer.eos_token_id)
     tokenizer.padding_side = "left"
     return model, tokenizer
 
@@ -394,7 +413,7 @@ def run_task(task: str, cli: argparse.Namespace) -> dict:
     initial: list[dict] = []
     for seed in cli.seeds:
         row = {"seed": seed, **run_metrics(task, [], cli.steps)}
-        initial.append({**row, **heldout_eval(task, *initial_policy(seed, cli), scorer, cli, seed)})
+        initial.append({**row, **heldout_eval(task, *initial_policy(task, seed, cli), scorer, cli, seed)})
         for arm in arms:
             start = time.time()
             history, model, tokenizer = runner(arm, seed, cli, out / f"{arm}_seed{seed}")
@@ -424,7 +443,8 @@ def report(task: str, cli: argparse.Namespace, results: dict) -> dict[str, list[
         print(f"  {arm}: {({'initial': initial, **runs})[arm][0]['sample']!r}")
     Path(cli.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cli.output_dir) / f"results_{task}.md").write_text(text + "\n", encoding="utf-8")
-    figure = Path(cli.output_dir) / f"relc_{task}.png" if cli.quick else REPO / "docs" / "images" / f"relc_{task}.png"
+    figure_dir = cli.figure_dir or (cli.output_dir if cli.quick else REPO / "docs" / "images")
+    figure = Path(figure_dir) / f"relc_{task}.png"
     plot(task, arms, runs, figure, cli)
     print(f"figure: {figure}")
     return runs
@@ -441,6 +461,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output_dir", default="outputs/exp_relc_dense")
     parser.add_argument("--quick", action="store_true", help="CI smoke test: 2 seeds, 3 steps, tiny batches")
     parser.add_argument("--from_json", default=None, help="rebuild the table and figure of --task from its JSON")
+    parser.add_argument("--figure_dir", default=None, help="where relc_<task>.png goes (default docs/images)")
     cli = parser.parse_args(argv)
     cli.ppo_flags = []
     cli.new_tokens = None

@@ -37,6 +37,22 @@ def test_credit_critic_marks_the_banned_words_bounded(exp, tokenizer):
     assert sum(row) == pytest.approx(-0.5 * sum(v != 0 for v in row)) and sum(row) < -1.0
 
 
+def test_mask_eos_holds_in_every_forward_and_in_copies(exp, tokenizer):
+    import copy
+
+    import torch
+
+    from trl_stable.testing import build_causal_lm
+
+    model = exp.mask_eos(build_causal_lm("gpt2", tokenizer, seed=0), tokenizer.eos_token_id)
+    ids = torch.tensor([tokenizer("The movie was")["input_ids"]])
+    for m in (model, copy.deepcopy(model)):  # PPOTrainer's reference model is a deep copy
+        logp = torch.log_softmax(m(input_ids=ids).logits, dim=-1)
+        assert (logp[..., tokenizer.eos_token_id] < -1e8).all() and torch.isfinite(logp).all()
+    out = model.generate(ids, do_sample=True, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == ids.shape[1] + 12 and tokenizer.eos_token_id not in out[0, ids.shape[1] :].tolist()
+
+
 def test_frontier_and_steps_to_level_by_hand(exp):
     history = [{"env_reward": r, "kl": k} for r, k in [(0.0, 0.0), (1.0, 2.0), (1.0, 10.0), (0.0, 20.0)]]
     # 2-step means: rewards 0, .5, 1, .5; KL 0, 1, 6, 15 (full windows from the second step)
