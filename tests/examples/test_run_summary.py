@@ -63,7 +63,7 @@ def test_embedded_sentiment_critic_is_afinn_bounded_paper_mode_is_relc(load_scri
     critic = parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).critic
     assert (critic.critic_lexicon, critic.intrinsic_reward_max_sum, critic.intrinsic_reward_coef) == (
         "afinn",
-        1.0,
+        0.5,
         1.0,
     )
     earlier = ["--critic_lexicon", "vader", "--intrinsic_reward_max_sum", "None"]

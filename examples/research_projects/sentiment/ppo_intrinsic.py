@@ -10,10 +10,11 @@ Embedded default (no model named; CPU, a few minutes):
     accelerate launch --num_processes 1 examples/research_projects/sentiment/ppo_intrinsic.py --use_intrinsic_reward
 
 The embedded environment reward is VADER's compound score; the embedded critic reads another lexicon (AFINN-165,
-`--critic_lexicon afinn`), so it is not the reward densified, and its per-sample sum is bounded by the reward's range
-(`--intrinsic_reward_max_sum 1.0`). `--critic_lexicon vader --intrinsic_reward_max_sum None` is the earlier setting
-(critic = reward lexicon, RELC's unbounded +-0.5 per token). At the end the run prints a side-by-side of its first
-and last steps: reward, KL, distinct-2 of the rollouts and two continuations before / after.
+`--critic_lexicon afinn`), so it is not the reward densified, and its per-sample absolute sum is bounded by a
+quarter of the reward's range (`--intrinsic_reward_max_sum 0.5`). `--critic_lexicon vader
+--intrinsic_reward_max_sum None` is the earlier setting (critic = reward lexicon, RELC's unbounded +-0.5 per token).
+At the end the run prints a side-by-side of its first and last steps: reward, KL, distinct-2 of the rollouts and two
+continuations before / after.
 
 Paper mode (gpt2-large policy, IMDB prompts of 4-10 tokens, lvwerra/distilbert-imdb positive logit as reward, a
 GPT critic through `OPENAI_API_KEY`):
@@ -70,10 +71,14 @@ from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
-# The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample intrinsic sum bounded
-# by the reward's range [-1, 1] (docs/results_relc.md measures why: with VADER's own lexicon and RELC's unbounded
-# +-0.5 per token the policy collapses to repeated sentiment words).
-EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 1.0}
+# The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum
+# bounded by 0.5 against a reward in [-1, 1]. docs/results_relc.md measures why: unbounded (RELC's +-0.5 per token)
+# the policy collapses to repeated sentiment words whichever lexicon the critic reads; a bound of 1 or 0.5 earns
+# the same reward at matched KL, 0.5 keeping the held-out diversity and perplexity closer to the baseline's.
+EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
+# The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
+# before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
+PREVIEW_PROMPTS = ("The movie starts with", "The film is about")
 
 
 def sentiment_mode_defaults(args) -> dict:
@@ -178,7 +183,7 @@ def main(args: ScriptArguments) -> list[dict]:
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
     log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
-    preview_prompts = [r["query"] for r in prompts[:2]]
+    preview_prompts = list(PREVIEW_PROMPTS)
     before = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
 
     # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
