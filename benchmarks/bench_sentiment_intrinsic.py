@@ -3,7 +3,7 @@
 Both arms run `examples/research_projects/sentiment/ppo_intrinsic.py` on its embedded default with the same seeds
 and the same number of PPO steps; the intrinsic arm adds the offline lexicon critic's per-token rewards (+0.5 in a
 positive span, -0.5 in a negative one, every sample critiqued; the embedded defaults: the AFINN lexicon, the
-per-sample sum bounded by 1). Measured side by side, per arm (mean over seeds):
+per-sample sum bounded by 0.5). Measured side by side, per arm (mean over seeds):
 
 - steps to reach the target environment reward (5-step moving average of the VADER compound score of
   query + response; runs that never reach it count as the budget and are reported as such), and their ratio;
