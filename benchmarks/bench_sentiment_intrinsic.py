@@ -2,7 +2,8 @@
 
 Both arms run `examples/research_projects/sentiment/ppo_intrinsic.py` on its embedded default with the same seeds
 and the same number of PPO steps; the intrinsic arm adds the offline lexicon critic's per-token rewards (+0.5 in a
-positive span, -0.5 in a negative one, every sample critiqued). Measured side by side, per arm (mean over seeds):
+positive span, -0.5 in a negative one, every sample critiqued; the embedded defaults: the AFINN lexicon, the
+per-sample sum bounded by 0.5). Measured side by side, per arm (mean over seeds):
 
 - steps to reach the target environment reward (5-step moving average of the VADER compound score of
   query + response; runs that never reach it count as the budget and are reported as such), and their ratio;
@@ -10,9 +11,10 @@ positive span, -0.5 in a negative one, every sample critiqued). Measured side by
 - on the shipped neutral prompts (`eval_scripts/neutral_prompts.jsonl`, `--num_return` samples each, top-p 0.9,
   20 tokens): positive rate (VADER p > 0.5), conditional perplexity under the untrained embedded policy, dist-1/2/3.
 
-Caveat: the offline critic reads the VADER lexicon, the same lexicon the environment reward uses, so its spans are
-better aligned with the reward than an LLM critic's would be; this measures the mechanism (dense vs sparse credit
-assignment), not the value of a particular critic.
+The numbers in docs/research_reproductions.md were measured with the earlier embedded critic, which read VADER's
+own lexicon with RELC's unbounded +-0.5 per token (`--intrinsic_flags "--critic_lexicon vader
+--intrinsic_reward_max_sum None"` reruns it). `benchmarks/exp_relc_dense.py` compares the critics on more seeds,
+judged on held-out prompts by an evaluator that is neither the reward nor the critic and at matched KL.
 
     python benchmarks/bench_sentiment_intrinsic.py                       # 3 seeds x 120 steps, a few minutes on CPU
     python benchmarks/bench_sentiment_intrinsic.py --seeds 0 1 2 3 4 --steps 160 --output_dir outputs/bench_sentiment

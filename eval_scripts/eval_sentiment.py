@@ -45,10 +45,11 @@ class SentimentEvalArgs(SamplingArgs):
     prompts_file: str = str(EVAL_DIR / "neutral_prompts.jsonl")
     """Neutral prompts, one {"prompt": {"text": ...}} per line."""
     classifier: str = VADER
-    """"vader" (offline) or a transformers text-classification model
+    """"vader", "textblob" or "afinn" (offline lexicons; "vader" is the embedded training reward, "afinn" the
+    embedded critic's lexicon) or a transformers text-classification model
     (paper: distilbert-base-uncased-finetuned-sst-2-english)."""
     scoring_model: str = "embedded:sentiment"
-    """LM for the perplexity (paper: gpt2-xl)."""
+    """LM for the perplexity (paper: gpt2-xl; "embedded-scorer": a tiny LM trained apart from the policies)."""
     output_dir: str = "outputs/eval_sentiment"
 
 

@@ -23,6 +23,13 @@ from tqdm.auto import tqdm
 EVAL_DIR = Path(__file__).resolve().parent
 EXAMPLES_DIR = EVAL_DIR.parent / "examples" / "research_projects"
 EMBEDDED = "embedded"
+# "embedded-scorer": a scoring LM for perplexity that is neither the policy nor its reference: another seed, width
+# 128, warmed up on every shipped English text (reviews, toxicity prompts, news articles and summaries, the kit's
+# corpus) and for 100 steps only: longer warm-ups memorise the 200-odd texts and score held-out reviews worse than
+# a uniform model would (a check holding out a fifth of the reviews: perplexity > 1,000 after 300-400 steps, about
+# 110 after 100). Built once (about 10 s on one core), then cached.
+EMBEDDED_SCORER = "embedded-scorer"
+EMBEDDED_SCORER_SETTINGS = {"task": "english", "seed": 1000, "num_layers": 2, "hidden_size": 128, "warmup_steps": 100}
 
 
 def ensure_examples_on_path() -> None:
@@ -34,7 +41,7 @@ def ensure_examples_on_path() -> None:
 
 ensure_examples_on_path()
 from embedded import embedded_policy, read_jsonl  # noqa: E402  (read_jsonl: re-exported for the eval scripts)
-from research_common import use_one_thread  # noqa: E402
+from research_common import distinct_n, use_one_thread  # noqa: E402  (distinct_n: shared with the training logs)
 from scorers import continuation_logprobs  # noqa: E402
 
 
@@ -63,10 +70,15 @@ def load_prompts(path: str | os.PathLike, limit: int | None = None) -> list[str]
 def load_causal_lm(name_or_path: str | None, task: str = "sentiment", device: str | None = None):
     """A causal LM and its tokenizer (left padding).
 
-    `name_or_path` is a hub id, a saved model directory (e.g. a training script's `--model_save_path`), or
-    None / "embedded" / "embedded:<task>" for the tiny warmed-up policy of the embedded offline setting.
+    `name_or_path` is a hub id, a saved model directory (e.g. a training script's `--model_save_path`),
+    None / "embedded" / "embedded:<task>" for the tiny warmed-up policy of the embedded offline setting (the
+    untrained policy of seed 0: the reference model of a seed-0 run), or "embedded-scorer" for a separately
+    trained scoring LM (`EMBEDDED_SCORER_SETTINGS`: neither the policy nor its reference).
     """
-    if name_or_path is None or name_or_path.startswith(EMBEDDED):
+    if name_or_path == EMBEDDED_SCORER:
+        use_one_thread()
+        model, tokenizer = embedded_policy(show_progress=False, **EMBEDDED_SCORER_SETTINGS)
+    elif name_or_path is None or name_or_path.startswith(EMBEDDED):
         if ":" in (name_or_path or ""):
             task = name_or_path.split(":", 1)[1]
         use_one_thread()
@@ -133,24 +145,6 @@ def conditional_perplexity(
             row.append(math.exp(-logp.mean().item()) if len(logp) else float("nan"))
         result.append(row)
     return result
-
-
-def distinct_n(generations: Sequence[str], n: int) -> float:
-    """dist-n of one prompt's samples: distinct word n-grams over all samples / total words of the samples.
-
-    dist-n (docs/evaluation.md) = |{n-grams of all samples}| / sum_i |words(sample_i)|, words = `str.split()`
-    (whitespace runs). The denominator is the total word count for every n (not the n-gram count), as in the
-    DExperts/RELC code; that code split on single spaces (`split(' ')`), which also counts an empty "word" for the
-    leading space of a continuation and for double spaces, giving slightly lower values than here. 0 when there are
-    no words.
-    """
-    ngrams = set()
-    total_words = 0
-    for text in generations:
-        words = text.split()
-        total_words += len(words)
-        ngrams.update(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
-    return len(ngrams) / total_words if total_words else 0.0
 
 
 def mean(values: Sequence[float]) -> float:

@@ -25,6 +25,8 @@ SENTIMENT_REVIEWS = DATA_DIR / "imdb_like_reviews.jsonl"
 TOXICITY_PROMPTS = DATA_DIR / "toxicity_prompts.jsonl"
 SUMMARIZATION_DATA = DATA_DIR / "summarization.jsonl"
 TASKS = ("sentiment", "toxicity", "summarization")
+# Not a task: every shipped English text, what the evaluation's scoring LM (`eval_utils.EMBEDDED_SCORER`) learns.
+ENGLISH = "english"
 # What a summary is asked with, as in the TL;DR setup of the paper's summarization task.
 SUMMARY_PROMPT = "{article}\nTL;DR:"
 
@@ -44,7 +46,13 @@ def warmup_texts(task: str) -> list[str]:
     if task == "summarization":
         # The policy is pre-trained on the articles only: learning to summarise is the SFT script's job.
         return [r["article"] for r in read_jsonl(SUMMARIZATION_DATA)]
-    raise ValueError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)}.")
+    if task == ENGLISH:
+        from trl_stable.testing.kit import corpus
+
+        texts = warmup_texts("sentiment") + warmup_texts("toxicity") + warmup_texts("summarization")
+        texts += [r["summary"] for r in read_jsonl(SUMMARIZATION_DATA)]
+        return texts + [line for line in corpus().splitlines() if line.strip()]
+    raise ValueError(f"Unknown task {task!r}; choose one of {', '.join(TASKS)} (or {ENGLISH!r}: all shipped text).")
 
 
 def default_cache_dir() -> Path:
@@ -67,7 +75,8 @@ def embedded_policy(
     the next time, so only the first call pays the few seconds of warm-up.
 
     Args:
-        task: "sentiment", "toxicity" or "summarization" (which text to warm up on).
+        task: "sentiment", "toxicity" or "summarization" (which text to warm up on), or "english" (all of them: the
+            evaluation's scoring LM).
         seed: Seed of the initial weights and of the warm-up batches.
         num_layers: Transformer layers (the test kit uses 2).
         hidden_size: Width of the model (the test kit uses 32).
@@ -83,7 +92,10 @@ def embedded_policy(
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     texts = warmup_texts(task)
-    key_src = json.dumps([task, seed, num_layers, hidden_size, warmup_steps, texts, torch.__version__])
+    # "seeded-dropout": warm-ups before it drew their dropout masks from the process's unseeded RNG, so two
+    # processes warmed up different models from the same settings; those cache entries are not reused
+    settings = [task, seed, num_layers, hidden_size, warmup_steps, texts, torch.__version__, "seeded-dropout"]
+    key_src = json.dumps(settings)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / f"{task}-L{num_layers}-H{hidden_size}-S{warmup_steps}-seed{seed}-{key}"
@@ -97,7 +109,9 @@ def embedded_policy(
         "gpt2", tokenizer, seed=seed, n_layer=num_layers, n_embd=hidden_size, n_head=n_head, n_positions=256
     )
     if warmup_steps > 0:
-        _warm_up(model, tokenizer, texts, seed, warmup_steps, show_progress, task)
+        with torch.random.fork_rng(devices=[]):  # dropout masks from `seed`, the caller's RNG left as it was
+            torch.manual_seed(seed)
+            _warm_up(model, tokenizer, texts, seed, warmup_steps, show_progress, task)
     model.eval()
     # Save to a temporary sibling and rename: concurrent first calls never see a half-written model.
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -462,7 +462,15 @@ class RunLog:
         self.bar = tqdm(total=len(batches), initial=self.start, desc=desc, disable=not acc.is_local_main_process)
         return batches.from_step(self.start)
 
-    def record(self, env_scores: Sequence[float], token_rewards: Sequence[Sequence[float]], stats: dict) -> dict:
+    def record(
+        self,
+        env_scores: Sequence[float],
+        token_rewards: Sequence[Sequence[float]],
+        stats: dict,
+        responses: Sequence[str] | None = None,
+    ) -> dict:
+        """Log one step; `responses` (the decoded rollouts) add their distinct-2 (`distinct_n`, this process's
+        batch) to the history, which `run_summary` compares at the start and the end of the run."""
         acc = self.trainer.accelerator
         self.step += 1
         intrinsic_mean = sum(sum(r) for r in token_rewards) / len(token_rewards)
@@ -474,6 +482,8 @@ class RunLog:
             "kl_coef": stats.get("objective/kl_coef", float("nan")),
             "response_len": stats.get("tokens/response_len_mean", float("nan")),
         }
+        if responses is not None:
+            row["distinct_2"] = _global_mean(acc, [distinct_n(responses, 2)])
         if self.critic is not None and hasattr(self.critic, "metrics"):
             metrics = self.critic.metrics()
             row["critic_rewarded_token_fraction"] = metrics.get("critic/last_rewarded_token_fraction", float("nan"))
@@ -497,6 +507,100 @@ class RunLog:
         if self.critic is not None and hasattr(self.critic, "close"):
             self.critic.close()
         return self.history
+
+
+def distinct_n(generations: Sequence[str], n: int) -> float:
+    """dist-n of one prompt's samples: distinct word n-grams over all samples / total words of the samples.
+
+    dist-n (docs/evaluation.md) = |{n-grams of all samples}| / sum_i |words(sample_i)|, words = `str.split()`
+    (whitespace runs). The denominator is the total word count for every n (not the n-gram count), as in the
+    DExperts/RELC code; that code split on single spaces (`split(' ')`), which also counts an empty "word" for the
+    leading space of a continuation and for double spaces, giving slightly lower values than here. 0 when there are
+    no words. (The evaluation scripts' `eval_utils.distinct_n` is this function.)
+    """
+    ngrams = set()
+    total_words = 0
+    for text in generations:
+        words = text.split()
+        total_words += len(words)
+        ngrams.update(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    return len(ngrams) / total_words if total_words else 0.0
+
+
+def sample_preview(trainer, tokenizer, prompts: Sequence[str], max_new_tokens: int, seed: int = 0) -> list[str]:
+    """One sampled continuation of each prompt from the trainer's current policy, for a before/after look.
+
+    Drawn under a forked RNG with its own seed, so the run's own random stream (and a resumed run's) is untouched.
+    """
+    device = trainer.accelerator.device
+    devices = [device.index or 0] if device.type == "cuda" else []
+    queries = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            responses = trainer.generate(queries, length_sampler=lambda: max_new_tokens, return_prompt=False)
+    finally:
+        random.setstate(state)
+    return tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def _window_mean(history: Sequence[dict], key: str) -> float:
+    values = [float(h[key]) for h in history if key in h and not math.isnan(float(h[key]))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def run_summary(
+    history: Sequence[dict],
+    prompts: Sequence[str],
+    before: Sequence[str],
+    after: Sequence[str],
+    reward_name: str = "environment reward",
+    target_kl: float | None = None,
+    window: int = 20,
+    before_step: int = 0,
+) -> str:
+    """A short side-by-side of the run's start and end: reward, intrinsic reward, KL, distinct-2 of the rollouts
+    (means over the first and the last `window` steps) and one continuation per prompt before and after.
+
+    A reward that rises while the KL runs far past its target or the rollouts lose their diversity is the policy
+    exploiting the reward, not learning the task; the summary says so when it sees it (KL above twice the target,
+    or distinct-2 down by more than a quarter).
+    """
+    window = max(1, min(window, len(history) // 2))  # a short run compares its two halves
+    first, last = list(history[:window]), list(history[-window:])
+    n_first, n_last = (first[-1]["step"] if first else 0), len(history)
+
+    def row(name: str, key: str, fmt: str) -> str:
+        a, b = _window_mean(first, key), _window_mean(last, key)
+        return f"  {name:<34} {a:{fmt}} -> {b:{fmt}}"
+
+    kl_name = "KL to the reference" + (f" (target {target_kl:g})" if target_kl else "")
+    lines = [
+        f"Summary: means of steps 1-{n_first} -> steps {max(1, n_last - len(last) + 1)}-{n_last}",
+        row(reward_name, "env_reward", ".3f"),
+        row("intrinsic reward per sample", "intrinsic_reward", ".3f"),
+        row(kl_name, "kl", ".2f"),
+        row("distinct-2 of the rollouts", "distinct_2", ".3f"),
+    ]
+    kl_end = _window_mean(last, "kl")
+    d2_start, d2_end = _window_mean(first, "distinct_2"), _window_mean(last, "distinct_2")
+    warnings_ = []
+    if target_kl and kl_end > 2 * target_kl:
+        warnings_.append(f"the KL ends at {kl_end:.1f}, above twice its target {target_kl:g}")
+    if d2_start > 0 and d2_end < 0.75 * d2_start:
+        warnings_.append(f"distinct-2 fell from {d2_start:.2f} to {d2_end:.2f}")
+    if warnings_:
+        lines.append(
+            "  Caution: " + " and ".join(warnings_) + ": the reward gain is likely the policy exploiting the reward "
+            "(repetition, drift), not learning; check the samples and a held-out evaluation (eval_scripts/)."
+        )
+    lines.append(f"Samples (one continuation per prompt, at step {before_step} and at step {n_last}):")
+    for prompt, a, b in zip(prompts, before, after):
+        lines.append(f"  {prompt!r}")
+        lines.append(f"    before: {' '.join(a.split())!r}")
+        lines.append(f"    after:  {' '.join(b.split())!r}")
+    return "\n".join(lines)
 
 
 def _global_mean(acc, values: Sequence[float]) -> float:

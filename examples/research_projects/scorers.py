@@ -1,7 +1,8 @@
 """Environment scorers shared by the training scripts (as rewards) and the evaluation scripts (as metrics).
 
-- sentiment: VADER offline (compound c -> positive probability (c + 1) / 2), or a transformers classifier
-  (paper: lvwerra/distilbert-imdb for training, distilbert-base-uncased-finetuned-sst-2-english for evaluation);
+- sentiment: VADER offline (compound c -> positive probability (c + 1) / 2), two other offline lexicons for
+  evaluation (TextBlob's pattern adjective lexicon, AFINN-165), or a transformers classifier (paper:
+  lvwerra/distilbert-imdb for training, distilbert-base-uncased-finetuned-sst-2-english for evaluation);
 - toxicity: Perspective API when a key is given (threaded, rate-limited, retried), else the local
   alt-profanity-check classifier;
 - summarization: ROUGE-1/2/L F-measures with stemming (rouge-score).
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import threading
@@ -22,6 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm.auto import tqdm
 
 VADER = "vader"
+# Offline sentiment evaluators built independently of VADER (the embedded environment reward): TextBlob's
+# PatternAnalyzer (De Smedt & Daelemans, JMLR 2012: hand-rated adjectives of product reviews) and AFINN-165
+# (Nielsen 2011, the word list of the embedded critic, `critic_lexicon="afinn"`).
+TEXTBLOB = "textblob"
+AFINN = "afinn"
+OFFLINE_SENTIMENT = (VADER, TEXTBLOB, AFINN)
 LOCAL_TOXICITY = "profanity_check"
 PERSPECTIVE = "perspective"
 PERSPECTIVE_URL = "https://commentanalyzer.googleapis.com/v1alpha1/comments:analyze"
@@ -46,17 +54,49 @@ def _vader():
     return _VADER_ANALYZER
 
 
+def textblob_polarity(texts: Sequence[str]) -> list[float]:
+    """TextBlob's PatternAnalyzer polarity in [-1, 1] of each text (``pip install textblob``; no corpus download)."""
+    from textblob import TextBlob
+
+    return [float(TextBlob(t).sentiment.polarity) for t in texts]
+
+
+def afinn_score(texts: Sequence[str]) -> list[float]:
+    """Sum of the AFINN-165 valences (-5..5) of each text's words, a negator ("not", "n't", ...) among the three
+    preceding words of the same clause flipping a word, as the AFINN lexicon critic reads them."""
+    critic = _afinn_critic()
+    return [sum(valence for _, _, valence in critic.scored_spans(t)) for t in texts]
+
+
+_AFINN_CRITIC = None
+
+
+def _afinn_critic():
+    global _AFINN_CRITIC
+    if _AFINN_CRITIC is None:
+        from trl_stable.rewards.critic_backends import LexiconCritic
+
+        _AFINN_CRITIC = LexiconCritic("sentiment", lexicon="afinn")
+    return _AFINN_CRITIC
+
+
 def build_sentiment_classifier(
     name: str = VADER, device: int | str | None = None
 ) -> Callable[[list[str]], list[float]]:
     """A function from texts to positive-class probabilities in [0, 1].
 
     "vader": VADER's compound score c mapped to (c + 1) / 2, so "positive" (p > 0.5) means c > 0 and a text with
-    no sentiment words (c = 0) does not count as positive. Otherwise a transformers text-classification model: the
-    probability of its positive label (a label containing "POS", or LABEL_1 for unnamed binary labels).
+    no sentiment words (c = 0) does not count as positive. "textblob": TextBlob's polarity p mapped to (p + 1) / 2.
+    "afinn": the AFINN sum s mapped to (tanh(s / 5) + 1) / 2. For all three, positive means a score above 0.
+    Otherwise a transformers text-classification model: the probability of its positive label (a label containing
+    "POS", or LABEL_1 for unnamed binary labels).
     """
     if name == VADER:
         return lambda texts: [(c + 1.0) / 2.0 for c in vader_compound(texts)]
+    if name == TEXTBLOB:
+        return lambda texts: [(p + 1.0) / 2.0 for p in textblob_polarity(texts)]
+    if name == AFINN:
+        return lambda texts: [(math.tanh(s / 5.0) + 1.0) / 2.0 for s in afinn_score(texts)]
     pipe = _hf_pipeline(name, device)
 
     def score(texts: list[str]) -> list[float]:

@@ -87,6 +87,7 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
             "--ppo_config.learning_rate", "1e-3", "--ppo_config.batch_size", "4", "--ppo_config.mini_batch_size", "1",
             "--ppo_config.gradient_accumulation_steps", "2", "--ppo_config.target_kl", "3.0",
             "--ppo_config.kl_penalty", "abs", "--ppo_config.ppo_epochs", "1", *SMALL,
+            "--intrinsic_reward_max_sum", "None",  # RELC's unbounded values (the embedded default bounds the sum)
         ]  # fmt: skip
         history = mod.main(parse_script_args(mod.ScriptArguments, argv))
         received = srv.received
@@ -143,7 +144,9 @@ def test_intrinsic_threshold_and_backend_choice(load_script, tmp_path, tiny_dir)
     lexicon = critic("--intrinsic_reward_threshold", "0.0")
     ids = [tok(" a wonderful and great film")["input_ids"]] * 2
     rows = lexicon(prompts=["x", "x"], completions=["", ""], completion_ids=ids, env_rewards=[0.5, -0.5])
-    assert rows[0] is None and rows[1] is not None and max(rows[1]) == 0.5
+    assert rows[0] is None and rows[1] is not None
+    # "wonderful" and "great" get +0.5 each; the embedded default bounds the row's sum at 0.5 (halves them)
+    assert sorted(v for v in rows[1] if v) == [0.25, 0.25]
 
 
 @pytest.fixture(scope="module")

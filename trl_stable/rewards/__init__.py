@@ -30,6 +30,7 @@ from trl_stable.rewards.intrinsic import (
     CriticRewardConfig,
     build_critic_backend,
     make_intrinsic_reward,
+    scale_intrinsic_rewards,
 )
 from trl_stable.rewards.span_alignment import locate_span, span_token_rewards, token_char_offsets
 from trl_stable.rewards.step_rewards import (
@@ -61,6 +62,7 @@ __all__ = [
     "locate_span",
     "make_intrinsic_reward",
     "parse_critic_answer",
+    "scale_intrinsic_rewards",
     "span_token_rewards",
     "token_char_offsets",
     # agent-step rewards and group arena rewards (GAR)

@@ -5,8 +5,9 @@ Three backends share one interface (`CriticBackend`):
 - `OpenAICritic`: any OpenAI-compatible chat-completions server (OpenAI, vLLM, ...), with a thread pool, retries with
   exponential backoff and jitter, a per-request timeout, a rate limit and an on-disk answer cache;
 - `TransformersCritic`: a local causal LM (the policy itself for self-critique, or any other), batched greedy decoding;
-- `LexiconCritic`: no model and no network. It answers in exactly the LLM answer format, from the VADER sentiment
-  lexicon (Hutto & Gilbert, ICWSM 2014) or alt-profanity-check, so the same parsing path runs offline.
+- `LexiconCritic`: no model and no network. It answers in exactly the LLM answer format, from a sentiment lexicon
+  (VADER: Hutto & Gilbert, ICWSM 2014; or AFINN-165: Nielsen, ESWC 2011 workshop "Making Sense of Microposts") or
+  alt-profanity-check, so the same parsing path runs offline.
 
 RELC (Cao et al., EMNLP 2024) queried its critic with 2 workers, serially per batch, with no retry budget, no timeout
 and no cache; a failed call returned None and crashed its parser. Here a failed request is None, counted, and the
@@ -990,12 +991,42 @@ def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
     return out
 
 
+SENTIMENT_LEXICONS = ("vader", "afinn")
+# Negators of the AFINN critic: its own short list, so that it shares no word list with VADER (the embedded
+# environment reward); "n't" endings are caught separately.
+_AFINN_NEGATE = frozenset(
+    "not no never none nobody nothing neither nor nowhere without cannot hardly barely scarcely".split()
+)
+
+
+def afinn_lexicon() -> dict[str, float]:
+    """The single-word entries of AFINN-165 (Nielsen 2011; integer valences -5..5), from the `afinn` package's data
+    (``pip install afinn``). Its 30 multi-word entries ("does not work") are left out: spans are found word by word."""
+    from importlib import resources
+
+    try:
+        data = resources.files("afinn") / "data" / "AFINN-en-165.txt"
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            "The AFINN lexicon critic needs the afinn package: pip install afinn (or trl_stable[rewards])."
+        ) from err
+    lexicon = {}
+    for line in data.read_text(encoding="utf-8").splitlines():
+        word, _, value = line.rpartition("\t")
+        if word and " " not in word:
+            lexicon[word.lower()] = float(value)
+    return lexicon
+
+
 class LexiconCritic(CriticBackend):
     """Offline critic that answers in the LLM answer format from a lexicon (no network, no model).
 
-    - ``task="sentiment"``: every word whose VADER valence is at least `min_valence` in absolute value is a span;
-      a negator among the three preceding words ("not", "never", "isn't", ...) flips it and joins the span
+    - ``task="sentiment"``: every word whose valence in `lexicon` is at least `min_valence` in absolute value is a
+      span; a negator among the three preceding words ("not", "never", "isn't", ...) flips it and joins the span
       ("not good" is negative), and a preceding booster ("very") joins it. Neighbouring spans of one polarity merge.
+      ``lexicon="vader"``: VADER's word list (valences -4..4), negators and boosters. ``lexicon="afinn"``: AFINN-165
+      (valences -5..5; `min_valence` 1 takes every entry), a short negator list of its own and no boosters, so that
+      it shares no list with VADER: the critic to pair with a VADER environment reward.
     - ``task="toxicity"``: every word that alt-profanity-check scores at least `toxicity_threshold` is a toxic span
       (neighbours merge).
 
@@ -1004,14 +1035,27 @@ class LexiconCritic(CriticBackend):
 
     name = "lexicon"
 
-    def __init__(self, task: str = "sentiment", min_valence: float = 1.0, toxicity_threshold: float = 0.5) -> None:
+    def __init__(
+        self,
+        task: str = "sentiment",
+        min_valence: float = 1.0,
+        toxicity_threshold: float = 0.5,
+        lexicon: str = "vader",
+    ) -> None:
         super().__init__()
         if task not in ("sentiment", "toxicity"):
             raise ValueError(f"LexiconCritic task must be 'sentiment' or 'toxicity', got {task!r}.")
+        if lexicon not in SENTIMENT_LEXICONS:
+            raise ValueError(f"LexiconCritic lexicon must be one of {SENTIMENT_LEXICONS}, got {lexicon!r}.")
         self.task = task
+        self.lexicon = lexicon
         self.min_valence = min_valence
         self.toxicity_threshold = toxicity_threshold
-        if task == "sentiment":
+        if task == "sentiment" and lexicon == "afinn":
+            self._lexicon = afinn_lexicon()
+            self._negate = set(_AFINN_NEGATE)
+            self._boost: set[str] = set()
+        elif task == "sentiment":
             from vaderSentiment import vaderSentiment as vader
 
             self._lexicon = vader.SentimentIntensityAnalyzer().lexicon
@@ -1023,12 +1067,17 @@ class LexiconCritic(CriticBackend):
             self._predict_prob = predict_prob
 
     def __repr__(self) -> str:
+        if self.task == "sentiment":
+            return f"LexiconCritic(task={self.task!r}, lexicon={self.lexicon!r})"
         return f"LexiconCritic(task={self.task!r})"
 
-    def _sentiment(self, text: str) -> str:
+    def scored_spans(self, text: str) -> list[tuple[int, int, float]]:
+        """(start, end, valence) of each sentiment word of `text` (sentiment task): the character range includes a
+        negator that flipped the valence and a booster before the word."""
+        if self.task != "sentiment":
+            raise ValueError("scored_spans needs a sentiment LexiconCritic.")
         words = [(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(text)]
-        pos: list[tuple[int, int]] = []
-        neg: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, float]] = []
         for i, (word, start, end) in enumerate(words):
             valence = self._lexicon.get(word.lower().replace("\u2019", "'"))
             if valence is None or abs(valence) < self.min_valence:
@@ -1046,7 +1095,13 @@ class LexiconCritic(CriticBackend):
                     break
                 if abs(self._lexicon.get(w, 0.0)) >= self.min_valence:
                     break
-            (pos if valence > 0 else neg).append((lo, end))
+            spans.append((lo, end, float(valence)))
+        return spans
+
+    def _sentiment(self, text: str) -> str:
+        spans = self.scored_spans(text)
+        pos = [(lo, end) for lo, end, valence in spans if valence > 0]
+        neg = [(lo, end) for lo, end, valence in spans if valence < 0]
         return format_sentiment_answer(_merge(text, pos), _merge(text, neg))
 
     def _toxicity(self, texts: Sequence[str]) -> list[str]:

@@ -8,7 +8,8 @@ prompt with the text and names good and bad spans; token t of the completion the
              + outside_span_reward_value * [t in no span]
 
 which the trainers add to their per-token rewards (PPO: to -KL + score; GRPO: through the dense-advantage path).
-`CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
+`intrinsic_reward_coef` and `intrinsic_reward_max_sum` scale a sample's row (`scale_intrinsic_rewards`; RELC: 1 and
+no bound). `CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from trl_stable.monitoring.metric_names import (
 from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic_backends import (
     COUNTER_NAMES,
+    SENTIMENT_LEXICONS,
     CriticBackend,
     CriticJob,
     LexiconCritic,
@@ -81,6 +83,27 @@ def relc_token_reward_values(
     if task == "sentiment":
         return float(positive_reward_value), float(negative_reward_value), 0.0
     return 0.0, float(negative_reward_value), float(positive_reward_value)
+
+
+def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum: float | None = None) -> list[float]:
+    """One sample's intrinsic token rewards times `coef`, then scaled down so that their absolute sum is at most
+    `max_abs_sum` (None: no bound).
+
+    The bound keeps signs and proportions: a row whose ``sum_t |coef * r_t|`` exceeds `max_abs_sum` is multiplied by
+    ``max_abs_sum / sum_t |coef * r_t|``, so its total lies in ``[-max_abs_sum, max_abs_sum]`` however many tokens the
+    critic marked. ``coef=1, max_abs_sum=None`` (RELC) returns the row unchanged.
+
+    Example:
+        >>> scale_intrinsic_rewards([0.5, 0.5, -0.5, 0.5], coef=1.0, max_abs_sum=1.0)
+        [0.25, 0.25, -0.25, 0.25]
+    """
+    scaled = [coef * float(v) for v in row]
+    if max_abs_sum is not None:
+        total = sum(abs(v) for v in scaled)
+        if total > max_abs_sum:
+            factor = max_abs_sum / total
+            scaled = [v * factor for v in scaled]
+    return scaled
 
 
 def default_prompt_file(task: str) -> str:
@@ -189,6 +212,29 @@ class CriticRewardConfig:
         metadata={
             "help": "Only completions whose environment reward is <= this are critiqued (RELC: sentiment 10, "
             "toxicity 1.0, summarization 100). Use inf to critique every completion."
+        },
+    )
+    intrinsic_reward_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "Factor on every token's intrinsic reward, >= 0 (RELC: 1). With RELC's +-0.5 per token, a "
+            "20-token completion can carry an intrinsic sum of +-10 against an environment reward in [-1, 1]."
+        },
+    )
+    intrinsic_reward_max_sum: float | None = field(
+        default=None,
+        metadata={
+            "help": "Bound, > 0, on a sample's total absolute intrinsic reward (after intrinsic_reward_coef): a row "
+            "above it is scaled down to it, signs and proportions kept, so the critic's part stays commensurate "
+            "with the environment reward (e.g. 1.0 for a reward in [-1, 1]). None: no bound (RELC)."
+        },
+    )
+    critic_lexicon: str = field(
+        default="vader",
+        metadata={
+            "help": "Word list of the offline lexicon critic for sentiment: 'vader' (VADER's; the same lexicon as "
+            "the embedded environment reward, so the critic is that reward, densified) or 'afinn' (AFINN-165, an "
+            "independently built list; pip install afinn). Only critic_backend='lexicon', critic_task='sentiment'."
         },
     )
     prompt_file: str | None = field(
@@ -310,6 +356,27 @@ class CriticRewardConfig:
         check_env_var_name("critic_api_key_env", self.critic_api_key_env)
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
             raise ValueError(f"prompt_file {self.prompt_file!r} does not exist; pass an existing critic template.")
+        self._check_scale_and_lexicon()
+
+    def _check_scale_and_lexicon(self) -> None:
+        """Validation of `intrinsic_reward_coef`, `intrinsic_reward_max_sum` and `critic_lexicon`."""
+        if not (math.isfinite(self.intrinsic_reward_coef) and self.intrinsic_reward_coef >= 0):
+            raise ValueError(
+                f"intrinsic_reward_coef must be a finite number >= 0 (1: RELC), got {self.intrinsic_reward_coef}; "
+                "to reverse the critic's judgement swap positive_reward_value and negative_reward_value instead."
+            )
+        bound = self.intrinsic_reward_max_sum
+        if bound is not None and not (math.isfinite(bound) and bound > 0):
+            raise ValueError(
+                f"intrinsic_reward_max_sum must be a finite number > 0, or None for no bound (RELC), got {bound}."
+            )
+        if self.critic_lexicon not in SENTIMENT_LEXICONS:
+            raise ValueError(f"critic_lexicon must be one of {SENTIMENT_LEXICONS}, got {self.critic_lexicon!r}.")
+        if self.critic_lexicon != "vader" and self.critic_task != "sentiment":
+            raise ValueError(
+                f"critic_lexicon={self.critic_lexicon!r} is a sentiment lexicon; critic_task={self.critic_task!r} "
+                "has one lexicon only (leave critic_lexicon='vader')."
+            )
 
     @classmethod
     def from_relc(
@@ -344,7 +411,7 @@ class CriticRewardConfig:
 def build_critic_backend(config: CriticRewardConfig, model: Any = None, tokenizer: Any = None) -> CriticBackend:
     """The backend `config` asks for; `model`/`tokenizer` are the local critic (e.g. the policy) for 'transformers'."""
     if config.critic_backend == "lexicon":
-        return LexiconCritic(task=config.critic_task)
+        return LexiconCritic(task=config.critic_task, lexicon=config.critic_lexicon)
     if config.critic_backend == "openai":
         return OpenAICritic(
             model=config.critic_model or "gpt-4o-mini",
@@ -411,6 +478,7 @@ _STEP_COUNTERS = (
     "answers_with_ignored_text",
     "tokens_total",
     "tokens_rewarded",
+    "samples_bounded",  # rows that intrinsic_reward_max_sum scaled down
 )
 
 
@@ -661,8 +729,12 @@ class CriticIntrinsicReward:
             negative_value=self.config.negative_reward_value,
             outside_value=self.config.outside_span_reward_value,
         )
-        step["tokens_rewarded"] += sum(v != 0.0 for v in row)
-        return row
+        bound = self.config.intrinsic_reward_max_sum
+        scaled = scale_intrinsic_rewards(row, self.config.intrinsic_reward_coef, bound)
+        coef = self.config.intrinsic_reward_coef
+        step["samples_bounded"] += bound is not None and sum(abs(coef * v) for v in row) > bound
+        step["tokens_rewarded"] += sum(v != 0.0 for v in scaled)
+        return scaled
 
     def _track_failing_steps(self, all_failed: bool, step: dict | None = None) -> None:
         """Count consecutive steps in which no critique was usable (every request failed or its answer did not

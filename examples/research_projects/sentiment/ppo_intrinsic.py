@@ -9,6 +9,13 @@ Embedded default (no model named; CPU, a few minutes):
     python examples/research_projects/sentiment/ppo_intrinsic.py --use_intrinsic_reward
     accelerate launch --num_processes 1 examples/research_projects/sentiment/ppo_intrinsic.py --use_intrinsic_reward
 
+The embedded environment reward is VADER's compound score; the embedded critic reads another lexicon (AFINN-165,
+`--critic_lexicon afinn`), so it is not the reward densified, and its per-sample absolute sum is bounded by a
+quarter of the reward's range (`--intrinsic_reward_max_sum 0.5`). `--critic_lexicon vader
+--intrinsic_reward_max_sum None` is the earlier setting (critic = reward lexicon, RELC's unbounded +-0.5 per token).
+At the end the run prints a side-by-side of its first and last steps: reward, KL, distinct-2 of the rollouts and two
+continuations before / after.
+
 Paper mode (gpt2-large policy, IMDB prompts of 4-10 tokens, lvwerra/distilbert-imdb positive logit as reward, a
 GPT critic through `OPENAI_API_KEY`):
 
@@ -54,6 +61,8 @@ from research_common import (  # noqa: E402
     parse_script_args,
     ppo_mode_defaults,
     relc_length_range,
+    run_summary,
+    sample_preview,
     truncate_queries,
 )
 from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
@@ -62,6 +71,22 @@ from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
+# The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum
+# bounded by 0.5 against a reward in [-1, 1]. docs/results_relc.md measures why: unbounded (RELC's +-0.5 per token)
+# the policy collapses to repeated sentiment words whichever lexicon the critic reads; a bound of 1 or 0.5 earns
+# the same reward at matched KL, 0.5 keeping the held-out diversity and perplexity closer to the baseline's.
+EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
+# The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
+# before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
+PREVIEW_PROMPTS = ("The movie starts with", "The film is about")
+
+
+def sentiment_mode_defaults(args) -> dict:
+    """`ppo_mode_defaults`, plus `EMBEDDED_CRITIC` in embedded mode."""
+    defaults = ppo_mode_defaults(args)
+    if args is not None and is_embedded(args.ppo_config.model_name, args.offline):
+        defaults = {**defaults, "critic": {**defaults.get("critic", {}), **EMBEDDED_CRITIC}}
+    return defaults
 
 
 def _flat(name: str):
@@ -126,7 +151,7 @@ class ScriptArguments(RunArgs):
     ppo_config: SentimentPPOConfig = field(default_factory=SentimentPPOConfig)
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
     """The critic (RELC's flags: --use_intrinsic_reward, --positive_reward_value, ...)."""
-    mode_defaults = staticmethod(ppo_mode_defaults)
+    mode_defaults = staticmethod(sentiment_mode_defaults)
 
     @staticmethod
     def finalize(args: ScriptArguments) -> ScriptArguments:
@@ -158,6 +183,8 @@ def main(args: ScriptArguments) -> list[dict]:
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
     log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
+    preview_prompts = list(PREVIEW_PROMPTS)
+    before = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
 
     # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
     # the spans that made it positive or negative, and take a PPO step on the sum
@@ -170,8 +197,13 @@ def main(args: ScriptArguments) -> list[dict]:
         env_scores = [float(s) for s in sentiment(scored)]
         intrinsic = critic_token_rewards(critic, query_texts, response_texts, responses, env_scores)
         stats = trainer.step(queries, responses, token_rewards=intrinsic, scores=env_scores)
-        log.record(env_scores, intrinsic, stats)
-    return log.finish()
+        log.record(env_scores, intrinsic, stats, responses=response_texts)
+    history = log.finish()
+    after = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
+    if trainer.accelerator.is_main_process and history:
+        name = f"environment reward ({reward_model})"
+        print(run_summary(history, preview_prompts, before, after, name, ppo.target_kl, before_step=log.start))
+    return history
 
 
 if __name__ == "__main__":
