@@ -313,3 +313,21 @@ def test_vllm_helper_reads_what_ppo_sets_and_patches():
     assert "self.llm.generate(" in generate, "colocate generate no longer calls self.llm.generate (R3 capture)"
     assert "self.llm = LLM(" in inspect.getsource(VLLMGeneration._init_vllm), "the engine is no longer built by LLM"
     assert "return prompt_ids, completion_ids, logprobs, logprob_token_ids" in generate
+
+
+def test_wrapped_method_patches_the_instance_only_and_restores_it():
+    from trl_stable.trl_internals import wrapped_method
+
+    class Thing:
+        def f(self):
+            return 1
+
+    a, b = Thing(), Thing()
+    with wrapped_method(a, "f", lambda original: lambda: original() + 10):
+        assert (a.f(), b.f()) == (11, 1)  # the class and other instances are untouched
+    assert "f" not in vars(a) and a.f() == 1  # an inherited method: the instance attribute is deleted again
+    a.f = lambda: 5
+    with pytest.raises(RuntimeError), wrapped_method(a, "f", lambda original: lambda: original() * 2):
+        assert a.f() == 10
+        raise RuntimeError("restored on error too")
+    assert a.f() == 5  # an instance attribute the object had is put back

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from trl_stable.trl_internals import wrapped_method
+
 __all__ = ["SamplerLogprobRecorder", "record_sampler_logps"]
 
 
@@ -53,19 +55,14 @@ def record_sampler_logps(model):
     """
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     recorder = SamplerLogprobRecorder()
-    had_instance_attr = "_get_logits_processor" in vars(target)
-    original = target._get_logits_processor
 
-    def _with_recorder(*args, **kwargs):
-        processors = original(*args, **kwargs)
-        processors.append(recorder)
-        return processors
+    def with_recorder(original):
+        def _get_logits_processor(*args, **kwargs):
+            processors = original(*args, **kwargs)
+            processors.append(recorder)
+            return processors
 
-    target._get_logits_processor = _with_recorder
-    try:
+        return _get_logits_processor
+
+    with wrapped_method(target, "_get_logits_processor", with_recorder):
         yield recorder
-    finally:
-        if had_instance_attr:
-            target._get_logits_processor = original
-        else:
-            del target._get_logits_processor

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ __all__ = [
     "rng_state_file",
     "tokenizer_of",
     "train_mode",
+    "wrapped_method",
     "with_mask_position_ids",
 ]
 
@@ -748,3 +750,19 @@ def is_reference_pass(trainer: Any, model: torch.nn.Module) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return any(module.disable_adapters for module in unwrapped.modules() if isinstance(module, BaseTunerLayer))
+
+
+@contextmanager
+def wrapped_method(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Replace ``obj.<name>`` by ``wrap(original)`` on this instance only, and restore it on exit (also on error): an
+    attribute the instance had is put back, one it only inherited is deleted again, so the class is never touched."""
+    had_instance_attr = name in vars(obj)
+    original = getattr(obj, name)
+    setattr(obj, name, wrap(original))
+    try:
+        yield
+    finally:
+        if had_instance_attr:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)

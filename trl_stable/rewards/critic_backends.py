@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from trl_stable.redaction import check_env_var_name
+from trl_stable.rewards import chat_http
 
 logger = logging.getLogger(__name__)
 
@@ -574,10 +575,8 @@ class OpenAICritic(CriticBackend):
     def _get_client(self):
         with self._init_lock:
             if self._client is None and self.transport == "http":
-                from trl_stable.rewards.chat_http import ChatHTTPClient
-
                 url = self.base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
-                self._client = ChatHTTPClient(url, self._api_key.get())
+                self._client = chat_http.ChatHTTPClient(url, self._api_key.get())
             elif self._client is None:
                 import openai
 
@@ -612,8 +611,6 @@ class OpenAICritic(CriticBackend):
 
     def _classify(self, exc: BaseException) -> tuple[str, float | None]:
         """(counter name, Retry-After seconds); raises `_NonRetryable` for errors a retry cannot fix."""
-        from trl_stable.rewards import chat_http
-
         if self.transport == "openai":
             import openai
 

@@ -28,6 +28,7 @@ import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_stable.trainers.rollout import Rollout
+from trl_stable.trl_internals import wrapped_method
 
 __all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
 
@@ -96,24 +97,18 @@ def _engine_returns_routed_experts(enabled: bool) -> Iterator[None]:
 def _request_outputs(generation: Any) -> Iterator[list[Any]]:
     """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` during one helper call (TRL keeps only
     ids and log-probs of them); an instance-level patch, undone on exit."""
-    llm = generation.llm
     outputs: list[Any] = []
-    had_instance_attr = "generate" in vars(llm)
-    original = llm.generate
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        outputs.extend(result)
-        return result
+    def recording(original):
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            outputs.extend(result)
+            return result
 
-    llm.generate = recording
-    try:
+        return generate
+
+    with wrapped_method(generation.llm, "generate", recording):
         yield outputs
-    finally:
-        if had_instance_attr:
-            llm.generate = original
-        else:
-            del llm.generate
 
 
 class VLLMRollouts:
