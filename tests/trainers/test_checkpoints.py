@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from kill_points import fail_torch_save_on
 from ppo_test_args import tiny_ppo_args
 from transformers import TrainerCallback
 
@@ -208,18 +209,6 @@ def test_ppo_resume_after_a_kill_continues_bit_identically_with_health_and_criti
     assert resumed_critic.metrics()["critic/steps"] == 4
 
 
-def _fail_on(monkeypatch, name):
-    """torch.save raises when it writes a file named `name` (a kill while that file is written)."""
-    real = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if os.path.basename(str(getattr(f, "name", f))) == name:
-            raise OSError(f"killed while writing {name}")
-        return real(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
-
-
 def test_ppo_kill_while_saving_leaves_no_checkpoint_and_resume_falls_back(tmp_path, tokenizer, monkeypatch, caplog):
     straight, _ = ppo(tokenizer, tmp_path / "a")
     straight.train()
@@ -231,7 +220,7 @@ def test_ppo_kill_while_saving_leaves_no_checkpoint_and_resume_falls_back(tmp_pa
     def save_checkpoint(*args, **kwargs):
         steps.append(killed.state.global_step)
         if killed.state.global_step == 3:
-            _fail_on(monkeypatch, "rng_state_0.pth")  # the file the old code wrote last, after the rest
+            fail_torch_save_on(monkeypatch, "rng_state_0.pth")  # the file the old code wrote last, after the rest
         return real_save(*args, **kwargs)
 
     killed.save_checkpoint = save_checkpoint

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from kill_points import fail_torch_save_on
 
 from trl_stable import GRPOConfig, GRPOTrainer
 from trl_stable.testing import build_causal_lm
@@ -102,17 +103,6 @@ def test_resume_continues_as_the_uninterrupted_run(straight, tokenizer, tmp_path
     assert torch.equal(resumed._refill_generator.get_state(), straight._refill_generator.get_state())
 
 
-def _fail_on(monkeypatch, name):
-    real = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if os.path.basename(str(getattr(f, "name", f))) == name:
-            raise OSError(f"killed while writing {name}")
-        return real(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
-
-
 @pytest.mark.parametrize("killed_file", ["rng_state.pth", "trl_stable_state_0.pt"])
 def test_kill_while_saving_falls_back_to_the_previous_complete_checkpoint(
     straight, tokenizer, tmp_path, monkeypatch, caplog, killed_file
@@ -124,7 +114,7 @@ def test_kill_while_saving_falls_back_to_the_previous_complete_checkpoint(
 
     def save_checkpoint(model, trial):
         if killed.state.global_step == 2:
-            _fail_on(monkeypatch, killed_file)
+            fail_torch_save_on(monkeypatch, killed_file)
         return real(model, trial)
 
     killed._save_checkpoint = save_checkpoint
