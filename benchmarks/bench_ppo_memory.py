@@ -46,7 +46,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict:
 
     from trl_stable import GRPOConfig, GRPOTrainer, PPOTrainer
     from trl_stable.testing import build_causal_lm, build_tokenizer
-    from trl_stable.trainers.ppo_config import PPOConfig
+    from trl_stable.trainers.ppo.ppo_config import PPOConfig
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer()

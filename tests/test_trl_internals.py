@@ -70,7 +70,7 @@ def test_configs_carry_the_name_they_were_loaded_from(tmp_path, tokenizer):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert getattr(loaded.config, CONFIG_NAME_ATTRIBUTE) == str(tmp_path), (
         f"transformers.PretrainedConfig.{CONFIG_NAME_ATTRIBUTE} no longer holds the load path (used in "
-        "trl_stable/trainers/ppo.py and ppo_rewards.py)"
+        "trl_stable/trainers/ppo/ppo_trainer.py and ppo_rewards.py)"
     )
 
 

@@ -97,8 +97,8 @@ _LOGPS_PARAMS = (
     "compute_entropy",
     "compute_aux_loss",
 )
-_TRAINER_PY = ("trl_stable/trainers/grpo.py",)
-_CHECKPOINTS_PY = ("trl_stable/trainers/grpo_checkpoints.py",)
+_TRAINER_PY = ("trl_stable/trainers/grpo/grpo_trainer.py",)
+_CHECKPOINTS_PY = ("trl_stable/trainers/grpo/checkpoints.py",)
 
 GRPO_MEMBERS: tuple[Member, ...] = (
     Member(
@@ -247,7 +247,7 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
         "call",
         ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"),
         "None; deletes the oldest `checkpoint-*` folders beyond the limit (GRPO calls it after the marker)",
-        ("trl_stable/trainers/grpo_checkpoints.py",),
+        ("trl_stable/trainers/grpo/checkpoints.py",),
     ),
     Member(
         "transformers.modeling_layers.GradientCheckpointingLayer",
@@ -261,9 +261,9 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
 # What trl_stable's own PPOTrainer takes from TRL and transformers beyond their top-level API: helpers of
 # `trl.trainer.utils` and the `Trainer` plumbing of `transformers.trainer_callback` that `PPOPlumbing` drives itself.
 _PPO = (
-    "trl_stable/trainers/ppo_models.py",
-    "trl_stable/trainers/ppo_plumbing.py",
-    "trl_stable/trainers/ppo_rewards.py",
+    "trl_stable/trainers/ppo/models.py",
+    "trl_stable/trainers/ppo/plumbing.py",
+    "trl_stable/trainers/ppo/rewards.py",
 )
 PPO_MEMBERS: tuple[Member, ...] = (
     Member(
@@ -316,8 +316,8 @@ PPO_MEMBERS: tuple[Member, ...] = (
         _PPO[1:2],
     ),
 )
-# TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo_vllm.py`).
-_PPO_VLLM = ("trl_stable/trainers/ppo_vllm.py",)
+# TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo/vllm.py`).
+_PPO_VLLM = ("trl_stable/trainers/ppo/vllm.py",)
 _VLLM_GENERATION = "trl.generation.vllm_generation.VLLMGeneration"
 VLLM_MEMBERS: tuple[Member, ...] = (
     Member(
@@ -406,10 +406,10 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         ("trl_stable/masking/sft.py",),
     ),
 )
-# What PPOTrainer takes from TRL and accelerate to run under DeepSpeed / FSDP (`trl_stable.trainers.engines`): TRL's
-# engine helpers of `trl.models` (exported there, outside TRL's documented API) and accelerate's private setter of the
-# "this backward closes an optimizer step" flag that DeepSpeed's engine steps on.
-_ENGINES_PY = ("trl_stable/trainers/engines.py",)
+# What PPOTrainer takes from TRL and accelerate to run under DeepSpeed / FSDP (`trl_stable.trainers.ppo.engines`):
+# TRL's engine helpers of `trl.models` (exported there, outside TRL's documented API) and accelerate's private setter
+# of the "this backward closes an optimizer step" flag that DeepSpeed's engine steps on.
+_ENGINES_PY = ("trl_stable/trainers/ppo/engines.py",)
 ENGINE_MEMBERS: tuple[Member, ...] = (
     Member(
         "trl.models",
@@ -514,7 +514,7 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
-        "trl_stable.trainers.grpo_checkpoints.GRPOCheckpoints._save_checkpoint",
+        "trl_stable.trainers.grpo.checkpoints.GRPOCheckpoints._save_checkpoint",
         "transformers.Trainer._save_checkpoint",
         (
             "rotate_checkpoints(",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import trl_stable.trainers.ppo as ppo_module
+import trl_stable.trainers.ppo.ppo_trainer as ppo_module
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.masking import CompletionStepMasker, apply_step_mask
 from trl_stable.testing import build_causal_lm

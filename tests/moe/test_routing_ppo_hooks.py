@@ -8,7 +8,7 @@ import torch
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.ppo import PPOTrainer
-from trl_stable.trainers.ppo_config import PPOConfig
+from trl_stable.trainers.ppo.ppo_config import PPOConfig
 
 
 def _trainer(tmp_path, tokenizer, mode, learning_rate):

@@ -1,6 +1,6 @@
-"""PPOTrainer under accelerate's engines (`trl_stable.trainers.engines`): the shipped accelerate configs, the refusals,
-DeepSpeed ZeRO-2/3 end to end in one CPU process (generate, step, checkpoint, resume), and FSDP2's generation through
-the root in two gloo processes.
+"""PPOTrainer under accelerate's engines (`trl_stable.trainers.ppo.engines`): the shipped accelerate configs, the
+refusals, DeepSpeed ZeRO-2/3 end to end in one CPU process (generate, step, checkpoint, resume), and FSDP2's generation
+through the root in two gloo processes.
 
 What needs a GPU (two-process ZeRO, accelerate's FSDP path) is in scripts/gpu_check.sh: accelerate counts one process
 under DeepSpeed on a machine without GPUs, and sends FSDP to plain CPU data parallel there.
@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from trl_stable import PPOConfig
-from trl_stable.trainers import engines
-from trl_stable.trainers.engines import Engine, check_engine, require_deepspeed_if_asked
+from trl_stable.trainers.ppo import engines
+from trl_stable.trainers.ppo.engines import Engine, check_engine, require_deepspeed_if_asked
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "accelerate_configs"
@@ -249,9 +249,9 @@ FSDP2_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
     from trl_stable.testing import build_causal_lm, build_tokenizer
-    from trl_stable.trainers.engines import Engine, generation_call
-    from trl_stable.trainers.ppo_models import PolicyAndValue
-    from trl_stable.trainers.value_head import ValueHead
+    from trl_stable.trainers.ppo.engines import Engine, generation_call
+    from trl_stable.trainers.ppo.models import PolicyAndValue
+    from trl_stable.trainers.ppo.value_head import ValueHead
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -77,7 +77,7 @@ def test_token_level_is_keeps_the_fold(tokenizer, tmp_path):
 
 
 def test_start_up_line_names_the_paths(tokenizer, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="trl_stable.trainers.grpo"):
+    with caplog.at_level(logging.INFO, logger="trl_stable.trainers.grpo.grpo_trainer"):
         trainer = _trainer(
             tokenizer, tmp_path, importance_sampling_level="sequence", token_filter="icepop",
             advantage_estimator="rloo",

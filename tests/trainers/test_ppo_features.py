@@ -191,7 +191,7 @@ def test_turn_gae_lambda_from_turn_count_and_whitened_rewards(tmp_path, tokenize
 def test_start_up_line_names_the_active_paths(tmp_path, tokenizer, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="trl_stable.trainers.ppo"):
+    with caplog.at_level(logging.INFO, logger="trl_stable.trainers.ppo.ppo_trainer"):
         trainer = _trainer(
             tmp_path, tokenizer, use_decoupled_loss=True, token_filter="icepop", kl_penalty="k3", lam_schedule="vapo"
         )

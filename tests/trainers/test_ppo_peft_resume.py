@@ -11,7 +11,7 @@ from ppo_test_args import tiny_ppo_args
 from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.testing import build_causal_lm, save_tiny
-from trl_stable.trainers.value_head import ValueHead
+from trl_stable.trainers.ppo.value_head import ValueHead
 
 
 @dense_reward

@@ -7,10 +7,10 @@ import torch
 from huggingface_hub.utils import filter_repo_objects
 from ppo_test_args import tiny_ppo_args
 
-import trl_stable.trainers.ppo_plumbing as plumbing
+import trl_stable.trainers.ppo.plumbing as plumbing
 from trl_stable import PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
-from trl_stable.trainers.value_head import ValueHead
+from trl_stable.trainers.ppo.value_head import ValueHead
 
 SECRET = "hf_SECRETtoken0123456789"
 QUERIES = [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9, 10]), torch.tensor([11])]

@@ -14,7 +14,7 @@ from trl_stable.core.kl import kl_estimate
 from trl_stable.rewards import dense_reward
 from trl_stable.testing import build_causal_lm, build_reward_model
 from trl_stable.trainers.ppo import AdaptiveKLController, RunningMoments
-from trl_stable.trainers.value_head import ValueHead
+from trl_stable.trainers.ppo.value_head import ValueHead
 
 
 def _args(tmp_path, **kw):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import trl_stable.trainers.ppo as ppo_mod
-import trl_stable.trainers.ppo_vllm as ppo_vllm
+import trl_stable.trainers.ppo.ppo_trainer as ppo_mod
+import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
 

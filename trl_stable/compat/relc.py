@@ -34,11 +34,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from trl_stable.rewards import OpenAICritic
-from trl_stable.trainers import ppo_models
 from trl_stable.trainers.ppo import PPOTrainer as _StablePPOTrainer
-from trl_stable.trainers.ppo_config import PPOConfig as _StablePPOConfig
-from trl_stable.trainers.rollout import LengthSampler as _InclusiveLengthSampler
-from trl_stable.trainers.value_head import ValueHead
+from trl_stable.trainers.ppo import models as ppo_models
+from trl_stable.trainers.ppo.ppo_config import PPOConfig as _StablePPOConfig
+from trl_stable.trainers.ppo.rollout import LengthSampler as _InclusiveLengthSampler
+from trl_stable.trainers.ppo.value_head import ValueHead
 
 __all__ = [
     "AutoModelForCausalLMWithValueHead",
@@ -73,7 +73,7 @@ class LengthSampler(_InclusiveLengthSampler):
     """`trl.core.LengthSampler`: a length drawn uniformly from ``[min_value, max_value)``.
 
     The upper bound is exclusive, as in TRL 0.x (``range(min_value, max_value)``); trl_stable's own
-    `trl_stable.trainers.rollout.LengthSampler` includes it.
+    `trl_stable.trainers.ppo.rollout.LengthSampler` includes it.
     """
 
     def __init__(self, min_value: int, max_value: int):

@@ -15,7 +15,7 @@ What each engine changes for PPO, and where it is handled:
   it whether the micro-batch closes an optimizer step.
 - **checkpoints**: optimizer state (and under ZeRO-3 / FSDP the weights) live in shards, so PPO checkpoints store
   them with `accelerator.save_state` in an ``engine/`` folder inside the atomic checkpoint
-  (`trl_stable.trainers.ppo_plumbing`), and the model files from the gathered full state dict.
+  (`trl_stable.trainers.ppo.plumbing`), and the model files from the gathered full state dict.
 - **what is refused** (`check_engine`): combinations that cannot work, with the fix.
 """
 

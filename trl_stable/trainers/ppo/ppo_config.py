@@ -18,8 +18,8 @@ from trl_stable.config_checks import (
 from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
-from trl_stable.trainers.vllm_args import VLLMArguments
 
 _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")

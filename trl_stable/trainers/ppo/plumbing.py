@@ -44,7 +44,7 @@ from trl_stable.trainers.checkpoints import (
     temporary_folder,
     write_marker,
 )
-from trl_stable.trainers.engines import ENGINE_STATE_DIR
+from trl_stable.trainers.ppo.engines import ENGINE_STATE_DIR
 
 __all__ = ["PPOPlumbing"]
 
@@ -262,7 +262,7 @@ class PPOPlumbing:
         return (
             "\n\n## PPO value head\n\n"
             f"The policy is {policy}. The trained value head is a scalar head {critic}, kept to resume PPO or to "
-            "score states; load it with `trl_stable.trainers.value_head.ValueHead.from_pretrained(folder)`.\n"
+            "score states; load it with `trl_stable.trainers.ppo.value_head.ValueHead.from_pretrained(folder)`.\n"
         )
 
     def push_to_hub(

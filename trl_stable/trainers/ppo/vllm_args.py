@@ -1,7 +1,7 @@
 """vLLM rollout fields of trl_stable's PPOConfig (a dataclass mixin, like `StepMaskArguments`).
 
 The names and defaults are those of `trl.GRPOConfig`, so a GRPO user's vLLM settings carry over to PPO unchanged;
-`trl_stable.trainers.ppo_vllm` hands them to TRL's own vLLM helper (`trl.generation.vllm_generation.VLLMGeneration`).
+`trl_stable.trainers.ppo.vllm` hands them to TRL's own vLLM helper (`trl.generation.vllm_generation.VLLMGeneration`).
 """
 
 from __future__ import annotations

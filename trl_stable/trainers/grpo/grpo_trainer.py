@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,16 +42,10 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import is_async_callable, nanstd
 
 from trl_stable.config_checks import (
-    Bound,
     Dependent,
-    check_all_finite,
-    check_bounds,
     check_dependents,
-    check_training_length,
-    training_argument_bounds,
 )
 from trl_stable.core import (
-    NORMALIZATION_PRESETS,
     behaviour_weight,
     dense_advantages,
     filter_behaviour_weight,
@@ -60,17 +54,15 @@ from trl_stable.core import (
     overlong_penalty,
     zero_variance_groups,
 )
-from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator, is_sequence_level
+from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
-    ROUTING_REPLAY_HELP,
     RoutingHook,
     batch_routing,
-    check_routing_replay_mode,
 )
 from trl_stable.moe.layout import repad_routing
-from trl_stable.monitoring.integration import HealthArguments, attach_health_monitor, log_generation_mismatch
+from trl_stable.monitoring.integration import attach_health_monitor, log_generation_mismatch
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.monitoring.reduction import (
     Stat,
@@ -79,7 +71,6 @@ from trl_stable.monitoring.reduction import (
     reduce_metrics,
     step_mask_stats,
 )
-from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     RewardContractError,
@@ -93,8 +84,8 @@ from trl_stable.rewards.dense import (
     weighted_reward_sum,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
-from trl_stable.trainers.decoupled_args import DecoupledLossArguments
-from trl_stable.trainers.grpo_checkpoints import GRPOCheckpoints
+from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
+from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -104,7 +95,6 @@ from trl_stable.trainers.prompt_checks import (
     raise_together,
     too_long_error,
 )
-from trl_stable.trainers.step_mask_args import StepMaskArguments
 from trl_stable.trl_internals import (
     call_reward_func,
     flush_reward_logs,
@@ -122,375 +112,7 @@ from trl_stable.trl_internals import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutRecord"]
-
-# The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
-_TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
-# TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).
-_PRESET_TRL_FIELDS = {
-    "dr_grpo": {"scale_rewards": "none", "loss_type": "dr_grpo"},
-    "gdpo": {"multi_objective_aggregation": "normalize_then_sum"},
-}
-_TRL_DEFAULTS = {"scale_rewards": "group", "loss_type": "dapo", "multi_objective_aggregation": "sum_then_normalize"}
-_LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
-
-# The numeric fields trl_stable adds to `trl.GRPOConfig` and what is valid (the token filter's and the health
-# monitor's check themselves; overlong_penalty_tokens <= max_completion_length is checked with the other options).
-GRPO_BOUNDS: dict[str, Bound] = {
-    "advantage_eps": Bound(low=0.0, optional=True, fix="None uses 1e-4 (1e-6 for 'ngrpo')."),
-    "ngrpo_r_max": Bound(),
-    "ngrpo_num_virtual": Bound(low=1, integer=True, fix="NGRPO adds at least one virtual sample per group."),
-    "dynamic_sampling_max_refills": Bound(low=0, integer=True, fix="0 lets the batch shrink instead."),
-    "overlong_penalty_tokens": Bound(low=1, integer=True, optional=True, fix="None disables the overlong penalty."),
-    "overlong_penalty_factor": Bound(low=0.0, low_open=True),
-    "dense_reward_coef": Bound(),
-    "dense_reward_gamma": Bound(low=0.0, high=1.0, low_open=True),
-    "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
-}
-# TRL's own sampling, batch and loss numbers, which `trl.GRPOConfig` does not check (a top_p of 1.5 or a zero
-# temperature reaches `generate`; num_generations=0 divides by zero). Refusing them changes no valid run.
-TRL_GRPO_BOUNDS: dict[str, Bound] = {
-    "per_device_train_batch_size": Bound(low=1, integer=True),
-    "num_generations": Bound(low=2, integer=True, fix="GRPO compares completions of the same prompt."),
-    "num_generations_eval": Bound(low=1, integer=True, optional=True, fix="None uses num_generations."),
-    "max_completion_length": Bound(low=1, integer=True, optional=True),
-    "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None derives it from the batch size."),
-    "steps_per_generation": Bound(low=1, integer=True, optional=True, fix="None uses gradient_accumulation_steps."),
-    "temperature": Bound(low=0.0, low_open=True),
-    "top_p": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 turns nucleus sampling off."),
-    "top_k": Bound(low=0, integer=True, optional=True, fix="0 turns top-k off."),
-    "min_p": Bound(low=0.0, high=1.0, optional=True, fix="None turns min-p off."),
-    "repetition_penalty": Bound(low=0.0, low_open=True, fix="1.0 turns the penalty off."),
-    "beta": Bound(low=0.0, fix="0 turns the KL term off."),
-    "num_iterations": Bound(low=1, integer=True),
-    "epsilon": Bound(low=0.0, low_open=True),
-    "epsilon_high": Bound(low=0.0, low_open=True, optional=True, fix="None uses epsilon."),
-    "delta": Bound(low=1.0, low_open=True, optional=True, fix="None turns the two-sided clip off."),
-    "top_entropy_quantile": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 trains on every token."),
-    "ref_model_mixup_alpha": Bound(low=0.0, high=1.0),
-    "ref_model_sync_steps": Bound(low=1, integer=True),
-    "sapo_temperature_neg": Bound(low=0.0, low_open=True),
-    "sapo_temperature_pos": Bound(low=0.0, low_open=True),
-    "vllm_importance_sampling_clip_min": Bound(low=0.0, optional=True),
-    "vllm_importance_sampling_clip_max": Bound(low=0.0, low_open=True, optional=True),
-    "off_policy_mask_threshold": Bound(low=0.0, optional=True, fix="None turns the off-policy mask off."),
-}
-
-
-@dataclass
-class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
-    r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
-
-    Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
-    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs.
-
-    Parameters:
-        advantage_estimator (`str`, defaults to `"grpo"`):
-            One-name preset: "grpo" (TRL's group mean/std), "dr_grpo" (group mean, no std, `loss_type="dr_grpo"`),
-            "liteppo" (group mean, batch std), "rloo" (leave-one-out group mean, no std), "gdpo" (per-reward group
-            z-scores, TRL's `multi_objective_aggregation="normalize_then_sum"`), "ngrpo" (virtual max-reward samples).
-        advantage_mean_level, advantage_std_level (`str` or `None`):
-            Override the preset: "batch", "group" or "none". None keeps the preset's value.
-        advantage_leave_one_out (`bool` or `None`): Override the preset's leave-one-out mean.
-        advantage_std_unbiased (`bool`, defaults to `True`): Bessel-corrected std for the trl_stable estimators.
-        advantage_eps (`float` or `None`): Added to the std; None = 1e-4 (TRL's), 1e-6 for "ngrpo". With "grpo",
-            setting it (or `advantage_std_unbiased=False`) makes trl_stable compute the group/group advantages.
-        ngrpo_r_max (`float`, defaults to `1.0`), ngrpo_num_virtual (`int`, defaults to `1`): NGRPO's virtual samples.
-        use_decoupled_loss (`bool`, defaults to `False`): AReaL's decoupled PPO loss.
-        token_filter (`str` or `None`): "icepop" or "kpop"; needs `use_decoupled_loss`.
-        token_filter_level (`str`, defaults to `"token"`): "token" or "sequence".
-        token_filter_action (`str`, defaults to `"mask"`): "mask" or "clamp" (IcePop only).
-        token_filter_lower, token_filter_upper (`float` or `None`): The band; None = the filter's default.
-        capture_sampler_logps (`bool`, defaults to `False`): Record the HF sampler's log-probs without the
-            decoupled loss (for mismatch monitoring).
-        dynamic_sampling (`bool`, defaults to `False`): DAPO's zero-variance group filter.
-        dynamic_sampling_max_refills (`int`, defaults to `0`): Extra generation rounds that refill the batch with
-            informative groups (0: the batch shrinks instead).
-        overlong_penalty_tokens (`int` or `None`), overlong_penalty_factor (`float`, defaults to `1.0`): DAPO's soft
-            overlong punishment, added as a reward function named "overlong_penalty".
-        dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
-            discount of the dense reward-to-go added to the sequence advantage.
-        nan_reward_action (`str`, defaults to `"zero"`): What to do with a completion every reward function scored
-            None/NaN/inf: "zero" is TRL's behavior (advantage 0, outside the group baseline, still in the loss's
-            token count); "drop" (recommended) removes it from the loss (warning + counter; all unscorable raises).
-        step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
-            not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
-            `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
-        step_mask_tools (`dict`, `list`, `str` or `None`): Valid tools for `step_loss_mask`: names,
-            ``{name: signature}``, OpenAI tool specs, or a JSON string / file of these; None checks JSON and a name.
-        routing_replay (`str`, defaults to `"off"`): MoE routing replay, "off", "R2" (record in the old-logprob pass,
-            replay in the updates) or "R3" (record in the sampler, replay in the old-logprob pass and the updates);
-            see `trl_stable.moe`.
-    """
-
-    advantage_estimator: str = field(
-        default="grpo",
-        metadata={
-            "help": "Advantage estimator preset: 'grpo' (TRL default), 'dr_grpo', 'liteppo', 'rloo', 'gdpo' or "
-            "'ngrpo'. Presets set the TRL fields they need (dr_grpo: scale_rewards='none', loss_type='dr_grpo'; "
-            "gdpo: multi_objective_aggregation='normalize_then_sum')."
-        },
-    )
-    advantage_mean_level: str | None = field(
-        default=None,
-        metadata={"help": "Override the preset's mean level: 'batch', 'group' or 'none'. None keeps the preset."},
-    )
-    advantage_std_level: str | None = field(
-        default=None,
-        metadata={"help": "Override the preset's std level: 'batch', 'group' or 'none'. None keeps the preset."},
-    )
-    advantage_leave_one_out: bool | None = field(
-        default=None,
-        metadata={"help": "Override the preset's leave-one-out mean (RLOO baseline). None keeps the preset."},
-    )
-    advantage_std_unbiased: bool = field(
-        default=True, metadata={"help": "Use the unbiased (n - 1) std in trl_stable's advantage estimators."}
-    )
-    advantage_eps: float | None = field(
-        default=None,
-        metadata={
-            "help": "Added to the std when dividing. None: 1e-4 (TRL's value), 1e-6 for 'ngrpo'. Set with 'grpo' (as "
-            "is advantage_std_unbiased=False), trl_stable computes the group/group advantages itself; not for 'gdpo'."
-        },
-    )
-    ngrpo_r_max: float = field(
-        default=1.0, metadata={"help": "NGRPO: reward of the virtual samples (the best achievable reward)."}
-    )
-    ngrpo_num_virtual: int = field(default=1, metadata={"help": "NGRPO: number of virtual samples per group (>= 1)."})
-    use_decoupled_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "Decoupled PPO loss (AReaL): clip against proximal log-probs recomputed before the update, "
-            "times the behaviour weight exp(logp_prox - logp_sampler). With HF generation the sampler's log-probs "
-            "are recorded during generation."
-        },
-    )
-    # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
-    capture_sampler_logps: bool = field(
-        default=False,
-        metadata={
-            "help": "Record the HF sampler's per-token log-probs (as `sampling_per_token_logps`) even without the "
-            "decoupled loss, e.g. for mismatch monitoring."
-        },
-    )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "DAPO dynamic sampling: drop groups whose rewards are all equal from the loss and its token "
-            "normalisation."
-        },
-    )
-    dynamic_sampling_max_refills: int = field(
-        default=0,
-        metadata={
-            "help": "With dynamic_sampling: extra generation rounds (new random prompts) that refill the batch with "
-            "informative groups so it keeps its size, as DAPO does. 0: the batch shrinks instead (dropped groups are "
-            "only masked). Map-style train datasets only."
-        },
-    )
-    overlong_penalty_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "DAPO overlong penalty: the buffer (tokens) before max_completion_length where the penalty ramps "
-            "from 0 to -overlong_penalty_factor. None disables it."
-        },
-    )
-    overlong_penalty_factor: float = field(
-        default=1.0, metadata={"help": "DAPO overlong penalty at max_completion_length (a positive number)."}
-    )
-    dense_reward_coef: float = field(
-        default=1.0,
-        metadata={
-            "help": "Coefficient of the dense reward-to-go added to the sequence advantage (dense rewards only)."
-        },
-    )
-    dense_reward_gamma: float = field(default=1.0, metadata={"help": "Discount of the dense reward-to-go, in (0, 1]."})
-    nan_reward_action: str = field(
-        default="zero",
-        metadata={
-            "help": "A completion that every reward function scored None/NaN/inf: 'zero' keeps TRL's behavior "
-            "(advantage 0, outside the group baseline, still counted in the loss's token normalizer); 'drop' "
-            "(recommended) removes it from the loss with a warning and the `rewards/nan_dropped` counter (a batch "
-            "with no scorable completion raises)."
-        },
-    )
-    # step_loss_mask, step_mask_tools: from StepMaskArguments
-    routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
-
-    def __post_init__(self):
-        # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).
-        check_bounds(self, {**training_argument_bounds(self), **TRL_GRPO_BOUNDS, **GRPO_BOUNDS})
-        super().__post_init__()
-        check_all_finite(self)
-        check_training_length(self)
-        self._validate_stable_options()
-        self.validate_health_arguments()
-
-    def _validate_stable_options(self) -> None:
-        check_routing_replay_mode(self.routing_replay)
-        self.validate_step_mask_arguments()
-        if not is_sequence_level(self.advantage_estimator):
-            raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} is unknown; use one of 'grpo', 'dr_grpo', "
-                "'liteppo', 'rloo', 'gdpo', 'ngrpo' or a sequence-level estimator registered with "
-                "`trl_stable.core.estimators.register_advantage_estimator`."
-            )
-        for name in ("advantage_mean_level", "advantage_std_level"):
-            value = getattr(self, name)
-            if value is not None and value not in _LEVEL_NAMES:
-                raise ValueError(f"{name}={value!r} is invalid; use 'batch', 'group', 'none' or None (preset).")
-        fine = [
-            name
-            for name in ("advantage_mean_level", "advantage_std_level", "advantage_leave_one_out")
-            if getattr(self, name) is not None
-        ]
-        if fine and self.advantage_estimator not in NORMALIZATION_PRESETS:
-            raise ValueError(
-                f"{', '.join(fine)} cannot be combined with advantage_estimator={self.advantage_estimator!r}, which "
-                "has its own normalization; unset them or pick 'grpo'/'dr_grpo'/'liteppo'/'rloo'."
-            )
-        if self.advantage_leave_one_out and self.advantage_mean_level == "none":
-            raise ValueError(
-                "advantage_leave_one_out=True needs a mean: set advantage_mean_level='group' (RLOO) or 'batch'."
-            )
-        fixed = {"gdpo": ("advantage_eps", "advantage_std_unbiased"), "ngrpo": ("advantage_std_unbiased",)}
-        for name in fixed.get(self.advantage_estimator, ()):
-            if getattr(self, name) != _STABLE_DEFAULTS[name]:
-                raise ValueError(
-                    f"{name} does not apply to advantage_estimator={self.advantage_estimator!r}, whose std is fixed "
-                    f"(unbiased{', eps 1e-4 as in TRL' if self.advantage_estimator == 'gdpo' else ''}); unset {name}."
-                )
-        if self.scale_rewards != _TRL_DEFAULTS["scale_rewards"] and self.advantage_estimator != "dr_grpo":
-            if self.advantage_estimator != "grpo" or self._own_normalization_requested():
-                raise ValueError(
-                    f"scale_rewards={self.scale_rewards!r} is TRL's own advantage scaling, which trl_stable replaces "
-                    f"for advantage_estimator={self.advantage_estimator!r} and the advantage_* overrides; unset "
-                    "scale_rewards and choose the std with advantage_std_level ('batch', 'group' or 'none')."
-                )
-        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "gdpo":
-            if self.advantage_estimator != "grpo" or self._own_normalization_requested():
-                raise ValueError(
-                    "multi_objective_aggregation='normalize_then_sum' is GDPO's per-reward normalization and cannot "
-                    f"be combined with advantage_estimator={self.advantage_estimator!r} or the advantage_* overrides; "
-                    "use advantage_estimator='gdpo' alone."
-                )
-        for trl_field, wanted in _PRESET_TRL_FIELDS.get(self.advantage_estimator, {}).items():
-            current = getattr(self, trl_field)
-            if current == _TRL_DEFAULTS[trl_field]:
-                setattr(self, trl_field, wanted)
-            elif current != wanted and not (trl_field == "loss_type"):
-                raise ValueError(
-                    f"advantage_estimator={self.advantage_estimator!r} needs {trl_field}={wanted!r}, but "
-                    f"{trl_field}={current!r} was set; unset {trl_field} or choose another estimator."
-                )
-
-        # Decoupled loss and token filters
-        if self.use_decoupled_loss and self.loss_type == "sapo":
-            raise ValueError(
-                "loss_type='sapo' and use_decoupled_loss=True are mutually exclusive (SAPO's soft gate replaces the "
-                "clipped term the decoupled loss reweights); set use_decoupled_loss=False or another loss_type."
-            )
-        if self.use_decoupled_loss and self.loss_type == "vespo":
-            raise ValueError(
-                "loss_type='vespo' weighs sequences by its own importance ratio and cannot take the decoupled "
-                "loss's behaviour weight; set use_decoupled_loss=False or another loss_type."
-            )
-        if self.use_decoupled_loss and self.use_vllm and self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "use_decoupled_loss=True already applies the behaviour weight exp(logp_prox - logp_sampler); with "
-                "vllm_importance_sampling_correction=True it would be applied twice. Set "
-                "vllm_importance_sampling_correction=False."
-            )
-        if self.use_decoupled_loss and self.use_transformers_continuous_batching:
-            raise ValueError(
-                "use_decoupled_loss=True needs the sampler's log-probs, which transformers' continuous batching does "
-                "not return; set use_transformers_continuous_batching=False (or use vLLM)."
-            )
-        self.validate_decoupled_loss_arguments()
-
-        # Rewards
-        if self.overlong_penalty_tokens is not None:
-            if not 0 < self.overlong_penalty_tokens <= self.max_completion_length:
-                raise ValueError(
-                    f"overlong_penalty_tokens={self.overlong_penalty_tokens} must be in [1, max_completion_length="
-                    f"{self.max_completion_length}]."
-                )
-        if self.nan_reward_action not in ("drop", "zero"):
-            raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
-        hf_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
-        check_dependents(
-            self,
-            (
-                Dependent(
-                    ("ngrpo_r_max", "ngrpo_num_virtual"),
-                    self.advantage_estimator == "ngrpo" or self.health_remedy_virtual_samples,
-                    "advantage_estimator='ngrpo' (or health_remedy_virtual_samples=True, which switches to it)",
-                ),
-                Dependent(
-                    ("overlong_penalty_factor",),
-                    self.overlong_penalty_tokens is not None,
-                    "overlong_penalty_tokens set (the penalty's ramp, in tokens)",
-                ),
-                Dependent(("dynamic_sampling_max_refills",), self.dynamic_sampling, "dynamic_sampling=True"),
-                Dependent(
-                    ("capture_sampler_logps",),
-                    hf_generate,
-                    "HF generation (use_vllm=False, use_transformers_continuous_batching=False; vLLM returns the "
-                    "sampler's log-probs itself)",
-                ),
-            ),
-        )
-
-    def _own_normalization_requested(self) -> bool:
-        """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""
-        return any(
-            getattr(self, name) != _STABLE_DEFAULTS[name]
-            for name in (
-                "advantage_mean_level",
-                "advantage_std_level",
-                "advantage_leave_one_out",
-                "advantage_std_unbiased",
-                "advantage_eps",
-            )
-        )
-
-    @property
-    def advantage_settings(self) -> dict[str, Any] | None:
-        """The registered estimator trl_stable computes the advantages with, as ``{"estimator": name, **params}``.
-
-        None when TRL computes them: 'grpo', 'dr_grpo' and 'gdpo' without an advantage_* override are TRL's own
-        configurations (scale_rewards / multi_objective_aggregation), so TRL's numbers are kept bit for bit; the
-        registry's estimators of those names compute the same formulas (tests/core/test_estimators.py). Every other
-        case goes through `trl_stable.core.estimators`: there is no third route.
-        """
-        name = self.advantage_estimator
-        if name in _TRL_COMPUTED and not self._own_normalization_requested():
-            return None
-        if name == "ngrpo":
-            eps = 1e-6 if self.advantage_eps is None else self.advantage_eps
-            return {"estimator": name, "r_max": self.ngrpo_r_max, "num_virtual": self.ngrpo_num_virtual, "eps": eps}
-        if name not in NORMALIZATION_PRESETS:  # a user-registered estimator: its own defaults
-            return {"estimator": name, **({} if self.advantage_eps is None else {"eps": self.advantage_eps})}
-        settings = dict(NORMALIZATION_PRESETS[name])
-        overrides = {
-            "mean_level": self.advantage_mean_level,
-            "std_level": self.advantage_std_level,
-            "leave_one_out": self.advantage_leave_one_out,
-        }
-        for key, value in overrides.items():
-            if value is not None:
-                settings[key] = _LEVEL_NAMES[value] if key != "leave_one_out" else value
-        settings["unbiased"] = self.advantage_std_unbiased
-        settings["eps"] = 1e-4 if self.advantage_eps is None else self.advantage_eps
-        return {"estimator": name, **settings}
-
-
-# Defaults of the trl_stable fields, for a trainer given a plain `trl.GRPOConfig`.
-_STABLE_DEFAULTS = {
-    name: f.default
-    for name, f in GRPOConfig.__dataclass_fields__.items()
-    if name not in trl.GRPOConfig.__dataclass_fields__
-}
+__all__ = ["GRPOTrainer", "RolloutRecord"]
 
 
 def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
-from trl_stable.trainers.value_head import ValueHead
+from trl_stable.trainers.ppo.value_head import ValueHead
 
 __all__ = [
     "PolicyAndValue",
@@ -279,7 +279,7 @@ class PolicyAndValue(nn.Module):
     ):
         # Under FSDP2 this module is the FSDP root: a call that bypassed it would find the root's parameters
         # (embeddings, head) still sharded, so generation and the adapter-free reference pass of a PEFT policy go
-        # through here too (`trl_stable.trainers.engines`).
+        # through here too (`trl_stable.trainers.ppo.engines`).
         if generation_kwargs is not None:
             return self.policy.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
         if reference_kwargs is not None:

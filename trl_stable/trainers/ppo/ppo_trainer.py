@@ -19,8 +19,8 @@ One PPO step, top to bottom in `step`:
 4. **update** (`update`): `ppo_epochs` passes over shuffled mini-batches with the clipped policy loss (or the
    decoupled loss with IcePop / KPop) and the clipped value loss.
 
-The model wiring lives in `trl_stable.trainers.ppo_models`, the reward calling in `trl_stable.trainers.ppo_rewards`,
-and the `Trainer`-like plumbing (state, callbacks, checkpoints) in `trl_stable.trainers.ppo_plumbing`.
+The model wiring lives in `trl_stable.trainers.ppo.models`, the reward calling in `trl_stable.trainers.ppo.rewards`,
+and the `Trainer`-like plumbing (state, callbacks, checkpoints) in `trl_stable.trainers.ppo.plumbing`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from trl_stable.rewards.dense import (
     reward_numbers,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
-from trl_stable.trainers.engines import (
+from trl_stable.trainers.ppo.engines import (
     Engine,
     check_engine,
     configure_deepspeed,
@@ -82,8 +82,7 @@ from trl_stable.trainers.engines import (
     require_deepspeed_if_asked,
     sync_gradients,
 )
-from trl_stable.trainers.ppo_config import PPOConfig
-from trl_stable.trainers.ppo_models import (
+from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
     ResponseScores,
     add_fused_logprob_head,
@@ -97,9 +96,11 @@ from trl_stable.trainers.ppo_models import (
     reference_model,
     response_logprobs,
 )
-from trl_stable.trainers.ppo_plumbing import PPOPlumbing
-from trl_stable.trainers.ppo_rewards import RewardFunctions
-from trl_stable.trainers.ppo_vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
+from trl_stable.trainers.ppo.plumbing import PPOPlumbing
+from trl_stable.trainers.ppo.ppo_config import PPOConfig
+from trl_stable.trainers.ppo.rewards import RewardFunctions
+from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout
+from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -108,7 +109,6 @@ from trl_stable.trainers.prompt_checks import (
     model_context,
     too_long_error,
 )
-from trl_stable.trainers.rollout import LengthSampler, Rollout
 from trl_stable.trl_internals import model_name_of
 
 logger = logging.getLogger(__name__)
