@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 STEPS = 2
+_EXTRA = json.loads(os.environ.get("PPO_NUMBERS_EXTRA", "{}"))  # extra PPOConfig fields for every configuration
 PROMPTS = ["The movie was", "A story about", "I think that", "Great acting and", "The plot", "Nobody"]
 
 
@@ -55,7 +56,7 @@ def _weights_checksum(trainer):
 def _args(out, **overrides):
     from trl_stable import PPOConfig
 
-    base = dict(
+    base = dict(**_EXTRA,
         output_dir=out,
         batch_size=4,
         mini_batch_size=2,

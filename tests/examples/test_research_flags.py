@@ -98,7 +98,7 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
     assert (cfg.min_new_tokens, cfg.max_new_tokens) == (3, 4)  # RELC's flags: the upper bound is excluded
     assert all(h["response_len"] <= 4 for h in history)
     # --num_shared_layers: the reference model holds the policy's own first layer
-    policy_params = {p.data_ptr() for p in captured["trainer"].model.parameters()}
+    policy_params = {p.data_ptr() for p in captured["trainer"].policy.parameters()}
     assert any(p.data_ptr() in policy_params for p in captured["trainer"].ref_model.parameters())
     # --epochs 2 over 5 prompts in batches of 4: one step per epoch; --save_freq 2
     assert len(history) == 2 and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-1").exists()

@@ -20,3 +20,9 @@ def tiny_ppo_args(tmp_path, **overrides) -> PPOConfig:
     )
     base.update(overrides)
     return PPOConfig(**base)
+
+
+def step_logs(trainer) -> list[dict]:
+    """The PPO steps' entries of `trainer.state.log_history` (without Trainer's end-of-training summary and any
+    evaluation entries)."""
+    return [entry for entry in trainer.state.log_history if "loss/total" in entry]

@@ -171,8 +171,13 @@ def ppo(tokenizer, out, callbacks=(), **overrides):
 
 
 def _comparable(history):
-    """The log history without wall-clock timings."""
-    return [{k: v for k, v in h.items() if not k.startswith("time/") and "seconds" not in k} for h in history]
+    """The log history without wall-clock timings and Trainer's end-of-training summary (its runtime, and its
+    train_loss over the steps of that train() call only)."""
+    return [
+        {k: v for k, v in h.items() if not k.startswith("time/") and "seconds" not in k}
+        for h in history
+        if "train_runtime" not in h
+    ]
 
 
 def _health(out):
@@ -209,37 +214,39 @@ def test_ppo_resume_after_a_kill_continues_bit_identically_with_health_and_criti
     assert resumed_critic.metrics()["critic/steps"] == 4
 
 
-def test_ppo_kill_while_saving_leaves_no_checkpoint_and_resume_falls_back(tmp_path, tokenizer, monkeypatch, caplog):
+def test_ppo_kill_while_saving_leaves_an_incomplete_checkpoint_and_resume_falls_back(
+    tmp_path, tokenizer, monkeypatch, caplog
+):
     straight, _ = ppo(tokenizer, tmp_path / "a")
     straight.train()
 
     killed, _ = ppo(tokenizer, tmp_path / "b", save_steps=1)
     steps = []
-    real_save = killed.save_checkpoint
+    real_save = killed._save_checkpoint
 
     def save_checkpoint(*args, **kwargs):
         steps.append(killed.state.global_step)
         if killed.state.global_step == 3:
-            fail_torch_save_on(monkeypatch, "rng_state_0.pth")  # the file the old code wrote last, after the rest
+            fail_torch_save_on(monkeypatch, "rng_state.pth")  # Trainer writes it after the model and optimizer
         return real_save(*args, **kwargs)
 
-    killed.save_checkpoint = save_checkpoint
-    with pytest.raises(OSError, match="killed while writing rng_state_0.pth"):
+    killed._save_checkpoint = save_checkpoint
+    with pytest.raises(OSError, match="killed while writing rng_state.pth"):
         killed.train()
     monkeypatch.undo()
     assert steps == [1, 2, 3]
-    assert not (tmp_path / "b" / "checkpoint-3").exists()  # nothing that looks complete
-    assert (tmp_path / "b" / ".tmp-checkpoint-3").is_dir()
+    # Trainer writes checkpoint-3 in place: it is there, with its model, but marked incomplete
+    assert (tmp_path / "b" / "checkpoint-3" / "model.safetensors").is_file()
+    assert "interrupted" in checkpoint_problem(str(tmp_path / "b" / "checkpoint-3"))
 
     resumed, _ = ppo(tokenizer, tmp_path / "b", save_steps=1)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         resumed.train(resume_from_checkpoint=True)
     assert f"Resuming from {tmp_path / 'b' / 'checkpoint-2'}" in caplog.text
-    assert ".tmp-checkpoint-3: saving it was interrupted" in caplog.text
+    assert "checkpoint-3: saving it was interrupted" in caplog.text
     for (n, p), (_, q) in zip(straight.unwrapped().named_parameters(), resumed.unwrapped().named_parameters()):
         assert torch.equal(p, q), n
     assert checkpoint_problem(str(tmp_path / "b" / "checkpoint-3")) is None  # saved again, completely
-    assert not (tmp_path / "b" / ".tmp-checkpoint-3").exists()
 
 
 def test_ppo_checkpoint_without_trainer_state_or_rng_is_refused_with_the_fix(tmp_path, tokenizer):
@@ -251,16 +258,19 @@ def test_ppo_checkpoint_without_trainer_state_or_rng_is_refused_with_the_fix(tmp
         fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert f"{tmp_path / 'checkpoint-2'} has no trainer_state.json" in str(err.value)
     assert f"Fix: resume from {tmp_path / 'checkpoint-1'}" in str(err.value)
-    (tmp_path / "checkpoint-1" / "rng_state_0.pth").unlink()
-    with pytest.raises(ValueError, match=r"checkpoint-1 is not a complete checkpoint: rng_state_0\.pth is missing"):
+    (tmp_path / "checkpoint-1" / "rng_state.pth").unlink()
+    with pytest.raises(ValueError, match=r"checkpoint-1 is not a complete checkpoint: rng_state\.pth is missing"):
         fresh.load_checkpoint(str(tmp_path / "checkpoint-1"))
 
 
 def test_ppo_save_checkpoint_replaces_an_older_checkpoint_of_the_same_name(tmp_path, tokenizer):
     trainer, _ = ppo(tokenizer, tmp_path)
     trainer.step([torch.tensor([5, 6])] * 4, [torch.tensor([7, 8, 9])] * 4, scores=[1.0, 0.0, 0.5, 0.2])
-    path = trainer.save_checkpoint(str(tmp_path / "ckpt"))
-    (tmp_path / "ckpt" / "stale.txt").write_text("from an older save")
-    assert trainer.save_checkpoint(str(tmp_path / "ckpt")) == path
-    assert not (tmp_path / "ckpt" / "stale.txt").exists() and checkpoint_problem(path) is None
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "health.jsonl"]  # no temporary or old folder left
+    path = trainer.save_checkpoint()
+    assert path == str(tmp_path / "checkpoint-1") and trainer.save_checkpoint(path) == path  # its own folder: fine
+    (tmp_path / "checkpoint-1" / "stale.txt").write_text("from an older save")
+    assert trainer.save_checkpoint() == path
+    assert not (tmp_path / "checkpoint-1" / "stale.txt").exists() and checkpoint_problem(path) is None
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "health.jsonl"]
+    with pytest.raises(ValueError, match=r"set PPOConfig.output_dir"):
+        trainer.save_checkpoint(str(tmp_path / "elsewhere"))  # checkpoints live in output_dir, as in Trainer

@@ -122,19 +122,29 @@ def test_deepspeed_config_without_deepspeed_is_a_clear_import_error(monkeypatch,
     require_deepspeed_if_asked()  # not asked: no error, whatever is installed
 
 
-def test_configure_deepspeed_takes_ppo_batch_sizes_and_clipping():
-    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
-    plugin = SimpleNamespace(deepspeed_config=config, zero_stage=3)
-    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=4)
+def test_deepspeed_gets_ppo_batch_sizes_and_clipping_through_trainer():
+    # Trainer fills DeepSpeed's "auto" values from the config: the micro-batch is per_device_train_batch_size (RELC's
+    # mini_batch_size), and a number in the DeepSpeed config that disagrees is refused by transformers
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "zero_optimization": {"stage": 2},
+    }
     args = _args(batch_size=6, mini_batch_size=2, gradient_accumulation_steps=3, max_grad_norm=0.5)
-    engines.configure_deepspeed(accelerator, args)
+    deepspeed = HfTrainerDeepSpeedConfig(config)
+    deepspeed.trainer_config_process(args)
+    config = deepspeed.config
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 3
-    assert config["train_batch_size"] == "auto"  # accelerate fills 2 * 3 * 4
     assert config["gradient_clipping"] == 0.5
-    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
-    engines.configure_deepspeed(accelerator, _args(max_grad_norm=None))
-    assert "gradient_clipping" not in config
+    stage3 = {"zero_optimization": {"stage": 3}}
+    plugin = SimpleNamespace(deepspeed_config=stage3, zero_stage=3)
+    engines.configure_deepspeed(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    assert stage3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 
 # ------------------------------------------------------------------ launched runs
@@ -229,8 +239,9 @@ def test_deepspeed_zero_generate_step_checkpoint_resume(tmp_path, stage):
     assert record["engine"] == f"deepspeed_zero{stage}"
     assert record["wrapped"] == "DeepSpeedEngine" and record["ref"] == "DeepSpeedEngine"
     assert all(1 <= n <= 4 for n in record["lengths"])
-    # the checkpoint is one atomic unit with the engine's shards inside, and resuming from it repeats the next step
-    assert {"engine", "trl_stable_checkpoint.json", "model.safetensors", "value_head.safetensors"} <= set(
+    # Trainer's checkpoint with DeepSpeed's own shards (`latest` names them), marked complete, and resuming from it
+    # repeats the next step
+    assert {"latest", "trl_stable_checkpoint.json", "model.safetensors", "value_head.safetensors"} <= set(
         record["files"]
     )
     assert "trainable_weights.pt" not in record["files"]

@@ -17,8 +17,24 @@ def _queries(tokenizer):
 
 def _trainer(tmp_path, tokenizer, family="qwen2", **kw):
     model = build_causal_lm(family, tokenizer, seed=0)
+    kw.setdefault("fused_lm_head", True)  # on CPU the logits path is the default
     args = tiny_ppo_args(tmp_path, max_new_tokens=6, seed=0, temperature=0.7, **kw)
     return PPOTrainer(model, args=args, processing_class=tokenizer)
+
+
+def test_the_logits_path_is_the_cpu_default_and_fused_lm_head_chooses(tmp_path, tokenizer):
+    auto = _trainer(tmp_path / "auto", tokenizer, fused_lm_head=None)
+    assert auto.accelerator.device.type == "cpu" and not auto.fused_policy and not auto.fused_ref
+    calls, handle = _lm_head_calls(auto)
+    try:
+        auto.rollout_pass(_batch(auto, tokenizer))
+    finally:
+        handle.remove()
+    assert calls  # the logits of the response positions (`logits_to_keep`), not the fused tiles
+    on = _trainer(tmp_path / "on", tokenizer, fused_lm_head=True)
+    assert on.fused_policy and on.fused_ref
+    off = _trainer(tmp_path / "off", tokenizer, fused_lm_head=False)
+    assert not off.fused_policy and not off.fused_ref
 
 
 def _batch(trainer, tokenizer):
@@ -29,7 +45,7 @@ def _batch(trainer, tokenizer):
 
 def _lm_head_calls(trainer):
     calls = []
-    head = trainer.model.get_output_embeddings()
+    head = trainer.policy.get_output_embeddings()
     return calls, head.register_forward_hook(lambda *a: calls.append(1))
 
 

@@ -161,7 +161,10 @@ def check_replicas_and_logs_agree(run):
     assert records[0]["kl_coef"] == pytest.approx(records[1]["kl_coef"])
     assert records[0]["count"] == pytest.approx(14.0)  # 2 steps x (4 + 3 scored) samples
     # logged statistics are reduced over processes: every rank reports the same numbers
-    logs = [[{k: v for k, v in h.items() if not k.startswith("time/")} for h in r["train_logs"]] for r in records]
+    logs = [
+        [{k: v for k, v in h.items() if not k.startswith("time/")} for h in r["train_logs"] if "loss/total" in h]
+        for r in records
+    ]
     assert "behaviour_weight/max" in logs[0][0] and "critic/step_samples" in logs[0][0]
     assert len(logs[0]) == len(logs[1])
     for rank0, rank1 in zip(logs[0], logs[1]):  # one record per logged step (approx takes no nested structures)
@@ -174,7 +177,7 @@ def _per_step(records, kind):
 
 
 def check_train_logs_the_global_reward_metrics(run):
-    logs = {h["step"]: h for h in run[0]["train_logs"] if "step" in h}
+    logs = {h["step"]: h for h in run[0]["train_logs"] if "loss/total" in h}
     for step, parts in _per_step(run, "length").items():
         h = logs[step + 1]
         scored = [v for p in parts for v in p["values"] if v is not None]

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from ppo_test_args import step_logs, tiny_ppo_args
 
 from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward
@@ -60,7 +60,7 @@ def test_save_model_roundtrip(tmp_path, tokenizer):
     trainer.step([torch.tensor([5, 6])] * 4, [torch.tensor([7, 8, 9])] * 4, scores=[1.0, 0.0, 0.5, 0.2])
     trainer.save_model(str(tmp_path / "out"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    for (n, p), (_, q) in zip(trainer.model.named_parameters(), loaded.named_parameters()):
+    for (n, p), (_, q) in zip(trainer.policy.named_parameters(), loaded.named_parameters()):
         assert torch.equal(p.detach(), q), n
     head = ValueHead.from_pretrained(tmp_path / "out")
     assert torch.equal(head.summary.weight, trainer.unwrapped().value_head.summary.weight.detach())
@@ -91,8 +91,8 @@ def test_resume_reproduces_state(tmp_path, tokenizer):
         torch.testing.assert_close(p, q, msg=n)
     assert resumed.kl_ctl.value == pytest.approx(straight.kl_ctl.value)
     assert resumed.running.state_dict() == pytest.approx(straight.running.state_dict())
-    assert resumed.state.log_history[-1]["objective/rlhf_reward"] == pytest.approx(
-        straight.state.log_history[-1]["objective/rlhf_reward"]
+    assert step_logs(resumed)[-1]["objective/rlhf_reward"] == pytest.approx(
+        step_logs(straight)[-1]["objective/rlhf_reward"]
     )
 
 

@@ -1,13 +1,14 @@
-"""PPOTrainer.push_to_hub without network: the folder prepared for upload, the mocked Hub calls, no secret on disk."""
+"""PPOTrainer.push_to_hub (transformers.Trainer's) without network: the folder prepared for upload, the mocked Hub
+calls, no secret on disk."""
 
 import os
 
 import pytest
 import torch
+import transformers.trainer
 from huggingface_hub.utils import filter_repo_objects
 from ppo_test_args import tiny_ppo_args
 
-import trl_stable.trainers.ppo.plumbing as plumbing
 from trl_stable import PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
 from trl_stable.trainers.ppo.value_head import ValueHead
@@ -18,7 +19,8 @@ RESPONSES = [torch.tensor([20, 21, 22, 23]), torch.tensor([24, 25]), torch.tenso
 
 
 class FakeHub:
-    """Stands in for `huggingface_hub.HfApi`: records the calls and what `upload_folder` would send."""
+    """Stands in for `huggingface_hub.HfApi` (what transformers' `hf_api()` returns): records the calls and what
+    `upload_folder` would send."""
 
     calls: list = []
 
@@ -40,7 +42,7 @@ class FakeHub:
 @pytest.fixture
 def hub(monkeypatch):
     FakeHub.calls = []
-    monkeypatch.setattr(plumbing, "HfApi", FakeHub)
+    monkeypatch.setattr(transformers.trainer, "hf_api", FakeHub)
     return FakeHub
 
 

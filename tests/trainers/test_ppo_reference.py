@@ -18,7 +18,7 @@ from trl_stable.trainers.ppo import RunningMoments
 
 
 def _reference(trainer, queries, responses, dense, scores, kl_coef, gamma, lam, temperature, kl_penalty, bootstrap):
-    policy, ref = trainer.model, trainer.ref_model
+    policy, ref = trainer.policy, trainer.ref_model
     head = trainer.unwrapped().value_head
     eos = trainer.eos_token_id
     seq_kl, seq_reward, all_adv, all_ret, all_v = [], [], [], [], []

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from ppo_test_args import step_logs, tiny_ppo_args
 from transformers import TrainerCallback
 
 from trl_stable import PPOConfig, PPOTrainer
@@ -288,7 +288,7 @@ def test_tqdm_progress_bar(tmp_path, tokenizer, capsys):
 def test_shared_layers_reference(tmp_path, tokenizer):
     model = build_causal_lm("gpt2", tokenizer, seed=0)
     trainer = PPOTrainer(model, args=_args(tmp_path, num_shared_layers=1), processing_class=tokenizer)
-    policy = dict(trainer.model.named_parameters())
+    policy = dict(trainer.policy.named_parameters())
     ref = dict(trainer.ref_model.named_parameters())
     assert ref["transformer.h.0.attn.c_attn.weight"] is policy["transformer.h.0.attn.c_attn.weight"]
     assert not policy["transformer.h.0.attn.c_attn.weight"].requires_grad
@@ -337,7 +337,10 @@ def test_train_with_reward_functions(tmp_path, tokenizer):
     )
     out = trainer.train()
     assert out.global_step == 2
-    logs = trainer.state.log_history
+    logs = step_logs(trainer)
+    # Trainer's end-of-training summary follows the steps
+    assert {"train_runtime", "train_loss"} <= set(trainer.state.log_history[-1])
+    assert out.training_loss == pytest.approx(sum(h["loss/total"] for h in logs) / 2)
     assert len(logs) == 2 and "rewards/length_reward/mean" in logs[0] and "rewards/dense/sum_mean" in logs[0]
     assert len(seen["topic"]) == 4 and len(seen["env"]) == 4
     assert logs[-1]["dense/reward_mean"] == pytest.approx(0.5 * logs[-1]["tokens/response_len_mean"], rel=1e-5)
@@ -365,7 +368,7 @@ def test_reward_rises_on_toy_task(tmp_path, tokenizer):
     )
     trainer = PPOTrainer(model, reward_funcs=low_ids, args=args, processing_class=tokenizer, train_dataset=ds)
     trainer.train()
-    curve = [h["dense/reward_mean"] for h in trainer.state.log_history]
+    curve = [h["dense/reward_mean"] for h in step_logs(trainer)]
     assert sum(curve[-5:]) / 5 > sum(curve[:5]) / 5 + 1.5, curve
 
 

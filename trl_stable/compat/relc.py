@@ -473,7 +473,7 @@ class PPOTrainer(_StablePPOTrainer):
         No collective runs inside, so RELC's ``if accelerator.is_main_process: ppo_trainer.save_pretrained(...)``
         works with several processes; called on every process, only the main one writes."""
         if self.accelerator.is_main_process:
-            self._write_model(save_directory)
+            self._save(save_directory)
 
 
 # ---------------------------------------------------------------------------------------------------- critic

@@ -5,14 +5,11 @@ own state.
 writes it last, after every process has written its files and flushed them to disk, with the size of every file in
 the folder. Resume checks those sizes, so a file cut short or lost after the fact is noticed too.
 
-- `PPOTrainer` writes a checkpoint into a hidden temporary folder next to the final one (``.tmp-checkpoint-N``) and
-  renames it when the marker is in. A rename within one filesystem is atomic, so ``checkpoint-N`` never exists
-  half-written; a kill while saving leaves only the temporary folder.
-- `GRPOTrainer`'s checkpoints are written by transformers' `Trainer` straight into ``checkpoint-N``, file by file, the
-  trainer state last; that is not atomic, and transformers' own resume takes the highest-numbered folder whatever it
-  holds. trl_stable writes the marker with ``"complete": false`` before transformers starts and with ``true`` after
-  it (and its own state file) is done, and rotates old checkpoints (``save_total_limit``) only then, so a kill while
-  saving leaves a folder that resume recognises and skips, and the previous complete checkpoint is still there.
+Both trainers' checkpoints are written by transformers' `Trainer` straight into ``checkpoint-N``, file by file, the
+trainer state last; that is not atomic, and transformers' own resume takes the highest-numbered folder whatever it
+holds. trl_stable writes the marker with ``"complete": false`` before transformers starts and with ``true`` after it
+(and its own state file) is done, and rotates old checkpoints (``save_total_limit``) only then, so a kill while saving
+leaves a folder that resume recognises and skips, and the previous complete checkpoint is still there.
 
 **Resume** (`resolve_checkpoint`). ``resume_from_checkpoint=True`` takes the newest complete checkpoint of
 ``output_dir`` and logs each newer one it skipped, with the reason. An explicit folder must be complete; one
@@ -34,7 +31,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +46,10 @@ __all__ = [
     "fsync_tree",
     "load_stable_state",
     "newest_complete_checkpoint",
-    "publish",
     "resolve_checkpoint",
     "restore_stable_state",
     "save_durably",
     "stable_state_file",
-    "temporary_folder",
     "write_marker",
 ]
 
@@ -63,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 MARKER_FILE = "trl_stable_checkpoint.json"
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written by both trainers
-TMP_PREFIX = ".tmp-"
-_OLD_PREFIX = ".old-"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _FORMAT = 1
 
@@ -72,13 +64,6 @@ _FORMAT = 1
 def stable_state_file(process_index: int) -> str:
     """The name of trl_stable's state file of process `process_index` in a checkpoint."""
     return f"trl_stable_state_{process_index}.pt"
-
-
-def temporary_folder(final: str) -> str:
-    """The folder a checkpoint is written into before it is renamed to `final`: a hidden sibling, on the same
-    filesystem (so the rename is atomic) and matching neither ``checkpoint-N`` nor transformers' ``checkpoint-*``."""
-    final = os.path.normpath(final)
-    return os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final))
 
 
 # ---------------------------------------------------------------------------------------------------- durable writes
@@ -151,21 +136,6 @@ def write_marker(folder: str, global_step: int, num_processes: int) -> None:
     _write_json_durably(marker, os.path.join(folder, MARKER_FILE))
 
 
-def publish(tmp: str, final: str) -> None:
-    """Rename the finished checkpoint `tmp` to `final`; an existing `final` (an older save of the same step, e.g.
-    from a run that got further before it was restarted) is replaced."""
-    parent = os.path.dirname(os.path.normpath(final))
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(parent, _OLD_PREFIX + os.path.basename(os.path.normpath(final)))
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(parent or ".", directory=True)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------------------------------- checking
 def _read_marker(folder: str) -> dict[str, Any] | None:
     path = os.path.join(folder, MARKER_FILE)
@@ -214,18 +184,12 @@ def _checkpoints_newest_first(output_dir: str) -> list[str]:
 
 def newest_complete_checkpoint(output_dir: str, log: bool = True) -> str:
     """The newest complete ``checkpoint-N`` folder of `output_dir`; each newer one it skips is logged with the reason
-    (`log`), and so is a temporary folder a kill left behind.
+    (`log`).
 
     Raises:
         ValueError: when there is none, listing what was skipped and why.
     """
     skipped = []
-    if os.path.isdir(output_dir):
-        skipped += [
-            f"{name}: saving it was interrupted (a temporary folder, never renamed)"
-            for name in sorted(os.listdir(output_dir))
-            if name.startswith(TMP_PREFIX) and _CHECKPOINT.fullmatch(name[len(TMP_PREFIX) :])
-        ]
     for name in _checkpoints_newest_first(output_dir):
         path = os.path.join(output_dir, name)
         problem = checkpoint_problem(path)

@@ -18,6 +18,7 @@ The transformers / TRL members this uses are listed in `trl_stable.trl_internals
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -72,6 +73,8 @@ class GRPOCheckpoints:
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
+            if os.path.isdir(folder):  # an older save of this step (a run restarted from an earlier checkpoint)
+                shutil.rmtree(folder)
             begin_marker(folder, self.state.global_step)  # a re-save of this step is incomplete from here on
         self.accelerator.wait_for_everyone()  # no process writes into the folder while it still looks complete
         limit = self.args.save_total_limit

@@ -10,12 +10,12 @@ What each engine changes for PPO, and where it is handled:
   step all-gathers the layers and every process has to take part in each one.
 - **reference model** (`prepare_reference`): TRL's `prepare_deepspeed` (ZeRO-3 shards it too; ZeRO-1/2 keep a full
   copy per process, ZeRO stage 0) and `prepare_fsdp`, as TRL's GRPO prepares its reference.
-- **DeepSpeed's own loop** (`configure_deepspeed`, `sync_gradients`): the engine owns gradient accumulation and
-  clipping, so its micro-batch size, accumulation steps and clipping come from `PPOConfig`, and each backward tells
-  it whether the micro-batch closes an optimizer step.
-- **checkpoints**: optimizer state (and under ZeRO-3 / FSDP the weights) live in shards, so PPO checkpoints store
-  them with `accelerator.save_state` in an ``engine/`` folder inside the atomic checkpoint
-  (`trl_stable.trainers.ppo.plumbing`), and the model files from the gathered full state dict.
+- **DeepSpeed's own loop** (`sync_gradients`): the engine owns gradient accumulation and clipping; `Trainer` fills its
+  micro-batch size (`per_device_train_batch_size`), accumulation steps and clipping from `PPOConfig`, and each
+  backward tells it whether the micro-batch closes an optimizer step. Under ZeRO-3 the model is saved from the
+  gathered 16-bit weights (`configure_deepspeed`).
+- **engine set-up and checkpoints** are `Trainer`'s: the accelerator, `deepspeed_init`, `accelerator.prepare`, and
+  the engines' own checkpoint files (DeepSpeed's shards, FSDP's state dicts) inside the marked checkpoint.
 - **what is refused** (`check_engine`): combinations that cannot work, with the fix.
 """
 
@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ENGINE_STATE_DIR",
     "Engine",
     "check_engine",
     "configure_deepspeed",
@@ -42,9 +41,6 @@ __all__ = [
     "require_deepspeed_if_asked",
     "sync_gradients",
 ]
-
-# The folder of a PPO checkpoint that holds `accelerator.save_state`'s per-process files under DeepSpeed / FSDP.
-ENGINE_STATE_DIR = "engine"
 
 
 @dataclass(frozen=True)
@@ -97,11 +93,6 @@ class Engine:
         """Whether a process holds only a shard of each parameter (ZeRO-3, FSDP): full weights need a collective."""
         return self.is_zero3 or self.is_fsdp
 
-    @property
-    def shards_state(self) -> bool:
-        """Whether the optimizer state (at least) is split over processes: checkpoints go through the engine."""
-        return self.is_deepspeed or self.is_fsdp
-
 
 def require_deepspeed_if_asked() -> None:
     """Raise a clear ImportError when accelerate was asked for DeepSpeed (``accelerate launch --config_file
@@ -142,20 +133,12 @@ def check_engine(engine: Engine, args: Any, *, quantized: bool) -> None:
         )
 
 
-def configure_deepspeed(accelerator: Any, args: Any) -> None:
-    """Fill DeepSpeed's micro-batch size, accumulation steps and clipping from `args` (PPO's loop decides them; the
-    accelerate config's values would silently disagree with `mini_batch_size` / `gradient_accumulation_steps`)."""
-    config = accelerator.state.deepspeed_plugin.deepspeed_config
-    config["train_micro_batch_size_per_gpu"] = args.mini_batch_size
-    config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-    config["train_batch_size"] = "auto"  # accelerate derives it from the two above and the number of processes
+def configure_deepspeed(accelerator: Any) -> None:
+    """Under ZeRO-3, gather the 16-bit weights when the model is saved: `save_model` and checkpoints write the full
+    policy and value head (Trainer fills the batch sizes, accumulation and clipping from the config itself)."""
     if accelerator.state.deepspeed_plugin.zero_stage == 3:
-        # save_model and checkpoints write the full model from the gathered 16-bit weights
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
         config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
-    if args.max_grad_norm is not None and args.max_grad_norm > 0:
-        config["gradient_clipping"] = args.max_grad_norm
-    else:
-        config.pop("gradient_clipping", None)
 
 
 def sync_gradients(accelerator: Any, engine: Engine, last_micro_batch: bool) -> None:

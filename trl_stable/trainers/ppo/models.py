@@ -24,6 +24,7 @@ __all__ = [
     "PolicyAndValue",
     "ResponseScores",
     "add_fused_logprob_head",
+    "enable_activation_checkpointing",
     "fused_logprob_labels",
     "fused_scores",
     "backbone",
@@ -181,13 +182,20 @@ def build_value_head(
     return head, value_backbone
 
 
-def enable_gradient_checkpointing(model: nn.Module, value_backbone: nn.Module | None, is_peft: bool, args) -> None:
-    kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def enable_activation_checkpointing(model: nn.Module, value_backbone: nn.Module | None, is_peft: bool, args) -> None:
+    """Activation checkpointing of the policy (and a separate value model) with `args.activation_checkpointing_kwargs`,
+    the way `transformers.Trainer.train` switches it on (`every_n_layers` and `offload` are its own options, the
+    rest goes to `torch.utils.checkpoint`); non-reentrant unless the kwargs say otherwise."""
+    kwargs = dict(args.activation_checkpointing_kwargs or {"use_reentrant": False})
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    offload = kwargs.pop("offload", False)
+    for module in (model, value_backbone):
+        if module is not None and hasattr(module, "activation_checkpointing_enable"):
+            module.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+            )
     if is_peft and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
-    if value_backbone is not None and hasattr(value_backbone, "gradient_checkpointing_enable"):
-        value_backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
@@ -242,11 +250,25 @@ class PolicyAndValue(nn.Module):
     logits.
     """
 
+    # read by `transformers.Trainer` on the model it trains (`_issue_warnings_after_load`)
+    _keys_to_ignore_on_save = None
+
     def __init__(self, policy: nn.Module, value_head: ValueHead, value_backbone: nn.Module | None):
         super().__init__()
         self.policy = policy
         self.value_head = value_head
         self.value_backbone = value_backbone
+
+    @property
+    def config(self) -> Any:
+        # `transformers.Trainer` reads (and sets `use_cache` on) its model's config; TRL's model card names the base
+        # model from it
+        return self.policy.config
+
+    @property
+    def quantization_method(self) -> Any:
+        # `transformers.Trainer` does not move a bitsandbytes model (it is placed by its device map)
+        return getattr(self.policy, "quantization_method", None)
 
     @property
     def _no_split_modules(self) -> list[str]:

@@ -1,4 +1,11 @@
-"""Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`."""
+"""Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`.
+
+Every inherited `TrainingArguments` field is honoured the way `transformers.Trainer` honours it (PPOTrainer is a
+`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`). The batch
+fields map onto PPO's batch structure as TRL's own PPOTrainer mapped them: `per_device_train_batch_size` is the
+micro-batch (one forward/backward), `gradient_accumulation_steps` micro-batches make one optimizer step, and
+`batch_size` (rollout samples per process) is split into such mini-batches, `ppo_epochs` times over.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +31,67 @@ from trl_stable.trainers.step_mask_args import StepMaskArguments
 _KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 _AGGREGATIONS = ("sum", "normalize_then_sum")
+_NAN_REWARD_ACTIONS = ("drop", "zero")
+# The rollout batch size PPO used before `per_device_train_batch_size` took the micro-batch's role (RELC's 16).
+_DEFAULT_MICRO_BATCH = 16
+
+# `TrainingArguments` fields PPO has nothing to apply to: (the value that is accepted, why another one is refused).
+# PPO's own loop has no labels, no prediction loop and no loss over a dataloader's batches, so the settings of those
+# would be ignored; each is refused by name instead.
+PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "label_smoothing_factor": (0.0, "PPO's policy loss has no labels to smooth."),
+    "neftune_noise_alpha": (
+        None,
+        "NEFTune adds noise to the embeddings in training passes only, so the update passes would score other "
+        "inputs than the rollout pass did and the PPO ratio would not start at 1.",
+    ),
+    "use_liger_kernel": (
+        False,
+        "PPO takes its log-probs from TRL's fused LM head (`fused_lm_head`) or the logits, not from Liger's "
+        "patched cross-entropy.",
+    ),
+    "liger_kernel_config": (None, "it configures `use_liger_kernel`, which PPO does not use."),
+    "auto_find_batch_size": (
+        False,
+        "PPO's batches are set by batch_size, per_device_train_batch_size and gradient_accumulation_steps; lower "
+        "per_device_train_batch_size yourself to fit memory.",
+    ),
+    "bf16_full_eval": (False, "PPO evaluates by generating with the training policy, in its training precision."),
+    "fp16_full_eval": (False, "PPO evaluates by generating with the training policy, in its training precision."),
+    "prediction_loss_only": (False, "PPO's evaluation generates and scores completions; it predicts no loss."),
+    "eval_do_concat_batches": (True, "PPO's evaluation gathers rewards, not predictions to concatenate."),
+    "eval_use_gather_object": (False, "PPO's evaluation gathers rewards, not prediction objects."),
+    "eval_accumulation_steps": (None, "PPO's evaluation accumulates no predictions."),
+    "include_for_metrics": ([], "PPO's evaluation has no compute_metrics inputs to include."),
+    "batch_eval_metrics": (False, "PPO's evaluation has no compute_metrics to call per batch."),
+    "label_names": (None, "PPO's batches have no labels."),
+    "parallelism_config": (
+        None,
+        "PPO runs under DDP, DeepSpeed ZeRO or FSDP2 (examples/accelerate_configs/); tensor, context and "
+        "sequence parallelism are not supported.",
+    ),
+    "average_tokens_across_devices": (
+        False,
+        "PPO averages each micro-batch's loss over that micro-batch's own tokens (as RELC's PPO did), so its "
+        "normaliser never spans devices.",
+    ),
+    "remove_unused_columns": (
+        False,
+        "every column of train_dataset is passed to the reward functions, so none may be removed.",
+    ),
+    "dataloader_drop_last": (
+        True,
+        "a PPO step takes exactly batch_size prompts per process, so an incomplete last batch is always dropped.",
+    ),
+}
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
 # `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
 PPO_BOUNDS: dict[str, Bound] = {
     "num_shared_layers": Bound(low=0, integer=True, optional=True, fix="None copies every layer."),
     "batch_size": Bound(low=1, integer=True),
-    "mini_batch_size": Bound(low=1, integer=True),
+    "per_device_train_batch_size": Bound(low=1, integer=True),
+    "mini_batch_size": Bound(low=1, integer=True, optional=True, fix="None uses per_device_train_batch_size."),
     "ppo_epochs": Bound(low=1, integer=True),
     "init_kl_coef": Bound(low=0.0, fix="0 turns the KL penalty off."),
     "target": Bound(low=0.0, low_open=True, optional=True),
@@ -85,7 +146,15 @@ class PPOConfig(
     advantages come from GAE (`gamma`, `lam`). See `docs/ppo.md` for the full description.
 
     Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
-    `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front).
+    `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front),
+    `per_device_train_batch_size` 16 (the micro-batch, see below), `average_tokens_across_devices` False,
+    `remove_unused_columns` False and `dataloader_drop_last` True (what PPO's loop needs; the other values are
+    refused, as are the `TrainingArguments` fields PPO has no use for: `PPO_UNSUPPORTED`).
+
+    Batches, as in TRL's PPO: a step generates `batch_size` samples per process; `ppo_epochs` times they are
+    shuffled and cut into mini-batches of `per_device_train_batch_size * gradient_accumulation_steps` samples, one
+    optimizer step each, computed in micro-batches of `per_device_train_batch_size` (`mini_batch_size` is RELC's
+    name of the micro-batch).
 
     The health monitor (`health_*` fields, from `trl_stable.monitoring.PPOHealthArguments`) is on by default and
     only reads the logs.
@@ -99,6 +168,16 @@ class PPOConfig(
     )
     lr_scheduler_type: str = field(
         default="constant", metadata={"help": "Learning-rate schedule over optimizer steps (transformers names)."}
+    )
+    average_tokens_across_devices: bool = field(
+        default=False,
+        metadata={"help": "False: each micro-batch's loss is averaged over its own tokens (PPO's normaliser)."},
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "False: every train_dataset column reaches the reward functions."}
+    )
+    dataloader_drop_last: bool = field(
+        default=True, metadata={"help": "True: a PPO step takes exactly batch_size prompts per process."}
     )
 
     # --- model / run identity ---
@@ -145,11 +224,19 @@ class PPOConfig(
         default=16,
         metadata={"help": "Rollout samples per process per PPO step (the prompts per step in `train()`)."},
     )
-    mini_batch_size: int = field(
-        default=16,
+    per_device_train_batch_size: int = field(
+        default=_DEFAULT_MICRO_BATCH,
         metadata={
-            "help": "Samples per forward/backward pass. One optimizer step covers "
-            "`mini_batch_size * gradient_accumulation_steps` samples, which must divide `batch_size`."
+            "help": "The micro-batch: samples per forward/backward pass (TRL's PPO meaning). One optimizer step "
+            "covers `per_device_train_batch_size * gradient_accumulation_steps` samples, which must divide "
+            "`batch_size`."
+        },
+    )
+    mini_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "RELC's name of the micro-batch: when set, it is `per_device_train_batch_size` (which is set to "
+            "it). None: `per_device_train_batch_size`."
         },
     )
     ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
@@ -250,6 +337,16 @@ class PPOConfig(
         metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."},
     )
     score_clip: float | None = field(default=None, metadata={"help": "Clip the sequence scores to +-score_clip."})
+    nan_reward_action: str = field(
+        default="drop",
+        metadata={
+            "help": "A sample without a reward (every sequence-level function returned None/NaN/inf, or a NaN/inf "
+            "`step()` score or token reward): 'drop' (default) takes it out of the step (no policy or value loss, "
+            "not in the statistics; all of them dropped raises); 'zero' keeps it in the policy loss's token count "
+            "with advantage 0 and no value loss, GRPO's 'zero' (TRL's behaviour: advantage 0, still in the loss's "
+            "normaliser)."
+        },
+    )
 
     # --- generation ---
     max_prompt_length: int | None = field(
@@ -268,6 +365,15 @@ class PPOConfig(
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1.0: off)."})
     generation_batch_size: int | None = field(
         default=None, metadata={"help": "Generate in chunks of this many prompts (None: all at once)."}
+    )
+    fused_lm_head: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Compute the response tokens' log-probs through TRL's fused LM head (tiles over the vocabulary, "
+            "no [B, R, V] logits) instead of the logits of the response positions (`logits_to_keep`). The fused "
+            "head saves memory on CUDA; its CPU fallback scores every position and costs about twice the logits "
+            "path's memory and time there (benchmarks/bench_ppo_memory.py). None: fused on CUDA, logits elsewhere."
+        },
     )
     generation_kwargs: dict | None = field(
         default=None,
@@ -298,22 +404,29 @@ class PPOConfig(
     def __post_init__(self):
         if self.log_with is not None:
             self.report_to = self.log_with
+        self._resolve_micro_batch()
+        if self.max_grad_norm is None:  # PPO's spelling of "no clipping", transformers' is 0
+            self.max_grad_norm = 0.0
         # Before TrainingArguments' own checks, which divide by some of these (a zero accumulation would be a
         # ZeroDivisionError there and below, not an error naming the field).
         check_bounds(self, {**training_argument_bounds(self), **PPO_BOUNDS})
         super().__post_init__()
+        self._refuse_unsupported()
         check_all_finite(self)
         check_training_length(self)
         self.validate_health_arguments()
         from trl_stable.moe.hook import check_routing_replay_mode  # lazy: keeps this module import-light
 
         check_routing_replay_mode(self.routing_replay)
-        backward = self.mini_batch_size * self.gradient_accumulation_steps
+        backward = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if self.batch_size % backward != 0:
             raise ValueError(
-                f"batch_size ({self.batch_size}) must be divisible by mini_batch_size x gradient_accumulation_steps "
-                f"({self.mini_batch_size} x {self.gradient_accumulation_steps} = {backward}); change one of them."
+                f"batch_size ({self.batch_size}) must be divisible by per_device_train_batch_size x "
+                f"gradient_accumulation_steps ({self.per_device_train_batch_size} x {self.gradient_accumulation_steps}"
+                f" = {backward}); change one of them."
             )
+        if self.nan_reward_action not in _NAN_REWARD_ACTIONS:
+            raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
         if self.kl_penalty not in _KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {_KL_PENALTIES}, got {self.kl_penalty!r}.")
         if self.lam_schedule is not None and self.lam_schedule not in _LAM_SCHEDULES:
@@ -345,3 +458,33 @@ class PPOConfig(
         self.validate_decoupled_loss_arguments()
         self.validate_step_mask_arguments()
         self.validate_vllm_arguments()
+
+    def _resolve_micro_batch(self) -> None:
+        """`mini_batch_size` is RELC's name of `per_device_train_batch_size`: when it is set it is the micro-batch.
+        (It wins rather than conflicting: `dataclasses.replace(config, mini_batch_size=...)` carries the micro-batch
+        an earlier validation wrote into `per_device_train_batch_size`.)"""
+        if self.mini_batch_size is not None:
+            self.per_device_train_batch_size = self.mini_batch_size
+
+    def _refuse_unsupported(self) -> None:
+        """Refuse, by name, a `TrainingArguments` setting PPO would have to ignore (`PPO_UNSUPPORTED`)."""
+        for name, (accepted, why) in PPO_UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value != accepted and not (accepted == [] and not value):
+                raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
+        if self.debug:
+            raise ValueError(
+                f"debug={self.debug!r} is not supported by PPOTrainer: its options watch transformers' own training "
+                "loop (underflow/overflow hooks, TPU metrics), which PPO does not run. Leave it at ''."
+            )
+        if self.train_sampling_strategy == "batch_rebalance":
+            raise ValueError(
+                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: it balances token counts "
+                "over micro-batches of a dataloader batch, but a PPO batch is generated, not read. Use 'random', "
+                "'sequential' or 'group_by_length'."
+            )
+        if self.accelerator_config.split_batches:
+            raise ValueError(
+                "accelerator_config.split_batches=True is not supported by PPOTrainer: batch_size is the number of "
+                "prompts per process, so a batch is never split over processes. Leave it False."
+            )

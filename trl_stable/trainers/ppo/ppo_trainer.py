@@ -1,9 +1,13 @@
-"""PPO with a value model and per-token (dense) rewards, written on transformers, accelerate and peft.
+"""PPO with a value model and per-token (dense) rewards, a `transformers.Trainer` (through TRL's base trainer).
 
-TRL 1.16 ships no PPO; this is trl_stable's own. Two ways to drive it:
+TRL 1.16 ships no PPO; this is trl_stable's own, built the way TRL's last PPOTrainer was: the PPO iteration and the
+training loop are ours, everything else is `Trainer`'s — the accelerator and engine set-up (DDP, DeepSpeed, FSDP2),
+the optimizer and scheduler (every `optim`, `optim_args`), the dataloader, callbacks and `report_to` integrations,
+state and logging, checkpoint saving, rotation and resume, `push_to_hub` and the model card. Two ways to drive it:
 
 - `trainer.train()`: over a prompt dataset, with reward functions (sequence-level reward models / callables and
-  dense callables marked with `trl_stable.rewards.dense_reward`).
+  dense callables marked with `trl_stable.rewards.dense_reward`); `eval_dataset` / `eval_strategy` evaluate by
+  generating on the eval prompts and scoring them with the same functions (`evaluate`).
 - the step API of the RELC-era scripts: ``responses = trainer.generate(queries, return_prompt=False)``, compute
   rewards, then ``stats = trainer.step(queries, responses, token_rewards)``.
 
@@ -17,16 +21,16 @@ One PPO step, top to bottom in `step`:
    (`core.compose_token_rewards`), then GAE over tokens or turns (the ``"gae"`` / ``"turn_gae"`` estimators of
    `core.estimators`, the registry GRPO's estimators live in too).
 4. **update** (`update`): `ppo_epochs` passes over shuffled mini-batches with the clipped policy loss (or the
-   decoupled loss with IcePop / KPop) and the clipped value loss.
+   decoupled loss with IcePop / KPop) and the clipped value loss; one optimizer step per mini-batch.
 
-The model wiring lives in `trl_stable.trainers.ppo.models`, the reward calling in `trl_stable.trainers.ppo.rewards`,
-and the `Trainer`-like plumbing (state, callbacks, checkpoints) in `trl_stable.trainers.ppo.plumbing`.
+The model wiring lives in `trl_stable.trainers.ppo.models` and the reward calling in `trl_stable.trainers.ppo.rewards`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,11 +39,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import PartialState
+from accelerate.data_loader import skip_first_batches
 from accelerate.utils import gather_object, set_seed
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
-from transformers import AutoTokenizer, TrainerCallback, get_scheduler
-from transformers.trainer_utils import TrainOutput
+from transformers import AutoTokenizer, TrainerCallback
+from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+from transformers.optimization import GreedyLR
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, speed_metrics
+from trl.trainer.base_trainer import _BaseTrainer
 
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
@@ -72,6 +83,14 @@ from trl_stable.rewards.dense import (
     reward_numbers,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
+from trl_stable.trainers.checkpoints import (
+    TRAINER_STATE_FILE,
+    CheckpointInfo,
+    load_stable_state,
+    resolve_checkpoint,
+    restore_stable_state,
+)
+from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
 from trl_stable.trainers.ppo.engines import (
     Engine,
     check_engine,
@@ -87,7 +106,7 @@ from trl_stable.trainers.ppo.models import (
     ResponseScores,
     add_fused_logprob_head,
     build_value_head,
-    enable_gradient_checkpointing,
+    enable_activation_checkpointing,
     fused_logprob_labels,
     fused_scores,
     is_quantized,
@@ -96,10 +115,10 @@ from trl_stable.trainers.ppo.models import (
     reference_model,
     response_logprobs,
 )
-from trl_stable.trainers.ppo.plumbing import PPOPlumbing
 from trl_stable.trainers.ppo.ppo_config import PPOConfig
 from trl_stable.trainers.ppo.rewards import RewardFunctions
 from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout
+from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
@@ -109,7 +128,7 @@ from trl_stable.trainers.prompt_checks import (
     model_context,
     too_long_error,
 )
-from trl_stable.trl_internals import model_name_of
+from trl_stable.trl_internals import model_name_of, rng_state_file
 
 logger = logging.getLogger(__name__)
 
@@ -123,23 +142,46 @@ __all__ = [
     "RunningMoments",
 ]
 
+PPO_CITATION = """\
+@article{schulman2017proximal,
+    title        = {{Proximal Policy Optimization Algorithms}},
+    author       = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+    year         = 2017,
+    eprint       = {arXiv:1707.06347}
+}"""
+VALUE_MODEL_DIR = "value_model"
+# transformers' schedules that need the run's length in optimizer steps (the others run without a horizon)
+_HORIZON_FREE_SCHEDULES = ("constant", "constant_with_warmup", "reduce_lr_on_plateau")
+# schedules that step on evaluation metrics, not per optimizer step (as in Trainer's loop)
+_METRIC_SCHEDULES = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 
-class PPOTrainer(PPOPlumbing):
+
+def _rows(rows: list[dict]) -> list[dict]:
+    """The dataloader's collator: a batch is the list of its rows (prompts are tokenized by the trainer)."""
+    return rows
+
+
+class PPOTrainer(GRPOCheckpoints, _BaseTrainer):
     """PPO trainer with a value model, a reference model and per-token rewards.
+
+    A `transformers.Trainer`: `args` are honoured as `Trainer` honours them (optimizer, scheduler, callbacks,
+    logging, evaluation, checkpoints, hub), see `docs/ppo.md` for how the batch fields map onto PPO's batches.
 
     Args:
         model: The policy: a causal LM, or its name/path (loaded with `args.model_init_kwargs`). None: use
             `args.model_name`.
-        reward_funcs: Reward function(s) for `train()`: a sequence-classification model (nn.Module) or its name,
-            a callable ``f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`` (TRL's
-            reward-function signature), or a dense callable marked with `trl_stable.rewards.dense_reward` that
-            returns per-token rewards aligned to the completion tokens (called after the sequence-level ones with
-            ``env_rewards=``, the weighted sum of sequence rewards per sample). What None, NaN and inf mean is
-            `trl_stable.rewards.dense`'s contract, the same as in GRPO: a sample no sequence-level function applies
-            to is dropped. Several functions are combined with `args.reward_weights`. Not needed for the step API.
+        reward_funcs: Reward function(s) for `train()` and `evaluate()`: a sequence-classification model (nn.Module)
+            or its name, a callable ``f(prompts, completions, completion_ids, **dataset_columns) -> list[float |
+            None]`` (TRL's reward-function signature), or a dense callable marked with
+            `trl_stable.rewards.dense_reward` that returns per-token rewards aligned to the completion tokens (called
+            after the sequence-level ones with ``env_rewards=``, the weighted sum of sequence rewards per sample). What
+            None, NaN and inf mean is `trl_stable.rewards.dense`'s contract, the same as in GRPO; a sample no
+            sequence-level function applies to follows `args.nan_reward_action`. Several functions are combined with
+            `args.reward_weights`. Not needed for the step API.
         args: A `PPOConfig`. None: defaults with `output_dir="ppo_output"`.
         train_dataset: Prompts for `train()`: a "prompt" column (text or chat messages) or an "input_ids" column
             (token ids). Other columns are passed to the reward functions as keyword lists.
+        eval_dataset: Prompts for `evaluate()` (same columns), or a dict of them (each evaluated under its name).
         processing_class: The tokenizer (left padding is used for generation). None: loaded from the model name.
         ref_model: The frozen reference model. None: with `peft_config` (or a PEFT policy) the policy with its
             adapter disabled; else a frozen copy of the policy sharing its first `args.num_shared_layers` layers.
@@ -148,23 +190,27 @@ class PPOTrainer(PPOPlumbing):
             (causal LM, base model or 1-label sequence classifier): a separate critic; a 1-output `score` head is
             reused, otherwise a new value head is put on its backbone.
         reward_processing_classes: Tokenizers of the reward models (same order as `reward_funcs`; None entries:
-            the policy tokenizer when the vocabularies agree, else loaded from the reward model's name).
-        callbacks: `transformers.TrainerCallback`s; they get on_train_begin/on_step_end/on_log/on_save/on_train_end
-            with a `TrainerState` whose `log_history` holds every logged dict.
-        optimizers: (optimizer, lr_scheduler); None entries are built from `args` (AdamW over trainable params).
+            loaded from the reward model's name, as TRL's GRPO does).
+        callbacks: `transformers.TrainerCallback`s, called as `Trainer` calls them; `state.log_history` holds every
+            logged dict.
+        optimizers: (optimizer, lr_scheduler); None entries are built by `Trainer` from `args`.
         peft_config: A `peft.PeftConfig`: train a LoRA adapter (+ the value head) instead of the full policy.
         lam_fn: A callable ``lam_fn(lengths: LongTensor[B]) -> Tensor[B]`` giving a GAE lambda per sequence from
             its effective length (the number of steps GAE runs over: action tokens, or turns with `turn_ids`; 0 for
-            a dropped sample); overrides `args.lam` / `args.lam_schedule`.
+            a dropped sample); replaces `args.lam` / `args.lam_schedule`, which must then be left unset.
 
     Example:
         ```python
-        trainer = PPOTrainer(model, args=PPOConfig(output_dir="out", batch_size=8, mini_batch_size=8))
+        trainer = PPOTrainer(model, args=PPOConfig(output_dir="out", batch_size=8, per_device_train_batch_size=8))
         responses = trainer.generate(queries, return_prompt=False)
         token_rewards = [[0.0] * (len(r) - 1) + [score] for r, score in zip(responses, scores)]
         stats = trainer.step(queries, responses, token_rewards)
         ```
     """
+
+    _tag_names = ["trl", "ppo", "trl_stable"]
+    _name = "PPO"
+    _paper = {"title": "Proximal Policy Optimization Algorithms", "id": "1707.06347", "citation": PPO_CITATION}
 
     def __init__(
         self,
@@ -172,6 +218,7 @@ class PPOTrainer(PPOPlumbing):
         reward_funcs: Any | Sequence[Any] | None = None,
         args: PPOConfig | None = None,
         train_dataset: Any | None = None,
+        eval_dataset: Any | None = None,
         processing_class: Any | None = None,
         ref_model: nn.Module | None = None,
         value_model: nn.Module | None = None,
@@ -182,20 +229,18 @@ class PPOTrainer(PPOPlumbing):
         lam_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         args = PPOConfig(output_dir="ppo_output") if args is None else args
-        self.args = args
-        # None (not "no") lets `accelerate launch --mixed_precision bf16` choose when the config does not.
-        mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"args must be a trl_stable PPOConfig, got {type(args).__name__}.")
         require_deepspeed_if_asked()
-        self.accelerator = Accelerator(mixed_precision=mixed, cpu=bool(getattr(args, "use_cpu", False)))
         set_seed(args.seed)  # identical value-head init and model copies on every process
 
-        # --- policy, tokenizer, reference, value model ---
+        # --- policy, tokenizer, reference, value model: the Trainer's model is the policy + value wrapper ---
         model = args.model_name if model is None else model
         if model is None:
             raise ValueError("Pass `model` (a causal LM or its name) or set `PPOConfig.model_name`.")
         model_id = model if isinstance(model, str) else model_name_of(model)
         if isinstance(model, str):
-            model = load_policy(model, args, peft_config, self.accelerator.local_process_index)
+            model = load_policy(model, args, peft_config, PartialState().local_process_index)
         elif args.load_in_4bit or args.load_in_8bit:
             raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
         if processing_class is None:
@@ -204,47 +249,58 @@ class PPOTrainer(PPOPlumbing):
             processing_class = AutoTokenizer.from_pretrained(model_id)
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
-        self.processing_class = processing_class
         self.pad_token_id = processing_class.pad_token_id
         self.eos_token_id = processing_class.eos_token_id
-        self.engine = Engine.of(self.accelerator)
-        check_engine(self.engine, args, quantized=is_quantized(model))
         model, self.is_peft = prepare_policy(model, peft_config, args)
         if ref_model is None and not self.is_peft and is_zero3_partitioned(model):
             # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
             if not model_id:
                 raise ValueError("Under DeepSpeed ZeRO-3 pass `ref_model` (or the policy by name) for the reference.")
-            ref_model = load_policy(model_id, args, None, self.accelerator.local_process_index)
-        self.ref_model = reference_model(model, ref_model, self.is_peft, args)
+            ref_model = load_policy(model_id, args, None, PartialState().local_process_index)
+        ref_model = reference_model(model, ref_model, self.is_peft, args)
         value_head, value_backbone = build_value_head(model, value_model, args.disable_dropout)
-        if args.gradient_checkpointing:
-            enable_gradient_checkpointing(model, value_backbone, self.is_peft, args)
+        if args.activation_checkpointing:
+            enable_activation_checkpointing(model, value_backbone, self.is_peft, args)
         if is_quantized(model):
             # accelerate does not move quantised (device-mapped) models: put the head where the policy lives
             value_head.to(next(model.parameters()).device)
-        self.model = model
-        # Log-probs through TRL's fused LM head: no [B, R, V] logits outside full KL (which needs the distributions)
-        self.fused_policy = add_fused_logprob_head(model, args.temperature)
-        self.fused_ref = self.ref_model is not None and add_fused_logprob_head(self.ref_model, args.temperature)
         wrapper = PolicyAndValue(model, value_head, value_backbone)
 
-        # --- rewards, optimisation ---
-        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, processing_class)
-        optimizer, self.lr_scheduler = optimizers
-        if optimizer is None:
-            optimizer = torch.optim.AdamW(
-                [p for p in wrapper.parameters() if p.requires_grad],
-                lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon,
-                weight_decay=args.weight_decay,
+        super().__init__(
+            model=wrapper,
+            args=args,
+            data_collator=_rows,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"PPOTrainer does not run under nn.DataParallel ({self.args.n_gpu} GPUs in one process): launch one "
+                "process per GPU with `accelerate launch` (examples/accelerate_configs/multi_gpu.yaml), or make one "
+                "GPU visible (CUDA_VISIBLE_DEVICES)."
             )
-        if self.engine.is_deepspeed:
-            configure_deepspeed(self.accelerator, args)
-        self.model_wrapped, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
-        if self.ref_model is not None:
-            self.ref_model = prepare_reference(self.ref_model, self.accelerator, self.engine)
+        self.engine = Engine.of(self.accelerator)
+        check_engine(self.engine, args, quantized=is_quantized(model))
+        # Log-probs through TRL's fused LM head (no [B, R, V] logits) where it saves memory: on CUDA, or when asked
+        fused = args.fused_lm_head if args.fused_lm_head is not None else self.accelerator.device.type == "cuda"
+        self.fused_policy = fused and add_fused_logprob_head(model, args.temperature)
+        self.fused_ref = fused and ref_model is not None and add_fused_logprob_head(ref_model, args.temperature)
+
+        # --- rewards; the engine set-up, optimizer and scheduler are Trainer's (the step API needs them now) ---
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, processing_class)
         self.rewards.to(self.accelerator.device)
+        # The data order is the sampler's (seeded with `data_seed` or `seed`): built before the per-process seeding
+        # below, which the sampler would otherwise read as its seed.
+        self.train_dataloader = self.get_train_dataloader() if train_dataset is not None else None
+        if self.is_deepspeed_enabled:
+            configure_deepspeed(self.accelerator)
+        self.model_wrapped, _ = self._prepare_for_training(self._scheduler_horizon(), None, None)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model_wrapped
+        self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator, self.engine)
         self.kl_ctl = (
             AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
             if args.adap_kl_ctrl
@@ -252,14 +308,13 @@ class PPOTrainer(PPOPlumbing):
         )
         self.running = RunningMoments()
         self.lam_fn = lam_fn
-        self.train_dataset = train_dataset
         self.current_device = self.accelerator.device  # old TRL's attribute, read by RELC-era scripts
         # Invalid agent steps leave the policy loss (assign `trainer.step_masker` for environment-reported steps).
         self.step_masker = CompletionStepMasker(tools=args.step_mask_tools) if args.step_loss_mask else None
         self.routing = RoutingHook(self.unwrapped().policy, args.routing_replay)
         # The context of every model the sequences go through (a separate value model or reference may differ):
         # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
-        self.model_contexts = [model_context(m) for m in (model, value_backbone, self.ref_model) if m is not None]
+        self.model_contexts = [model_context(m) for m in (model, value_backbone, ref_model) if m is not None]
         self._check_prompts_at_start(train_dataset)
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
@@ -271,9 +326,41 @@ class PPOTrainer(PPOPlumbing):
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)
-        self._init_plumbing(callbacks)
+        self._train_begun = False
+        self._step_api_reward_funcs: list[Any] = []  # stateful reward functions a step-API loop checkpoints
+        self.tables: dict[str, dict[str, list[Any]]] = {}  # latest table per name (main process), see log_table
         self.health_monitor = attach_health_monitor(self)  # reads the logs only
         logger.info(self.describe())
+
+    def unwrapped(self) -> PolicyAndValue:
+        """The `PolicyAndValue` module (policy, value head, optional value backbone) without its engine wrapper."""
+        return self.accelerator.unwrap_model(self.model_wrapped)
+
+    def _scheduler_horizon(self) -> int:
+        """The run's length in optimizer steps, for the learning-rate schedule (1 when it needs none and none is
+        known: the step API without `max_steps`)."""
+        args = self.args
+        steps = self._max_steps(check=False) if self.train_dataloader is not None else max(args.max_steps, 0)
+        per_step = args.ppo_epochs * (
+            args.batch_size // (args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        )
+        if steps:
+            return steps * per_step
+        needs_horizon = (
+            str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) not in _HORIZON_FREE_SCHEDULES
+        )
+        if needs_horizon or 0 < args.warmup_steps < 1:
+            what = (
+                f"lr_scheduler_type={args.lr_scheduler_type!r}"
+                if needs_horizon
+                else f"warmup_steps={args.warmup_steps}"
+            )
+            raise ValueError(
+                f"{what} needs the run's length, which is unknown without a train_dataset or max_steps: set "
+                "max_steps (PPO steps the step API will run), or use lr_scheduler_type='constant' / "
+                "'constant_with_warmup' with warmup_steps >= 1."
+            )
+        return 1
 
     def describe(self) -> str:
         """One line naming the active advantage, KL, loss, filter and routing path (logged once at start-up)."""
@@ -447,9 +534,10 @@ class PPOTrainer(PPOPlumbing):
 
         The per-token PPO reward is ``-kl_coef * KL + token_rewards + score@last``. These are final rewards, not
         reward-function output: a NaN, None or infinite `token_rewards` entry or score marks a sample without a
-        reward, which is dropped with a warning (error when all are); a value that is not a number raises
-        `trl_stable.rewards.dense.RewardTypeError` (a `TypeError`) on every process. The step is logged
-        (`self.state.log_history`, callbacks).
+        reward, which `args.nan_reward_action` drops (the default; error when all are) or keeps with advantage 0, with
+        a warning; a value that is not a number raises `trl_stable.rewards.dense.RewardTypeError` (a `TypeError`) on
+        every process. The step is logged (`self.state.log_history`, callbacks) and, as `Trainer` does at the end of an
+        optimizer step, evaluated and checkpointed when `eval_strategy` / `save_strategy` say so.
 
         Returns:
             The step's statistics (objective/kl, loss/policy, loss/value, policy/clipfrac, ...).
@@ -462,9 +550,11 @@ class PPOTrainer(PPOPlumbing):
         args = self.args
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
+        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         step_start = time.time()
 
         batch = self.make_batch(queries, responses, turn_ids, routing)
+        self._count_input_tokens(batch["attention_mask"])
         self.model_wrapped.eval()
         # The forwards first: they read ids and masks only, never the rewards, so deferred rewards (a critic's
         # requests in flight) are waited for after them.
@@ -665,22 +755,30 @@ class PPOTrainer(PPOPlumbing):
         bad = ~torch.isfinite(dense).all(1)
         if score_t is not None:
             bad |= ~torch.isfinite(score_t)
+        drop = self.args.nan_reward_action == "drop"
         # decided on every process at once: a process that raised alone would leave the others hanging in a collective
-        if self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
+        if drop and self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
             raise ValueError(
                 "Every sample of the batch has a NaN or infinite reward (on at least one process); check the reward "
                 "functions."
             )
-        if bool(bad.any()):
+        if bool(bad.any()) and drop:
             warnings.warn(
                 f"Dropping {int(bad.sum())} of {n} samples with a NaN or infinite reward from this PPO step."
             )
             mask = mask * (~bad).unsqueeze(1)
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
+        elif bool(bad.any()):
+            warnings.warn(
+                f"{int(bad.sum())} of {n} samples have a NaN or infinite reward: trained with advantage 0 and no "
+                "value loss (nan_reward_action='zero')."
+            )
         valid = ~bad
-        logs = {"ppo/dropped_samples": Stat.total(bad.sum())}
+        logs = {"ppo/dropped_samples" if drop else "ppo/zeroed_samples": Stat.total(bad.sum())}
         batch["response_mask"] = mask
+        # the tokens with a value target: with 'zero' an unscored sample stays in the policy loss (advantage 0) only
+        batch["value_mask"] = mask * valid.unsqueeze(1)
         batch["valid"] = valid
         # where, not a product: NaN * 0 is NaN. Rewards on tool-output tokens (turn id -1) count nowhere.
         batch["dense_rewards"] = torch.where(mask.bool(), dense, torch.zeros_like(dense))
@@ -767,9 +865,9 @@ class PPOTrainer(PPOPlumbing):
     def rollout_pass(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Log-probs and values of the rollout policy, reference log-probs and the per-token KL, under no grad.
 
-        Runs in chunks of `mini_batch_size`; returns a copy of `batch` with `old_logprobs`, `ref_logprobs`, `values`,
-        `bootstrap_values`, `kl` and `entropy` ([B, R] / [B]) and, for R2 routing replay, the routing this pass
-        took; and the routing metrics. It reads ids and masks only, never the rewards.
+        Runs in chunks of `per_device_train_batch_size`; returns a copy of `batch` with `old_logprobs`,
+        `ref_logprobs`, `values`, `bootstrap_values`, `kl` and `entropy` ([B, R] / [B]) and, for R2 routing replay,
+        the routing this pass took; and the routing metrics. It reads ids and masks only, never the rewards.
         """
         args = self.args
         out: dict[str, list[torch.Tensor]] = {
@@ -777,8 +875,8 @@ class PPOTrainer(PPOPlumbing):
         }
         recorded = []
         n = batch["input_ids"].shape[0]
-        for start in range(0, n, args.mini_batch_size):
-            mb = {k: v[start : start + args.mini_batch_size] for k, v in batch.items()}
+        for start in range(0, n, args.per_device_train_batch_size):
+            mb = {k: v[start : start + args.per_device_train_batch_size] for k, v in batch.items()}
             full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
             with self.accelerator.autocast():
                 with self.routing.rollout_pass(mb["attention_mask"], mb.get(ROUTED_EXPERTS_KEY)) as rollout:
@@ -849,15 +947,18 @@ class PPOTrainer(PPOPlumbing):
             )
         out = get_advantage_estimator(estimator)(inputs, gamma=args.gamma, lam=lam)
         advantages, returns = out.advantages, out.returns
+        scored = batch["value_mask"]  # `mask` without the unscored samples nan_reward_action='zero' keeps
         if args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, reduce_sum=self._reduce_sum)
+            advantages = masked_whiten(advantages, scored, reduce_sum=self._reduce_sum)
+        if not bool(valid.all()):
+            advantages = advantages * valid.unsqueeze(1)
         batch = {**batch, "advantages": advantages.detach(), "returns": returns.detach(), "values": values.detach()}
 
         non_score = -kl_coef * kl
         dense = batch["dense_rewards"]
         # the reward before whitening: KL penalty + dense rewards + score
         rlhf_reward = non_score.sum(1) + dense.sum(1) + (batch["scores"] if "scores" in batch else 0.0)
-        maskb = mask.bool()
+        maskb = scored.bool()
         # sample means over every process's valid samples, token means over every process's action tokens
         stats = {
             "objective/kl": Stat.mean(kl.sum(1), valid),
@@ -904,11 +1005,11 @@ class PPOTrainer(PPOPlumbing):
 
     # ------------------------------------------------------------------ 4. update
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """`ppo_epochs` passes over shuffled mini-batches; one optimiser step per `mini_batch_size *
+        """`ppo_epochs` passes over shuffled mini-batches; one optimiser step per `per_device_train_batch_size *
         gradient_accumulation_steps` samples; early stop when the policy KL exceeds 1.5 x `target_kl`."""
         args = self.args
         n = batch["input_ids"].shape[0]
-        backward = args.mini_batch_size * args.gradient_accumulation_steps
+        backward = args.per_device_train_batch_size * args.gradient_accumulation_steps
         records: dict[str, list[float]] = {}
         early_stopped = False
         epochs_done = 0
@@ -917,11 +1018,14 @@ class PPOTrainer(PPOPlumbing):
             for start in range(0, n, backward):
                 idx = perm[start : start + backward]
                 policy_kl = torch.zeros((), device=self.accelerator.device)
-                for micro_start in range(0, backward, args.mini_batch_size):
+                for micro_start in range(0, backward, args.per_device_train_batch_size):
                     mb = _trim_micro_batch(
-                        {k: v[idx[micro_start : micro_start + args.mini_batch_size]] for k, v in batch.items()}
+                        {
+                            k: v[idx[micro_start : micro_start + args.per_device_train_batch_size]]
+                            for k, v in batch.items()
+                        }
                     )
-                    last_micro = micro_start + args.mini_batch_size >= backward
+                    last_micro = micro_start + args.per_device_train_batch_size >= backward
                     # gradients are all-reduced once per optimizer step, not once per micro-batch
                     sync = nullcontext() if last_micro else self.accelerator.no_sync(self.model_wrapped)
                     sync_gradients(self.accelerator, self.engine, last_micro)
@@ -939,12 +1043,17 @@ class PPOTrainer(PPOPlumbing):
                         self.optimizer.zero_grad()
                         early_stopped = True
                         break
-                if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                    norm = self.accelerator.clip_grad_norm_(self.model_wrapped.parameters(), args.max_grad_norm)
+                if args.max_grad_norm > 0:
+                    norm = self._clip_grad_norm(self.model_wrapped)  # Trainer's clipping (accelerate, engines)
                     if norm is not None:  # DeepSpeed clipped inside its step; None before its first step
                         records.setdefault("policy/grad_norm", []).append(float(norm))
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.optimizer.step()
-                if self.lr_scheduler is not None:
+                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                # as Trainer: no schedule step for a skipped (fp16 overflow) step; metric-driven schedules step on eval
+                if not self.accelerator.optimizer_step_was_skipped and not isinstance(
+                    self.lr_scheduler, _METRIC_SCHEDULES
+                ):
                     self.lr_scheduler.step()
                 self.optimizer.zero_grad()
             if early_stopped:
@@ -981,7 +1090,9 @@ class PPOTrainer(PPOPlumbing):
             )
         log_ratio = (logprobs - old_logprobs).detach()
         ratio = torch.exp(log_ratio)
-        vf_loss, vf_clipfrac = clipped_value_loss(vpred, mb["values"], mb["returns"], mask, args.cliprange_value)
+        vf_loss, vf_clipfrac = clipped_value_loss(
+            vpred, mb["values"], mb["returns"], mb["value_mask"], args.cliprange_value
+        )
         avg_ratio = masked_mean(ratio, mask).item()
         scale = 0.0 if avg_ratio > args.ratio_threshold else 1.0  # a loss spike: skip this micro-batch
         loss = scale * (pg_loss + args.vf_coef * vf_loss)
@@ -997,8 +1108,8 @@ class PPOTrainer(PPOPlumbing):
             "policy/entropy": masked_mean(entropy, mask).item(),
             "val/clipfrac": vf_clipfrac.item(),
             "val/ratio": avg_ratio,
-            "val/vpred": masked_mean(vpred.detach(), mask).item(),
-            "val/error": masked_mean((vpred.detach() - mb["returns"]).square(), mask).item(),
+            "val/vpred": masked_mean(vpred.detach(), mb["value_mask"]).item(),
+            "val/error": masked_mean((vpred.detach() - mb["returns"]).square(), mb["value_mask"]).item(),
             "ppo/loss_zeroed": 1.0 - scale,
         }
         return loss, stats
@@ -1011,22 +1122,23 @@ class PPOTrainer(PPOPlumbing):
         """`_reduce_sum` of a CPU tensor (the reward statistics), through the device the backend needs (NCCL)."""
         return self._reduce_sum(x.to(self.accelerator.device)).cpu()
 
-    # ------------------------------------------------------------------ train()
+    # ------------------------------------------------------------------ train() and evaluate()
     def _prompt_ids(
-        self, rows: list[dict], indices: Sequence[int] | None = None
+        self, rows: list[dict], indices: Sequence[int] | None = None, name: str = "train_dataset"
     ) -> tuple[list[Any], list[torch.Tensor]]:
-        """The prompts of `rows` (train_dataset rows `indices`, named in errors) and their token ids, cut to the last
-        `max_prompt_length` tokens.
+        """The prompts of `rows` (rows `indices` of the dataset `name`, named in errors; a batch's own positions
+        without them) and their token ids, cut to the last `max_prompt_length` tokens.
 
         Raises:
             ValueError: naming the row, when a prompt is missing (None) or empty.
         """
         tok = self.processing_class
         max_len = self.args.max_prompt_length
-        indices = range(len(rows)) if indices is None else indices
+        wheres = [f"row {i} of this {name} batch" for i in range(len(rows))]
+        if indices is not None:
+            wheres = [f"{name} row {index}" for index in indices]
         prompts, ids = [], []
-        for index, row in zip(indices, rows):
-            where = f"train_dataset row {index}"
+        for where, row in zip(wheres, rows):
             if "input_ids" in row and row["input_ids"] is not None:
                 q = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
                 prompt = row.get("prompt", tok.decode(q, skip_special_tokens=True))
@@ -1043,7 +1155,7 @@ class PPOTrainer(PPOPlumbing):
                 else:
                     q = torch.as_tensor(tok(prompt)["input_ids"], dtype=torch.long)
             else:
-                raise ValueError("train_dataset rows need a 'prompt' (text or messages) or an 'input_ids' column.")
+                raise ValueError(f"{name} rows need a 'prompt' (text or messages) or an 'input_ids' column.")
             if len(q) == 0:
                 raise ValueError(
                     f"The prompt of {where} has no tokens ({row.get('prompt', row.get('input_ids'))!r}); every sample "
@@ -1093,98 +1205,440 @@ class PPOTrainer(PPOPlumbing):
         if error is not None:
             raise error
 
-    def _steps_per_epoch(self) -> int:
-        per_step = self.args.batch_size * self.accelerator.num_processes
-        steps = len(self.train_dataset) // per_step
-        if steps == 0:
-            raise ValueError(
-                f"train_dataset has {len(self.train_dataset)} rows, fewer than one step's "
-                f"batch_size x processes = {per_step}; lower batch_size or add prompts."
-            )
-        return steps
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """`Trainer`'s training dataloader (sampler, workers, `data_seed`, accelerate's sharding over processes) with
+        `batch_size` prompts per process per batch: one batch is one PPO step."""
+        loader = self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.args.batch_size,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+        # The workers' seed from a stream of its own: drawn from the global RNG it would move every token generate
+        # samples afterwards (the sampler's order is seeded on its own, by `data_seed` or `seed`). accelerate's loader
+        # wraps the torch one, which draws it; `skip_first_batches` hands the same generator on.
+        getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(self.args.seed)
+        return loader
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Train over `train_dataset`: generate, score with `reward_funcs`, and `step`, for `args.max_steps` steps
-        (or `args.num_train_epochs` passes). Saves checkpoints per `args.save_strategy`/`save_steps`.
+    def _max_steps(self, check: bool = True) -> int:
+        """The PPO steps `train()` runs: `max_steps`, or `num_train_epochs` passes over the train dataloader. A
+        dataset smaller than one step raises (`check`) or gives 0."""
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        steps_per_epoch = len(self.train_dataloader)
+        if steps_per_epoch == 0 and not check:
+            return 0
+        if steps_per_epoch == 0:
+            per_step = args.batch_size * self.accelerator.num_processes
+            raise ValueError(
+                f"train_dataset has {len(self.train_dataset)} rows, fewer than one step's batch_size x processes = "
+                f"{per_step}; lower batch_size or add prompts."
+            )
+        return math.ceil(args.num_train_epochs * steps_per_epoch)
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
+        """Train over `train_dataset`: each batch of `batch_size` prompts is generated from, scored with
+        `reward_funcs` and trained on with `step`, for `args.max_steps` steps (or `args.num_train_epochs` passes).
+        Logging, evaluation and checkpoints follow `args` as in `transformers.Trainer`.
 
         Args:
             resume_from_checkpoint: A checkpoint directory, or True for the newest complete one in `args.output_dir`
-                (newer incomplete ones are skipped and logged). Restores weights, optimizer, scheduler, KL
-                controller, running score statistics, RNG, data position, the health monitor and the reward
-                functions' counters (see docs/reliability.md).
+                (newer incomplete ones are skipped and logged); None: `args.resume_from_checkpoint`. Restores
+                weights, optimizer, scheduler, KL controller, running score statistics, RNG, data position, the health
+                monitor and the reward functions' counters (see docs/reliability.md).
+            trial: Not supported (PPOTrainer runs no hyperparameter search).
+            ignore_keys_for_eval: Not used (PPO's evaluation returns reward metrics).
         """
+        if trial is not None:
+            raise ValueError("PPOTrainer does not run hyperparameter searches: call train() without `trial`.")
         args = self.args
-        if self.train_dataset is None:
+        if self.train_dataloader is None:
             raise ValueError("train() needs a train_dataset; for custom loops use generate() and step().")
         if not len(self.rewards):
             raise ValueError("train() needs reward_funcs; for custom loops use generate() and step().")
-        steps_per_epoch = self._steps_per_epoch()
-        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        if self.lr_scheduler is None:
-            updates = (
-                max_steps
-                * args.ppo_epochs
-                * (args.batch_size // (args.mini_batch_size * args.gradient_accumulation_steps))
-            )
-            self.lr_scheduler = get_scheduler(
-                args.lr_scheduler_type,
-                self.optimizer,
-                num_warmup_steps=args.get_warmup_steps(updates),
-                num_training_steps=updates,
-                scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
-            )
-            self.callback_handler.lr_scheduler = self.lr_scheduler
-        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)  # the newest complete one for True
-        if checkpoint is not None:
-            self.load_checkpoint(checkpoint)
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        self._memory_tracker.start()
+        self.is_in_train = True
+        max_steps = self._max_steps()
+        info = self._resolve_checkpoint(resume_from_checkpoint)  # the newest complete one for True
+        if info is not None:
+            self._load_checkpoint(info)
         self._begin(max_steps)
-        total_per_step = args.batch_size * self.accelerator.num_processes
-        rank = self.accelerator.process_index
+        start_time, start_step = time.time(), self.state.global_step
+        steps_per_epoch = len(self.train_dataloader)
         losses = []
-        while self.state.global_step < max_steps:
-            epoch, within = divmod(self.state.global_step, steps_per_epoch)
-            order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(args.seed + epoch))
-            global_idx = order[within * total_per_step : (within + 1) * total_per_step]
-            local_idx = global_idx[rank * args.batch_size : (rank + 1) * args.batch_size].tolist()
-            rows = [self.train_dataset[i] for i in local_idx]
-            prompts, queries = self._prompt_ids(rows, local_idx)
+        if args.eval_on_start:
+            self._evaluate(trial=None, ignore_keys_for_eval=None, skip_scheduler=True)
+        epoch, within = divmod(start_step, steps_per_epoch)
+        if args.ignore_data_skip:
+            within = 0  # as Trainer: a resumed epoch starts from its first batch
+        while self.state.global_step < max_steps and not self.control.should_training_stop:
+            self.train_dataloader.set_epoch(epoch)  # the sampler's order of this epoch (seed + epoch)
+            batches = skip_first_batches(self.train_dataloader, within) if within else self.train_dataloader
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            for rows in batches:
+                within += 1
+                self.state.epoch = epoch + within / steps_per_epoch
+                losses.append(self._train_step(rows))
+                if self.state.global_step >= max_steps or self.control.should_training_stop:
+                    break
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._maybe_evaluate_and_save()
+            epoch, within = epoch + 1, 0
+        finite = [loss for loss in losses if math.isfinite(loss)] if args.logging_nan_inf_filter else losses
+        # Trainer's end of training: speed metrics, the best model (load_best_model_at_end), on_train_end, hub push
+        self._tr_loss = torch.tensor(0.0)
+        self._total_loss_scalar = float(np.sum(finite)) * len(losses) / max(len(finite), 1)
+        self._initial_global_step = start_step
+        num_samples = max_steps * args.batch_size * self.accelerator.num_processes
+        return self._finalize_training(None, num_samples, start_time)
+
+    def _train_step(self, rows: list[dict]) -> float:
+        """One PPO step of `train()` on a batch of dataset rows; returns its total loss."""
+        args = self.args
+        prompts, queries = self._prompt_ids(rows)
+        responses = self.generate(queries, return_prompt=False)
+        # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract error is
+        # seen by this process only: every process must stop with it
+        pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            pending.normalize_then_sum(self._reduce_to_cpu)
+        stats = self.step(
+            queries,
+            responses,
+            token_rewards=pending.token_rewards if pending.has_dense else None,
+            scores=pending.scores,
+            extra_logs=pending.stats,  # the dense metrics join it when step() collects them
+        )
+        if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
+            self._log_completions(prompts, responses, pending.result())
+        return stats.get("loss/total", 0.0)
+
+    def evaluate(
+        self, eval_dataset: Any | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Generate a completion for every prompt of `eval_dataset` (default `self.eval_dataset`; a dict is evaluated
+        per name, its metrics prefixed ``{metric_key_prefix}_{name}``) and score it with the reward functions, as
+        TRL's GRPO evaluates: no training step, the policy as it is.
+
+        Logs and returns ``{prefix}_reward`` (the mean weighted sequence score plus dense reward of a completion, the
+        number `metric_for_best_model="reward"` reads), ``{prefix}_rewards/<function>/mean``, ``{prefix}_dense/
+        reward_mean`` with dense functions, ``{prefix}_completions/mean_length``, the critic's metrics
+        (``{prefix}_critic/...``, means over the eval batches) when one is a reward function, and the speed metrics.
+        Means are over every process's completions (the padding accelerate adds to the last batch excluded).
+        `ignore_keys` is not used.
+        """
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (PPOTrainer(eval_dataset=...) or the argument).")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if not len(self.rewards):
+            raise ValueError("evaluate() needs reward_funcs to score the completions.")
+        self._memory_tracker.start()
+        start = time.time()
+        columns: dict[str, list[torch.Tensor]] = {}
+        batch_metrics: dict[str, list[float]] = {}
+        for rows in self.get_eval_dataloader(dataset):
+            prompts, queries = self._prompt_ids(rows, name="eval_dataset")
             responses = self.generate(queries, return_prompt=False)
-            # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract
-            # error is seen by this process only: every process must stop with it
-            pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
-            if args.multi_objective_aggregation == "normalize_then_sum":
-                pending.normalize_then_sum(self._reduce_to_cpu)
-            self.state.epoch = (self.state.global_step + 1) / steps_per_epoch
-            stats = self.step(
-                queries,
-                responses,
-                token_rewards=pending.token_rewards if pending.has_dense else None,
-                scores=pending.scores,
-                extra_logs=pending.stats,  # the dense metrics join it when step() collects them
+            rewards = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+            result = rewards.result()
+            lengths = torch.tensor([float(len(r)) for r in responses])
+            per_sample = {"reward": self._completion_rewards(result), "completions/mean_length": lengths}
+            per_sample.update({f"rewards/{name}/mean": values for name, values in result.per_func.items()})
+            if result.dense is not None:
+                per_sample["dense/reward_mean"] = _dense_sums(result.dense.rows)
+            for key, values in per_sample.items():
+                gathered = self.accelerator.gather_for_metrics(values.float().to(self.accelerator.device))
+                columns.setdefault(key, []).append(gathered.cpu())
+            for key, value in reduce_metrics(result.stats, self.accelerator, names_may_differ=True).items():
+                if key.startswith("critic/"):
+                    batch_metrics.setdefault(key, []).append(float(value))
+        metrics = {}
+        for key, parts in columns.items():
+            values = torch.cat(parts)
+            finite = values[torch.isfinite(values)]
+            metrics[f"{metric_key_prefix}_{key}"] = finite.mean().item() if len(finite) else float("nan")
+        for key, values in batch_metrics.items():
+            metrics[f"{metric_key_prefix}_{key}"] = float(np.mean(values))
+        num_samples = len(torch.cat(columns["reward"])) if columns else 0
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)
+        return metrics
+
+    @staticmethod
+    def _completion_rewards(rewards: Any) -> torch.Tensor:
+        """Each completion's reward: its weighted sequence score (NaN where none applies) plus its dense sum."""
+        scores = rewards.scores.float() if rewards.scores is not None else None
+        dense = _dense_sums(rewards.dense.rows) if rewards.dense is not None else None
+        if scores is None:
+            return dense
+        return scores if dense is None else scores + dense
+
+    # ------------------------------------------------------------------ Trainer's loop events
+    def _begin(self, max_steps: int) -> None:
+        """What Trainer does before its first step: the run's length and logging/eval/save steps in the state, then
+        on_train_begin. The step API calls it at its first step (0: no planned length)."""
+        self.state.max_steps = max_steps
+        self.state.compute_steps(self.args, max(max_steps, 1))
+        self.state.init_training_references(self, max_steps, self.args.num_train_epochs, None)
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
+        self._train_begun = True
+
+    def _end_step(self, logs: dict[str, float]) -> None:
+        """What Trainer does after an optimizer step, after a PPO step: count it, on_step_end, then log, evaluate and
+        save as the flags say."""
+        self.state.global_step += 1
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        if self.state.max_steps <= 0:
+            # the step API with no planned length: transformers' end-of-run flags (step >= max_steps) do not apply
+            self.control.should_training_stop = False
+            save_steps = self.args.save_strategy == SaveStrategy.STEPS and self.state.save_steps > 0
+            self.control.should_save = save_steps and self.state.global_step % self.state.save_steps == 0
+        if self.control.should_log:
+            self.log(dict(logs))  # a copy: Trainer's `log` and the callbacks add to the dict they get
+        steps = self.args.torch_empty_cache_steps
+        if steps and self.state.global_step % steps == 0:
+            clear_device_cache()
+        self._maybe_evaluate_and_save()
+
+    def _maybe_evaluate_and_save(self) -> None:
+        """Evaluate and save when the callbacks asked for it (the second half of Trainer's
+        `_maybe_log_save_evaluate`; PPO logs its own step statistics)."""
+        if self.control.should_evaluate:
+            metrics = self._evaluate(trial=None, ignore_keys_for_eval=None)
+            is_best = self._determine_best_metric(metrics=metrics, trial=None)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = is_best
+        if self.control.should_save:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _count_input_tokens(self, attention_mask: torch.Tensor) -> None:
+        """`include_num_input_tokens_seen`: count the step's prompt + response tokens over every process ("all":
+        padding included)."""
+        how = self.args.include_num_input_tokens_seen
+        if how in ("no", False, None):
+            return
+        count = attention_mask.numel() if how == "all" else int(attention_mask.sum())
+        total = self.accelerator.reduce(torch.tensor(count, device=self.accelerator.device), reduction="sum")
+        self.state.num_input_tokens_seen += int(total)
+
+    # ------------------------------------------------------------------ checkpoints (Trainer's, with our model layout)
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """What `save_model` and checkpoints write: the policy (`save_pretrained`: full model or LoRA adapter), the
+        value head (`value_head.safetensors`, or the separate value model under `value_model/`), the tokenizer and
+        the training arguments. `state_dict`: the gathered weights of the whole `PolicyAndValue` (ZeRO-3, FSDP)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped = self.unwrapped()
+
+        def part(prefix: str) -> dict[str, Any]:
+            if state_dict is None:
+                return {}
+            return {"state_dict": {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}}
+
+        unwrapped.policy.save_pretrained(output_dir, **part("policy."))
+        unwrapped.value_head.save_pretrained(output_dir, **part("value_head."))
+        if unwrapped.value_backbone is not None:
+            unwrapped.value_backbone.save_pretrained(
+                os.path.join(output_dir, VALUE_MODEL_DIR), **part("value_backbone.")
             )
-            rewards = pending.result()
-            losses.append(stats.get("loss/total", 0.0))
-            if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
-                self._log_completions(prompts, responses, rewards)
-            if self.control.should_save:
-                self.save_checkpoint()
-                self.control.should_save = False
-            if self.control.should_training_stop and self.state.global_step < max_steps:
-                break
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        metrics = {"train_runtime": time.time() - self._start_time, "train_loss": float(np.mean(losses or [0.0]))}
-        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+        self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # `PPOConfig` pickles without secrets
 
-    # ------------------------------------------------------------------ checkpoint state and RELC-era compatibility
-    def _algorithm_state(self) -> dict[str, Any]:
-        return {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict()}
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Load what `_save` wrote: the policy through Trainer's own loader (full weights, shards or the adapter),
+        then the value head / value model. Under FSDP, Trainer's loader reads the engine's own files."""
+        if self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model or self.model_wrapped)
+        unwrapped = self.unwrapped()
+        super()._load_from_checkpoint(resume_from_checkpoint, model=unwrapped.policy)
+        head = os.path.join(resume_from_checkpoint, VALUE_HEAD_FILE)
+        if not os.path.isfile(head):
+            raise ValueError(f"{resume_from_checkpoint} has no {VALUE_HEAD_FILE}: it was not written by PPOTrainer.")
+        unwrapped.value_head.load_state_dict(ValueHead.from_pretrained(resume_from_checkpoint).state_dict())
+        if unwrapped.value_backbone is not None:
+            super()._load_from_checkpoint(
+                os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR), unwrapped.value_backbone
+            )
+        return None
 
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        self.kl_ctl.value = state["kl_coef"]
-        self.running.load_state_dict(state["running"])
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's policy and value head (the engines load their own files)."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_best_model()
+        logger.info(
+            f"Loading the best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric})."
+        )
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+        return None
+
+    def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(shared, per-process) state for a checkpoint: the KL coefficient and running score statistics (the same
+        on every process), this process's mini-batch shuffling stream."""
+        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict()}
+        return shared, {"shuffle": self.shuffle_generator.get_state()}
+
+    def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
+        self.kl_ctl.value = shared["kl_coef"]
+        self.running.load_state_dict(shared["running"])
+        if per_process is not None:
+            self.shuffle_generator.set_state(per_process["shuffle"])
 
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
-        return list(zip(self.rewards.names, self.rewards.funcs))
+        """(name, function) of the reward functions whose checkpoint state (e.g. critic counters) is saved: the
+        trainer's and those a step-API loop registered with `save_checkpoint` / `load_checkpoint`."""
+        extra = [(getattr(f, "__name__", type(f).__name__), f) for f in self._step_api_reward_funcs]
+        return [*zip(self.rewards.names, self.rewards.funcs), *extra]
+
+    def _track(self, reward_funcs: Sequence[Any]) -> None:
+        for func in reward_funcs:
+            if not any(func is known for known in self._step_api_reward_funcs):
+                self._step_api_reward_funcs.append(func)
+
+    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | None) -> CheckpointInfo | None:
+        """The checkpoint to resume from: True takes the newest complete one in `args.output_dir` (logging the newer
+        ones skipped, and why); a folder is checked. ValueError names the folder and the fix for an incomplete one."""
+        return resolve_checkpoint(
+            resume_from_checkpoint,
+            self.args.output_dir,
+            self.accelerator.num_processes,
+            per_process=() if self.args.save_only_model else (rng_state_file(self),),
+        )
+
+    def _load_checkpoint(self, info: CheckpointInfo) -> None:
+        """Restore everything a checkpoint holds, the way Trainer's resume reads it (weights, optimizer, scheduler,
+        scaler, trainer state, callbacks' state, RNG), then trl_stable's state (KL controller, running moments,
+        shuffling stream, health monitor, reward-function counters)."""
+        path = info.path
+        if self.is_deepspeed_enabled:
+            deepspeed_load_checkpoint(self.model_wrapped, path, load_module_strict=not self.is_peft)
+        else:
+            self._load_from_checkpoint(path)
+        self._load_optimizer_and_scheduler(path)
+        self._load_scaler(path)
+        loaded = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_FILE))
+        self.state = loaded
+        self.state.init_training_references(self, loaded.max_steps, self.args.num_train_epochs, None)
+        self._load_callback_state()
+        if info.same_processes:
+            self._load_rng_state(path)
+        stable = load_stable_state(info, self.accelerator.process_index)
+        if stable is not None:
+            restore_stable_state(stable, self.health_monitor, self._named_reward_funcs(), self.args)
+            self._load_trainer_checkpoint_state(stable["shared"], stable["per_process"])
+
+    def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
+        """Save a resumable checkpoint now, as `train()` saves one per `save_strategy` (Trainer's `_save_checkpoint`:
+        weights, optimizer, scheduler, RNG, trainer state, rotation by `save_total_limit`; plus trl_stable's state and
+        the completeness marker); returns its folder, ``args.output_dir/checkpoint-{global_step}``. Call it on every
+        process.
+
+        Args:
+            output_dir: Must be None or that folder (checkpoints live in `args.output_dir`, as in Trainer).
+            reward_funcs: Reward functions the trainer does not hold (a step-API loop's critic) whose
+                ``checkpoint_state()`` is saved too; they stay registered, and `load_checkpoint` restores them.
+        """
+        final = os.path.join(self._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if output_dir is not None and os.path.normpath(output_dir) != os.path.normpath(final):
+            raise ValueError(
+                f"save_checkpoint writes {final} (output_dir/checkpoint-<step>, as Trainer does), not {output_dir}: "
+                "set PPOConfig.output_dir to the folder the checkpoints should go to."
+            )
+        self._track(reward_funcs)
+        self._save_checkpoint(self.model_wrapped, trial=None)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return final
+
+    def load_checkpoint(self, checkpoint_dir: str | CheckpointInfo, reward_funcs: Sequence[Any] = ()) -> None:
+        """Restore everything `save_checkpoint` wrote (for the step API; `train(resume_from_checkpoint=...)` does it
+        itself), `reward_funcs` as in `save_checkpoint`. The folder must be a complete checkpoint (its RNG file
+        included); ValueError names the folder, what is missing and the fix."""
+        self._track(reward_funcs)
+        info = checkpoint_dir
+        if not isinstance(info, CheckpointInfo):
+            if not checkpoint_dir:
+                raise ValueError(f"load_checkpoint needs a checkpoint folder, got {checkpoint_dir!r}.")
+            info = self._resolve_checkpoint(checkpoint_dir)
+        self._load_checkpoint(info)
+
+    # ------------------------------------------------------------------ the Hub
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
+        """TRL's model card (as TRL's trainers write it) plus a section on the value head and how to load the policy
+        (adapter or full model). Main process only."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        if self.is_peft:
+            tags.append("peft")
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        policy = (
+            "a LoRA adapter: load it with `peft.AutoPeftModelForCausalLM.from_pretrained`"
+            if self.is_peft
+            else "a full causal LM: load it with `transformers.AutoModelForCausalLM.from_pretrained`"
+        )
+        critic = (
+            f"on the policy's last hidden state (`{VALUE_HEAD_FILE}`)"
+            if self.unwrapped().value_backbone is None
+            else f"on a separate critic, saved under `{VALUE_MODEL_DIR}/` with its head in `{VALUE_HEAD_FILE}`"
+        )
+        with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
+            f.write(
+                "\n\n## PPO value head\n\n"
+                f"The policy is {policy}. The trained value head is a scalar head {critic}, kept to resume PPO or to "
+                "score states; load it with `trl_stable.trainers.ppo.value_head.ValueHead.from_pretrained(folder)`.\n"
+            )
+
+    # ------------------------------------------------------------------ tables and RELC-era compatibility
+    @property
+    def policy(self) -> nn.Module:
+        """The policy model (the one passed as `model`, with its adapter under PEFT); `self.model` is Trainer's model,
+        the `PolicyAndValue` wrapper that also holds the value head."""
+        return self.unwrapped().policy
+
+    def log_table(self, name: str, columns: dict[str, list[Any]]) -> None:
+        """Log a table (equal-length columns, already gathered from every process) the way TRL's GRPO logs its
+        `completions` table: on the main process, straight to the wandb / trackio run when `report_to` names one
+        (tables do not fit `on_log`'s scalar dicts), and kept in `self.tables[name]` for other consumers."""
+        if not self.accelerator.is_main_process:
+            return
+        self.tables[name] = {"step": [self.state.global_step] * len(next(iter(columns.values()), [])), **columns}
+        report_to = self.args.report_to or []
+        backends = []
+        if "wandb" in report_to:
+            import wandb
+
+            if wandb.run is not None:
+                backends.append(wandb)
+        if "trackio" in report_to:
+            import trackio
+
+            backends.append(trackio)
+        if backends:
+            import pandas as pd
+
+            frame = pd.DataFrame(self.tables[name])
+            for backend in backends:
+                backend.log({name: backend.Table(dataframe=frame)})
 
     def _log_completions(self, prompts: list[Any], responses: list[torch.Tensor], rewards: Any) -> None:
         """The `completions` table of a logged `train()` step (prompt, completion, reward from every process), as
@@ -1228,6 +1682,13 @@ class PPOTrainer(PPOPlumbing):
         if batch is not None:
             columns = {c: gather_object([str(v) for v in batch[c]]) for c in columns_to_log if c in batch}
             self.log_table("game_log", {**columns, "reward": values.tolist()})
+
+
+def _dense_sums(rows: Sequence[Any]) -> torch.Tensor:
+    """Each completion's summed dense reward (NaN tokens count 0, as in `step`)."""
+    return torch.tensor(
+        [0.0 if row is None else float(torch.as_tensor(row, dtype=torch.float64).nansum()) for row in rows]
+    )
 
 
 def _is_sized(value: Any) -> bool:

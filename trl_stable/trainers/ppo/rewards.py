@@ -1,7 +1,9 @@
-"""PPO's reward functions for `train()`: set up once, called on each batch under `trl_stable.rewards.dense`'s contract.
+"""PPO's reward functions for `train()` and `evaluate()`: set up once, called on each batch under
+`trl_stable.rewards.dense`'s contract.
 
 GRPO gets the same contract through TRL's own reward calling plus `trl_stable.rewards.dense`; PPO has no TRL trainer
-to inherit that from, so this module calls the functions itself, with TRL's signature.
+to inherit that from, so this module calls the functions itself, with TRL's signature, and scores reward models with
+TRL's tokenization (`trl_stable.rewards.reward_models`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 from trl.trainer.utils import get_callable_name
 
 from trl_stable.core.ppo_objective import Reduce, gdpo_scores
@@ -26,6 +28,7 @@ from trl_stable.rewards.dense import (
     start_dense_rewards,
     weighted_reward_sum,
 )
+from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 from trl_stable.trl_internals import call_reward_func, model_name_of, reward_event_loop
 
 __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
@@ -36,12 +39,14 @@ class BatchRewards:
     """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
     applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics:
     `metrics` this process's values, `stats` the same as this process's shares for the reduction over processes
-    (`trl_stable.monitoring.reduction.Stat`s, what `PPOTrainer.train` logs)."""
+    (`trl_stable.monitoring.reduction.Stat`s, what `PPOTrainer.train` logs); `per_func` each sequence-level
+    function's [N] values by name (NaN where it does not apply)."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
     metrics: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Stat] = field(default_factory=dict)
+    per_func: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PendingRewards:
@@ -67,12 +72,14 @@ class PendingRewards:
         stats: dict[str, Stat] | None = None,
         rewards_per_func: torch.Tensor | None = None,
         weights: Sequence[float] = (),
+        names: Sequence[str] = (),
     ):
         self.scores = scores
         self.metrics = metrics
         self.stats = {} if stats is None else stats
         self.rewards_per_func = rewards_per_func  # [N, K] sequence-level rewards, NaN where one does not apply
         self.weights = list(weights)
+        self.names = list(names)  # of the K sequence-level functions
         self._dense = dense
         self._result: BatchRewards | None = None
 
@@ -100,7 +107,10 @@ class PendingRewards:
                 )
                 self.stats.update(dense_reward_stats(dense.metrics, self._dense.completion_lengths))
                 self.metrics.update(dense.metrics)
-            self._result = BatchRewards(self.scores, dense, self.metrics, self.stats)
+            per_func = {}
+            if self.rewards_per_func is not None:
+                per_func = {name: self.rewards_per_func[:, k] for k, name in enumerate(self.names)}
+            self._result = BatchRewards(self.scores, dense, self.metrics, self.stats, per_func)
         return self._result
 
     def token_rewards(self) -> list[list[float]] | None:
@@ -116,8 +126,8 @@ class RewardFunctions:
         reward_funcs: A callable with TRL's reward signature, a sequence-classification model (or its name), a dense
             callable (`trl_stable.rewards.dense_reward`), or a list of these.
         weights: One weight per function (None: all 1).
-        processing_classes: Tokenizers of the reward models (None entries: the policy tokenizer when the
-            vocabularies agree, else loaded from the model's name).
+        processing_classes: Tokenizers of the reward models (None entries: loaded from the model's name, as TRL's
+            GRPO does; the policy tokenizer for a nameless model with the policy's vocabulary).
         policy_tokenizer: The policy's tokenizer.
     """
 
@@ -167,18 +177,10 @@ class RewardFunctions:
             classes = [classes]
         if len(classes) != len(self.funcs):
             raise ValueError("reward_processing_classes must have one entry per reward function.")
-        out = []
-        for func, proc in zip(self.funcs, classes):
-            if isinstance(func, nn.Module) and proc is None:
-                name = model_name_of(func)
-                if getattr(getattr(func, "config", None), "vocab_size", None) == len(policy_tokenizer) or not name:
-                    proc = policy_tokenizer
-                else:
-                    proc = AutoTokenizer.from_pretrained(name)
-                if proc.pad_token_id is None:
-                    proc.pad_token = proc.eos_token
-            out.append(proc)
-        return out
+        return [
+            prepare_reward_model(func, proc, policy_tokenizer) if isinstance(func, nn.Module) else proc
+            for func, proc in zip(self.funcs, classes)
+        ]
 
     def to(self, device: torch.device) -> RewardFunctions:
         for func in self.funcs:
@@ -214,7 +216,7 @@ class RewardFunctions:
             for i in sequence:
                 func, name = self.funcs[i], self.names[i]
                 if isinstance(func, nn.Module):
-                    values = self._score_with_model(func, self.processing_classes[i], prompts, texts)
+                    values = reward_model_scores(func, self.processing_classes[i], prompts, completions).double().cpu()
                     values = infinite_rewards_to_nan(values.unsqueeze(1), [name]).squeeze(1)
                 else:
                     out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
@@ -246,27 +248,12 @@ class RewardFunctions:
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
             )
-        return PendingRewards(scores, dense, metrics, stats, rewards_per_func, [self.weights[i] for i in sequence])
-
-    def _score_with_model(self, model: nn.Module, proc: Any, prompts: list[Any], texts: list[str]) -> torch.Tensor:
-        conversational = isinstance(prompts[0], list)
-        if conversational:
-            full = [
-                proc.apply_chat_template(p + [{"role": "assistant", "content": t}], tokenize=False)
-                for p, t in zip(prompts, texts)
-            ]
-        else:
-            full = [p + t for p, t in zip(prompts, texts)]
-        side = proc.padding_side
-        proc.padding_side = "right"
-        try:
-            # chat templates carry their special tokens; plain text gets the classifier's own ([CLS]/[SEP], ...)
-            device = next(model.parameters()).device
-            enc = proc(
-                full, return_tensors="pt", padding=True, truncation=True, add_special_tokens=not conversational
-            ).to(device)
-        finally:
-            proc.padding_side = side
-        with torch.no_grad():
-            logits = model(**enc).logits
-        return logits[:, 0].double().cpu()
+        return PendingRewards(
+            scores,
+            dense,
+            metrics,
+            stats,
+            rewards_per_func,
+            [self.weights[i] for i in sequence],
+            [self.names[i] for i in sequence],
+        )
