@@ -60,18 +60,18 @@ def _accelerator(zero_stage=None, fsdp_version=None, num_processes=2):
 
 
 @pytest.mark.parametrize(
-    ("zero", "fsdp", "n", "name", "shards_parameters", "shards_state"),
+    ("zero", "fsdp", "n", "name", "shards_parameters"),
     [
-        (None, None, 1, "single", False, False),
-        (None, None, 2, "ddp", False, False),
-        (2, None, 2, "deepspeed_zero2", False, True),
-        (3, None, 2, "deepspeed_zero3", True, True),
-        (None, 2, 2, "fsdp2", True, True),
+        (None, None, 1, "single", False),
+        (None, None, 2, "ddp", False),
+        (2, None, 2, "deepspeed_zero2", False),
+        (3, None, 2, "deepspeed_zero3", True),
+        (None, 2, 2, "fsdp2", True),
     ],
 )
-def test_engine_of_reads_the_accelerate_state(zero, fsdp, n, name, shards_parameters, shards_state):
+def test_engine_of_reads_the_accelerate_state(zero, fsdp, n, name, shards_parameters):
     engine = Engine.of(_accelerator(zero, fsdp, n))
-    assert (engine.name, engine.shards_parameters, engine.shards_state) == (name, shards_parameters, shards_state)
+    assert (engine.name, engine.shards_parameters) == (name, shards_parameters)
 
 
 @pytest.mark.parametrize(
