@@ -8,15 +8,7 @@ from trl_stable.core.advantages import (  # noqa: F401
     reward_to_go,
     zero_variance_groups,
 )
-from trl_stable.core.estimators import (  # noqa: F401
-    ADVANTAGE_ESTIMATORS,
-    AdvantageInputs,
-    AdvantageOutputs,
-    get_advantage_estimator,
-    register_advantage_estimator,
-)
-from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda  # noqa: E402,F401
-from trl_stable.core.masks import (  # noqa: F401
+from trl_stable.core.behaviour_weights import (  # noqa: F401
     behaviour_log_ratio,
     behaviour_weight,
     binary_kl,
@@ -25,6 +17,14 @@ from trl_stable.core.masks import (  # noqa: F401
     icepop_mask,
     kpop_mask,
 )
+from trl_stable.core.estimators import (  # noqa: F401
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOutputs,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda  # noqa: E402,F401
 from trl_stable.core.normalization import NORMALIZATION_PRESETS, normalize  # noqa: F401
 from trl_stable.core.policy_loss import (  # noqa: F401
     decoupled_ppo_loss,
