@@ -1,9 +1,10 @@
 import math
+import threading
 
 import pytest
 import torch
 
-from trl_stable.core import NORMALIZATION_PRESETS, normalize
+from trl_stable.core import NORMALIZATION_PRESETS, gdpo_scores, normalize
 
 
 def t(*xs):
@@ -122,3 +123,55 @@ def test_no_mean_group_std_and_a_group_of_one():
     out = normalize(x, torch.tensor([7, 7, 9]), mean_level=None, std_level="group", eps=0.0)
     # group 7: std around 0 = sqrt((9 + 9) / 1); group 9: one sample, std 1
     torch.testing.assert_close(out, t(3 / math.sqrt(18), -3 / math.sqrt(18), 2.0))
+
+
+def test_gdpo_scores_hand_values():
+    # column 0: valid [1, 3] -> mean 2, unbiased std sqrt(2); column 1: [10, 30, 20] -> mean 20, std 10
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 10.0], [3.0, 30.0], [nan, 20.0], [nan, nan]])
+    scores = gdpo_scores(rewards, [1.0, 0.5], eps=0.0)
+    half = 2**-0.5
+    torch.testing.assert_close(scores[:3], torch.tensor([-half - 0.5, half + 0.5, 0.0]))
+    assert torch.isnan(scores[3])  # no reward applies: stays NaN (the trainer drops the sample)
+    # eps enters the denominator of every column
+    with_eps = gdpo_scores(rewards[:2], eps=1.0)
+    # [1, 3]: std sqrt(2); [10, 30]: std sqrt(200); 1 / (sqrt(2) + 1) + 10 / (sqrt(200) + 1) = 1.074627
+    torch.testing.assert_close(with_eps, torch.tensor([-1.074627, 1.074627]))
+
+
+def test_gdpo_scores_rescaling_one_reward_changes_nothing():
+    # the point of normalising before the sum: a reward's unit (x1000) no longer decides the score
+    rewards = torch.tensor([[0.0, 1.0], [1.0, 3.0], [1.0, 2.0], [0.0, 5.0]])
+    scaled = rewards * torch.tensor([1000.0, 1.0])
+    torch.testing.assert_close(gdpo_scores(rewards, eps=0.0), gdpo_scores(scaled, eps=0.0))
+
+
+def test_gdpo_scores_one_valid_sample_gets_zero_and_bad_weights_raise():
+    nan = float("nan")
+    torch.testing.assert_close(gdpo_scores(torch.tensor([[4.0], [nan]]))[:1], torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="one weight per reward function"):
+        gdpo_scores(torch.ones(3, 2), [1.0])
+
+
+def test_gdpo_scores_over_two_processes_equal_the_global_batch():
+    # a fake all-reduce between two threads: each "process" holds half the batch
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 10.0], [3.0, 30.0], [nan, 20.0], [5.0, 0.0]])
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def run(rank):
+        def reduce_sum(t):
+            slots[rank] = t
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()  # both have read before the next call overwrites the slots
+            return total
+
+        out[rank] = gdpo_scores(rewards[2 * rank : 2 * rank + 2], [2.0, 1.0], reduce_sum=reduce_sum)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(torch.cat(out), gdpo_scores(rewards, [2.0, 1.0]))

@@ -17,9 +17,13 @@ form TRL uses.)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "normalize"]
+from trl_stable.core.masked_stats import Reduce
+
+__all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "gdpo_scores", "normalize"]
 
 NORMALIZATION_LEVELS = ("batch", "group", None)
 
@@ -117,3 +121,59 @@ def normalize(
     denom = counts - 1 if unbiased else counts
     std = torch.where(counts > 1, torch.sqrt(ss / denom.clamp(min=1)), torch.ones_like(x))
     return centered / (std + eps)
+
+
+def gdpo_scores(
+    rewards: torch.Tensor,
+    weights: torch.Tensor | list[float] | None = None,
+    eps: float = 1e-4,
+    reduce_sum: Reduce | None = None,
+) -> torch.Tensor:
+    r"""PPO's GDPO score: each reward normalised over the batch, then the weighted sum (arXiv 2601.05242).
+
+    GDPO normalises every reward within its prompt group before the weighted sum; PPO samples one response per prompt,
+    so its group is the whole batch (every process's samples). For reward $j$ with valid (non-NaN) samples $V_j$,
+    $n_j = |V_j|$:
+
+    $\mu_j = \frac{1}{n_j}\sum_{i \in V_j} r_{ij}$,
+    $\sigma_j = \sqrt{\sum_{i \in V_j} (r_{ij} - \mu_j)^2 / (n_j - 1)}$ (1 when $n_j \le 1$),
+    $z_{ij} = (r_{ij} - \mu_j) / (\sigma_j + \epsilon)$, and the score $s_i = \sum_{j: i \in V_j} w_j z_{ij}$
+    (NaN when no reward applies to sample $i$).
+
+    GDPO's final batch z-score of $s$ is left out: PPO whitens its advantages after GAE (`whiten_advantages`), and the
+    score shares the per-token reward with the KL penalty, whose coefficient is set for a score of this scale. A
+    reward with a large variance no longer drowns the others, and each reward's unit no longer matters.
+
+    Args:
+        rewards: [N, K] rewards, one column per reward function, NaN where a function does not apply.
+        weights: [K] weights; None: all ones.
+        eps: Added to every std (TRL's GDPO 1e-4).
+        reduce_sum: Sums a tensor over processes (``accelerator.reduce(t, "sum")``), so the statistics are the
+            global batch's; None for one process. Every process must call it.
+
+    Returns:
+        Scores [N] in the dtype of `rewards`.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}.")
+    num_rewards = rewards.shape[1]
+    weights = torch.ones(num_rewards) if weights is None else torch.as_tensor(weights)
+    weights = weights.to(dtype=rewards.dtype, device=rewards.device)
+    if weights.shape != (num_rewards,):
+        raise ValueError(
+            f"weights has {weights.numel()} entries but rewards has {num_rewards} columns; give one weight per "
+            "reward function."
+        )
+    reduce_sum = reduce_sum or (lambda t: t)
+    valid = ~torch.isnan(rewards)
+    x = torch.where(valid, rewards, torch.zeros_like(rewards)).double()
+    # two passes (mean, then squared deviations) rather than sum of squares: scores of 1e4 with a spread of 1e-2
+    # lose every digit of the variance in E[x^2] - E[x]^2
+    sums = reduce_sum(torch.stack([x.sum(0), valid.double().sum(0)]))
+    count = sums[1]
+    mean = sums[0] / count.clamp(min=1)
+    squares = reduce_sum(torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum(0))
+    std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), torch.ones_like(count))
+    z = torch.where(valid, (x - mean) / (std + eps), torch.zeros_like(x))
+    scores = (z * weights.double()).sum(1).to(rewards.dtype)
+    return torch.where(valid.any(1), scores, torch.full_like(scores, math.nan))

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from trl_stable.core.masked_stats import masked_mean
+
 __all__ = [
     "decoupled_ppo_loss",
     "decoupled_ppo_term",
     "fold_behaviour_weight",
     "pre_mask_token_mean",
+    "policy_clip_fraction",
     "ppo_clip_term",
 ]
 
@@ -135,3 +138,12 @@ def fold_behaviour_weight(
     if keep is not None:
         weight = torch.where(keep.bool(), weight, torch.zeros_like(weight))
     return advantages * weight
+
+
+def policy_clip_fraction(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """Share of tokens whose gradient the ratio clip removes: the ratio left ``[1 - clip, 1 + clip]`` in the
+    direction the advantage pushes it."""
+    clipped = ((ratio - 1.0).abs() > clip) & ((advantages * (ratio - 1.0)) > 0)
+    return masked_mean(clipped.float(), mask)
