@@ -2,7 +2,6 @@
 
 from trl_stable.core.advantages import (  # noqa: F401
     dense_advantages,
-    gdpo_advantages,
     ngrpo_advantages,
     overlong_penalty,
     reward_to_go,
@@ -25,7 +24,7 @@ from trl_stable.core.estimators import (  # noqa: F401
     register_advantage_estimator,
 )
 from trl_stable.core.gae import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda  # noqa: E402,F401
-from trl_stable.core.normalization import NORMALIZATION_PRESETS, gdpo_scores, normalize  # noqa: F401
+from trl_stable.core.normalization import NORMALIZATION_PRESETS, gdpo_advantages, gdpo_scores, normalize  # noqa: F401
 from trl_stable.core.policy_loss import (  # noqa: F401
     decoupled_ppo_loss,
     decoupled_ppo_term,

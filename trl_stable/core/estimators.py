@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from trl_stable.core.advantages import gdpo_advantages, ngrpo_advantages
+from trl_stable.core.advantages import ngrpo_advantages
 from trl_stable.core.gae import compute_gae, compute_turn_gae
-from trl_stable.core.normalization import NORMALIZATION_PRESETS, normalize
+from trl_stable.core.normalization import NORMALIZATION_PRESETS, gdpo_advantages, normalize
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
