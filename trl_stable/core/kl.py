@@ -12,25 +12,52 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "FULL_KL",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLEstimator",
     "full_kl",
+    "kl_abs",
     "kl_estimate",
+    "kl_estimator_names",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_low_var",
     "register_kl_estimator",
 ]
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The registry: what `PPOConfig.kl_penalty` accepts (with "full") and what `kl_estimate` computes.
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+# The exact KL over the vocabulary: it needs both models' logits, not two log-probs, so the trainer computes it itself
+# with `full_kl` and it cannot be a registry entry.
+FULL_KL = "full"
 
 
-def register_kl_estimator(name: str):
-    """Register ``f(logp, ref_logp) -> kl`` ([B, T] each) under `name`."""
+def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator registering ``f(logp, ref_logp) -> kl`` ([B, T] each, per-token) under `name`.
 
-    def wrap(func):
+    `PPOConfig(kl_penalty=name)` then accepts it and the trainer's reward uses it; register it before building the
+    config, on every process (in the training script, not behind a rank check).
+    """
+
+    def wrap(func: KLEstimator) -> KLEstimator:
+        if name == FULL_KL:
+            raise ValueError(f"{FULL_KL!r} is the exact KL over the vocabulary (`full_kl`); use another name.")
+        if name in KL_ESTIMATORS and KL_ESTIMATORS[name] is not func:
+            raise ValueError(f"A KL estimator named {name!r} is already registered; pick another name.")
         KL_ESTIMATORS[name] = func
         return func
 
     return wrap
+
+
+def kl_estimator_names() -> tuple[str, ...]:
+    """Every valid `kl_penalty`: the registered estimators, then "full"."""
+    return (*KL_ESTIMATORS, FULL_KL)
 
 
 @register_kl_estimator("kl")
@@ -86,9 +113,12 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 12
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """The per-token KL estimate `kind` (one of `KL_ESTIMATORS`; "full" needs the logits: use `full_kl`)."""
+    """The per-token KL estimate `kind`, one of `KL_ESTIMATORS` ("full" needs the logits: use `full_kl`)."""
     if kind not in KL_ESTIMATORS:
-        raise ValueError(f"Unknown KL estimator {kind!r}; use one of {', '.join(KL_ESTIMATORS)} or 'full'.")
+        raise ValueError(
+            f"Unknown KL estimator {kind!r}; use one of {', '.join(KL_ESTIMATORS)} (with the logits: {FULL_KL!r}, "
+            "`full_kl`), or register one with `trl_stable.core.register_kl_estimator`."
+        )
     return KL_ESTIMATORS[kind](logp, ref_logp)
 
 
