@@ -35,9 +35,17 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageOutputs",
+    "dr_grpo_estimator",
+    "gae_estimator",
+    "gdpo_estimator",
     "get_advantage_estimator",
+    "grpo_estimator",
     "is_sequence_level",
+    "liteppo_estimator",
+    "ngrpo_estimator",
     "register_advantage_estimator",
+    "rloo_estimator",
+    "turn_gae_estimator",
 ]
 
 

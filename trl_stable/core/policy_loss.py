@@ -13,6 +13,7 @@ import torch
 from trl_stable.core.masked_stats import masked_mean
 
 __all__ = [
+    "LOG_RATIO_BOUND",
     "decoupled_ppo_loss",
     "decoupled_ppo_term",
     "fold_behaviour_weight",
