@@ -81,7 +81,8 @@ def overlong_penalty(
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
-    """DAPO dynamic sampling: True for every sample whose group's rewards are all equal (all right / all wrong).
+    r"""DAPO dynamic sampling (arXiv 2503.14476): True for every sample whose group's rewards are all equal (all right
+    / all wrong), $\max_{j \in g(i)} r_j - \min_{j \in g(i)} r_j \le$ `atol`.
 
     NaN rewards are ignored; a group with at most one finite reward counts as zero-variance (nothing to compare).
 
@@ -105,7 +106,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: f
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    r"""Discounted reward-to-go over the active tokens of each row.
+    r"""Discounted reward-to-go (the return $G_t$ of Sutton and Barto 2018) over the active tokens of each row.
 
     $G_t = \sum_{s \ge t,\ m_s = 1} \gamma^{k(t, s)} r_s$, where $k(t, s)$ counts the active tokens strictly between
     $t$ and $s$ plus one for each step, so masked positions (padding, tool output) consume no time step and add no

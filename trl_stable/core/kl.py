@@ -62,26 +62,27 @@ def kl_estimator_names() -> tuple[str, ...]:
 
 @register_kl_estimator("kl")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k1: $\log\pi(a) - \log\pi_{ref}(a)$. Unbiased for KL(pi || ref) under samples of pi; high variance, can be
-    negative."""
+    r"""k1 (Schulman 2020): $\log\pi(a) - \log\pi_{ref}(a)$. Unbiased for KL(pi || ref) under samples of pi; high
+    variance, can be negative."""
     return logp - ref_logp
 
 
 @register_kl_estimator("abs")
 def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""$|\log\pi(a) - \log\pi_{ref}(a)|$: non-negative, biased."""
+    r"""$|\log\pi(a) - \log\pi_{ref}(a)|$: non-negative, biased (old TRL's and verl's ``abs``)."""
     return (logp - ref_logp).abs()
 
 
 @register_kl_estimator("mse")
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k2: $\frac{1}{2}(\log\pi(a) - \log\pi_{ref}(a))^2$: non-negative, low variance, biased."""
+    r"""k2 (Schulman 2020): $\frac{1}{2}(\log\pi(a) - \log\pi_{ref}(a))^2$: non-negative, low variance, biased."""
     return 0.5 * (logp - ref_logp).square()
 
 
 @register_kl_estimator("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k3: $e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1$: unbiased for KL(pi || ref) and >= 0."""
+    r"""k3 (Schulman 2020): $e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1$: unbiased for
+    KL(pi || ref) and >= 0."""
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1.0
 
@@ -95,7 +96,8 @@ def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
-    r"""Exact $KL(\pi \| \pi_{ref}) = \sum_v \pi(v) (\log\pi(v) - \log\pi_{ref}(v))$ per position, over the vocabulary.
+    r"""Exact $KL(\pi \| \pi_{ref}) = \sum_v \pi(v) (\log\pi(v) - \log\pi_{ref}(v))$ per position, over the vocabulary
+    (old TRL's ``kl_penalty="full"``).
 
     Computed `chunk_size` positions at a time in fp32, so the [B, T, V] fp32 log-softmax of the whole batch never
     exists at once.
@@ -139,7 +141,7 @@ class AdaptiveKLController:
 
 
 class FixedKLController:
-    """Constant KL coefficient."""
+    r"""Constant KL coefficient $\beta$ (Ziegler et al. 2019, arXiv 1909.08593, without the adaptation)."""
 
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)

@@ -22,7 +22,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor, reduce_sum: Reduce | None = None) -> tuple[torch.Tensor, ...]:
-    r"""Masked mean and $\sqrt{\mathrm{var}_{unbiased} + 10^{-8}}$ of `x`, in float64 sums.
+    r"""Masked mean and $\sqrt{\mathrm{var}_{unbiased} + 10^{-8}}$ of `x`, in float64 sums (old TRL's ``whiten``
+    statistics, Huang et al. 2024, arXiv 2403.17031).
 
     `reduce_sum` sums a tensor over processes (``accelerator.reduce(t, "sum")``), so the moments are those of every
     process's tokens together; None for one process.

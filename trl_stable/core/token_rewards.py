@@ -16,7 +16,8 @@ __all__ = ["TokenRewards", "compose_token_rewards", "last_action_index"]
 
 
 def last_action_index(mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of the last position with mask 1 in each row (0 for an empty row)."""
+    r"""[B] index $\max\{t : m_t = 1\}$ of the last action token of each row (0 for an empty row): where the
+    sequence score goes (Ziegler et al. 2019)."""
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(1).values
 
