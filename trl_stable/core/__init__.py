@@ -15,171 +15,47 @@ r"""The math of trl_stable: pure torch, no TRL import; each function carries its
 | `score_scaling` | running moments of PPO's scores and old TRL's score scaling |
 | `positions` | position ids of padded rows, as the samplers number them |
 
-Every public name of these modules is importable from `trl_stable.core`.
+Every public name of these modules (their `__all__`) is importable from `trl_stable.core`, as asyncio does it.
 """
 
-from trl_stable.core.advantages import (
-    dense_advantages,
-    ngrpo_advantages,
-    overlong_penalty,
-    reward_to_go,
-    zero_variance_groups,
+from trl_stable.core import (
+    advantages,
+    behaviour_weights,
+    estimators,
+    gae,
+    kl,
+    masked_stats,
+    normalization,
+    policy_loss,
+    positions,
+    score_scaling,
+    token_rewards,
+    value_loss,
 )
-from trl_stable.core.behaviour_weights import (
-    behaviour_log_ratio,
-    behaviour_weight,
-    binary_kl,
-    clamp_behaviour_weight,
-    filter_behaviour_weight,
-    icepop_mask,
-    kpop_mask,
-)
-from trl_stable.core.estimators import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageEstimator,
-    AdvantageInputs,
-    AdvantageOutputs,
-    dr_grpo_estimator,
-    gae_estimator,
-    gdpo_estimator,
-    get_advantage_estimator,
-    grpo_estimator,
-    is_sequence_level,
-    liteppo_estimator,
-    ngrpo_estimator,
-    register_advantage_estimator,
-    rloo_estimator,
-    turn_gae_estimator,
-)
-from trl_stable.core.gae import (
-    compute_gae,
-    compute_turn_gae,
-    count_turns,
-    relative_position_lambda,
-    vapo_lambda,
-)
-from trl_stable.core.kl import (
-    FULL_KL,
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLEstimator,
-    full_kl,
-    kl_abs,
-    kl_estimate,
-    kl_estimator_names,
-    kl_k1,
-    kl_k2,
-    kl_k3,
-    kl_low_var,
-    register_kl_estimator,
-)
-from trl_stable.core.masked_stats import (
-    Reduce,
-    masked_mean,
-    masked_moments,
-    masked_whiten,
-)
-from trl_stable.core.normalization import (
-    NORMALIZATION_LEVELS,
-    NORMALIZATION_PRESETS,
-    gdpo_advantages,
-    gdpo_scores,
-    normalize,
-)
-from trl_stable.core.policy_loss import (
-    LOG_RATIO_BOUND,
-    decoupled_ppo_loss,
-    decoupled_ppo_term,
-    fold_behaviour_weight,
-    policy_clip_fraction,
-    ppo_clip_term,
-    pre_mask_token_mean,
-)
-from trl_stable.core.positions import (
-    position_ids_from_mask,
-)
-from trl_stable.core.score_scaling import (
-    RunningMoments,
-    scale_scores,
-)
-from trl_stable.core.token_rewards import (
-    TokenRewards,
-    compose_token_rewards,
-    last_action_index,
-)
-from trl_stable.core.value_loss import (
-    clipped_value_loss,
-)
+from trl_stable.core.advantages import *  # noqa: F403
+from trl_stable.core.behaviour_weights import *  # noqa: F403
+from trl_stable.core.estimators import *  # noqa: F403
+from trl_stable.core.gae import *  # noqa: F403
+from trl_stable.core.kl import *  # noqa: F403
+from trl_stable.core.masked_stats import *  # noqa: F403
+from trl_stable.core.normalization import *  # noqa: F403
+from trl_stable.core.policy_loss import *  # noqa: F403
+from trl_stable.core.positions import *  # noqa: F403
+from trl_stable.core.score_scaling import *  # noqa: F403
+from trl_stable.core.token_rewards import *  # noqa: F403
+from trl_stable.core.value_loss import *  # noqa: F403
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "AdaptiveKLController",
-    "AdvantageEstimator",
-    "AdvantageInputs",
-    "AdvantageOutputs",
-    "FULL_KL",
-    "FixedKLController",
-    "KLEstimator",
-    "KL_ESTIMATORS",
-    "LOG_RATIO_BOUND",
-    "NORMALIZATION_LEVELS",
-    "NORMALIZATION_PRESETS",
-    "Reduce",
-    "RunningMoments",
-    "TokenRewards",
-    "behaviour_log_ratio",
-    "behaviour_weight",
-    "binary_kl",
-    "clamp_behaviour_weight",
-    "clipped_value_loss",
-    "compose_token_rewards",
-    "compute_gae",
-    "compute_turn_gae",
-    "count_turns",
-    "decoupled_ppo_loss",
-    "decoupled_ppo_term",
-    "dense_advantages",
-    "dr_grpo_estimator",
-    "filter_behaviour_weight",
-    "fold_behaviour_weight",
-    "full_kl",
-    "gae_estimator",
-    "gdpo_advantages",
-    "gdpo_estimator",
-    "gdpo_scores",
-    "get_advantage_estimator",
-    "grpo_estimator",
-    "icepop_mask",
-    "is_sequence_level",
-    "kl_abs",
-    "kl_estimate",
-    "kl_estimator_names",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "kl_low_var",
-    "kpop_mask",
-    "last_action_index",
-    "liteppo_estimator",
-    "masked_mean",
-    "masked_moments",
-    "masked_whiten",
-    "ngrpo_advantages",
-    "ngrpo_estimator",
-    "normalize",
-    "overlong_penalty",
-    "policy_clip_fraction",
-    "position_ids_from_mask",
-    "ppo_clip_term",
-    "pre_mask_token_mean",
-    "register_advantage_estimator",
-    "register_kl_estimator",
-    "relative_position_lambda",
-    "reward_to_go",
-    "rloo_estimator",
-    "scale_scores",
-    "turn_gae_estimator",
-    "vapo_lambda",
-    "zero_variance_groups",
-]
+# `+=` of each module's `__all__`: the form static checkers (pyright, mypy) read
+__all__: list[str] = []
+__all__ += advantages.__all__
+__all__ += behaviour_weights.__all__
+__all__ += estimators.__all__
+__all__ += gae.__all__
+__all__ += kl.__all__
+__all__ += masked_stats.__all__
+__all__ += normalization.__all__
+__all__ += policy_loss.__all__
+__all__ += positions.__all__
+__all__ += score_scaling.__all__
+__all__ += token_rewards.__all__
+__all__ += value_loss.__all__
