@@ -5,7 +5,6 @@ import torch
 
 from trl_stable.core import (
     dense_advantages,
-    gdpo_advantages,
     ngrpo_advantages,
     overlong_penalty,
     reward_to_go,
@@ -54,43 +53,6 @@ def test_ngrpo_nan_and_bad_num_virtual():
     torch.testing.assert_close(out[0], torch.tensor(-(1 / 3) / math.sqrt(1 / 3), dtype=torch.float64))
     with pytest.raises(ValueError, match="num_virtual"):
         ngrpo_advantages(t(0.0, 1.0), torch.zeros(2, dtype=torch.long), num_virtual=0)
-
-
-# ---------------------------------------------------------------- GDPO
-def test_gdpo_hand_values():
-    rewards = t(1.0, 10.0, 3.0, 30.0, 0.0, 5.0, 0.0, 5.0).view(4, 2)
-    g = torch.tensor([0, 0, 1, 1])
-    out = gdpo_advantages(rewards, g, weights=[1.0, 2.0], eps=0.0)
-    # group 0: col0 {1,3} -> -1/sqrt2, 1/sqrt2 ; col1 {10,30} -> same ; group 1 all equal -> 0
-    s = 3 / math.sqrt(2)
-    summed = t(-s, s, 0.0, 0.0)
-    std = math.sqrt((2 * s**2) / 3)
-    torch.testing.assert_close(out, summed / std)
-
-
-def test_gdpo_matches_trl_normalize_then_sum_formula():
-    from trl.trainer.utils import nanstd
-
-    torch.manual_seed(0)
-    rewards = torch.rand(8, 3)
-    weights = torch.tensor([0.5, 1.0, 2.0])
-    grouped = rewards.view(-1, 4, 3)
-    z = ((grouped - grouped.mean(1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)).view(-1, 3)
-    s = (z * weights).sum(1)
-    expected = (s - s.mean()) / (nanstd(s) + 1e-4)
-    torch.testing.assert_close(gdpo_advantages(rewards, torch.arange(8) // 4, weights), expected)
-
-
-def test_gdpo_weights_wrong_length():
-    with pytest.raises(ValueError, match="weights has 3 entries"):
-        gdpo_advantages(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long), weights=[1.0, 1.0, 1.0])
-
-
-def test_gdpo_nan_column_entries():
-    rewards = t(1.0, float("nan"), 3.0, float("nan"), float("nan"), float("nan"), 2.0, 2.0).view(4, 2)
-    out = gdpo_advantages(rewards, torch.zeros(4, dtype=torch.long), eps=0.0)
-    assert math.isnan(out[2])
-    assert torch.all(torch.isfinite(out[[0, 1, 3]]))
 
 
 # ---------------------------------------------------------------- overlong penalty

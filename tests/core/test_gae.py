@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trl_stable.core import compute_gae, compute_turn_gae, relative_position_lambda, vapo_lambda
+from trl_stable.core.gae import compute_gae, compute_turn_gae, count_turns, relative_position_lambda, vapo_lambda
 
 
 def _t(rows):
@@ -109,3 +109,8 @@ def test_turn_gae_discount_bootstrap_and_absent_turn():
     )
     torch.testing.assert_close(adv, _t([[2.5, 2.5, 2, 2, 0]]))
     torch.testing.assert_close(ret, _t([[3.5, 3.5, 4, 4, 0]]))
+
+
+def test_count_turns():
+    turns = torch.tensor([[0, 0, -1, 1, 1, 2], [-1, 0, -1, 0, -1, -1], [-1, -1, -1, -1, -1, -1]])
+    assert count_turns(turns).tolist() == [3, 1, 0]

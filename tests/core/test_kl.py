@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from trl_stable.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, full_kl, kl_estimate
+from trl_stable.core.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    full_kl,
+    kl_estimate,
+    kl_estimator_names,
+)
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.1]])
 REF = torch.tensor([[-1.5, -1.0, -30.0]])
@@ -36,8 +43,12 @@ def test_k3_is_non_negative_and_zero_on_agreement():
     assert (kl_estimate(logp, logp + torch.randn(4, 5), "k3") >= 0).all()
     assert kl_estimate(logp, logp, "k3").abs().max() == 0.0
     assert set(KL_ESTIMATORS) == {"kl", "abs", "mse", "k3", "low_var_kl"}
-    with pytest.raises(ValueError, match="Unknown KL estimator 'k4'"):
+    with pytest.raises(ValueError, match="Unknown KL estimator 'k4'.*register_kl_estimator"):
         kl_estimate(logp, logp, "k4")
+
+
+def test_valid_kl_penalties_are_the_registry_and_full():
+    assert kl_estimator_names() == ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 
 
 def test_full_kl_matches_a_direct_sum_in_chunks():

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from datasets import Dataset
     from trl_stable import GRPOConfig, GRPOTrainer
     from trl_stable.core import overlong_penalty
-    from trl_stable.masking.rl import CompletionStepMasker
+    from trl_stable.masking.completion_steps import CompletionStepMasker
     from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig, dense_reward
     from trl_stable.testing import build_causal_lm, build_tokenizer
 

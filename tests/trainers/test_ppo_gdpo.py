@@ -6,7 +6,7 @@ from datasets import Dataset
 from ppo_test_args import tiny_ppo_args
 
 from trl_stable import PPOConfig, PPOTrainer
-from trl_stable.core.ppo_objective import gdpo_scores
+from trl_stable.core import gdpo_scores
 from trl_stable.testing import build_causal_lm
 
 

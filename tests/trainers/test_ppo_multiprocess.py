@@ -17,7 +17,7 @@ import torch
 from two_processes import check_returncode, launch_two_processes
 
 from trl_stable import PPOConfig, PPOTrainer
-from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.testing import build_causal_lm
 
 SCRIPT = textwrap.dedent(
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from datasets import Dataset
     from trl_stable import PPOConfig, PPOTrainer
-    from trl_stable.masking.rl import CompletionStepMasker
+    from trl_stable.masking.completion_steps import CompletionStepMasker
     from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig, dense_reward
     from trl_stable.testing import build_causal_lm, build_tokenizer
 

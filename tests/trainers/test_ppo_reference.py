@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from trl_stable import PPOConfig, PPOTrainer
-from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
-from trl_stable.core.ppo_objective import clipped_value_loss, masked_whiten, policy_clip_fraction
+from trl_stable.core.masked_stats import masked_whiten
+from trl_stable.core.policy_loss import decoupled_ppo_loss, policy_clip_fraction, ppo_clip_term, pre_mask_token_mean
+from trl_stable.core.value_loss import clipped_value_loss
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.ppo import RunningMoments
 

@@ -1,65 +1,18 @@
-"""Group advantages beyond plain normalization (GDPO, NGRPO), DAPO's overlong penalty and dense reward-to-go."""
+"""NGRPO's group advantages, DAPO's overlong penalty and dynamic-sampling test, and dense reward-to-go."""
 
 from __future__ import annotations
 
 import torch
 
-from trl_stable.core.normalization import _group_index, _segment_sum, normalize
+from trl_stable.core.normalization import _group_index, _segment_sum
 
 __all__ = [
     "dense_advantages",
-    "gdpo_advantages",
     "ngrpo_advantages",
     "overlong_penalty",
     "reward_to_go",
     "zero_variance_groups",
 ]
-
-
-def gdpo_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    weights: torch.Tensor | list[float] | None = None,
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    r"""GDPO: group-decoupled normalization of several rewards (arXiv 2601.05242).
-
-    For each reward dimension $j$: $z_{ij} = (r_{ij} - \mu_{g(i),j}) / (\sigma_{g(i),j} + \epsilon)$ with the
-    group mean and unbiased group std; then $s_i = \sum_j w_j z_{ij}$ and $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$
-    over the batch. Normalizing each reward before summing keeps a high-variance reward from drowning the others.
-    NaN rewards (a reward function that does not apply to a sample) are left out of their column's statistics and
-    contribute 0 to the sum; a row that is NaN in every column stays NaN.
-
-    Args:
-        rewards: [N, K] rewards, one column per reward function.
-        group_ids: [N] integer group ids.
-        weights: [K] weights; None means all ones.
-        eps: Added to every std (TRL's 1e-4).
-
-    Returns:
-        Advantages [N].
-    """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}.")
-    num_rewards = rewards.shape[1]
-    if weights is None:
-        weights = torch.ones(num_rewards, dtype=rewards.dtype, device=rewards.device)
-    weights = torch.as_tensor(weights, dtype=rewards.dtype, device=rewards.device)
-    if weights.shape != (num_rewards,):
-        raise ValueError(
-            f"weights has {weights.numel()} entries but rewards has {num_rewards} columns; give one weight per "
-            "reward function."
-        )
-    z = torch.stack(
-        [
-            normalize(rewards[:, j], group_ids, mean_level="group", std_level="group", eps=eps)
-            for j in range(num_rewards)
-        ],
-        dim=1,
-    )
-    summed = (z * weights).nansum(dim=1)
-    summed = torch.where(torch.isnan(rewards).all(dim=1), torch.full_like(summed, float("nan")), summed)
-    return normalize(summed, mean_level="batch", std_level="batch", eps=eps)
 
 
 def ngrpo_advantages(
@@ -128,7 +81,8 @@ def overlong_penalty(
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
-    """DAPO dynamic sampling: True for every sample whose group's rewards are all equal (all right / all wrong).
+    r"""DAPO dynamic sampling (arXiv 2503.14476): True for every sample whose group's rewards are all equal (all right
+    / all wrong), $\max_{j \in g(i)} r_j - \min_{j \in g(i)} r_j \le$ `atol`.
 
     NaN rewards are ignored; a group with at most one finite reward counts as zero-variance (nothing to compare).
 
@@ -152,7 +106,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: f
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    r"""Discounted reward-to-go over the active tokens of each row.
+    r"""Discounted reward-to-go (the return $G_t$ of Sutton and Barto 2018) over the active tokens of each row.
 
     $G_t = \sum_{s \ge t,\ m_s = 1} \gamma^{k(t, s)} r_s$, where $k(t, s)$ counts the active tokens strictly between
     $t$ and $s$ plus one for each step, so masked positions (padding, tool output) consume no time step and add no

@@ -26,18 +26,26 @@ from typing import Any
 
 import torch
 
-from trl_stable.core.advantages import gdpo_advantages, ngrpo_advantages
+from trl_stable.core.advantages import ngrpo_advantages
 from trl_stable.core.gae import compute_gae, compute_turn_gae
-from trl_stable.core.normalization import NORMALIZATION_PRESETS, normalize
+from trl_stable.core.normalization import NORMALIZATION_PRESETS, gdpo_advantages, normalize
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageInputs",
     "AdvantageOutputs",
+    "dr_grpo_estimator",
+    "gae_estimator",
+    "gdpo_estimator",
     "get_advantage_estimator",
+    "grpo_estimator",
     "is_sequence_level",
+    "liteppo_estimator",
+    "ngrpo_estimator",
     "register_advantage_estimator",
+    "rloo_estimator",
+    "turn_gae_estimator",
 ]
 
 

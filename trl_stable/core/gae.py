@@ -85,7 +85,7 @@ def compute_turn_gae(
     token_rewards: torch.Tensor | None = None,
     bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Turn-level GAE for multi-turn agents: each assistant turn is one macro step.
+    r"""Turn-level GAE for multi-turn agents: each assistant turn is one macro step (AReaL, arXiv 2505.24298).
 
     For turn u of a sequence (the tokens whose `turn_ids` equal u): R_u = sum of its token `rewards`, V_u = the
     value at its first token. Then GAE runs over the turns present (`compute_gae` on [B, U]):
@@ -160,7 +160,7 @@ def vapo_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
 
 
 def relative_position_lambda(lengths: torch.Tensor, q: float = 0.5) -> torch.Tensor:
-    r"""Relative-position GAE lambda: lam = q^(1/(L-1)) for L >= 2, 1 for L = 1, 0 for L = 0.
+    r"""Relative-position GAE lambda (AReaL, arXiv 2505.24298): lam = q^(1/(L-1)) for L >= 2, 1 for L = 1, 0 for L = 0.
 
     Then lam^(L-1) = q: the last token's TD error reaches the first token with weight q whatever the length L, so
     credit spreads over the same relative span of long and short responses.

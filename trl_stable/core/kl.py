@@ -12,49 +12,77 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "FULL_KL",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLEstimator",
     "full_kl",
+    "kl_abs",
     "kl_estimate",
+    "kl_estimator_names",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_low_var",
     "register_kl_estimator",
 ]
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The registry: what `PPOConfig.kl_penalty` accepts (with "full") and what `kl_estimate` computes.
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+# The exact KL over the vocabulary: it needs both models' logits, not two log-probs, so the trainer computes it itself
+# with `full_kl` and it cannot be a registry entry.
+FULL_KL = "full"
 
 
-def register_kl_estimator(name: str):
-    """Register ``f(logp, ref_logp) -> kl`` ([B, T] each) under `name`."""
+def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator registering ``f(logp, ref_logp) -> kl`` ([B, T] each, per-token) under `name`.
 
-    def wrap(func):
+    `PPOConfig(kl_penalty=name)` then accepts it and the trainer's reward uses it; register it before building the
+    config, on every process (in the training script, not behind a rank check).
+    """
+
+    def wrap(func: KLEstimator) -> KLEstimator:
+        if name == FULL_KL:
+            raise ValueError(f"{FULL_KL!r} is the exact KL over the vocabulary (`full_kl`); use another name.")
+        if name in KL_ESTIMATORS and KL_ESTIMATORS[name] is not func:
+            raise ValueError(f"A KL estimator named {name!r} is already registered; pick another name.")
         KL_ESTIMATORS[name] = func
         return func
 
     return wrap
 
 
+def kl_estimator_names() -> tuple[str, ...]:
+    """Every valid `kl_penalty`: the registered estimators, then "full"."""
+    return (*KL_ESTIMATORS, FULL_KL)
+
+
 @register_kl_estimator("kl")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k1: $\log\pi(a) - \log\pi_{ref}(a)$. Unbiased for KL(pi || ref) under samples of pi; high variance, can be
-    negative."""
+    r"""k1 (Schulman 2020): $\log\pi(a) - \log\pi_{ref}(a)$. Unbiased for KL(pi || ref) under samples of pi; high
+    variance, can be negative."""
     return logp - ref_logp
 
 
 @register_kl_estimator("abs")
 def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""$|\log\pi(a) - \log\pi_{ref}(a)|$: non-negative, biased."""
+    r"""$|\log\pi(a) - \log\pi_{ref}(a)|$: non-negative, biased (old TRL's and verl's ``abs``)."""
     return (logp - ref_logp).abs()
 
 
 @register_kl_estimator("mse")
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k2: $\frac{1}{2}(\log\pi(a) - \log\pi_{ref}(a))^2$: non-negative, low variance, biased."""
+    r"""k2 (Schulman 2020): $\frac{1}{2}(\log\pi(a) - \log\pi_{ref}(a))^2$: non-negative, low variance, biased."""
     return 0.5 * (logp - ref_logp).square()
 
 
 @register_kl_estimator("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    r"""k3: $e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1$: unbiased for KL(pi || ref) and >= 0."""
+    r"""k3 (Schulman 2020): $e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1$: unbiased for
+    KL(pi || ref) and >= 0."""
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1.0
 
@@ -68,7 +96,8 @@ def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
-    r"""Exact $KL(\pi \| \pi_{ref}) = \sum_v \pi(v) (\log\pi(v) - \log\pi_{ref}(v))$ per position, over the vocabulary.
+    r"""Exact $KL(\pi \| \pi_{ref}) = \sum_v \pi(v) (\log\pi(v) - \log\pi_{ref}(v))$ per position, over the vocabulary
+    (old TRL's ``kl_penalty="full"``).
 
     Computed `chunk_size` positions at a time in fp32, so the [B, T, V] fp32 log-softmax of the whole batch never
     exists at once.
@@ -86,9 +115,12 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 12
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """The per-token KL estimate `kind` (one of `KL_ESTIMATORS`; "full" needs the logits: use `full_kl`)."""
+    """The per-token KL estimate `kind`, one of `KL_ESTIMATORS` ("full" needs the logits: use `full_kl`)."""
     if kind not in KL_ESTIMATORS:
-        raise ValueError(f"Unknown KL estimator {kind!r}; use one of {', '.join(KL_ESTIMATORS)} or 'full'.")
+        raise ValueError(
+            f"Unknown KL estimator {kind!r}; use one of {', '.join(KL_ESTIMATORS)} (with the logits: {FULL_KL!r}, "
+            "`full_kl`), or register one with `trl_stable.core.register_kl_estimator`."
+        )
     return KL_ESTIMATORS[kind](logp, ref_logp)
 
 
@@ -109,7 +141,7 @@ class AdaptiveKLController:
 
 
 class FixedKLController:
-    """Constant KL coefficient."""
+    r"""Constant KL coefficient $\beta$ (Ziegler et al. 2019, arXiv 1909.08593, without the adaptation)."""
 
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)

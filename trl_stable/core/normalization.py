@@ -17,9 +17,13 @@ form TRL uses.)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "normalize"]
+from trl_stable.core.masked_stats import Reduce
+
+__all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "gdpo_advantages", "gdpo_scores", "normalize"]
 
 NORMALIZATION_LEVELS = ("batch", "group", None)
 
@@ -42,7 +46,8 @@ def _group_index(values: torch.Tensor, group_ids: torch.Tensor | None, level: st
 
 
 def _segment_sum(x: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, index, x)
+    """Sums of the rows of `x` ([N, ...]) by group: [n, ...]."""
+    return torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device).index_add_(0, index, x)
 
 
 def normalize(
@@ -117,3 +122,94 @@ def normalize(
     denom = counts - 1 if unbiased else counts
     std = torch.where(counts > 1, torch.sqrt(ss / denom.clamp(min=1)), torch.ones_like(x))
     return centered / (std + eps)
+
+
+def gdpo_scores(
+    rewards: torch.Tensor,
+    weights: torch.Tensor | list[float] | None = None,
+    eps: float = 1e-4,
+    reduce_sum: Reduce | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""GDPO's per-reward normalization and weighted sum (arXiv 2601.05242), before its final batch z-score.
+
+    For reward $j$ and group $g$, with $V_{gj}$ the samples of $g$ that reward $j$ applies to (not NaN) and
+    $n_{gj} = |V_{gj}|$:
+
+    $\mu_{gj} = \frac{1}{n_{gj}}\sum_{i \in V_{gj}} r_{ij}$,
+    $\sigma_{gj} = \sqrt{\sum_{i \in V_{gj}} (r_{ij} - \mu_{gj})^2 / (n_{gj} - 1)}$ (1 when $n_{gj} \le 1$),
+    $z_{ij} = (r_{ij} - \mu_{g(i)j}) / (\sigma_{g(i)j} + \epsilon)$, and the score
+    $s_i = \sum_{j:\, r_{ij} \ne \text{NaN}} w_j z_{ij}$ (NaN when no reward applies to sample $i$).
+
+    Normalizing each reward before the sum keeps a high-variance reward from drowning the others, and a reward's unit
+    no longer matters. `gdpo_advantages` (GRPO's "gdpo") z-scores $s$ over the batch; PPO uses $s$ as its sequence
+    score with `group_ids` None: it samples one response per prompt, so its group is the whole batch of every process,
+    and it whitens its advantages after GAE instead. Sums in float64, two passes (mean, then squared deviations):
+    scores of 1e4 with a spread of 1e-2 lose every digit of the variance in $E[x^2] - E[x]^2$.
+
+    Args:
+        rewards: [N, K] rewards, one column per reward function, NaN where a function does not apply.
+        weights: [K] weights; None: all ones.
+        eps: Added to every std (TRL's GDPO 1e-4).
+        reduce_sum: Sums a tensor over processes (``accelerator.reduce(t, "sum")``), so the statistics are the
+            global batch's; None for one process. Every process must call it. Only with `group_ids` None.
+        group_ids: [N] integer group ids; None: the whole batch is one group.
+
+    Returns:
+        Scores [N] in the dtype of `rewards`.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}.")
+    if reduce_sum is not None and group_ids is not None:
+        raise ValueError(
+            "gdpo_scores takes reduce_sum only with group_ids=None (one group, the batch of every process); gather "
+            "the rewards of every process and pass their group ids instead."
+        )
+    num_rewards = rewards.shape[1]
+    weights = torch.ones(num_rewards) if weights is None else torch.as_tensor(weights)
+    weights = weights.to(dtype=rewards.dtype, device=rewards.device)
+    if weights.shape != (num_rewards,):
+        raise ValueError(
+            f"weights has {weights.numel()} entries but rewards has {num_rewards} columns; give one weight per "
+            "reward function."
+        )
+    reduce_sum = reduce_sum or (lambda t: t)
+    index, n_groups = _group_index(rewards.new_empty(rewards.shape[0]), group_ids, "group")
+    valid = ~torch.isnan(rewards)
+    x = torch.where(valid, rewards, torch.zeros_like(rewards)).double()
+    sums = reduce_sum(torch.stack([_segment_sum(x, index, n_groups), _segment_sum(valid.double(), index, n_groups)]))
+    count = sums[1]
+    centered = torch.where(valid, x - (sums[0] / count.clamp(min=1))[index], torch.zeros_like(x))
+    squares = reduce_sum(_segment_sum(centered**2, index, n_groups))
+    std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), torch.ones_like(count))
+    # a reward constant within its group has std 0: with eps = 0 that is 0/0, and its z is 0, not NaN
+    z = torch.where(centered == 0, torch.zeros_like(centered), centered / (std[index] + eps))
+    scores = (z * weights.double()).sum(1).to(rewards.dtype)
+    return torch.where(valid.any(1), scores, torch.full_like(scores, math.nan))
+
+
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    weights: torch.Tensor | list[float] | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    r"""GDPO: group-decoupled normalization of several rewards (arXiv 2601.05242).
+
+    $s_i = \sum_j w_j z_{ij}$ with $z_{ij} = (r_{ij} - \mu_{g(i),j}) / (\sigma_{g(i),j} + \epsilon)$, the group mean
+    and unbiased group std of each reward (`gdpo_scores`), then $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$ over the
+    batch (`normalize`); TRL's ``multi_objective_aggregation="normalize_then_sum"``. NaN rewards (a reward function
+    that does not apply to a sample) are left out of their column's statistics and contribute 0 to the sum; a row
+    that is NaN in every column stays NaN.
+
+    Args:
+        rewards: [N, K] rewards, one column per reward function.
+        group_ids: [N] integer group ids.
+        weights: [K] weights; None means all ones.
+        eps: Added to every std (TRL's 1e-4).
+
+    Returns:
+        Advantages [N].
+    """
+    summed = gdpo_scores(rewards, weights, eps, group_ids=group_ids)
+    return normalize(summed, mean_level="batch", std_level="batch", eps=eps)

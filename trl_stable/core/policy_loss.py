@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from trl_stable.core.masked_stats import masked_mean
+
 __all__ = [
+    "LOG_RATIO_BOUND",
     "decoupled_ppo_loss",
     "decoupled_ppo_term",
     "fold_behaviour_weight",
     "pre_mask_token_mean",
+    "policy_clip_fraction",
     "ppo_clip_term",
 ]
 
@@ -82,7 +86,8 @@ def decoupled_ppo_term(
 def pre_mask_token_mean(
     per_token_loss: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
-    r"""Token mean normalised by the token count *before* filtering: $\sum_t m_t k_t \ell_t / \max(\sum_t m_t, 1)$.
+    r"""Token mean normalised by the token count *before* filtering: $\sum_t m_t k_t \ell_t / \max(\sum_t m_t, 1)$
+    (AReaL's decoupled loss, arXiv 2505.24298).
 
     Dividing by the kept count instead would scale the surviving tokens' gradients up as more tokens are filtered,
     so a noisy batch would take a larger step; the pre-mask count keeps the step size independent of the filter.
@@ -110,7 +115,7 @@ def decoupled_ppo_loss(
     eps_high: float | None = None,
     dual_clip: float | None = None,
 ) -> torch.Tensor:
-    r"""Scalar decoupled PPO loss: `pre_mask_token_mean(decoupled_ppo_term(...), mask, keep)`.
+    r"""Scalar decoupled PPO loss (AReaL, arXiv 2505.24298): `pre_mask_token_mean` of `decoupled_ppo_term` and `keep`.
 
     $L = \frac{1}{\sum m}\sum_{t} m_t k_t\, w_t\, \ell_{PPO,t}$ with $k$ the IcePop/KPop filter.
     """
@@ -121,7 +126,8 @@ def decoupled_ppo_loss(
 def fold_behaviour_weight(
     advantages: torch.Tensor, behaviour_weights: torch.Tensor, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
-    r"""Fold the behaviour weight and the token filter into (B, T) advantages: $\tilde A = A \cdot w \cdot k$.
+    r"""Fold the behaviour weight and the token filter into (B, T) advantages: $\tilde A = A \cdot w \cdot k$ (the
+    decoupled loss of AReaL, arXiv 2505.24298, through any loss linear in $A$).
 
     For $w \ge 0$, $w \max(-A r, -A\,\text{clip}(r)) = \max(-(wA) r, -(wA)\,\text{clip}(r))$, and likewise for the
     dual clip bound $c|A|$, CISPO's $-\text{sg}(\text{clip}(r)) A \log\pi$ and GSPO's sequence ratio, because $w$
@@ -135,3 +141,13 @@ def fold_behaviour_weight(
     if keep is not None:
         weight = torch.where(keep.bool(), weight, torch.zeros_like(weight))
     return advantages * weight
+
+
+def policy_clip_fraction(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: float
+) -> torch.Tensor:
+    r"""Share of tokens whose gradient the ratio clip removes, PPO's ``clipfrac`` (Schulman et al. 2017, arXiv
+    1707.06347): $\overline{[\,|r - 1| > \epsilon \wedge A (r - 1) > 0\,]}$ over the masked tokens, the ratio left
+    $[1 - \epsilon, 1 + \epsilon]$ in the direction the advantage pushes it."""
+    clipped = ((ratio - 1.0).abs() > clip) & ((advantages * (ratio - 1.0)) > 0)
+    return masked_mean(clipped.float(), mask)

@@ -3,9 +3,9 @@
 Documentation: docs/agent_steps.md.
 """
 
+from trl_stable.masking.completion_steps import CompletionStepMasker, apply_step_mask
 from trl_stable.masking.loss import masked_cross_entropy
 from trl_stable.masking.mask import StepMask, build_step_loss_mask, char_span_to_tokens, decode_offsets
-from trl_stable.masking.rl import CompletionStepMasker, apply_step_mask
 from trl_stable.masking.sft import (
     StepMaskCollator,
     StepMaskedSFTConfig,

@@ -23,7 +23,7 @@ _FILTER_FIELD_DEFAULTS = {
 
 @dataclass
 class DecoupledLossArguments:
-    """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (see `trl_stable.core.masks`).
+    """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (`trl_stable.core.behaviour_weights`).
 
     A config may redeclare `use_decoupled_loss` to say how its trainer gets the sampler's log-probs.
     """

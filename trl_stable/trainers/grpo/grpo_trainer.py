@@ -55,7 +55,7 @@ from trl_stable.core import (
     zero_variance_groups,
 )
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
-from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
     RoutingHook,

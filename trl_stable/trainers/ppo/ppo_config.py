@@ -22,13 +22,13 @@ from trl_stable.config_checks import (
     check_training_length,
     training_argument_bounds,
 )
+from trl_stable.core.kl import kl_estimator_names
 from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-_KL_PENALTIES = ("kl", "abs", "mse", "k3", "low_var_kl", "full")
 _LAM_SCHEDULES = ("vapo", "relative_position")
 _AGGREGATIONS = ("sum", "normalize_then_sum")
 _NAN_REWARD_ACTIONS = ("drop", "zero")
@@ -247,7 +247,8 @@ class PPOConfig(
         metadata={
             "help": "Per-token KL estimator (trl_stable.core.kl): 'kl' (logp - ref_logp), 'abs' (|logp - ref_logp|), "
             "'mse' (0.5 (logp - ref_logp)^2), 'k3' (exp(ref_logp - logp) - (ref_logp - logp) - 1, unbiased and >= 0), "
-            "'low_var_kl' (k3 clamped to [-10, 10], verl) or 'full' (exact KL over the vocabulary)."
+            "'low_var_kl' (k3 clamped to [-10, 10], verl), 'full' (exact KL over the vocabulary) or a name registered "
+            "with `trl_stable.core.register_kl_estimator`."
         },
     )
     adap_kl_ctrl: bool = field(
@@ -427,8 +428,11 @@ class PPOConfig(
             )
         if self.nan_reward_action not in _NAN_REWARD_ACTIONS:
             raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
-        if self.kl_penalty not in _KL_PENALTIES:
-            raise ValueError(f"kl_penalty must be one of {_KL_PENALTIES}, got {self.kl_penalty!r}.")
+        if self.kl_penalty not in kl_estimator_names():
+            raise ValueError(
+                f"kl_penalty must be one of {kl_estimator_names()} or a name registered with "
+                f"`trl_stable.core.register_kl_estimator`, got {self.kl_penalty!r}."
+            )
         if self.lam_schedule is not None and self.lam_schedule not in _LAM_SCHEDULES:
             raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
         if self.adap_kl_ctrl and (self.target is None or self.horizon is None):

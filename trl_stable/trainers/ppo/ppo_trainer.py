@@ -52,25 +52,18 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, speed_metrics
 from trl.trainer.base_trainer import _BaseTrainer
 
+from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour_weight
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
 from trl_stable.core.kl import AdaptiveKLController, FixedKLController, full_kl, kl_estimate
-from trl_stable.core.masks import behaviour_weight, filter_behaviour_weight
-from trl_stable.core.policy_loss import decoupled_ppo_loss, ppo_clip_term, pre_mask_token_mean
+from trl_stable.core.masked_stats import masked_mean, masked_whiten
+from trl_stable.core.policy_loss import decoupled_ppo_loss, policy_clip_fraction, ppo_clip_term, pre_mask_token_mean
 from trl_stable.core.positions import position_ids_from_mask
-from trl_stable.core.ppo_objective import (
-    RunningMoments,
-    clipped_value_loss,
-    compose_token_rewards,
-    last_action_index,
-    masked_mean,
-    masked_whiten,
-    policy_clip_fraction,
-)
-from trl_stable.core.ppo_objective import (
-    scale_scores as scale_with_moments,
-)
-from trl_stable.masking.rl import CompletionStepMasker
+from trl_stable.core.score_scaling import RunningMoments
+from trl_stable.core.score_scaling import scale_scores as scale_with_moments
+from trl_stable.core.token_rewards import compose_token_rewards, last_action_index
+from trl_stable.core.value_loss import clipped_value_loss
+from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats

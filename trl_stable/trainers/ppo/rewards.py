@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification
 from trl.trainer.utils import get_callable_name
 
-from trl_stable.core.ppo_objective import Reduce, gdpo_scores
+from trl_stable.core.masked_stats import Reduce
+from trl_stable.core.normalization import gdpo_scores
 from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,

@@ -39,8 +39,8 @@ def test_icepop_token_band_is_inclusive():
 
 
 def test_icepop_nonfinite_log_ratio_counts_as_zero():
-    # Non-finite log-ratios are set to 0 (see trl_stable/core/masks.py), so w = 1: kept by a band around 1, dropped
-    # by a band above 1
+    # Non-finite log-ratios are set to 0 (see trl_stable/core/behaviour_weights.py), so w = 1: kept by a band around
+    # 1, dropped by a band above 1
     behav = torch.tensor([[LN(0.1), LN(0.1), float("-inf"), LN(0.1)]])
     prox = torch.tensor([[float("nan"), float("-inf"), LN(0.1), LN(0.8)]])  # last: w = 8, out of band
     mask = torch.ones(1, 4)

@@ -34,7 +34,8 @@ def _check_level(level: str) -> None:
 
 
 def behaviour_log_ratio(prox_logps: torch.Tensor, behav_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    r"""$\log w = \log\pi_{prox} - \log\pi_{behav}$ in fp32, detached; non-finite and masked positions give 0."""
+    r"""$\log w = \log\pi_{prox} - \log\pi_{behav}$ (AReaL's decoupled PPO, arXiv 2505.24298) in fp32, detached;
+    non-finite and masked positions give 0."""
     log_ratio = prox_logps.detach().float() - behav_logps.detach().float()
     return torch.where(mask.bool() & torch.isfinite(log_ratio), log_ratio, torch.zeros_like(log_ratio))
 
@@ -95,7 +96,8 @@ def icepop_mask(
 
 
 def binary_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    r"""KL between Bernoulli(p) and Bernoulli(q): $p\log\frac{p}{q} + (1-p)\log\frac{1-p}{1-q}$ (no clamping)."""
+    r"""KL between Bernoulli(p) and Bernoulli(q): $p\log\frac{p}{q} + (1-p)\log\frac{1-p}{1-q}$ (no clamping); KPop's
+    divergence (AReaL, arXiv 2505.24298)."""
     return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
@@ -148,7 +150,8 @@ def clamp_behaviour_weight(
     upper: float = 5.0,
     level: str = "token",
 ) -> torch.Tensor:
-    r"""IcePop's "clamp" action: a behaviour weight bounded to the band instead of dropping tokens.
+    r"""IcePop's "clamp" action (Ring-1T, arXiv 2510.18855): a behaviour weight bounded to the band instead of dropping
+    tokens.
 
     Token level: $\tilde w_t = \text{clamp}(w_t, \text{lower}, \text{upper})$ with $w_t$ as in `behaviour_weight`
     (a non-finite log-ratio counts as 0). Sequence level: the tokens of a sequence are rescaled so that their geometric
