@@ -79,10 +79,6 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
         False,
         "every column of train_dataset is passed to the reward functions, so none may be removed.",
     ),
-    "dataloader_drop_last": (
-        True,
-        "a PPO step takes exactly batch_size prompts per process, so an incomplete last batch is always dropped.",
-    ),
 }
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
@@ -147,9 +143,10 @@ class PPOConfig(
 
     Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
     `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front),
-    `per_device_train_batch_size` 16 (the micro-batch, see below), `average_tokens_across_devices` False,
-    `remove_unused_columns` False and `dataloader_drop_last` True (what PPO's loop needs; the other values are
-    refused, as are the `TrainingArguments` fields PPO has no use for: `PPO_UNSUPPORTED`).
+    `per_device_train_batch_size` 16 (the micro-batch, see below), `average_tokens_across_devices` False and
+    `remove_unused_columns` False (what PPO's loop needs; the other values are refused, as are the
+    `TrainingArguments` fields PPO has no use for: `PPO_UNSUPPORTED`). Training batches are always full (a step takes
+    `batch_size` prompts); `dataloader_drop_last` applies to the evaluation batches, as in Trainer.
 
     Batches, as in TRL's PPO: a step generates `batch_size` samples per process; `ppo_epochs` times they are
     shuffled and cut into mini-batches of `per_device_train_batch_size * gradient_accumulation_steps` samples, one
@@ -175,9 +172,6 @@ class PPOConfig(
     )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "False: every train_dataset column reaches the reward functions."}
-    )
-    dataloader_drop_last: bool = field(
-        default=True, metadata={"help": "True: a PPO step takes exactly batch_size prompts per process."}
     )
 
     # --- model / run identity ---

@@ -35,6 +35,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.optimization import GreedyLR
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, speed_metrics
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, seed_worker, speed_metrics
 from trl.trainer.base_trainer import _BaseTrainer
 
 from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour_weight
@@ -1199,20 +1200,30 @@ class PPOTrainer(GRPOCheckpoints, _BaseTrainer):
             raise error
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """`Trainer`'s training dataloader (sampler, workers, `data_seed`, accelerate's sharding over processes) with
-        `batch_size` prompts per process per batch: one batch is one PPO step."""
-        loader = self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=self.args.batch_size,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
+        """The training dataloader, built as Trainer builds it (its sampler: `train_sampling_strategy`, `data_seed`;
+        the `dataloader_*` settings; accelerate's sharding over processes), with `batch_size` prompts per process
+        per batch, one batch a PPO step, and always full batches (a step takes exactly `batch_size` prompts)."""
+        args = self.args
+        dataset = self.train_dataset
+        sampled = not isinstance(dataset, torch.utils.data.IterableDataset)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=self._get_train_sampler(dataset) if sampled else None,
+            drop_last=True,
+            collate_fn=self.data_collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            in_order=args.dataloader_in_order,
+            worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+            # the workers' seed from a stream of its own: drawn from the global RNG it would move every token
+            # generate samples afterwards (the sampler's order is seeded on its own, by `data_seed` or `seed`)
+            generator=torch.Generator().manual_seed(args.seed),
         )
-        # The workers' seed from a stream of its own: drawn from the global RNG it would move every token generate
-        # samples afterwards (the sampler's order is seeded on its own, by `data_seed` or `seed`). accelerate's loader
-        # wraps the torch one, which draws it; `skip_first_batches` hands the same generator on.
-        getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(self.args.seed)
-        return loader
+        return self.accelerator.prepare(loader)
 
     def _max_steps(self, check: bool = True) -> int:
         """The PPO steps `train()` runs: `max_steps`, or `num_train_epochs` passes over the train dataloader. A
