@@ -238,7 +238,7 @@ def test_async_reward_functions_get_the_same_contract(trainers):
 
 
 def _event_loop():
-    from trl_stable.trl_internals import reward_event_loop
+    from trl_stable.integration.reward_calls import reward_event_loop
 
     async def coroutine(**kwargs):
         return []

@@ -12,7 +12,7 @@ highest-numbered folder whatever it holds, and loads the RNG file only if it is 
 - resumes (`train`) from the newest complete checkpoint for ``resume_from_checkpoint=True``, checks an explicit one,
   and restores trl_stable's state before transformers' loop starts.
 
-The transformers / TRL members this uses are listed in `trl_stable.trl_internals`.
+The transformers / TRL members this uses are listed in `trl_stable.integration.trl_members`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.trainers.checkpoints import (
     begin_marker,
     collect_stable_state,
@@ -33,7 +34,6 @@ from trl_stable.trainers.checkpoints import (
     stable_state_file,
     write_marker,
 )
-from trl_stable.trl_internals import rng_state_file
 
 __all__ = ["GRPOCheckpoints"]
 
@@ -91,7 +91,7 @@ class GRPOCheckpoints:
         if self.args.should_save:
             fsync_tree(folder)  # transformers does not flush its files
             write_marker(folder, self.state.global_step, self.accelerator.num_processes)
-            rotate_checkpoints(  # what transformers' _save_checkpoint would have done (trl_internals.MIRRORED)
+            rotate_checkpoints(  # what transformers' _save_checkpoint would have done (trl_members.MIRRORED)
                 output_dir=run_dir,
                 save_total_limit=limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,

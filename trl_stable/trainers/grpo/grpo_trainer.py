@@ -2,7 +2,7 @@
 
 With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls
 ``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw). The private TRL
-members it overrides or reads are listed, with what it relies on, in `trl_stable.trl_internals`.
+members it overrides or reads are listed, with what it relies on, in `trl_stable.integration.trl_members`.
 
 Data flow of one generation batch (`_generate_and_score_completions`):
 
@@ -55,6 +55,7 @@ from trl_stable.core import (
     zero_variance_groups,
 )
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
+from trl_stable.integration.reward_calls import call_reward_func
 from trl_stable.masking.rl import CompletionStepMasker
 from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
@@ -62,7 +63,7 @@ from trl_stable.moe.hook import (
     batch_routing,
 )
 from trl_stable.moe.layout import repad_routing
-from trl_stable.monitoring.integration import attach_health_monitor, log_generation_mismatch
+from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.monitoring.reduction import (
     Stat,
@@ -85,7 +86,18 @@ from trl_stable.rewards.dense import (
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
+from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
+from trl_stable.trainers.grpo.trl_batch import forward_kwargs, multimodal_forward_keys, tokenizer_of
+from trl_stable.trainers.grpo.trl_logs import (
+    flush_reward_logs,
+    flush_reward_metrics,
+    log_generation_mismatch,
+    log_metric,
+    replace_logged_advantages,
+    train_mode,
+)
+from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -94,20 +106,6 @@ from trl_stable.trainers.prompt_checks import (
     model_context,
     raise_together,
     too_long_error,
-)
-from trl_stable.trl_internals import (
-    call_reward_func,
-    flush_reward_logs,
-    flush_reward_metrics,
-    forward_kwargs,
-    is_reference_pass,
-    log_metric,
-    multimodal_forward_keys,
-    replace_logged_advantages,
-    reward_kwargs,
-    tokenizer_of,
-    train_mode,
-    with_mask_position_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,7 +127,7 @@ class RolloutRecord:
     """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable.
 
     TRL keeps the return values of `_calculate_rewards`, `_generate` and its no-grad passes to itself, and its batch
-    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.trl_internals`). One
+    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.integration`). One
     record per call, opened by `GRPOTrainer._rollout_record` and dropped when the call returns or raises.
 
     Attributes:
@@ -164,7 +162,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     Routing replay (``routing_replay``) runs at four named points, all in this class: `_generate_single_turn` /
     `_generate` (R3: the sampler's routing), `_get_per_token_logps_and_entropies` (TRL's old-logprob pass: R2
-    records, R3 replays; the reference pass is recognised by `trl_internals.is_reference_pass` and never replayed),
+    records, R3 replays; the reference pass is recognised by `forward_passes.is_reference_pass` and never replayed),
     `_compute_proximal_logps` (trl_stable's own rollout pass, likewise) and `_compute_loss` (the updates replay the
     routing that travels in the batch under ``"routed_experts"``).
     """
@@ -369,7 +367,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     def _generate(self, prompts):
         result = super()._generate(prompts)
         if self.routing.mode == "R3" and self._rollout is not None:
-            extra_fields = result[5]  # see trl_internals.GRPO_MEMBERS: `_generate` returns an 8-tuple
+            extra_fields = result[5]  # see trl_members.GRPO_MEMBERS: `_generate` returns an 8-tuple
             routed = extra_fields.pop(ROUTED_EXPERTS_KEY, None) if isinstance(extra_fields, dict) else None
             if routed is not None:
                 self._rollout.sampled_routing = [torch.as_tensor(r) for r in routed]
@@ -426,7 +424,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     def _policy_forward(self, model, args: tuple, kwargs: dict[str, Any]):
         """`model`, or for a text batch while `_positions_from_mask()` a wrapper that adds position ids derived from
-        the attention mask to each forward (`trl_internals.with_mask_position_ids`), as the sampler numbered them.
+        the attention mask to each forward (`forward_passes.with_mask_position_ids`), as the sampler numbered them.
 
         Every pass goes through here (old-logprob, proximal, reference, update), so the ratios between them keep
         comparing like with like. Multimodal batches keep the model's own numbering: models such as Qwen2-VL derive
@@ -450,7 +448,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 changed = RuntimeError(
                     "trl.GRPOTrainer called _calculate_rewards with other completions than _generate returned, so "
                     "the rewards scored right after generation do not apply; this TRL version breaks the contract "
-                    "in trl_stable.trl_internals (GRPO_MEMBERS, _generate)."
+                    "in trl_stable.integration.trl_members (GRPO_MEMBERS, _generate)."
                 )
             raise_on_every_process(  # every process is here: no one is left in a gather
                 changed, self.accelerator, lambda: RuntimeError("Another process found TRL's reward call changed.")
@@ -487,7 +485,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     def _contract_checked_reward_funcs(self, errors: list[RewardContractError]) -> Iterator[None]:
         """Give TRL's `_calculate_rewards` the callable reward functions wrapped by
         `trl_stable.rewards.dense.checked_sequence_reward` for the duration of one call (see
-        `trl_internals.GRPO_MEMBERS`: TRL reads `reward_funcs` when it calls them); models are left as they are.
+        `trl_members.GRPO_MEMBERS`: TRL reads `reward_funcs` when it calls them); models are left as they are.
 
         The wrappers hand TRL exactly the values it would have built itself from a well-formed, finite answer (a
         float per completion, None -> NaN), so the numbers are TRL's; an infinite value reaches TRL as NaN, and an

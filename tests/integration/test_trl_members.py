@@ -1,4 +1,5 @@
-"""Contract tests: each private TRL / transformers member named in `trl_stable.trl_internals` is what we rely on.
+"""Contract tests: each private TRL / transformers member named in `trl_stable.integration.trl_members` is what we
+rely on.
 
 A TRL or transformers upgrade that renames a member, reorders its parameters, changes its return arity or the keys of
 its batch dict, or rewrites logic trl_stable mirrors fails here, with the member's name in the message.
@@ -16,8 +17,8 @@ import trl
 from datasets import Dataset
 
 from trl_stable import GRPOConfig, GRPOTrainer
-from trl_stable.testing import build_causal_lm
-from trl_stable.trl_internals import (
+from trl_stable.integration.patching import wrapped_method
+from trl_stable.integration.trl_members import (
     CONFIG_NAME_ATTRIBUTE,
     ENGINE_MEMBERS,
     GRPO_BATCH_KEYS,
@@ -29,11 +30,10 @@ from trl_stable.trl_internals import (
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
     VLLM_MEMBERS,
-    forward_kwargs,
-    is_reference_pass,
-    multimodal_forward_keys,
-    with_mask_position_ids,
 )
+from trl_stable.testing import build_causal_lm
+from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
+from trl_stable.trainers.grpo.trl_batch import forward_kwargs, multimodal_forward_keys
 
 
 def _resolve(dotted: str):
@@ -118,11 +118,11 @@ def test_logps_pass_calls_the_model_with_ids_and_mask_only():
     for snippet in LOGPS_FORWARD_SNIPPETS:
         assert snippet in source, (
             f"trl.GRPOTrainer._get_per_token_logps_and_entropies no longer contains {snippet!r}, which "
-            "trl_stable.trl_internals.with_mask_position_ids relies on"
+            "trl_stable.trainers.grpo.forward_passes.with_mask_position_ids relies on"
         )
     assert '"position_ids"' not in source, (
         "trl.GRPOTrainer._get_per_token_logps_and_entropies now sets position_ids: check "
-        "trl_stable.trl_internals.with_mask_position_ids"
+        "trl_stable.trainers.grpo.forward_passes.with_mask_position_ids"
     )
 
 
@@ -316,8 +316,6 @@ def test_vllm_helper_reads_what_ppo_sets_and_patches():
 
 
 def test_wrapped_method_patches_the_instance_only_and_restores_it():
-    from trl_stable.trl_internals import wrapped_method
-
     class Thing:
         def f(self):
             return 1
