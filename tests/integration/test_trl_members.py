@@ -7,8 +7,10 @@ its batch dict, or rewrites logic trl_stable mirrors fails here, with the member
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import textwrap
 
 import pytest
 import torch
@@ -37,11 +39,23 @@ from trl_stable.trainers.grpo.trl_batch import forward_kwargs, multimodal_forwar
 
 
 def _resolve(dotted: str):
-    try:  # a module (`trl.trainer.utils`) or a class in one (`trl.GRPOTrainer`)
-        return importlib.import_module(dotted)
-    except ImportError:
-        module, _, name = dotted.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+    """A module, or an attribute path inside the longest importable module prefix (`a.b.Class.method`)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def _calls(function) -> set[str]:
+    """Every call in `function`'s body, as the AST spells its callee (``self.save_model``, ``os.path.join``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
 
 
 METHODS = [
@@ -101,13 +115,22 @@ def test_multimodal_forward_keys_are_the_ones_trl_forwards():
     assert forward_kwargs({"pixel_values": 1, "prompt_ids": 2}) == {"pixel_values": 1}
 
 
-@pytest.mark.parametrize("mirror", MIRRORED, ids=lambda m: m.ours)
+@pytest.mark.parametrize("mirror", MIRRORED, ids=lambda m: f"{m.trl_member}->{m.ours.rsplit('.', 1)[-1]}")
 def test_mirrored_trl_logic_is_unchanged(mirror):
-    owner, _, name = mirror.trl_member.rpartition(".")
-    source = inspect.getsource(getattr(_resolve(owner), name))
+    _resolve(mirror.ours)  # trl_stable's side still exists under the name the registry gives
+    assert mirror.relation in ("mirrors", "relies on"), mirror.relation
+    member = _resolve(mirror.trl_member)
+    source = inspect.getsource(member)
     for snippet in mirror.snippets:
         assert snippet in source, (
-            f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} mirrors: update {mirror.ours}"
+            f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} {mirror.relation}: update "
+            f"{mirror.ours}"
+        )
+    if mirror.calls:
+        calls = _calls(member)
+        assert calls == set(mirror.calls), (
+            f"{mirror.trl_member} now calls {sorted(calls - set(mirror.calls))} and no longer calls "
+            f"{sorted(set(mirror.calls) - calls)}: {mirror.ours} repeats its steps, update it"
         )
 
 

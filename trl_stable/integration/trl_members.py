@@ -47,7 +47,8 @@ class Member:
     Attributes:
         owner: Dotted path of the class (``"trl.GRPOTrainer"``).
         name: The member's name.
-        kind: "override" (trl_stable overrides it and calls ``super()``), "call" (trl_stable calls it), "attribute"
+        kind: "override" (trl_stable overrides it and calls ``super()``), "replace" (trl_stable overrides it without
+            calling ``super()``, repeating its steps: see `MIRRORED`), "call" (trl_stable calls it), "attribute"
             (read on an instance) or "patch" (replaced on an instance for the duration of a call).
         params: For methods: the leading parameters (after ``self``) trl_stable passes or accepts, in order.
         returns: What trl_stable relies on in the return value (arity, type, keys).
@@ -173,10 +174,10 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         _GRPO,
         "reward_funcs",
         "attribute",
-        returns="the list `_calculate_rewards` reads when it calls the reward functions (nn.Modules scored by TRL, "
-        "the rest called with TRL's keywords, async ones awaited): trl_stable swaps in contract-checking wrappers "
-        "for the duration of that call (see MIRRORED)",
-        used_in=_TRAINER_PY,
+        returns="the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
+        "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
+        "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
+        used_in=(*_TRAINER_PY, *_REWARDS_PY),
     ),
     Member(
         _GRPO,
@@ -203,13 +204,32 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(
         _GRPO,
         "_save_checkpoint",
-        "override",
+        "replace",
         ("model", "trial"),
-        "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: `rng_state_file`) and "
-        "rotates old checkpoints by `args.save_total_limit`, read inside this call",
+        "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: `rng_state_file`), then "
+        "pushes it and rotates old checkpoints. trl_stable's override writes the same files with the same helpers "
+        "and rotates only after its completion marker (MIRRORED)",
         _CHECKPOINTS_PY,
     ),
     Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _CHECKPOINTS_PY),
+    Member(
+        _GRPO, "create_model_card", "call", ("model_name",), "None (writes README.md in output_dir)", _CHECKPOINTS_PY
+    ),
+    Member(
+        _GRPO,
+        "use_adaptive_entropy",
+        "attribute",
+        returns="bool: TRL saves its entropy state",
+        used_in=_CHECKPOINTS_PY,
+    ),
+    Member(_GRPO, "entropy_coef", "attribute", returns="float, in TRL's entropy state file", used_in=_CHECKPOINTS_PY),
+    Member(
+        _GRPO,
+        "_last_world_entropy",
+        "attribute",
+        returns="float, in TRL's entropy state file",
+        used_in=_CHECKPOINTS_PY,
+    ),
 )
 
 TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
@@ -227,8 +247,15 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
         "call",
         ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"),
         "None; deletes the oldest `checkpoint-*` folders beyond the limit (GRPO calls it after the marker)",
-        ("trl_stable/trainers/grpo/checkpoints.py",),
+        _CHECKPOINTS_PY,
     ),
+    # the steps of `Trainer._save_checkpoint` GRPO's checkpoints call, each given the checkpoint folder
+    Member("transformers.Trainer", "save_model", "call", ("output_dir", "_internal_call"), "", _CHECKPOINTS_PY),
+    Member("transformers.Trainer", "store_flos", "call", (), "", _CHECKPOINTS_PY),
+    Member("transformers.Trainer", "_save_optimizer_and_scheduler", "call", ("output_dir",), "", _CHECKPOINTS_PY),
+    Member("transformers.Trainer", "_save_scaler", "call", ("output_dir",), "", _CHECKPOINTS_PY),
+    Member("transformers.Trainer", "_save_rng_state", "call", ("output_dir",), "", _CHECKPOINTS_PY),
+    Member("transformers.Trainer", "_push_from_checkpoint", "call", ("checkpoint_folder",), "", _CHECKPOINTS_PY),
     Member(
         "transformers.modeling_layers.GradientCheckpointingLayer",
         "__call__",
@@ -359,7 +386,7 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "call",
         ("func",),
         "bool",
-        (*_REWARD_CALLS_PY, *_TRAINER_PY),
+        (*_REWARD_CALLS_PY, *_REWARDS_PY),
     ),
     Member(
         "trl.trainer.utils",
@@ -439,15 +466,26 @@ REF_ADAPTER_NAME = "ref"
 
 @dataclass(frozen=True)
 class Mirrored:
-    """TRL logic trl_stable had to repeat because TRL offers no helper: where it lives and the lines we mirror.
+    """TRL / transformers logic trl_stable repeats (TRL offers no helper for it) or relies on: where trl_stable does
+    it and the TRL lines it stands on.
 
     The contract test asserts that every `snippets` line is still in the TRL member's source, so a TRL change to the
-    mirrored logic fails there, naming `ours`.
+    mirrored logic fails there, naming `ours`; and, with `calls`, that the member makes exactly those calls (as the
+    AST spells them), so a step added to or removed from a method trl_stable repeats whole fails too.
+
+    Attributes:
+        ours: Dotted path of trl_stable's function, method or class that mirrors or relies on the logic.
+        trl_member: Dotted path of the TRL / transformers method (or function) holding it.
+        snippets: Lines of `trl_member`'s source, verbatim (stripped).
+        relation: "mirrors" (trl_stable repeats the logic) or "relies on" (trl_stable depends on what it does).
+        calls: Every call `trl_member` makes, for a method trl_stable repeats step by step; () for no such check.
     """
 
     ours: str
     trl_member: str
     snippets: tuple[str, ...]
+    relation: str = "mirrors"
+    calls: tuple[str, ...] = ()
 
 
 MIRRORED: tuple[Mirrored, ...] = (
@@ -488,14 +526,85 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
-        "trl_stable.trainers.grpo.checkpoints.GRPOCheckpoints._save_checkpoint",
+        # the steps of transformers' `_save_checkpoint` in `_write_checkpoint_files`; its push and rotation in
+        # `_save_checkpoint`, once the folder is marked complete
+        "trl_stable.trainers.grpo.checkpoints.GRPOCheckpoints._write_checkpoint_files",
         "transformers.Trainer._save_checkpoint",
         (
+            'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"',
+            "if self.hp_search_backend is None and trial is None:",
+            "self.store_flos()",
+            "run_dir = self._get_output_dir(trial=trial)",
+            "self.save_model(output_dir, _internal_call=True)",
+            "self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]",
+            "and self.state.best_global_step",
+            'best_checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"',
+            "best_checkpoint_dir = os.path.join(run_dir, best_checkpoint_folder)",
+            "if os.path.exists(best_checkpoint_dir):",
+            "self.state.best_model_checkpoint = best_checkpoint_dir",
+            "if not self.args.save_only_model:",
+            "self._save_optimizer_and_scheduler(output_dir)",
+            "self._save_scaler(output_dir)",
+            "self._save_rng_state(output_dir)",
+            "if self.args.should_save:",
+            "cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)",
+            "if isinstance(self.state.stateful_callbacks[cb_name], list):",
+            "self.state.stateful_callbacks[cb_name].append(cb_state)",
+            "self.state.stateful_callbacks[cb_name] = cb_state",
+            "self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))",
+            "if self.args.push_to_hub:",
+            "self._push_from_checkpoint(output_dir)",
             "rotate_checkpoints(",
             "output_dir=run_dir,",
             "save_total_limit=self.args.save_total_limit,",
             "best_model_checkpoint=self.state.best_model_checkpoint,",
             "use_mtime=True,",
+        ),
+        calls=(
+            "cb.state",
+            "dist.barrier",
+            "is_sagemaker_mp_enabled",
+            "is_torch_xla_available",
+            "isinstance",
+            "os.path.exists",
+            "os.path.join",
+            "rotate_checkpoints",
+            "self._get_output_dir",
+            "self._push_from_checkpoint",
+            "self._save_optimizer_and_scheduler",
+            "self._save_rng_state",
+            "self._save_scaler",
+            "self.save_model",
+            "self.state.save_to_json",
+            "self.state.stateful_callbacks[cb_name].append",
+            "self.store_flos",
+            "smp.barrier",
+            "xm.rendezvous",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.checkpoints.GRPOCheckpoints._write_checkpoint_files",
+        "trl.GRPOTrainer._save_checkpoint",
+        (
+            "if self.args.hub_model_id is None:",
+            "model_name = Path(self.args.output_dir).name",
+            'model_name = self.args.hub_model_id.split("/")[-1]',
+            "self.create_model_card(model_name=model_name)",
+            "super()._save_checkpoint(model, trial)",
+            "if self.use_adaptive_entropy and self.args.should_save:",
+            'with open(os.path.join(output_dir, "entropy_ctrl_state.json"), "w") as f:',
+            'json.dump({"entropy_coef": self.entropy_coef, "last_world_entropy": self._last_world_entropy}, f)',
+        ),
+        calls=(
+            "Path",
+            "json.dump",
+            "open",
+            "os.path.join",
+            "self._get_output_dir",
+            "self.args.hub_model_id.split",
+            "self.create_model_card",
+            "super",
+            "super()._save_checkpoint",
         ),
     ),
     Mirrored(
@@ -508,7 +617,7 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
-        "trl_stable.trainers.grpo.GRPOTrainer._contract_checked_reward_funcs",
+        "trl_stable.trainers.grpo.trl_rewards.ContractCheckedRewards",
         "trl.GRPOTrainer._calculate_rewards",
         (
             "zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)",

@@ -39,8 +39,10 @@ class HealthArguments:
     health_mismatch_threshold: float = _shortcut("mismatch_threshold")
     health_remedy_virtual_samples: bool = _shortcut(
         "remedy_virtual_samples",
-        "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), train with NGRPO virtual samples "
-        "(advantage_estimator='ngrpo'); the estimator is restored when it clears.",
+        "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), compute the advantages with NGRPO virtual "
+        "samples: this configuration with advantage_estimator='ngrpo', validated as a config when it is built (a "
+        "combination the config refuses is refused then). The arguments are never changed; each switch is logged as "
+        "a configuration change (before/after) in health.jsonl and the log.",
     )
     health_stop_after_critical_steps: int | None = _shortcut(
         "stop_after_critical_steps",

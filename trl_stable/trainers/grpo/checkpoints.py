@@ -2,13 +2,16 @@
 resumes from the newest complete one (see `trl_stable.trainers.checkpoints` for the marker and what it guarantees).
 
 transformers writes ``checkpoint-N`` in place, file by file (model, optimizer, scheduler, RNG, trainer state, then
-TRL's extras), and rotates old checkpoints (``save_total_limit``) right after; its own resume takes the
-highest-numbered folder whatever it holds, and loads the RNG file only if it is there. `GRPOCheckpoints`, mixed into
-`trl_stable.GRPOTrainer` ahead of `trl.GRPOTrainer`:
+TRL's extras), and its `_save_checkpoint` rotates old checkpoints (``save_total_limit``) at its end, before anything
+after it could mark the new one complete; its own resume takes the highest-numbered folder whatever it holds, and
+loads the RNG file only if it is there. `GRPOCheckpoints`, mixed into `trl_stable.GRPOTrainer` ahead of
+`trl.GRPOTrainer`:
 
-- marks the folder incomplete before transformers writes it, and complete (with every file's size) once every process
-  has written its files, trl_stable's state file included, and flushed them to disk;
-- rotates old checkpoints only after that, so a kill while saving leaves the previous complete checkpoint in place;
+- writes the files TRL's `_save_checkpoint` writes, with the same TRL / transformers helpers in the same order
+  (`_write_checkpoint_files`), marking the folder incomplete before and complete (with every file's size) once every
+  process has written its files, trl_stable's state file included, and flushed them to disk;
+- pushes it and rotates old checkpoints only after that (transformers' `rotate_checkpoints`, given the limit
+  explicitly; the arguments are never changed), so a kill while saving leaves the previous complete checkpoint;
 - resumes (`train`) from the newest complete checkpoint for ``resume_from_checkpoint=True``, checks an explicit one,
   and restores trl_stable's state before transformers' loop starts.
 
@@ -17,10 +20,14 @@ The transformers / TRL members this uses are listed in `trl_stable.integration.t
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.trainers.checkpoints import (
@@ -69,19 +76,17 @@ class GRPOCheckpoints:
         )
 
     def _save_checkpoint(self, model, trial):
+        """Write ``checkpoint-N`` as `trl.GRPOTrainer._save_checkpoint` does (`_write_checkpoint_files`), marked
+        incomplete while it is written and complete once every process's files (trl_stable's state file included)
+        are on disk; then push it (``push_to_hub``) and rotate old checkpoints, in transformers' order. Rotation is
+        transformers' own helper, given the limit explicitly: it runs only once the new checkpoint is complete, so
+        a kill while saving leaves the previous complete checkpoint in place (``save_total_limit=1`` included)."""
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             begin_marker(folder, self.state.global_step)  # a re-save of this step is incomplete from here on
         self.accelerator.wait_for_everyone()  # no process writes into the folder while it still looks complete
-        limit = self.args.save_total_limit
-        # Rotation deletes old checkpoints; it must wait until this one is marked complete, or a kill in between
-        # leaves no complete checkpoint (save_total_limit=1). transformers reads the limit inside this call only.
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
+        self._write_checkpoint_files(trial, run_dir, folder)
         os.makedirs(folder, exist_ok=True)
         state = collect_stable_state(
             self.health_monitor, self._named_reward_funcs(), *self._trainer_checkpoint_state()
@@ -91,9 +96,53 @@ class GRPOCheckpoints:
         if self.args.should_save:
             fsync_tree(folder)  # transformers does not flush its files
             write_marker(folder, self.state.global_step, self.accelerator.num_processes)
-            rotate_checkpoints(  # what transformers' _save_checkpoint would have done (trl_members.MIRRORED)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(folder)
+        if self.args.should_save:
+            rotate_checkpoints(
                 output_dir=run_dir,
-                save_total_limit=limit,
+                save_total_limit=self.args.save_total_limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _write_checkpoint_files(self, trial: Any, run_dir: str, folder: str) -> None:
+        """The files `trl.GRPOTrainer._save_checkpoint` writes, step for step and in its order, each by the TRL or
+        transformers helper the original calls, given `folder` explicitly: TRL's model card, then
+        `transformers.Trainer._save_checkpoint`'s model, best-checkpoint bookkeeping, optimizer, scheduler, scaler,
+        RNG and trainer state, then TRL's adaptive-entropy state. Left out: the push and the rotation that end
+        transformers' method, which `_save_checkpoint` runs after the marker (MIRRORED names every line, and the
+        contract test fails when either method gains or loses a call)."""
+        # trl.GRPOTrainer._save_checkpoint, before its super() call
+        hub_model_id = self.args.hub_model_id
+        self.create_model_card(
+            model_name=Path(self.args.output_dir).name if hub_model_id is None else hub_model_id.split("/")[-1]
+        )
+        # transformers.Trainer._save_checkpoint
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        self.save_model(folder, _internal_call=True)
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
+            self.state.best_global_step
+        ):
+            self.accelerator.wait_for_everyone()  # the main process saved the model before the best is looked for
+            best_checkpoint_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best_checkpoint_dir):
+                self.state.best_model_checkpoint = best_checkpoint_dir
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(folder)
+            self._save_scaler(folder)
+            self._save_rng_state(folder)
+        if self.args.should_save:
+            for callback in self.callback_handler.callbacks + [self.control]:
+                if isinstance(callback, ExportableState):
+                    name = callback.__class__.__name__
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(callback.state())
+                    else:
+                        self.state.stateful_callbacks[name] = callback.state()
+            self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+        # trl.GRPOTrainer._save_checkpoint, after its super() call
+        if self.use_adaptive_entropy and self.args.should_save:
+            with open(os.path.join(folder, "entropy_ctrl_state.json"), "w") as f:
+                json.dump({"entropy_coef": self.entropy_coef, "last_world_entropy": self._last_world_entropy}, f)

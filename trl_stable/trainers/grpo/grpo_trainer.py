@@ -15,7 +15,8 @@ Data flow of one generation batch (`_generate_and_score_completions`):
      every other log-prob pass get position ids from the attention mask while an option compares them with the
      sampler's (`_positions_from_mask`), so left-padded rows are numbered as the sampler numbered them;
    - `_calculate_rewards`: TRL's sequence-level rewards, read under `trl_stable.rewards.dense`'s contract (TRL
-     calls the functions through checking wrappers; inf -> NaN), into the record; the dense reward functions are
+     calls the functions through the checking wrappers built at construction, `ContractCheckedRewards`; inf ->
+     NaN), into the record; the dense reward functions are
      prefetched (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. TRL calls it
      after its old-logprob and reference passes; when a dense function has a prefetch, `_generate` calls it right
      after generation instead (TRL's own call then gets those rewards), so the critic overlaps those passes.
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import is_async_callable, nanstd
+from trl.trainer.utils import nanstd
 
 from trl_stable.config_checks import (
     Dependent,
@@ -74,9 +75,7 @@ from trl_stable.monitoring.reduction import (
 )
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
-    RewardContractError,
     call_on_every_process,
-    checked_sequence_reward,
     has_prefetch,
     infinite_rewards_to_nan,
     is_dense_reward,
@@ -97,7 +96,7 @@ from trl_stable.trainers.grpo.trl_logs import (
     replace_logged_advantages,
     train_mode,
 )
-from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
+from trl_stable.trainers.grpo.trl_rewards import ContractCheckedRewards, reward_kwargs
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -202,6 +201,9 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+        # TRL's `_calculate_rewards` calls `reward_funcs`: from here on, the contract-checked ones (built once)
+        self._reward_contract = ContractCheckedRewards(self.reward_funcs, self.reward_func_names)
+        self.reward_funcs = self._reward_contract.funcs
         self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
         # Start-up checks (each generation batch's prompts are checked in `_tokenize_prompts`): a completion length
         # the model's context cannot take, and a missing or empty prompt, fail now rather than inside a forward.
@@ -213,6 +215,8 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
         self.health_monitor = attach_health_monitor(self)
+        # the configuration the virtual-samples remedy trains with, validated as a config (None without the remedy)
+        self._virtual_samples_args = self.args.virtual_samples_config() if isinstance(self.args, GRPOConfig) else None
         self.step_masker = (
             CompletionStepMasker(tools=self._opt("step_mask_tools")) if self._opt("step_loss_mask") else None
         )
@@ -223,8 +227,17 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """A trl_stable option, with its default when `args` is a plain `trl.GRPOConfig`."""
         return getattr(self.args, name, _STABLE_DEFAULTS[name])
 
+    def advantage_args(self) -> Any:
+        """The configuration this generation batch's advantages are computed with: `args`, or while the health
+        monitor's virtual-samples remedy is on (`HealthMonitor.remedy_active`), `args.virtual_samples_config()`,
+        validated when the trainer was built. `args` itself is never changed."""
+        if self._virtual_samples_args is not None and self.health_monitor.remedy_active:
+            return self._virtual_samples_args
+        return self.args
+
     def _advantage_settings(self) -> dict[str, Any] | None:
-        return self.args.advantage_settings if isinstance(self.args, GRPOConfig) else None
+        args = self.advantage_args()
+        return args.advantage_settings if isinstance(args, GRPOConfig) else None
 
     def describe_paths(self) -> str:
         """One line naming the active advantage, loss, decoupled-loss, filter and routing paths (logged at start)."""
@@ -454,10 +467,11 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 changed, self.accelerator, lambda: RuntimeError("Another process found TRL's reward call changed.")
             )
             return early
-        # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (through the wrappers)
-        errors: list[RewardContractError] = []
-        with self._contract_checked_reward_funcs(errors):
+        # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (`ContractCheckedRewards`)
+        try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            errors = self._reward_contract.take_errors()  # this call's, also when TRL raised
         # after TRL's gather, which every process reached: a broken answer on one process stops them all here
         raise_on_every_process(errors[0] if errors else None, self.accelerator)
         rewards_per_func = infinite_rewards_to_nan(rewards_per_func, self.reward_func_names)  # reward models' logits
@@ -480,27 +494,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                     *(inputs, prompts, completions, completion_ids_list, rewards_per_func),
                 )
         return rewards_per_func
-
-    @contextmanager
-    def _contract_checked_reward_funcs(self, errors: list[RewardContractError]) -> Iterator[None]:
-        """Give TRL's `_calculate_rewards` the callable reward functions wrapped by
-        `trl_stable.rewards.dense.checked_sequence_reward` for the duration of one call (see
-        `trl_members.GRPO_MEMBERS`: TRL reads `reward_funcs` when it calls them); models are left as they are.
-
-        The wrappers hand TRL exactly the values it would have built itself from a well-formed, finite answer (a
-        float per completion, None -> NaN), so the numbers are TRL's; an infinite value reaches TRL as NaN, and an
-        answer that is not numbers leaves as a contract error after TRL's gather instead of being misread."""
-        funcs = self.reward_funcs
-        self.reward_funcs = [
-            func
-            if isinstance(func, torch.nn.Module)
-            else checked_sequence_reward(func, name, errors, is_async=is_async_callable(func))
-            for func, name in zip(funcs, self.reward_func_names, strict=True)
-        ]
-        try:
-            yield
-        finally:
-            self.reward_funcs = funcs
 
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
@@ -578,7 +571,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             output["advantages"] = advantages[local].to(output["advantages"].dtype)
             # TRL logged its own advantages for the completions table; show the ones that are trained on
             replace_logged_advantages(self, advantages.tolist())
-        elif self._opt("advantage_estimator") == "gdpo":
+        elif getattr(self.advantage_args(), "advantage_estimator", None) == "gdpo":
             self._log_per_reward_advantages(rewards_per_func, group_ids)
 
         drop = torch.zeros_like(unscorable)
@@ -859,7 +852,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
         return [
-            *zip(self.reward_func_names, self.reward_funcs),
+            *zip(self.reward_func_names, self._reward_contract.originals),
             *zip(self.dense_reward_func_names, self.dense_reward_funcs),
         ]
 
