@@ -27,6 +27,7 @@ __all__ = [
     "GRPO_BATCH_KEYS",
     "GRPO_MEMBERS",
     "GRPO_OPTIONAL_BATCH_KEYS",
+    "GRPO_PADDING",
     "HELPER_MEMBERS",
     "LOGPS_FORWARD_SNIPPETS",
     "LOGPS_PARAMS",
@@ -212,6 +213,62 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         _CHECKPOINTS_PY,
     ),
     Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _CHECKPOINTS_PY),
+    # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
+    # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
+    Member(
+        _GRPO, "reward_func_names", "attribute", returns="list[str], aligned with reward_funcs", used_in=_TRAINER_PY
+    ),
+    Member(
+        _GRPO,
+        "reward_processing_classes",
+        "attribute",
+        returns="list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "reward_weights",
+        "attribute",
+        returns="[K] float tensor, aligned with reward_funcs",
+        used_in=_TRAINER_PY,
+    ),
+    # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
+    Member(_GRPO, "num_generations", "attribute", returns="group size in training", used_in=_TRAINER_PY),
+    Member(_GRPO, "max_completion_length", "attribute", returns="int, the completion cap", used_in=_TRAINER_PY),
+    Member(_GRPO, "loss_type", "attribute", returns="str, TRL's loss (named in describe_paths)", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "importance_sampling_level",
+        "attribute",
+        returns='"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
+        used_in=_TRAINER_PY,
+    ),
+    Member(_GRPO, "use_vllm", "attribute", returns="bool: the sampler is vLLM", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "use_transformers_continuous_batching",
+        "attribute",
+        returns="bool: the sampler is transformers' continuous batching (no sampler log-probs)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO, "tools", "attribute", returns="list of tool functions (R3 refuses tool calling)", used_in=_TRAINER_PY
+    ),
+    Member(_GRPO, "rollout_func", "attribute", returns="the user's rollout function or None", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "environment_factories",
+        "attribute",
+        returns="None unless environments make the prompts (then no prompt column is checked)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "ref_model",
+        "attribute",
+        returns="the KL reference model, or None (PEFT: the policy with adapters off)",
+        used_in=("trl_stable/trainers/grpo/forward_passes.py",),
+    ),
     Member(
         _GRPO, "create_model_card", "call", ("model_name",), "None (writes README.md in output_dir)", _CHECKPOINTS_PY
     ),
@@ -460,6 +517,19 @@ GRPO_OPTIONAL_BATCH_KEYS = (
     "importance_sampling_ratio",
 )
 
+# How TRL pads each [B, T] key it builds in `_generate_and_score_completions` (`pad(..., padding_value=...,
+# padding_side=...)`): (side, value), "pad_token_id" standing for the tokenizer's pad id. Batches trl_stable
+# concatenates (`trainers.grpo.trl_batch.concat_rows`) are padded the same way; a key not listed (old / reference log
+# probs, the IS ratio) is computed on the [prompt | completion] rows and aligned with the completion: right, 0.
+GRPO_PADDING: dict[str, tuple[str, int | float | str]] = {
+    "prompt_ids": ("left", "pad_token_id"),
+    "prompt_mask": ("left", 0),
+    "completion_ids": ("right", "pad_token_id"),
+    "completion_mask": ("right", 0),
+    "sampling_per_token_logps": ("right", 0.0),
+    "tool_mask": ("right", 1),
+}
+
 # TRL's name for the copy of the initial adapter it loads as the reference of a re-trained PEFT adapter.
 REF_ADAPTER_NAME = "ref"
 
@@ -634,6 +704,204 @@ MIRRORED: tuple[Mirrored, ...] = (
             "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
             "rewards[unscorable_mask] = torch.nan",
         ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.loss_mask",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ("loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask",),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.loss_mask",
+        "trl.GRPOTrainer._compute_loss",
+        ('mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]',),
+        "relies on",
+    ),
+    Mirrored(
+        # recomputed wherever trl_stable removes tokens from the loss (`_apply_loss_mask`) or rebuilds the batch
+        # (dynamic sampling's refill), so TRL's normaliser counts the tokens that are trained on
+        "trl_stable.trainers.grpo.trl_batch.num_items_in_batch",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ("num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()",),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.num_items_in_batch",
+        "trl.GRPOTrainer._compute_loss",
+        (
+            'elif self.loss_type in ["cispo", "dapo", "vespo"]:',
+            'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+            "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+            "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.process_slice",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "process_slice = slice(",
+            "self.accelerator.process_index * len(prompts),",
+            "(self.accelerator.process_index + 1) * len(prompts),",
+            "advantages = advantages[process_slice]",
+        ),
+    ),
+    Mirrored(
+        # a group is `num_generations` consecutive rows of the gathered batch (in eval: `num_generations_eval`), and an
+        # unscorable row's advantage is 0
+        "trl_stable.trainers.grpo.GRPOTrainer._postprocess_generation",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            'num_generations = self.num_generations if mode == "train" else self.num_generations_eval',
+            "mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)",
+            "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)",
+            "advantages = torch.nan_to_num(advantages, nan=0.0)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_logs.train_mode",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ('mode = "train" if self.model.training else "eval"',),
+    ),
+    Mirrored(
+        # the proximal pass is TRL's old-logprob pass, run by trl_stable when TRL skipped it
+        "trl_stable.trainers.grpo.GRPOTrainer._compute_proximal_logps",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
+            "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)",
+            "logits_to_keep = completion_ids.size(1)",
+            'batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.'
+            "per_device_eval_batch_size",
+            "with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs"
+            "):",
+            "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(",
+            "batch_size=batch_size,",
+        ),
+    ),
+    Mirrored(
+        # the behaviour weight and the token filter reach TRL's loss folded into (B, T) advantages
+        "trl_stable.trainers.grpo.GRPOTrainer._apply_decoupled_loss",
+        "trl.GRPOTrainer._compute_loss",
+        ("if advantages.dim() == 1:", "advantages = advantages.unsqueeze(1)"),
+        "relies on",
+    ),
+    Mirrored(
+        # the dense reward-to-go reaches TRL's loss as (B, T) advantages
+        "trl_stable.trainers.grpo.GRPOTrainer._postprocess_generation",
+        "trl.GRPOTrainer._compute_loss",
+        ("if advantages.dim() == 1:", "advantages = advantages.unsqueeze(1)"),
+        "relies on",
+    ),
+    Mirrored(
+        # the exact table is checked against TRL's `pad` calls by the contract test
+        "trl_stable.trainers.grpo.trl_batch.concat_rows",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "padding_value=self._tokenizer.pad_token_id,",
+            'padding_side="left",',
+            'padding_side="right",',
+        ),
+    ),
+    Mirrored(
+        # trl_stable's own batch-first key (``routed_experts``) is shuffled and split with the rest
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.GRPOTrainer._prepare_inputs",
+        (
+            "generation_batch = shuffle_sequence_dict(generation_batch)",
+            "generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.trainer.utils.shuffle_sequence_dict",
+        ("if isinstance(v, torch.Tensor) and v.ndim >= 1:", "return v[permutation]"),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.trainer.utils.split_tensor_dict",
+        ("chunk_dict[key] = tensor[i * chunk_size : (i + 1) * chunk_size]",),
+        "relies on",
+    ),
+    Mirrored(
+        # TRL's last write to the completions table's advantage column in the call is all of this call's
+        # advantages (gathered), so the last N entries are this call's; the contract test checks there is one
+        "trl_stable.trainers.grpo.trl_logs.replace_logged_advantages",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ('self._logs["advantages"].extend(all_process_advantages.tolist())',),
+        "relies on",
+    ),
+    Mirrored(
+        # the optional keys trl_stable reads, and where TRL puts each in the batch
+        "trl_stable.integration.trl_members.GRPO_OPTIONAL_BATCH_KEYS",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            'output["old_per_token_logps"] = old_per_token_logps',
+            'output["sampling_per_token_logps"] = sampling_per_token_logps',
+            'output["ref_per_token_logps"] = ref_per_token_logps',
+            'output["tool_mask"] = tool_mask',
+            'output["importance_sampling_ratio"] = vllm_importance_sampling_ratio',
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # each reward's own group z-score, logged as GDPO's per-reward advantage
+        "trl_stable.trainers.grpo.GRPOTrainer._log_per_reward_advantages",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "mean_k = torch.nanmean(grouped, dim=1, keepdim=True)",
+            "std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)",
+            "reward_k = (grouped - mean_k) / (std_k + 1e-4)",
+        ),
+    ),
+    Mirrored(
+        # the reference pass: `ref_model`, or the policy with TRL's "ref" adapter / its adapters disabled
+        "trl_stable.trainers.grpo.forward_passes.is_reference_pass",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "if self.ref_model is not None:",
+            "ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(",
+            'with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):',
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # scoring right after generation gives TRL's later call the same arguments; not when a rollout_func's
+        # extra fields, merged into the inputs only after `_generate`, could reach the reward functions
+        "trl_stable.trainers.grpo.GRPOTrainer._scores_early",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "if extra_fields:",
+            "inp[key] = values[i]",
+            "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # the HF sampler's recorded log-probs, returned as `_generate_single_turn`'s logprobs, become TRL's
+        # `sampling_per_token_logps`
+        "trl_stable.trainers.grpo.GRPOTrainer._generate_single_turn",
+        "trl.GRPOTrainer._generate",
+        (
+            "completion_ids, logprobs = self._generate_single_turn(",
+            "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl.GRPOTrainer._calculate_rewards",
+        ("rewards_per_func = torch.zeros(len(prompts), len(self.reward_funcs), device=device)",),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+            "for i, reward_func_name in enumerate(self.reward_func_names):",
+        ),
+        "relies on",
     ),
 )
 

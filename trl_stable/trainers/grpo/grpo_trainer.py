@@ -63,7 +63,6 @@ from trl_stable.moe.hook import (
     RoutingHook,
     batch_routing,
 )
-from trl_stable.moe.layout import repad_routing
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.monitoring.reduction import (
@@ -87,7 +86,17 @@ from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
-from trl_stable.trainers.grpo.trl_batch import forward_kwargs, multimodal_forward_keys, tokenizer_of
+from trl_stable.trainers.grpo.trl_batch import (
+    concat_rows,
+    forward_kwargs,
+    loss_mask,
+    multimodal_forward_keys,
+    num_items_in_batch,
+    num_rows,
+    process_slice,
+    select_rows,
+    tokenizer_of,
+)
 from trl_stable.trainers.grpo.trl_logs import (
     flush_reward_logs,
     flush_reward_metrics,
@@ -498,8 +507,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
         num_local = len(prompts)
-        start = self.accelerator.process_index * num_local
-        user = rewards_per_func[start : start + num_local, : self._num_user_reward_funcs]
+        user = rewards_per_func[process_slice(self.accelerator, num_local), : self._num_user_reward_funcs]
         env_rewards = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
         kwargs = reward_kwargs(self, inputs)
         kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
@@ -560,7 +568,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         mode = train_mode(self)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         num_local = output["completion_ids"].size(0)
-        local = slice(self.accelerator.process_index * num_local, (self.accelerator.process_index + 1) * num_local)
+        local = process_slice(self.accelerator, num_local)
         group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
 
@@ -609,7 +617,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             output["advantages"] = dense_advantages(
                 output["advantages"],
                 dense.to(output["completion_mask"].device),
-                self._loss_mask(output),
+                loss_mask(output),
                 coef=self._opt("dense_reward_coef"),
                 gamma=self._opt("dense_reward_gamma"),
             )
@@ -659,62 +667,22 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
         if not anyone_short():
             return output
-        kept = [self._select_rows(output, keep)]
-        spare = [self._select_rows(output, ~keep)]
+        kept = [select_rows(output, keep)]
+        spare = [select_rows(output, ~keep)]
         rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
         rounds = 0
         while rounds < self._opt("dynamic_sampling_max_refills") and (rounds == 0 or anyone_short()):
             more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
-            kept.append(self._select_rows(more, more_keep))
-            spare.append(self._select_rows(more, ~more_keep))
+            kept.append(select_rows(more, more_keep))
+            spare.append(select_rows(more, ~more_keep))
             num_kept += int(more_keep.sum().item())
             rounds += 1
         self._log("dynamic_sampling/refill_rounds", rounds)
         filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
         self._log("dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"])
-        merged = self._concat_rows(kept + spare)
-        merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
-        num_items = self._loss_mask(merged).sum()
-        merged["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
-        return merged
-
-    @staticmethod
-    def _num_rows(batch: dict[str, Any]) -> int:
-        return batch["completion_ids"].size(0)
-
-    def _select_rows(self, batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-        num_rows = self._num_rows(batch)
-        rows = rows.to(batch["completion_ids"].device)
-        return {
-            key: value[rows] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == num_rows else value
-            for key, value in batch.items()
-        }
-
-    def _concat_rows(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Concatenate batches along rows; prompts are re-padded on the left, completions on the right."""
-        parts = [dict(part) for part in parts if self._num_rows(part) > 0]
-        if any("tool_mask" in part for part in parts):  # only batches that dropped something carry one
-            for part in parts:
-                part.setdefault("tool_mask", torch.ones_like(part["completion_mask"]))
-        pad_id = tokenizer_of(self).pad_token_id
-        merged = dict(parts[0])
-        for key, value in parts[0].items():
-            if not torch.is_tensor(value) or value.dim() == 0:
-                continue
-            values = [part[key] for part in parts]
-            if value.dim() == 2 and key in ("prompt_ids", "prompt_mask"):
-                width = max(v.size(1) for v in values)
-                fill = pad_id if key == "prompt_ids" else 0
-                values = [torch.nn.functional.pad(v, (width - v.size(1), 0), value=fill) for v in values]
-            elif key == ROUTED_EXPERTS_KEY:  # MoE routing replay: [B, P + T, layers, k], re-padded like the ids
-                widths = [part["prompt_ids"].size(1) for part in parts]
-                total = max(widths) + max(part["completion_ids"].size(1) for part in parts)
-                values = [repad_routing(v, w, max(widths), total) for v, w in zip(values, widths, strict=True)]
-            elif value.dim() == 2:
-                width = max(v.size(1) for v in values)
-                fill = pad_id if key == "completion_ids" else 0
-                values = [torch.nn.functional.pad(v, (0, width - v.size(1)), value=fill) for v in values]
-            merged[key] = torch.cat(values, dim=0)
+        merged = concat_rows(kept + spare, tokenizer_of(self).pad_token_id)
+        merged = select_rows(merged, torch.arange(num_rows(merged)) < num_inputs)
+        merged["num_items_in_batch"] = num_items_in_batch(merged, self.accelerator)
         return merged
 
     # ------------------------------------------------------------------ advantages
@@ -755,11 +723,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self._log(f"advantages/{name}/abs_mean", torch.nanmean(z.abs()).item())
 
     # ------------------------------------------------------------------ loss masks
-    @staticmethod
-    def _loss_mask(output: dict[str, Any]) -> torch.Tensor:
-        mask = output["completion_mask"]
-        return mask if output.get("tool_mask") is None else mask * output["tool_mask"]
-
     def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor, renormalize: bool = True) -> None:
         """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss (TRL's `tool_mask` channel).
 
@@ -774,8 +737,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         tool_mask = output.get("tool_mask")
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
         if renormalize:
-            num_items = self._loss_mask(output).sum()
-            output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+            output["num_items_in_batch"] = num_items_in_batch(output, self.accelerator)
 
     def _apply_step_mask(self, output: dict[str, Any]) -> None:
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
@@ -834,7 +796,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         if prox is None:
             prox = self._compute_proximal_logps(output)
             output["old_per_token_logps"] = prox
-        mask = self._loss_mask(output)
+        mask = loss_mask(output)
         raw_weight = behaviour_weight(prox, behav, mask)
         name = self._opt("token_filter")
         lower, upper = self.args.filter_bounds if name else (None, None)
