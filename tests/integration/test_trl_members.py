@@ -1,5 +1,5 @@
-"""Contract tests: each private TRL / transformers member named in `trl_stable.integration.trl_members` is what we
-rely on.
+"""Contract tests: each private TRL / transformers member named in `trl_stable.integration.trl_members`, and each piece
+of TRL logic named in `trl_stable.integration.mirrored`, is what trl_stable relies on.
 
 A TRL or transformers upgrade that renames a member, reorders its parameters, changes its return arity or the keys of
 its batch dict, or rewrites logic trl_stable mirrors fails here, with the member's name in the message.
@@ -22,6 +22,7 @@ import trl
 from datasets import Dataset
 
 from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable.integration.mirrored import LOGPS_FORWARD_SNIPPETS, MIRRORED
 from trl_stable.integration.patching import wrapped_method
 from trl_stable.integration.trl_members import (
     CONFIG_NAME_ATTRIBUTE,
@@ -31,8 +32,6 @@ from trl_stable.integration.trl_members import (
     GRPO_OPTIONAL_BATCH_KEYS,
     GRPO_PADDING,
     HELPER_MEMBERS,
-    LOGPS_FORWARD_SNIPPETS,
-    MIRRORED,
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
     VLLM_MEMBERS,

@@ -1,5 +1,5 @@
 """Names transformers gives things that trl_stable must find again: the path a model was loaded from, and the file
-a process's RNG state goes into in a checkpoint (see `trl_members.CONFIG_NAME_ATTRIBUTE` and `MIRRORED`)."""
+a process's RNG state goes into in a checkpoint (see `trl_members.CONFIG_NAME_ATTRIBUTE` and `mirrored.MIRRORED`)."""
 
 from __future__ import annotations
 

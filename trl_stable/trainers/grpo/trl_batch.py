@@ -1,5 +1,5 @@
 """GRPO's reading and re-shaping of `trl.GRPOTrainer`'s batch dict, each piece the TRL logic it mirrors (listed, with
-TRL's lines, in `trl_stable.integration.trl_members.MIRRORED`): the loss mask and its token count
+TRL's lines, in `trl_stable.integration.mirrored.MIRRORED`): the loss mask and its token count
 `num_items_in_batch`, this process's slice of the gathered batch, the padding side of each key when batches are
 concatenated, the multimodal forward inputs TRL passes on to the policy, and the tokenizer whose pad id fills the ids.
 """

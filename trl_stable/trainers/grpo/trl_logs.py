@@ -1,7 +1,7 @@
 """What GRPO logs through `trl.GRPOTrainer`'s own buffers: its metric buffer (`_metrics`, averaged and logged by
 TRL's `log`), the completions table (`_logs`) and the buffers reward functions fill through TRL's ``log_metric`` /
 ``log_extra`` hooks (`_pending_metrics`, `_pending_extra_logs`). The members are listed in
-`trl_stable.integration.trl_members` (GRPO_MEMBERS, MIRRORED)."""
+`trl_stable.integration` (trl_members.GRPO_MEMBERS, mirrored.MIRRORED)."""
 
 from __future__ import annotations
 

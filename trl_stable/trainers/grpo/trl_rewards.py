@@ -1,7 +1,7 @@
 """How GRPO's rewards go through `trl.GRPOTrainer._calculate_rewards`: the reward functions TRL calls, checked under
 trl_stable's reward contract (`ContractCheckedRewards`), and the keywords TRL passes every reward function
 (`reward_kwargs`, mirrored for the dense functions trl_stable calls itself). See
-`trl_stable.integration.trl_members` (GRPO_MEMBERS: reward_funcs; MIRRORED)."""
+`trl_stable.integration` (trl_members.GRPO_MEMBERS: reward_funcs; mirrored.MIRRORED)."""
 
 from __future__ import annotations
 
