@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trl_stable.trl_internals import wrapped_method
+from trl_stable.integration.patching import wrapped_method
 
 __all__ = ["SamplerLogprobRecorder", "record_sampler_logps"]
 

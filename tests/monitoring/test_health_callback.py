@@ -87,7 +87,7 @@ def test_eval_and_summary_logs_are_ignored(tmp_path):
 
 
 def test_only_the_main_process_writes_and_logs(tmp_path, caplog):
-    # Every process sees the same (gathered) logs and applies the remedy; only process zero writes and logs.
+    # Every process sees the same (gathered) logs and switches the remedy; only process zero writes and logs.
     args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")
     monitor = HealthMonitor(remedy_virtual_samples=True)
     state, control = TrainerState(), TrainerControl()
@@ -98,10 +98,10 @@ def test_only_the_main_process_writes_and_logs(tmp_path, caplog):
             state.global_step = step
             state.log_history.append({**logs, "step": step})
             monitor.on_log(args, state, control, logs=logs)
-        assert args.advantage_estimator == "ngrpo" and logs["health/alarm/zero_std"] == 1.0
+        assert monitor.remedy_active and logs["health/alarm/zero_std"] == 1.0
         monitor.on_train_end(args, state, control)
     assert list(tmp_path.iterdir()) == [] and caplog.records == []
-    assert args.advantage_estimator == "grpo"
+    assert args.advantage_estimator == "grpo"  # the monitor never writes to the arguments
 
 
 def test_resumed_run_appends_valid_json_lines(tmp_path):
@@ -147,7 +147,9 @@ def test_unwritable_health_file_warns_once_and_training_goes_on(tmp_path, caplog
     assert monitor.health_path is None and logs["health/active_alarms"] == 0.0
 
 
-def test_virtual_samples_remedy_switches_on_and_off(tmp_path):
+def test_virtual_samples_remedy_switches_on_and_off_as_a_logged_config_change(tmp_path, caplog):
+    """The remedy follows the alarm; each switch is recorded as a configuration change with the before and after
+    values, and the trainer arguments stay as the user set them (the trainer reads `remedy_active`)."""
     args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")
     monitor = HealthMonitor(remedy_virtual_samples=True, reward_max=None)
     seen_values = []
@@ -155,25 +157,33 @@ def test_virtual_samples_remedy_switches_on_and_off(tmp_path):
     zero_std = lambda i: 0.9 if 2 <= i < 8 else 0.1  # noqa: E731
     state, control = TrainerState(), TrainerControl()
     monitor.on_train_begin(args, state, control)
-    for step, logs in enumerate(records(14, frac_reward_zero_std=zero_std), start=1):
-        state.global_step = step
-        state.log_history.append({**logs, "step": step})
-        monitor.on_log(args, state, control, logs=logs)
-        seen_values.append((args.advantage_estimator, logs["health/remedy/virtual_samples"]))
+    with caplog.at_level(logging.WARNING, logger="trl_stable.monitoring"):
+        for step, logs in enumerate(records(14, frac_reward_zero_std=zero_std), start=1):
+            state.global_step = step
+            state.log_history.append({**logs, "step": step})
+            monitor.on_log(args, state, control, logs=logs)
+            seen_values.append((monitor.remedy_active, logs["health/remedy/virtual_samples"]))
     # raised at step 5 (third bad record), cleared at step 11 (third good record after step 8)
-    assert [v for v, _ in seen_values] == ["grpo"] * 4 + ["ngrpo"] * 6 + ["grpo"] * 4
+    assert [v for v, _ in seen_values] == [False] * 4 + [True] * 6 + [False] * 4
     assert [f for _, f in seen_values] == [0.0] * 4 + [1.0] * 6 + [0.0] * 4
+    assert args.advantage_estimator == "grpo"
     remedies = [r for r in read_health(tmp_path / "health.jsonl") if r["type"] == "remedy"]
-    assert [(r["kind"], r["step"], r["advantage_estimator"]) for r in remedies] == [
-        ("remedy_on", 5, "ngrpo"),
-        ("remedy_off", 11, "grpo"),
+    assert [(r["kind"], r["step"], r["config_change"]) for r in remedies] == [
+        ("remedy_on", 5, {"advantage_estimator": {"before": "grpo", "after": "ngrpo"}}),
+        ("remedy_off", 11, {"advantage_estimator": {"before": "ngrpo", "after": "grpo"}}),
+    ]
+    switches = [r.message for r in caplog.records if "virtual samples switched" in r.message]
+    assert switches == [
+        "[health] step 5: virtual samples switched ON: configuration change advantage_estimator 'grpo' -> 'ngrpo'",
+        "[health] step 11: virtual samples switched OFF: configuration change advantage_estimator 'ngrpo' -> 'grpo'",
     ]
 
 
-def test_remedy_restored_at_train_end_and_missing_attr_warns(tmp_path, caplog):
+def test_remedy_leaves_the_arguments_alone_and_missing_attr_warns(tmp_path, caplog):
     args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="dr_grpo")
-    simulate(HealthMonitor(remedy_virtual_samples=True), args, records(6, frac_reward_zero_std=lambda i: 0.9))
-    assert args.advantage_estimator == "dr_grpo"
+    monitor = HealthMonitor(remedy_virtual_samples=True)
+    simulate(monitor, args, records(6, frac_reward_zero_std=lambda i: 0.9))
+    assert monitor.remedy_active and args.advantage_estimator == "dr_grpo"
 
     plain = SimpleNamespace(output_dir=str(tmp_path))
     monitor = HealthMonitor(remedy_virtual_samples=True)
@@ -306,14 +316,14 @@ def test_checkpoint_state_resumes_alarms_ceiling_remedy_and_events(tmp_path):
     state, control = TrainerState(), TrainerControl()
     straight.on_train_begin(args, state, control)
     before = _feed(straight, args, state, control, logs[:4], 1)
-    assert before[-1]["health/alarm/zero_std"] == 1.0 and args.advantage_estimator == "ngrpo"
+    assert before[-1]["health/alarm/zero_std"] == 1.0 and straight.remedy_active
     torch.save(straight.checkpoint_state(), tmp_path / "state.pt")
     after_straight = _feed(straight, args, state, control, logs[4:], 5)
 
     resumed_args = SimpleNamespace(output_dir=str(tmp_path), advantage_estimator="grpo")  # a fresh process's args
     resumed = HealthMonitor(**config)
     resumed.load_checkpoint_state(torch.load(tmp_path / "state.pt", weights_only=True), args=resumed_args)
-    assert resumed_args.advantage_estimator == "ngrpo"  # the remedy is on again
+    assert resumed.remedy_active and resumed_args.advantage_estimator == "grpo"  # the remedy is on again
     state = TrainerState()
     state.global_step = 4
     resumed.on_train_begin(resumed_args, state, TrainerControl())
@@ -322,7 +332,7 @@ def test_checkpoint_state_resumes_alarms_ceiling_remedy_and_events(tmp_path):
     assert resumed.checkpoint_state() == straight.checkpoint_state()
     assert resumed.summary() == straight.summary()
     resumed.on_train_end(resumed_args, state, TrainerControl())
-    assert resumed_args.advantage_estimator == "grpo"  # the user's value, restored at the end
+    assert resumed_args.advantage_estimator == "grpo"  # the user's value, never changed
 
 
 def test_resume_drops_the_records_a_killed_run_wrote_after_the_checkpoint(tmp_path):

@@ -23,7 +23,7 @@ from trl_stable.monitoring.reduction import (
     step_mask_stats,
 )
 from trl_stable.rewards.dense import collect_dense_rewards
-from trl_stable.trl_internals import flush_reward_metrics
+from trl_stable.trainers.grpo.trl_logs import flush_reward_metrics
 
 
 class _Group:

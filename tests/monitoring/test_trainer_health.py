@@ -2,6 +2,7 @@
 tiny GRPO and PPO run that write health.jsonl and the dashboard PNG."""
 
 import json
+import re
 
 import pytest
 from datasets import Dataset
@@ -106,10 +107,17 @@ def test_grpo_monitor_off_with_one_flag(tokenizer, tmp_path):
         ({"health_monitor_kwargs": {"nope": 1}}, "unknown fields"),
         ({"health_monitor_kwargs": "{not json"}, "JSON"),
         ({"health_stop_after_critical_steps": 0}, "stop_after_critical_steps"),
+        # the remedy's configuration is validated as a config when it is built, not first mid-run
+        (
+            {"health_remedy_virtual_samples": True, "advantage_std_unbiased": False},
+            "health_remedy_virtual_samples=True trains with advantage_estimator='ngrpo' while the zero-std alarm "
+            "holds, and this configuration refuses advantage_estimator='ngrpo': advantage_std_unbiased does not apply",
+        ),
+        ({"health_remedy_virtual_samples": True, "advantage_estimator": "ngrpo"}, "already has, so it changes"),
     ],
 )
 def test_grpo_config_errors(tmp_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=re.escape(match)):
         trl_stable.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
 
 
@@ -137,7 +145,7 @@ def test_grpo_virtual_samples_remedy_switches_on_and_off(tokenizer, tmp_path):
             return lambda *a, **k: None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            seen.append(args.advantage_estimator)
+            seen.append(trainer.advantage_args().advantage_estimator)
 
     trainer.callback_handler.callbacks.append(Spy())
     trainer.train()
@@ -147,9 +155,12 @@ def test_grpo_virtual_samples_remedy_switches_on_and_off(tokenizer, tmp_path):
     assert seen == ["grpo", "ngrpo", "ngrpo", "grpo"]
     assert steps[0]["grad_norm"] == 0.0  # GRPO: zero-variance groups, no gradient
     assert steps[1]["grad_norm"] > 0.0  # NGRPO's virtual 1.0 gives the 0.5s a negative advantage
-    assert trainer.args.advantage_estimator == "grpo"
-    remedies = [(r["kind"], r["step"]) for r in read_health(tmp_path) if r["type"] == "remedy"]
-    assert remedies == [("remedy_on", 1), ("remedy_off", 3)]
+    assert trainer.args.advantage_estimator == "grpo"  # never changed: the remedy's configuration is its own
+    remedies = [(r["kind"], r["step"], r["config_change"]) for r in read_health(tmp_path) if r["type"] == "remedy"]
+    assert remedies == [
+        ("remedy_on", 1, {"advantage_estimator": {"before": "grpo", "after": "ngrpo"}}),
+        ("remedy_off", 3, {"advantage_estimator": {"before": "ngrpo", "after": "grpo"}}),
+    ]
 
 
 def test_grpo_stops_with_checkpoint_after_critical_alarm(tokenizer, tmp_path):

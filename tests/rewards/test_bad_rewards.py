@@ -8,6 +8,7 @@ override around it) and its dense-reward hooks, PPO through the `RewardFunctions
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -214,33 +215,34 @@ def test_dense_reward_kind(trainers, kind, answer, expected):
         assert count == nan_tokens
 
 
-def test_async_reward_functions_get_the_same_contract(trainers):
-    """TRL awaits async reward functions on its own loop: the contract wraps them as they are (still async)."""
-    grpo, _ = trainers
+def test_async_reward_functions_get_the_same_contract(tokenizer, tmp_path):
+    """TRL awaits async reward functions on its own loop: the contract wraps them as they are (still async), once,
+    when the trainer is built; `reward_funcs` then holds the wrapper, which unwraps to the user's function."""
 
     async def async_probe(completion_ids, **kwargs):
         return [INF, "0.5", 0.0, 0.0] if ANSWER.get("broken") else [INF, 1.0, 0.5, -2.0]
 
-    funcs, names = grpo.reward_funcs, grpo.reward_func_names
-    grpo.reward_funcs, grpo.reward_func_names = [async_probe], ["async_probe"]
-    grpo.async_loop = _event_loop()
+    grpo = GRPOTrainer(
+        build_causal_lm("qwen2", tokenizer, seed=0),
+        async_probe,
+        args=GRPOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, nan_reward_action="zero",
+            use_cpu=True, report_to="none", save_strategy="no",
+        ),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+    )  # fmt: skip
     try:
-        ANSWER.update(dense=None, broken=False)
         rewards = grpo._calculate_rewards([{"prompt": p} for p in PROMPTS], PROMPTS, ["x"] * 4, IDS)
         assert same(rewards[:, 0].tolist(), [NAN, 1.0, 0.5, -2.0])
         ANSWER["broken"] = True
         with pytest.raises(RewardTypeError, match="'async_probe' returned '0.5' \\(str\\) for completion 1"):
             grpo._calculate_rewards([{"prompt": p} for p in PROMPTS], PROMPTS, ["x"] * 4, IDS)
+        ANSWER["broken"] = False  # the error was this call's: the next call starts clean
+        rewards = grpo._calculate_rewards([{"prompt": p} for p in PROMPTS], PROMPTS, ["x"] * 4, IDS)
+        assert same(rewards[:, 0].tolist(), [NAN, 1.0, 0.5, -2.0])
     finally:
         ANSWER.pop("broken")
-        grpo.reward_funcs, grpo.reward_func_names = funcs, names
-    assert grpo.reward_funcs[0] is probe  # TRL's list is the user's again after each call
-
-
-def _event_loop():
-    from trl_stable.trl_internals import reward_event_loop
-
-    async def coroutine(**kwargs):
-        return []
-
-    return reward_event_loop([coroutine])
+    (checked,) = grpo.reward_funcs
+    assert inspect.iscoroutinefunction(checked) and inspect.unwrap(checked) is async_probe
+    assert checked.__name__ == "async_probe" and grpo.reward_func_names == ["async_probe"]

@@ -151,3 +151,53 @@ def test_checkpoint_without_trainer_state_is_refused_with_the_fix(straight, toke
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert f"{tmp_path / 'checkpoint-2'} has no trainer_state.json" in str(err.value)
     assert f"Fix: resume from {tmp_path / 'checkpoint-1'}" in str(err.value)
+
+
+def test_checkpoints_hold_what_trl_writes_and_the_arguments_stay_put(tokenizer, tmp_path):
+    """trl_stable writes TRL's checkpoint itself (to rotate only after the marker): the same files as
+    `trl.GRPOTrainer`, plus the marker and trl_stable's state, the same trainer state and weights, the same rotation
+    (save_total_limit=1 keeps the last), and `args.save_total_limit` is what the user set whenever anyone looks."""
+    import trl
+    from transformers import TrainerCallback
+
+    def run(trainer_cls, args, out):
+        limits = []
+
+        class Watch(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                limits.append(args.save_total_limit)
+
+        trainer = trainer_cls(
+            model=build_causal_lm("qwen2", tokenizer, seed=0), reward_funcs=reward, args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}), processing_class=tokenizer,
+            callbacks=[Watch()],
+        )  # fmt: skip
+        trainer.train()
+        folders = sorted(p for p in os.listdir(out) if p.startswith("checkpoint-"))
+        files = {f: sorted(os.listdir(out / f)) for f in folders}
+        return files, json.loads((out / folders[-1] / "trainer_state.json").read_text()), limits, trainer
+
+    config = dict(
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, learning_rate=1e-2,
+        logging_steps=1, seed=0, report_to="none", save_strategy="steps", save_steps=1, save_total_limit=1,
+        use_cpu=True,
+    )  # fmt: skip
+    ref_args = trl.GRPOConfig(output_dir=str(tmp_path / "ref"), **config)
+    ref_files, ref_state, ref_limits, _ = run(trl.GRPOTrainer, ref_args, tmp_path / "ref")
+    ours_args = GRPOConfig(output_dir=str(tmp_path / "ours"), health_monitor=False, **config)
+    ours_files, ours_state, ours_limits, ours = run(GRPOTrainer, ours_args, tmp_path / "ours")
+    assert list(ours_files) == list(ref_files) == ["checkpoint-2"]
+    extra = {MARKER_FILE, "trl_stable_state_0.pt"}
+    assert set(ours_files["checkpoint-2"]) == set(ref_files["checkpoint-2"]) | extra
+    assert not extra & set(ref_files["checkpoint-2"])
+    timing = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    ref_logs, ours_logs = (
+        [{k: v for k, v in h.items() if k not in timing} for h in s["log_history"]] for s in (ref_state, ours_state)
+    )
+    assert ours_logs == ref_logs and ours_state["global_step"] == ref_state["global_step"] == 2
+    rest = [{k: v for k, v in s.items() if k != "log_history"} for s in (ref_state, ours_state)]
+    assert rest[0] == rest[1]  # total flos, the callbacks' state, the best checkpoint
+    assert ours_limits == ref_limits == [1, 1] and ours.args.save_total_limit == 1
+    weights = [(tmp_path / run / "checkpoint-2" / "model.safetensors").read_bytes() for run in ("ref", "ours")]
+    assert weights[0] == weights[1]
+    assert (tmp_path / "ours" / "README.md").exists() and (tmp_path / "ref" / "README.md").exists()

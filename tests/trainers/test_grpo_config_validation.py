@@ -136,3 +136,34 @@ def test_plain_trl_config_works_with_options_off(tokenizer, tmp_path):
     assert trainer._opt("use_decoupled_loss") is False and not trainer._needs_sampler_logps()
     trainer.train()
     assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
+
+
+def test_with_changes_revalidates_and_changes_only_what_it_is_asked(tmp_path):
+    """`with_changes` is a replaced copy put through trl_stable's own validation: only the asked field differs, the
+    original is untouched, a combination the config refuses raises, and TRL's fields are left to a new config."""
+    import dataclasses
+
+    original = config(tmp_path)
+    changed = original.with_changes(advantage_estimator="rloo")
+    diff = {
+        f.name: (getattr(original, f.name), getattr(changed, f.name))
+        for f in dataclasses.fields(original)
+        if getattr(original, f.name) != getattr(changed, f.name)
+    }
+    assert diff == {"advantage_estimator": ("grpo", "rloo")}
+    assert changed.advantage_settings["leave_one_out"] and original.advantage_settings is None
+    with pytest.raises(ValueError, match="advantage_std_unbiased does not apply to advantage_estimator='ngrpo'"):
+        original.with_changes(advantage_estimator="ngrpo", advantage_std_unbiased=False)
+    with pytest.raises(ValueError, match="ngrpo_num_virtual"):  # the bounds are checked too
+        original.with_changes(advantage_estimator="ngrpo", ngrpo_num_virtual=0)
+    with pytest.raises(ValueError, match=r"own GRPOConfig fields only, not \['loss_type'\]"):
+        original.with_changes(loss_type="grpo")
+    assert original.advantage_estimator == "grpo" and original.advantage_std_unbiased
+
+
+def test_virtual_samples_config_is_the_ngrpo_copy(tmp_path):
+    original = config(tmp_path, health_remedy_virtual_samples=True, ngrpo_r_max=2.0)
+    remedy = original.virtual_samples_config()
+    assert remedy.advantage_settings == {"estimator": "ngrpo", "r_max": 2.0, "num_virtual": 1, "eps": 1e-6}
+    assert original.advantage_estimator == "grpo" and not remedy.health_remedy_virtual_samples
+    assert config(tmp_path).virtual_samples_config() is None

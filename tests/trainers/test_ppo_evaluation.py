@@ -1,5 +1,5 @@
-"""PPOTrainer.evaluate and Trainer's evaluation machinery: eval_strategy, metric_for_best_model, load_best_model_at_end;
-and nan_reward_action for PPO."""
+"""PPOTrainer.evaluate and Trainer's evaluation machinery (eval_strategy, metric_for_best_model,
+load_best_model_at_end), and nan_reward_action for PPO."""
 
 import math
 import os

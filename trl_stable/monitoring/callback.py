@@ -82,7 +82,10 @@ class HealthMonitor(TrainerCallback):
     Alarms go to the `trl_stable.monitoring` logger, into the logs (`health/active_alarms` and one 0/1
     `health/alarm/<name>` flag each, so the log history, wandb and tensorboard see them) and to the JSON Lines file
     `output_dir/health.jsonl`, which also records the gauges of every log record. Optional remedies: NGRPO virtual
-    samples while the zero-std alarm holds; save and stop after a critical alarm held `stop_after_critical_steps`.
+    samples while the zero-std alarm holds (`remedy_active`; the monitor changes no trainer argument: it records the
+    configuration change, ``virtual_samples_attr`` from its value to ``virtual_samples_value``, and
+    `trl_stable.GRPOTrainer` trains with that configuration, validated when the trainer was built, while the flag is
+    on); save and stop after a critical alarm held `stop_after_critical_steps`.
 
     Args:
         config ([`HealthConfig`], *optional*): thresholds, debouncing and remedies.
@@ -100,7 +103,6 @@ class HealthMonitor(TrainerCallback):
         self.tracker = HealthTracker(self.config)
         self.events: list[HealthEvent] = []
         self.remedy_active = False
-        self._saved_remedy_value: Any = None
         self._stopped = False
         self.health_path: str | None = None
 
@@ -120,21 +122,25 @@ class HealthMonitor(TrainerCallback):
             "tracker": self.tracker.checkpoint_state(),
             "events": [asdict(event) for event in self.events],
             "remedy_active": self.remedy_active,
-            "saved_remedy_value": self._saved_remedy_value,
             "stopped": self._stopped,
         }
 
     def load_checkpoint_state(self, state: dict[str, Any], args: Any = None) -> None:
-        """Continue from `checkpoint_state()`'s output. With the virtual-samples remedy active at the save, `args`
-        (the trainer arguments) gets it back. A run the monitor stopped is not stopped again when resumed: resuming
-        after a stop is the user's decision (the alarm stays active and flagged)."""
+        """Continue from `checkpoint_state()`'s output: with the virtual-samples remedy active at the save, it is
+        active again (`remedy_active`), and a warning says so when `args` (the trainer arguments) has no
+        ``virtual_samples_attr`` field to apply it to. A run the monitor stopped is not stopped again when resumed:
+        resuming after a stop is the user's decision (the alarm stays active and flagged)."""
         self.tracker.load_checkpoint_state(state["tracker"])
         self.events = [HealthEvent(**event) for event in state["events"]]
         self.remedy_active = state["remedy_active"]
-        self._saved_remedy_value = state["saved_remedy_value"]
         self._stopped = state["stopped"]
-        if self.remedy_active and args is not None:
-            setattr(args, self.config.virtual_samples_attr, self.config.virtual_samples_value)
+        attr = self.config.virtual_samples_attr
+        if self.remedy_active and args is not None and not hasattr(args, attr):
+            logger.warning(
+                "[health] the checkpoint has the virtual-samples remedy on, but these trainer arguments have no %r "
+                "field: it has no effect in this run (use trl_stable.GRPOConfig).",
+                attr,
+            )
 
     # ---- file -----------------------------------------------------------------------------------------------
     def _drop_records_after(self, step: int) -> None:
@@ -238,8 +244,6 @@ class HealthMonitor(TrainerCallback):
         return f"[health] alarms raised during the run: {', '.join(raised)}; still active: {active}"
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.remedy_active:  # leave the arguments as the user set them
-            self._set_virtual_samples(args, on=False)
         if state.is_world_process_zero:
             logger.info(self.summary())
         if self.config.dashboard_on_train_end and state.is_world_process_zero and self.health_path:
@@ -249,25 +253,19 @@ class HealthMonitor(TrainerCallback):
         return control
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _set_virtual_samples(self, args, on: bool) -> None:
-        attr = self.config.virtual_samples_attr
-        if on:
-            self._saved_remedy_value = getattr(args, attr, None)
-            setattr(args, attr, self.config.virtual_samples_value)
-        else:
-            setattr(args, attr, self._saved_remedy_value)
-        self.remedy_active = on
-
     def _apply_virtual_samples(self, args, state, events: list[HealthEvent]) -> None:
+        """Switch the virtual-samples remedy with the zero-std alarm, and record each switch as a configuration change
+        (``{attr: {"before": ..., "after": ...}}``) in the health file and the log. The arguments are left alone: the
+        trainer reads `remedy_active` (trl_stable.GRPOTrainer trains with its re-validated remedy configuration)."""
         if not self.config.remedy_virtual_samples:
             return
+        attr, value = self.config.virtual_samples_attr, self.config.virtual_samples_value
         for event in events:
             if event.alarm != "zero_std" or event.kind == "repeated":
                 continue
             on = event.kind == "raised"
             if on == self.remedy_active:
                 continue
-            attr = self.config.virtual_samples_attr
             if on and not hasattr(args, attr):
                 logger.warning(
                     "[health] cannot switch on virtual samples: the trainer arguments have no %r field "
@@ -275,23 +273,25 @@ class HealthMonitor(TrainerCallback):
                     attr,
                 )
                 continue
-            self._set_virtual_samples(args, on)
-            kind = "remedy_on" if on else "remedy_off"
+            self.remedy_active = on
+            configured = getattr(args, attr)
+            before, after = (configured, value) if on else (value, configured)
             if state.is_world_process_zero:
                 logger.warning(
-                    "[health] step %d: %s virtual samples (%s=%r)",
+                    "[health] step %d: virtual samples switched %s: configuration change %s %r -> %r",
                     state.global_step,
-                    "switched ON" if on else "switched OFF",
+                    "ON" if on else "OFF",
                     attr,
-                    getattr(args, attr),
+                    before,
+                    after,
                 )
             self._write(
                 {
                     "type": "remedy",
                     "step": state.global_step,
-                    "kind": kind,
+                    "kind": "remedy_on" if on else "remedy_off",
                     "remedy": "virtual_samples",
-                    attr: getattr(args, attr),
+                    "config_change": {attr: {"before": before, "after": after}},
                 }
             )
 

@@ -1,5 +1,5 @@
-"""How trl_stable's trainers switch the health monitor on: config fields (a dataclass mixin), attaching the callback,
-and logging the sampler/trainer mismatch of a GRPO generation batch.
+"""How trl_stable's trainers switch the health monitor on: config fields (a dataclass mixin) and attaching the
+callback. (The mismatch of a GRPO generation batch is logged next to GRPO: `trl_stable.trainers.grpo.trl_logs`.)
 
 The trainers stay thin: their config classes inherit [`HealthArguments`] (GRPO) or [`PPOHealthArguments`] (PPO),
 call `validate_health_arguments()` in `__post_init__`, and call [`attach_health_monitor`] at the end of `__init__`.
@@ -11,14 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
 from trl_stable.monitoring.health import HealthConfig
-from trl_stable.monitoring.mismatch import mismatch_stats
-from trl_stable.trl_internals import log_metric
 
-__all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor", "log_generation_mismatch"]
+__all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor"]
 
 
 def _shortcut(name: str, help: str | None = None) -> Any:
@@ -43,8 +39,10 @@ class HealthArguments:
     health_mismatch_threshold: float = _shortcut("mismatch_threshold")
     health_remedy_virtual_samples: bool = _shortcut(
         "remedy_virtual_samples",
-        "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), train with NGRPO virtual samples "
-        "(advantage_estimator='ngrpo'); the estimator is restored when it clears.",
+        "GRPO: while the zero-std alarm holds (frac_reward_zero_std > 50%), compute the advantages with NGRPO virtual "
+        "samples: this configuration with advantage_estimator='ngrpo', validated as a config when it is built (a "
+        "combination the config refuses is refused then). The arguments are never changed; each switch is logged as "
+        "a configuration change (before/after) in health.jsonl and the log.",
     )
     health_stop_after_critical_steps: int | None = _shortcut(
         "stop_after_critical_steps",
@@ -125,34 +123,3 @@ def attach_health_monitor(trainer: Any) -> HealthMonitor | None:
     if config is None:
         return None
     return HealthMonitor(config).attach(trainer)
-
-
-def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> dict[str, float] | None:
-    """Log `mismatch/*` for a GRPO generation batch when it carries both sides' log-probs.
-
-    The sampler side is TRL's `sampling_per_token_logps` (vLLM, or HF generation when a trl_stable option records
-    it); the trainer side is `old_per_token_logps`. When the trainer side is missing and `health_mismatch_monitor` is
-    on, it is recomputed with `trainer._compute_proximal_logps` (no gradient, not stored in the batch, so the loss is
-    untouched). Returns the metrics, or None when nothing was logged.
-    """
-    monitor = getattr(trainer, "health_monitor", None)
-    behav = output.get("sampling_per_token_logps")
-    if monitor is None or behav is None:
-        return None
-    prox = output.get("old_per_token_logps")
-    if prox is None:
-        if not getattr(trainer.args, "health_mismatch_monitor", False):
-            return None
-        prox = trainer._compute_proximal_logps(output)
-    with torch.no_grad():
-        stats = mismatch_stats(
-            behav,
-            prox,
-            output["completion_mask"],
-            band=monitor.config.mismatch_band,
-            gather=trainer.accelerator.gather,  # every process takes this path together
-        )
-    metrics = stats.as_metrics()
-    for name, value in metrics.items():
-        log_metric(trainer, name, value)
-    return metrics

@@ -4,9 +4,9 @@ TRL's `GRPOTrainer._calculate_rewards` scores a reward model on ``prompt + compl
 the whole conversation for chat prompts), tokenized without special tokens and without truncation, padded on the
 right, and takes logit 0; its `__init__` loads a reward model's tokenizer from the model's name and sets the model's
 pad token to the tokenizer's, which is what a classifier pools on. trl_stable's GRPOTrainer leaves that to TRL;
-PPOTrainer calls `prepare_reward_model` and `reward_model_scores`, which repeat it line for line (the lines are named
-in `trl_stable.trl_internals.MIRRORED`, and a test scores one model through both trainers), so the same reward model
-gives the same numbers in both.
+PPOTrainer calls `prepare_reward_model` and `reward_model_scores`, which repeat it line for line (the lines are
+named in `trl_stable.integration.mirrored.MIRRORED`, and a test scores one model through both trainers), so the
+same reward model gives the same numbers in both.
 """
 
 from __future__ import annotations

@@ -31,13 +31,18 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 __all__ = [
     "MARKER_FILE",
+    "MarkedCheckpoints",
     "TRAINER_STATE_FILE",
     "CheckpointInfo",
     "begin_marker",
@@ -374,3 +379,76 @@ def restore_stable_state(
             func.load_checkpoint_state(saved[key])
         else:
             logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
+
+
+# ---------------------------------------------------------------------------------------------- the trainers' mixin
+class MarkedCheckpoints:
+    """Complete-or-marked checkpoints for a `transformers.Trainer` subclass (both trl_stable trainers).
+
+    transformers' `_save_checkpoint` rotates old checkpoints (``save_total_limit``) at its very end, before anything
+    after it could mark the new one complete, and nothing can run in between without changing `args` for the call.
+    So `_save_checkpoint` writes the files `transformers.Trainer._save_checkpoint` writes, with the same helpers in
+    the same order (`_write_checkpoint_files`; `trl_stable.integration.mirrored` names every line and the contract
+    test fails when transformers' method gains or loses a call), marks the folder incomplete before and complete
+    after (trl_stable's state file included, every process's files on disk), and only then pushes it and rotates,
+    with transformers' `rotate_checkpoints` given the limit explicitly.
+
+    The trainer supplies `_named_reward_funcs()`, `_trainer_checkpoint_state()` -> (shared, per-process) and has a
+    `health_monitor` (or None).
+    """
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            if os.path.isdir(folder):  # an older save of this step (a run restarted from an earlier checkpoint)
+                shutil.rmtree(folder)
+            begin_marker(folder, self.state.global_step)  # incomplete from here on
+        self.accelerator.wait_for_everyone()  # no process writes into the folder while it still looks complete
+        self._write_checkpoint_files(trial, run_dir, folder)
+        os.makedirs(folder, exist_ok=True)
+        state = collect_stable_state(
+            self.health_monitor, self._named_reward_funcs(), *self._trainer_checkpoint_state()
+        )
+        save_durably(state, os.path.join(folder, stable_state_file(self.accelerator.process_index)))
+        self.accelerator.wait_for_everyone()  # every process's files are written before the marker lists them
+        if self.args.should_save:
+            fsync_tree(folder)  # transformers does not flush its files
+            write_marker(folder, self.state.global_step, self.accelerator.num_processes)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(folder)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _write_checkpoint_files(self, trial: Any, run_dir: str, folder: str) -> None:
+        """The files `transformers.Trainer._save_checkpoint` writes, step for step, each by the helper it calls,
+        given `folder` explicitly: the model, the best-checkpoint bookkeeping, optimizer, scheduler, scaler, RNG and
+        trainer state (its push and rotation run in `_save_checkpoint`, after the marker)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        self.save_model(folder, _internal_call=True)
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
+            self.state.best_global_step
+        ):
+            self.accelerator.wait_for_everyone()  # the main process saved the model before the best is looked for
+            best_checkpoint_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best_checkpoint_dir):
+                self.state.best_model_checkpoint = best_checkpoint_dir
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(folder)
+            self._save_scaler(folder)
+            self._save_rng_state(folder)
+        if self.args.should_save:
+            for callback in self.callback_handler.callbacks + [self.control]:
+                if isinstance(callback, ExportableState):
+                    name = callback.__class__.__name__
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(callback.state())
+                    else:
+                        self.state.stateful_callbacks[name] = callback.state()
+            self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))

@@ -2,45 +2,40 @@
 resumes from the newest complete one (see `trl_stable.trainers.checkpoints` for the marker and what it guarantees).
 
 transformers writes ``checkpoint-N`` in place, file by file (model, optimizer, scheduler, RNG, trainer state, then
-TRL's extras), and rotates old checkpoints (``save_total_limit``) right after; its own resume takes the
-highest-numbered folder whatever it holds, and loads the RNG file only if it is there. `GRPOCheckpoints`, mixed into
-`trl_stable.GRPOTrainer` ahead of `trl.GRPOTrainer`:
+TRL's extras), and its `_save_checkpoint` rotates old checkpoints (``save_total_limit``) at its end, before anything
+after it could mark the new one complete; its own resume takes the highest-numbered folder whatever it holds, and
+loads the RNG file only if it is there. `GRPOCheckpoints`, mixed into `trl_stable.GRPOTrainer` ahead of
+`trl.GRPOTrainer`:
 
-- marks the folder incomplete before transformers writes it, and complete (with every file's size) once every process
-  has written its files, trl_stable's state file included, and flushed them to disk;
-- rotates old checkpoints only after that, so a kill while saving leaves the previous complete checkpoint in place;
+- writes the files TRL's `_save_checkpoint` writes (`_write_checkpoint_files`: TRL's model card and adaptive-entropy
+  state around transformers' files), in the marked, rotate-after-complete save both trainers share
+  (`trl_stable.trainers.checkpoints.MarkedCheckpoints`);
 - resumes (`train`) from the newest complete checkpoint for ``resume_from_checkpoint=True``, checks an explicit one,
   and restores trl_stable's state before transformers' loop starts.
 
-The transformers / TRL members this uses are listed in `trl_stable.trl_internals`.
+The transformers / TRL members this uses are listed in `trl_stable.integration.trl_members`.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
+from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.trainers.checkpoints import (
-    begin_marker,
-    collect_stable_state,
-    fsync_tree,
+    MarkedCheckpoints,
     load_stable_state,
     resolve_checkpoint,
     restore_stable_state,
-    save_durably,
-    stable_state_file,
-    write_marker,
 )
-from trl_stable.trl_internals import rng_state_file
 
 __all__ = ["GRPOCheckpoints"]
 
 
-class GRPOCheckpoints:
-    """Complete-or-skipped checkpoints and full resume for a `transformers.Trainer` subclass.
+class GRPOCheckpoints(MarkedCheckpoints):
+    """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer.
 
     The trainer supplies `_named_reward_funcs()` and `_trainer_checkpoint_state()` /
     `_load_trainer_checkpoint_state(shared, per_process)` for its own state, and has a `health_monitor` (or None).
@@ -69,34 +64,14 @@ class GRPOCheckpoints:
             ignore_keys_for_eval=ignore_keys_for_eval,
         )
 
-    def _save_checkpoint(self, model, trial):
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            if os.path.isdir(folder):  # an older save of this step (a run restarted from an earlier checkpoint)
-                shutil.rmtree(folder)
-            begin_marker(folder, self.state.global_step)  # a re-save of this step is incomplete from here on
-        self.accelerator.wait_for_everyone()  # no process writes into the folder while it still looks complete
-        limit = self.args.save_total_limit
-        # Rotation deletes old checkpoints; it must wait until this one is marked complete, or a kill in between
-        # leaves no complete checkpoint (save_total_limit=1). transformers reads the limit inside this call only.
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        os.makedirs(folder, exist_ok=True)
-        state = collect_stable_state(
-            self.health_monitor, self._named_reward_funcs(), *self._trainer_checkpoint_state()
+    def _write_checkpoint_files(self, trial: Any, run_dir: str, folder: str) -> None:
+        """The files `trl.GRPOTrainer._save_checkpoint` writes, in its order: TRL's model card, transformers' files
+        (`MarkedCheckpoints`), then TRL's adaptive-entropy state."""
+        hub_model_id = self.args.hub_model_id
+        self.create_model_card(
+            model_name=Path(self.args.output_dir).name if hub_model_id is None else hub_model_id.split("/")[-1]
         )
-        save_durably(state, os.path.join(folder, stable_state_file(self.accelerator.process_index)))
-        self.accelerator.wait_for_everyone()  # every process's files are written before the marker lists them
-        if self.args.should_save:
-            fsync_tree(folder)  # transformers does not flush its files
-            write_marker(folder, self.state.global_step, self.accelerator.num_processes)
-            rotate_checkpoints(  # what transformers' _save_checkpoint would have done (trl_internals.MIRRORED)
-                output_dir=run_dir,
-                save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+        super()._write_checkpoint_files(trial, run_dir, folder)
+        if self.use_adaptive_entropy and self.args.should_save:
+            with open(os.path.join(folder, "entropy_ctrl_state.json"), "w") as f:
+                json.dump({"entropy_coef": self.entropy_coef, "last_world_entropy": self._last_world_entropy}, f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from trl_stable.config_checks import (
 from trl_stable.core import NORMALIZATION_PRESETS
 from trl_stable.core.estimators import is_sequence_level
 from trl_stable.moe.hook import ROUTING_REPLAY_HELP, check_routing_replay_mode
+from trl_stable.monitoring.callback import health_config_from_args
 from trl_stable.monitoring.integration import HealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
@@ -223,10 +225,15 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).
         check_bounds(self, {**training_argument_bounds(self), **TRL_GRPO_BOUNDS, **GRPO_BOUNDS})
         super().__post_init__()
+        self._validate()
+
+    def _validate(self) -> None:
+        """trl_stable's checks, after TRL's own: `__post_init__` runs them, and `with_changes` on a changed copy."""
         check_all_finite(self)
         check_training_length(self)
         self._validate_stable_options()
         self.validate_health_arguments()
+        self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
 
     def _validate_stable_options(self) -> None:
         check_routing_replay_mode(self.routing_replay)
@@ -355,6 +362,63 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                 "advantage_eps",
             )
         )
+
+    def with_changes(self, **changes: Any) -> GRPOConfig:
+        """A copy of this configuration with `changes` to trl_stable's own fields, validated as `__post_init__`
+        validates them (their bounds, then `_validate`: the option combinations, the health settings), so a
+        combination the config refuses raises ValueError here too. This configuration is not changed.
+
+        Only trl_stable's fields: TRL's are validated by TRL's `__post_init__`, which also resets accelerate's
+        process state (transformers' `TrainingArguments` sets the devices up again), so a change to one of them
+        needs a new `GRPOConfig`, built before the trainer.
+        """
+        others = sorted(set(changes) - set(_STABLE_DEFAULTS))
+        if others:
+            raise ValueError(
+                f"with_changes sets trl_stable's own GRPOConfig fields only, not {others}: build a new GRPOConfig "
+                "(before the trainer) to change them."
+            )
+        changed = copy.copy(self)
+        for name, value in changes.items():
+            setattr(changed, name, value)
+        check_bounds(changed, {name: GRPO_BOUNDS[name] for name in changes if name in GRPO_BOUNDS})
+        changed._validate()
+        return changed
+
+    def virtual_samples_config(self) -> GRPOConfig | None:
+        """The configuration the health monitor's virtual-samples remedy trains with while the zero-std alarm holds:
+        this one with ``virtual_samples_attr`` (``advantage_estimator``) set to ``virtual_samples_value``
+        (``"ngrpo"``), validated by `with_changes`; None without the remedy (`health_remedy_virtual_samples`).
+
+        `__post_init__` builds it once to refuse a bad combination up front; `GRPOTrainer` builds it again and trains
+        with it while the monitor's `remedy_active` is on. The arguments themselves never change.
+
+        Raises:
+            ValueError: naming the remedy and the fix, when the change is not a GRPOConfig field, changes nothing, or
+                gives a combination the config refuses (e.g. ``advantage_std_unbiased=False`` with NGRPO).
+        """
+        health = health_config_from_args(self)
+        if health is None or not health.remedy_virtual_samples:
+            return None
+        attr, value = health.virtual_samples_attr, health.virtual_samples_value
+        remedy = f"health_remedy_virtual_samples=True trains with {attr}={value!r} while the zero-std alarm holds"
+        if attr not in _STABLE_DEFAULTS:
+            raise ValueError(
+                f"{remedy}, but {attr!r} is not one of trl_stable's GRPOConfig fields, which the remedy can switch; "
+                "set virtual_samples_attr to one (the default, 'advantage_estimator')."
+            )
+        if getattr(self, attr) == value:
+            raise ValueError(f"{remedy}, which this configuration already has, so it changes nothing; unset it.")
+        health_kwargs = {k: v for k, v in (self.health_monitor_kwargs or {}).items() if k != "remedy_virtual_samples"}
+        try:  # the copy is the configuration in force while the remedy is on: the remedy itself is not part of it
+            return self.with_changes(
+                **{attr: value, "health_remedy_virtual_samples": False, "health_monitor_kwargs": health_kwargs or None}
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{remedy}, and this configuration refuses {attr}={value!r}: {err} Make {attr}={value!r} valid with "
+                "the other settings, or unset health_remedy_virtual_samples."
+            ) from err
 
     @property
     def advantage_settings(self) -> dict[str, Any] | None:

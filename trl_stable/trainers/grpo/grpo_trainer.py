@@ -2,7 +2,7 @@
 
 With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls
 ``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw). The private TRL
-members it overrides or reads are listed, with what it relies on, in `trl_stable.trl_internals`.
+members it overrides or reads are listed, with what it relies on, in `trl_stable.integration.trl_members`.
 
 Data flow of one generation batch (`_generate_and_score_completions`):
 
@@ -15,7 +15,8 @@ Data flow of one generation batch (`_generate_and_score_completions`):
      every other log-prob pass get position ids from the attention mask while an option compares them with the
      sampler's (`_positions_from_mask`), so left-padded rows are numbered as the sampler numbered them;
    - `_calculate_rewards`: TRL's sequence-level rewards, read under `trl_stable.rewards.dense`'s contract (TRL
-     calls the functions through checking wrappers; inf -> NaN), into the record; the dense reward functions are
+     calls the functions through the checking wrappers built at construction, `ContractCheckedRewards`; inf ->
+     NaN), into the record; the dense reward functions are
      prefetched (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. TRL calls it
      after its old-logprob and reference passes; when a dense function has a prefetch, `_generate` calls it right
      after generation instead (TRL's own call then gets those rewards), so the critic overlaps those passes.
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import trl
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import is_async_callable, nanstd
+from trl.trainer.utils import nanstd
 
 from trl_stable.config_checks import (
     Dependent,
@@ -55,14 +56,14 @@ from trl_stable.core import (
     zero_variance_groups,
 )
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
+from trl_stable.integration.reward_calls import call_reward_func
 from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
     RoutingHook,
     batch_routing,
 )
-from trl_stable.moe.layout import repad_routing
-from trl_stable.monitoring.integration import attach_health_monitor, log_generation_mismatch
+from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.monitoring.reduction import (
     Stat,
@@ -73,9 +74,7 @@ from trl_stable.monitoring.reduction import (
 )
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
-    RewardContractError,
     call_on_every_process,
-    checked_sequence_reward,
     has_prefetch,
     infinite_rewards_to_nan,
     is_dense_reward,
@@ -85,7 +84,28 @@ from trl_stable.rewards.dense import (
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
+from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
+from trl_stable.trainers.grpo.trl_batch import (
+    concat_rows,
+    forward_kwargs,
+    loss_mask,
+    multimodal_forward_keys,
+    num_items_in_batch,
+    num_rows,
+    process_slice,
+    select_rows,
+    tokenizer_of,
+)
+from trl_stable.trainers.grpo.trl_logs import (
+    flush_reward_logs,
+    flush_reward_metrics,
+    log_generation_mismatch,
+    log_metric,
+    replace_logged_advantages,
+    train_mode,
+)
+from trl_stable.trainers.grpo.trl_rewards import ContractCheckedRewards, reward_kwargs
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -94,20 +114,6 @@ from trl_stable.trainers.prompt_checks import (
     model_context,
     raise_together,
     too_long_error,
-)
-from trl_stable.trl_internals import (
-    call_reward_func,
-    flush_reward_logs,
-    flush_reward_metrics,
-    forward_kwargs,
-    is_reference_pass,
-    log_metric,
-    multimodal_forward_keys,
-    replace_logged_advantages,
-    reward_kwargs,
-    tokenizer_of,
-    train_mode,
-    with_mask_position_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,7 +135,7 @@ class RolloutRecord:
     """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable.
 
     TRL keeps the return values of `_calculate_rewards`, `_generate` and its no-grad passes to itself, and its batch
-    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.trl_internals`). One
+    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.integration`). One
     record per call, opened by `GRPOTrainer._rollout_record` and dropped when the call returns or raises.
 
     Attributes:
@@ -164,7 +170,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     Routing replay (``routing_replay``) runs at four named points, all in this class: `_generate_single_turn` /
     `_generate` (R3: the sampler's routing), `_get_per_token_logps_and_entropies` (TRL's old-logprob pass: R2
-    records, R3 replays; the reference pass is recognised by `trl_internals.is_reference_pass` and never replayed),
+    records, R3 replays; the reference pass is recognised by `forward_passes.is_reference_pass` and never replayed),
     `_compute_proximal_logps` (trl_stable's own rollout pass, likewise) and `_compute_loss` (the updates replay the
     routing that travels in the batch under ``"routed_experts"``).
     """
@@ -204,6 +210,9 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(1)])
+        # TRL's `_calculate_rewards` calls `reward_funcs`: from here on, the contract-checked ones (built once)
+        self._reward_contract = ContractCheckedRewards(self.reward_funcs, self.reward_func_names)
+        self.reward_funcs = self._reward_contract.funcs
         self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
         # Start-up checks (each generation batch's prompts are checked in `_tokenize_prompts`): a completion length
         # the model's context cannot take, and a missing or empty prompt, fail now rather than inside a forward.
@@ -215,6 +224,8 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self._check_r3_support()
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
         self.health_monitor = attach_health_monitor(self)
+        # the configuration the virtual-samples remedy trains with, validated as a config (None without the remedy)
+        self._virtual_samples_args = self.args.virtual_samples_config() if isinstance(self.args, GRPOConfig) else None
         self.step_masker = (
             CompletionStepMasker(tools=self._opt("step_mask_tools")) if self._opt("step_loss_mask") else None
         )
@@ -225,8 +236,17 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """A trl_stable option, with its default when `args` is a plain `trl.GRPOConfig`."""
         return getattr(self.args, name, _STABLE_DEFAULTS[name])
 
+    def advantage_args(self) -> Any:
+        """The configuration this generation batch's advantages are computed with: `args`, or while the health
+        monitor's virtual-samples remedy is on (`HealthMonitor.remedy_active`), `args.virtual_samples_config()`,
+        validated when the trainer was built. `args` itself is never changed."""
+        if self._virtual_samples_args is not None and self.health_monitor.remedy_active:
+            return self._virtual_samples_args
+        return self.args
+
     def _advantage_settings(self) -> dict[str, Any] | None:
-        return self.args.advantage_settings if isinstance(self.args, GRPOConfig) else None
+        args = self.advantage_args()
+        return args.advantage_settings if isinstance(args, GRPOConfig) else None
 
     def describe_paths(self) -> str:
         """One line naming the active advantage, loss, decoupled-loss, filter and routing paths (logged at start)."""
@@ -369,7 +389,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     def _generate(self, prompts):
         result = super()._generate(prompts)
         if self.routing.mode == "R3" and self._rollout is not None:
-            extra_fields = result[5]  # see trl_internals.GRPO_MEMBERS: `_generate` returns an 8-tuple
+            extra_fields = result[5]  # see trl_members.GRPO_MEMBERS: `_generate` returns an 8-tuple
             routed = extra_fields.pop(ROUTED_EXPERTS_KEY, None) if isinstance(extra_fields, dict) else None
             if routed is not None:
                 self._rollout.sampled_routing = [torch.as_tensor(r) for r in routed]
@@ -426,7 +446,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     def _policy_forward(self, model, args: tuple, kwargs: dict[str, Any]):
         """`model`, or for a text batch while `_positions_from_mask()` a wrapper that adds position ids derived from
-        the attention mask to each forward (`trl_internals.with_mask_position_ids`), as the sampler numbered them.
+        the attention mask to each forward (`forward_passes.with_mask_position_ids`), as the sampler numbered them.
 
         Every pass goes through here (old-logprob, proximal, reference, update), so the ratios between them keep
         comparing like with like. Multimodal batches keep the model's own numbering: models such as Qwen2-VL derive
@@ -450,16 +470,17 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 changed = RuntimeError(
                     "trl.GRPOTrainer called _calculate_rewards with other completions than _generate returned, so "
                     "the rewards scored right after generation do not apply; this TRL version breaks the contract "
-                    "in trl_stable.trl_internals (GRPO_MEMBERS, _generate)."
+                    "in trl_stable.integration.trl_members (GRPO_MEMBERS, _generate)."
                 )
             raise_on_every_process(  # every process is here: no one is left in a gather
                 changed, self.accelerator, lambda: RuntimeError("Another process found TRL's reward call changed.")
             )
             return early
-        # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (through the wrappers)
-        errors: list[RewardContractError] = []
-        with self._contract_checked_reward_funcs(errors):
+        # TRL calls the functions; `trl_stable.rewards.dense`'s contract reads their answers (`ContractCheckedRewards`)
+        try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            errors = self._reward_contract.take_errors()  # this call's, also when TRL raised
         # after TRL's gather, which every process reached: a broken answer on one process stops them all here
         raise_on_every_process(errors[0] if errors else None, self.accelerator)
         rewards_per_func = infinite_rewards_to_nan(rewards_per_func, self.reward_func_names)  # reward models' logits
@@ -483,32 +504,10 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 )
         return rewards_per_func
 
-    @contextmanager
-    def _contract_checked_reward_funcs(self, errors: list[RewardContractError]) -> Iterator[None]:
-        """Give TRL's `_calculate_rewards` the callable reward functions wrapped by
-        `trl_stable.rewards.dense.checked_sequence_reward` for the duration of one call (see
-        `trl_internals.GRPO_MEMBERS`: TRL reads `reward_funcs` when it calls them); models are left as they are.
-
-        The wrappers hand TRL exactly the values it would have built itself from a well-formed, finite answer (a
-        float per completion, None -> NaN), so the numbers are TRL's; an infinite value reaches TRL as NaN, and an
-        answer that is not numbers leaves as a contract error after TRL's gather instead of being misread."""
-        funcs = self.reward_funcs
-        self.reward_funcs = [
-            func
-            if isinstance(func, torch.nn.Module)
-            else checked_sequence_reward(func, name, errors, is_async=is_async_callable(func))
-            for func, name in zip(funcs, self.reward_func_names, strict=True)
-        ]
-        try:
-            yield
-        finally:
-            self.reward_funcs = funcs
-
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
         num_local = len(prompts)
-        start = self.accelerator.process_index * num_local
-        user = rewards_per_func[start : start + num_local, : self._num_user_reward_funcs]
+        user = rewards_per_func[process_slice(self.accelerator, num_local), : self._num_user_reward_funcs]
         env_rewards = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
         kwargs = reward_kwargs(self, inputs)
         kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
@@ -569,7 +568,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         mode = train_mode(self)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         num_local = output["completion_ids"].size(0)
-        local = slice(self.accelerator.process_index * num_local, (self.accelerator.process_index + 1) * num_local)
+        local = process_slice(self.accelerator, num_local)
         group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
 
@@ -580,7 +579,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             output["advantages"] = advantages[local].to(output["advantages"].dtype)
             # TRL logged its own advantages for the completions table; show the ones that are trained on
             replace_logged_advantages(self, advantages.tolist())
-        elif self._opt("advantage_estimator") == "gdpo":
+        elif getattr(self.advantage_args(), "advantage_estimator", None) == "gdpo":
             self._log_per_reward_advantages(rewards_per_func, group_ids)
 
         drop = torch.zeros_like(unscorable)
@@ -618,7 +617,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             output["advantages"] = dense_advantages(
                 output["advantages"],
                 dense.to(output["completion_mask"].device),
-                self._loss_mask(output),
+                loss_mask(output),
                 coef=self._opt("dense_reward_coef"),
                 gamma=self._opt("dense_reward_gamma"),
             )
@@ -668,62 +667,22 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
         if not anyone_short():
             return output
-        kept = [self._select_rows(output, keep)]
-        spare = [self._select_rows(output, ~keep)]
+        kept = [select_rows(output, keep)]
+        spare = [select_rows(output, ~keep)]
         rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
         rounds = 0
         while rounds < self._opt("dynamic_sampling_max_refills") and (rounds == 0 or anyone_short()):
             more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
-            kept.append(self._select_rows(more, more_keep))
-            spare.append(self._select_rows(more, ~more_keep))
+            kept.append(select_rows(more, more_keep))
+            spare.append(select_rows(more, ~more_keep))
             num_kept += int(more_keep.sum().item())
             rounds += 1
         self._log("dynamic_sampling/refill_rounds", rounds)
         filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
         self._log("dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"])
-        merged = self._concat_rows(kept + spare)
-        merged = self._select_rows(merged, torch.arange(self._num_rows(merged)) < num_inputs)
-        num_items = self._loss_mask(merged).sum()
-        merged["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
-        return merged
-
-    @staticmethod
-    def _num_rows(batch: dict[str, Any]) -> int:
-        return batch["completion_ids"].size(0)
-
-    def _select_rows(self, batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-        num_rows = self._num_rows(batch)
-        rows = rows.to(batch["completion_ids"].device)
-        return {
-            key: value[rows] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == num_rows else value
-            for key, value in batch.items()
-        }
-
-    def _concat_rows(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Concatenate batches along rows; prompts are re-padded on the left, completions on the right."""
-        parts = [dict(part) for part in parts if self._num_rows(part) > 0]
-        if any("tool_mask" in part for part in parts):  # only batches that dropped something carry one
-            for part in parts:
-                part.setdefault("tool_mask", torch.ones_like(part["completion_mask"]))
-        pad_id = tokenizer_of(self).pad_token_id
-        merged = dict(parts[0])
-        for key, value in parts[0].items():
-            if not torch.is_tensor(value) or value.dim() == 0:
-                continue
-            values = [part[key] for part in parts]
-            if value.dim() == 2 and key in ("prompt_ids", "prompt_mask"):
-                width = max(v.size(1) for v in values)
-                fill = pad_id if key == "prompt_ids" else 0
-                values = [torch.nn.functional.pad(v, (width - v.size(1), 0), value=fill) for v in values]
-            elif key == ROUTED_EXPERTS_KEY:  # MoE routing replay: [B, P + T, layers, k], re-padded like the ids
-                widths = [part["prompt_ids"].size(1) for part in parts]
-                total = max(widths) + max(part["completion_ids"].size(1) for part in parts)
-                values = [repad_routing(v, w, max(widths), total) for v, w in zip(values, widths, strict=True)]
-            elif value.dim() == 2:
-                width = max(v.size(1) for v in values)
-                fill = pad_id if key == "completion_ids" else 0
-                values = [torch.nn.functional.pad(v, (0, width - v.size(1)), value=fill) for v in values]
-            merged[key] = torch.cat(values, dim=0)
+        merged = concat_rows(kept + spare, tokenizer_of(self).pad_token_id)
+        merged = select_rows(merged, torch.arange(num_rows(merged)) < num_inputs)
+        merged["num_items_in_batch"] = num_items_in_batch(merged, self.accelerator)
         return merged
 
     # ------------------------------------------------------------------ advantages
@@ -764,11 +723,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             self._log(f"advantages/{name}/abs_mean", torch.nanmean(z.abs()).item())
 
     # ------------------------------------------------------------------ loss masks
-    @staticmethod
-    def _loss_mask(output: dict[str, Any]) -> torch.Tensor:
-        mask = output["completion_mask"]
-        return mask if output.get("tool_mask") is None else mask * output["tool_mask"]
-
     def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor, renormalize: bool = True) -> None:
         """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss (TRL's `tool_mask` channel).
 
@@ -783,8 +737,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         tool_mask = output.get("tool_mask")
         output["tool_mask"] = keep if tool_mask is None else tool_mask * keep
         if renormalize:
-            num_items = self._loss_mask(output).sum()
-            output["num_items_in_batch"] = self.accelerator.gather(num_items).sum()
+            output["num_items_in_batch"] = num_items_in_batch(output, self.accelerator)
 
     def _apply_step_mask(self, output: dict[str, Any]) -> None:
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
@@ -843,7 +796,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         if prox is None:
             prox = self._compute_proximal_logps(output)
             output["old_per_token_logps"] = prox
-        mask = self._loss_mask(output)
+        mask = loss_mask(output)
         raw_weight = behaviour_weight(prox, behav, mask)
         name = self._opt("token_filter")
         lower, upper = self.args.filter_bounds if name else (None, None)
@@ -861,7 +814,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
     # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
         return [
-            *zip(self.reward_func_names, self.reward_funcs),
+            *zip(self.reward_func_names, self._reward_contract.originals),
             *zip(self.dense_reward_func_names, self.dense_reward_funcs),
         ]
 

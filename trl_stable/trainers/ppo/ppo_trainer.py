@@ -64,6 +64,7 @@ from trl_stable.core.score_scaling import RunningMoments
 from trl_stable.core.score_scaling import scale_scores as scale_with_moments
 from trl_stable.core.token_rewards import compose_token_rewards, last_action_index
 from trl_stable.core.value_loss import clipped_value_loss
+from trl_stable.integration.hf_names import model_name_of, rng_state_file
 from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
@@ -80,11 +81,11 @@ from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.checkpoints import (
     TRAINER_STATE_FILE,
     CheckpointInfo,
+    MarkedCheckpoints,
     load_stable_state,
     resolve_checkpoint,
     restore_stable_state,
 )
-from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
 from trl_stable.trainers.ppo.engines import (
     Engine,
     check_engine,
@@ -122,7 +123,6 @@ from trl_stable.trainers.prompt_checks import (
     model_context,
     too_long_error,
 )
-from trl_stable.trl_internals import model_name_of, rng_state_file
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _rows(rows: list[dict]) -> list[dict]:
     return rows
 
 
-class PPOTrainer(GRPOCheckpoints, _BaseTrainer):
+class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
     """PPO trainer with a value model, a reference model and per-token rewards.
 
     A `transformers.Trainer`: `args` are honoured as `Trainer` honours them (optimizer, scheduler, callbacks,

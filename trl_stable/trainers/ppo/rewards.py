@@ -19,6 +19,8 @@ from trl.trainer.utils import get_callable_name
 
 from trl_stable.core.masked_stats import Reduce
 from trl_stable.core.normalization import gdpo_scores
+from trl_stable.integration.hf_names import model_name_of
+from trl_stable.integration.reward_calls import call_reward_func, reward_event_loop
 from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
     DenseRewards,
@@ -30,7 +32,6 @@ from trl_stable.rewards.dense import (
     weighted_reward_sum,
 )
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
-from trl_stable.trl_internals import call_reward_func, model_name_of, reward_event_loop
 
 __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
 

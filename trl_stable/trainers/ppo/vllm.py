@@ -27,8 +27,8 @@ import torch
 import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
+from trl_stable.integration.patching import wrapped_method
 from trl_stable.trainers.ppo.rollout import Rollout
-from trl_stable.trl_internals import wrapped_method
 
 __all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
 

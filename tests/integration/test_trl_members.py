@@ -1,4 +1,5 @@
-"""Contract tests: each private TRL / transformers member named in `trl_stable.trl_internals` is what we rely on.
+"""Contract tests: each private TRL / transformers member named in `trl_stable.integration.trl_members`, and each piece
+of TRL logic named in `trl_stable.integration.mirrored`, is what trl_stable relies on.
 
 A TRL or transformers upgrade that renames a member, reorders its parameters, changes its return arity or the keys of
 its batch dict, or rewrites logic trl_stable mirrors fails here, with the member's name in the message.
@@ -6,8 +7,13 @@ its batch dict, or rewrites logic trl_stable mirrors fails here, with the member
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import textwrap
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,32 +22,52 @@ import trl
 from datasets import Dataset
 
 from trl_stable import GRPOConfig, GRPOTrainer
-from trl_stable.testing import build_causal_lm
-from trl_stable.trl_internals import (
+from trl_stable.integration.mirrored import LOGPS_FORWARD_SNIPPETS, MIRRORED
+from trl_stable.integration.patching import wrapped_method
+from trl_stable.integration.trl_members import (
     CONFIG_NAME_ATTRIBUTE,
     ENGINE_MEMBERS,
     GRPO_BATCH_KEYS,
     GRPO_MEMBERS,
     GRPO_OPTIONAL_BATCH_KEYS,
+    GRPO_PADDING,
     HELPER_MEMBERS,
-    LOGPS_FORWARD_SNIPPETS,
-    MIRRORED,
     PPO_MEMBERS,
     TRANSFORMERS_MEMBERS,
     VLLM_MEMBERS,
-    forward_kwargs,
-    is_reference_pass,
-    multimodal_forward_keys,
-    with_mask_position_ids,
 )
+from trl_stable.testing import build_causal_lm
+from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
+from trl_stable.trainers.grpo.trl_batch import (
+    concat_rows,
+    forward_kwargs,
+    loss_mask,
+    multimodal_forward_keys,
+    num_items_in_batch,
+    process_slice,
+    select_rows,
+)
+from trl_stable.trainers.grpo.trl_logs import replace_logged_advantages
 
 
 def _resolve(dotted: str):
-    try:  # a module (`trl.trainer.utils`) or a class in one (`trl.GRPOTrainer`)
-        return importlib.import_module(dotted)
-    except ImportError:
-        module, _, name = dotted.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+    """A module, or an attribute path inside the longest importable module prefix (`a.b.Class.method`)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def _calls(function) -> set[str]:
+    """Every call in `function`'s body, as the AST spells its callee (``self.save_model``, ``os.path.join``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
 
 
 METHODS = [
@@ -101,13 +127,22 @@ def test_multimodal_forward_keys_are_the_ones_trl_forwards():
     assert forward_kwargs({"pixel_values": 1, "prompt_ids": 2}) == {"pixel_values": 1}
 
 
-@pytest.mark.parametrize("mirror", MIRRORED, ids=lambda m: m.ours)
+@pytest.mark.parametrize("mirror", MIRRORED, ids=lambda m: f"{m.trl_member}->{m.ours.rsplit('.', 1)[-1]}")
 def test_mirrored_trl_logic_is_unchanged(mirror):
-    owner, _, name = mirror.trl_member.rpartition(".")
-    source = inspect.getsource(getattr(_resolve(owner), name))
+    _resolve(mirror.ours)  # trl_stable's side still exists under the name the registry gives
+    assert mirror.relation in ("mirrors", "relies on"), mirror.relation
+    member = _resolve(mirror.trl_member)
+    source = inspect.getsource(member)
     for snippet in mirror.snippets:
         assert snippet in source, (
-            f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} mirrors: update {mirror.ours}"
+            f"{mirror.trl_member} no longer contains {snippet!r}, which {mirror.ours} {mirror.relation}: update "
+            f"{mirror.ours}"
+        )
+    if mirror.calls:
+        calls = _calls(member)
+        assert calls == set(mirror.calls), (
+            f"{mirror.trl_member} now calls {sorted(calls - set(mirror.calls))} and no longer calls "
+            f"{sorted(set(mirror.calls) - calls)}: {mirror.ours} repeats its steps, update it"
         )
 
 
@@ -118,11 +153,11 @@ def test_logps_pass_calls_the_model_with_ids_and_mask_only():
     for snippet in LOGPS_FORWARD_SNIPPETS:
         assert snippet in source, (
             f"trl.GRPOTrainer._get_per_token_logps_and_entropies no longer contains {snippet!r}, which "
-            "trl_stable.trl_internals.with_mask_position_ids relies on"
+            "trl_stable.trainers.grpo.forward_passes.with_mask_position_ids relies on"
         )
     assert '"position_ids"' not in source, (
         "trl.GRPOTrainer._get_per_token_logps_and_entropies now sets position_ids: check "
-        "trl_stable.trl_internals.with_mask_position_ids"
+        "trl_stable.trainers.grpo.forward_passes.with_mask_position_ids"
     )
 
 
@@ -186,16 +221,18 @@ class _Recorder(GRPOTrainer):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from trl_stable.testing import build_tokenizer
+    from trl_stable.testing import build_tokenizer, save_tiny
 
     tokenizer = build_tokenizer()
     args = GRPOConfig(
         output_dir=str(tmp_path_factory.mktemp("internals")), per_device_train_batch_size=4, num_generations=2,
         max_completion_length=4, num_iterations=2, max_steps=1, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, seed=0,
+        beta=0.1, capture_sampler_logps=True,  # TRL's reference pass and the sampler's log-probs in the batch
     )  # fmt: skip
+    path = save_tiny(tmp_path_factory.mktemp("policy"), build_causal_lm("qwen2", tokenizer, seed=0), tokenizer)
     trainer = _Recorder(
-        model=build_causal_lm("qwen2", tokenizer, seed=0), reward_funcs=_reward, args=args,
+        model=path, reward_funcs=_reward, args=args,  # TRL loads the KL reference (beta=0.1) from the path
         train_dataset=Dataset.from_dict({"prompt": ["the cat sat", "hello there"]}), processing_class=tokenizer,
     )  # fmt: skip
     batch = trainer._generate_and_score_completions([{"prompt": "the cat sat"}] * 2 + [{"prompt": "hello"}] * 2)
@@ -235,9 +272,133 @@ def test_batch_dict_keys_we_read(trained):
     _, batch = trained
     missing = [key for key in GRPO_BATCH_KEYS if key not in batch]
     assert not missing, f"trl.GRPOTrainer._generate_and_score_completions no longer returns {missing}"
-    # num_iterations=2 makes TRL return the old log-probs
-    key = "old_per_token_logps"
-    assert key in GRPO_OPTIONAL_BATCH_KEYS and batch[key].shape == batch["completion_ids"].shape, key
+    # num_iterations=2: TRL's old log-probs; beta=0.1: its reference log-probs; capture_sampler_logps: the HF
+    # sampler's, which TRL takes from `_generate_single_turn` (tool_mask needs tools, the IS ratio vLLM: see below)
+    for key in ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps"):
+        assert key in GRPO_OPTIONAL_BATCH_KEYS and batch[key].shape == batch["completion_ids"].shape, key
+
+
+def _function_ast(function) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def test_batch_keys_are_where_trl_puts_them():
+    """The required keys are the ones of TRL's `output = {...}`; each optional key is one TRL sets conditionally."""
+    tree = _function_ast(trl.GRPOTrainer._generate_and_score_completions)
+    literal, assigned = set(), set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and ast.unparse(node.targets[0]) == "output"
+        ):
+            literal = {key.value for key in node.value.keys}
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
+            target = node.targets[0]
+            if ast.unparse(target.value) == "output" and isinstance(target.slice, ast.Constant):
+                assigned.add(target.slice.value)
+    assert literal == set(GRPO_BATCH_KEYS), f"TRL's batch dict now has {sorted(literal)}"
+    assert set(GRPO_OPTIONAL_BATCH_KEYS) <= assigned, sorted(set(GRPO_OPTIONAL_BATCH_KEYS) - assigned)
+
+
+def test_padding_table_is_trls():
+    """`GRPO_PADDING` (what `concat_rows` pads with) is, key for key, how TRL's batch builder calls TRL's `pad`."""
+    found = {}
+    for node in ast.walk(_function_ast(trl.GRPOTrainer._generate_and_score_completions)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            call = node.value.func
+            call = call.value if isinstance(call, ast.Attribute) and call.attr == "to" else call
+            call = call.func if isinstance(call, ast.Call) else None
+            if call is not None and ast.unparse(call) == "pad":
+                keywords = {k.arg: ast.unparse(k.value) for k in node.value.func.value.keywords}
+                value = keywords["padding_value"]
+                value = "pad_token_id" if value == "self._tokenizer.pad_token_id" else ast.literal_eval(value)
+                found[ast.unparse(node.targets[0])] = (ast.literal_eval(keywords["padding_side"]), value)
+    assert found == GRPO_PADDING
+
+
+def test_concat_rows_pads_each_key_as_trl_does():
+    pad_id = 9
+    a = {
+        "prompt_ids": torch.tensor([[1, 2, 3]]), "prompt_mask": torch.tensor([[1, 1, 1]]),
+        "completion_ids": torch.tensor([[4, 5]]), "completion_mask": torch.tensor([[1, 1]]),
+        "sampling_per_token_logps": torch.tensor([[-0.5, -0.25]]), "advantages": torch.tensor([1.5]),
+        "num_items_in_batch": torch.tensor(5),
+    }  # fmt: skip
+    b = {
+        "prompt_ids": torch.tensor([[7, 8]]), "prompt_mask": torch.tensor([[1, 1]]),
+        "completion_ids": torch.tensor([[6, 6, 6]]), "completion_mask": torch.tensor([[1, 1, 0]]),
+        "sampling_per_token_logps": torch.tensor([[-1.0, -2.0, -3.0]]), "advantages": torch.tensor([-0.5]),
+        "tool_mask": torch.tensor([[1, 0, 1]]), "num_items_in_batch": torch.tensor(7),
+    }  # fmt: skip
+    merged = concat_rows([a, b], pad_id)
+    assert merged["prompt_ids"].tolist() == [[1, 2, 3], [pad_id, 7, 8]]  # left
+    assert merged["prompt_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert merged["completion_ids"].tolist() == [[4, 5, pad_id], [6, 6, 6]]  # right
+    assert merged["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 0]]
+    assert merged["sampling_per_token_logps"].tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert merged["tool_mask"].tolist() == [[1, 1, 1], [1, 0, 1]]  # a part without one counts every token
+    assert merged["advantages"].tolist() == [1.5, -0.5] and merged["num_items_in_batch"].item() == 5
+    assert loss_mask(merged).tolist() == [[1, 1, 0], [1, 0, 0]]
+    assert [select_rows(merged, torch.tensor([False, True]))[k].tolist() for k in ("advantages", "prompt_ids")] == [
+        [-0.5],
+        [[pad_id, 7, 8]],
+    ]
+
+
+def test_normaliser_and_process_slice_are_trls(trained):
+    trainer, batch = trained
+    assert torch.equal(num_items_in_batch(batch, trainer.accelerator), batch["num_items_in_batch"])
+    assert torch.equal(loss_mask(batch), batch["completion_mask"])  # no tool_mask in this batch
+    second = SimpleNamespace(process_index=1)
+    assert process_slice(second, 4) == slice(4, 8) and process_slice(trainer.accelerator, 4) == slice(0, 4)
+
+
+def test_proximal_pass_is_trls_old_logprob_pass(trained):
+    """`_compute_proximal_logps` sets TRL's old-logprob pass up as TRL does: on the same weights it gives TRL's
+    `old_per_token_logps` exactly."""
+    trainer, batch = trained
+    torch.testing.assert_close(trainer._compute_proximal_logps(batch), batch["old_per_token_logps"], rtol=0, atol=0)
+
+
+def test_two_dimensional_advantages_reach_trls_loss_as_they_are(trained):
+    """TRL's `_compute_loss` unsqueezes (B,) advantages only: (B, T) ones (the decoupled loss, dense rewards) are
+    used per token, so a (B, T) copy of the same values gives the same loss, and a per-token change moves it."""
+    trainer, batch = trained
+    per_token = dict(batch, advantages=batch["advantages"].unsqueeze(1).expand_as(batch["completion_mask"]).clone())
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, batch)
+        assert torch.equal(trainer._compute_loss(trainer.model, per_token), loss)
+        per_token["advantages"][:, 0] += 1.0
+        assert not torch.equal(trainer._compute_loss(trainer.model, per_token), loss)
+
+
+def test_the_last_logged_advantages_are_this_calls(trained):
+    """`replace_logged_advantages` replaces the last N entries of TRL's advantage column: TRL writes it once per
+    call, all of the call's (gathered) advantages, last."""
+    trainer, batch = trained
+    source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert source.count('self._logs["advantages"]') == 1, "TRL now writes the advantage column more than once"
+    assert list(trainer._logs["advantages"])[-4:] == batch["advantages"].tolist()
+    logged = deque([0.0, 1.0, 2.0, 3.0], maxlen=4)  # TRL's bounded column
+    replace_logged_advantages(SimpleNamespace(_logs={"advantages": logged}), [7.0, 8.0])
+    assert list(logged) == [0.0, 1.0, 7.0, 8.0]
+
+
+ALL_MEMBERS = GRPO_MEMBERS + TRANSFORMERS_MEMBERS + HELPER_MEMBERS + PPO_MEMBERS + ENGINE_MEMBERS + VLLM_MEMBERS
+
+
+@pytest.mark.parametrize("member", ALL_MEMBERS, ids=lambda m: f"{m.owner}.{m.name}")
+def test_used_in_names_the_modules_that_use_it(member):
+    """Each module an entry names exists and mentions the member (a dunder method: its class), so the registry
+    says where to look when TRL changes it."""
+    import trl_stable
+
+    root = Path(trl_stable.__file__).parent.parent
+    word = member.owner.rsplit(".", 1)[-1] if member.name.startswith("__") else member.name
+    for path in member.used_in:
+        assert (root / path).is_file(), f"{member.owner}.{member.name}: {path} does not exist"
+        assert word in (root / path).read_text(encoding="utf-8"), f"{path} does not use {member.owner}.{member.name}"
 
 
 @pytest.mark.parametrize("member", ATTRIBUTES, ids=lambda m: m.name)
@@ -316,8 +477,6 @@ def test_vllm_helper_reads_what_ppo_sets_and_patches():
 
 
 def test_wrapped_method_patches_the_instance_only_and_restores_it():
-    from trl_stable.trl_internals import wrapped_method
-
     class Thing:
         def f(self):
             return 1

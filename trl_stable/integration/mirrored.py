@@ -1,0 +1,473 @@
+"""The registry's second table: the TRL / transformers logic trl_stable mirrors (TRL offers no helper for it) or
+relies on, each as a [`Mirrored`] naming trl_stable's side and the TRL lines it stands on ([`MIRRORED`]), plus the
+lines of TRL's log-prob pass the position-id wrapper relies on ([`LOGPS_FORWARD_SNIPPETS`]). The members themselves
+are in `trl_stable.integration.trl_members`; `tests/integration/test_trl_members.py` checks both tables against the
+installed TRL and transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LOGPS_FORWARD_SNIPPETS", "MIRRORED", "Mirrored"]
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    """TRL / transformers logic trl_stable repeats (TRL offers no helper for it) or relies on: where trl_stable does
+    it and the TRL lines it stands on.
+
+    The contract test asserts that every `snippets` line is still in the TRL member's source, so a TRL change to the
+    mirrored logic fails there, naming `ours`; and, with `calls`, that the member makes exactly those calls (as the
+    AST spells them), so a step added to or removed from a method trl_stable repeats whole fails too.
+
+    Attributes:
+        ours: Dotted path of trl_stable's function, method or class that mirrors or relies on the logic.
+        trl_member: Dotted path of the TRL / transformers method (or function) holding it.
+        snippets: Lines of `trl_member`'s source, verbatim (stripped).
+        relation: "mirrors" (trl_stable repeats the logic) or "relies on" (trl_stable depends on what it does).
+        calls: Every call `trl_member` makes, for a method trl_stable repeats step by step; () for no such check.
+    """
+
+    ours: str
+    trl_member: str
+    snippets: tuple[str, ...]
+    relation: str = "mirrors"
+    calls: tuple[str, ...] = ()
+
+
+MIRRORED: tuple[Mirrored, ...] = (
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_rewards.reward_kwargs",
+        "trl.GRPOTrainer._calculate_rewards",
+        (
+            'keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]',
+            'reward_kwargs["trainer_state"] = self.state',
+            'reward_kwargs["log_extra"] = self._log_completion_extra',
+            'reward_kwargs["log_metric"] = self._log_metric',
+            'reward_kwargs["environments"] = self.environments',
+        ),
+    ),
+    Mirrored(
+        "trl_stable.integration.reward_calls.call_reward_func",
+        "trl.GRPOTrainer._calculate_rewards",
+        ("asyncio.run_coroutine_threadsafe(_run_async_funcs(), self.async_loop).result()",),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_logs.flush_reward_logs",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "for column in sorted(set(gather_object(list(self._pending_extra_logs)))):",
+            "values = self._pending_extra_logs.get(column, [None] * len(prompts))",
+            'self._logs["extra"][column].extend(gather_object(values))',
+        ),
+    ),
+    Mirrored(
+        # TRL's mean over every call, kept for the metrics trl_stable has no other reduction for
+        "trl_stable.trainers.grpo.trl_logs.flush_reward_metrics",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "for name in sorted(set(gather_object(list(self._pending_metrics)))):",
+            "local_stats = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=device)",
+            "total, count = self.accelerator.gather(local_stats).view(-1, 2).sum(dim=0).tolist()",
+            "self._metrics[mode][name].append(total / count)",
+        ),
+    ),
+    Mirrored(
+        # the steps of transformers' `_save_checkpoint` in `_write_checkpoint_files`; its push and rotation in
+        # `_save_checkpoint`, once the folder is marked complete
+        "trl_stable.trainers.checkpoints.MarkedCheckpoints._write_checkpoint_files",
+        "transformers.Trainer._save_checkpoint",
+        (
+            'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"',
+            "if self.hp_search_backend is None and trial is None:",
+            "self.store_flos()",
+            "run_dir = self._get_output_dir(trial=trial)",
+            "self.save_model(output_dir, _internal_call=True)",
+            "self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]",
+            "and self.state.best_global_step",
+            'best_checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"',
+            "best_checkpoint_dir = os.path.join(run_dir, best_checkpoint_folder)",
+            "if os.path.exists(best_checkpoint_dir):",
+            "self.state.best_model_checkpoint = best_checkpoint_dir",
+            "if not self.args.save_only_model:",
+            "self._save_optimizer_and_scheduler(output_dir)",
+            "self._save_scaler(output_dir)",
+            "self._save_rng_state(output_dir)",
+            "if self.args.should_save:",
+            "cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)",
+            "if isinstance(self.state.stateful_callbacks[cb_name], list):",
+            "self.state.stateful_callbacks[cb_name].append(cb_state)",
+            "self.state.stateful_callbacks[cb_name] = cb_state",
+            "self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))",
+            "if self.args.push_to_hub:",
+            "self._push_from_checkpoint(output_dir)",
+            "rotate_checkpoints(",
+            "output_dir=run_dir,",
+            "save_total_limit=self.args.save_total_limit,",
+            "best_model_checkpoint=self.state.best_model_checkpoint,",
+            "use_mtime=True,",
+        ),
+        calls=(
+            "cb.state",
+            "dist.barrier",
+            "is_sagemaker_mp_enabled",
+            "is_torch_xla_available",
+            "isinstance",
+            "os.path.exists",
+            "os.path.join",
+            "rotate_checkpoints",
+            "self._get_output_dir",
+            "self._push_from_checkpoint",
+            "self._save_optimizer_and_scheduler",
+            "self._save_rng_state",
+            "self._save_scaler",
+            "self.save_model",
+            "self.state.save_to_json",
+            "self.state.stateful_callbacks[cb_name].append",
+            "self.store_flos",
+            "smp.barrier",
+            "xm.rendezvous",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.checkpoints.GRPOCheckpoints._write_checkpoint_files",
+        "trl.GRPOTrainer._save_checkpoint",
+        (
+            "if self.args.hub_model_id is None:",
+            "model_name = Path(self.args.output_dir).name",
+            'model_name = self.args.hub_model_id.split("/")[-1]',
+            "self.create_model_card(model_name=model_name)",
+            "super()._save_checkpoint(model, trial)",
+            "if self.use_adaptive_entropy and self.args.should_save:",
+            'with open(os.path.join(output_dir, "entropy_ctrl_state.json"), "w") as f:',
+            'json.dump({"entropy_coef": self.entropy_coef, "last_world_entropy": self._last_world_entropy}, f)',
+        ),
+        calls=(
+            "Path",
+            "json.dump",
+            "open",
+            "os.path.join",
+            "self._get_output_dir",
+            "self.args.hub_model_id.split",
+            "self.create_model_card",
+            "super",
+            "super()._save_checkpoint",
+        ),
+    ),
+    # PPOTrainer runs its own loop on Trainer's machinery: where it repeats a step of Trainer's loop or relies on
+    # what a Trainer method reads
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.train",
+        "transformers.Trainer._finalize_training",
+        (
+            "self._total_loss_scalar += self._tr_loss.item()",
+            "num_steps_trained = self.state.global_step - self._initial_global_step",
+            "train_loss = self._total_loss_scalar / max(num_steps_trained, 0.001)  # Avoid ZeroDivisionError",
+            "if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:",
+            "self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)",
+        ),
+        relation="relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._maybe_evaluate_and_save",
+        "transformers.Trainer._maybe_log_save_evaluate",
+        (
+            "if self.control.should_evaluate:",
+            "metrics = self._evaluate(trial, ignore_keys_for_eval)",
+            "is_new_best_metric = self._determine_best_metric(metrics=metrics, trial=trial)",
+            "if self.args.save_strategy == SaveStrategy.BEST:",
+            "self.control.should_save = is_new_best_metric",
+            "self._save_checkpoint(model, trial)",
+            "self.control = self.callback_handler.on_save(self.args, self.state, self.control)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.update",
+        "transformers.Trainer._run_epoch",
+        (
+            "grad_norm = self._clip_grad_norm(model)",
+            "self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)",
+            "self.optimizer.step()",
+            "self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)",
+            "if not self.accelerator.optimizer_step_was_skipped:",
+            "if not isinstance(self.lr_scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)):",
+            "self.lr_scheduler.step()",
+            "self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)",
+            "self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.get_train_dataloader",
+        "transformers.Trainer._get_dataloader",
+        (
+            '"num_workers": self.args.dataloader_num_workers,',
+            '"pin_memory": self.args.dataloader_pin_memory,',
+            '"persistent_workers": self.args.dataloader_persistent_workers,',
+            '"multiprocessing_context": self.args.dataloader_multiprocessing_context,',
+            '"prefetch_factor": self.args.dataloader_prefetch_factor,',
+            '"in_order": self.args.dataloader_in_order,',
+            "seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index",
+            "dataloader = self.accelerator.prepare(DataLoader(dataset, **dataloader_params))",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._begin",
+        "transformers.Trainer._init_training_state",
+        (
+            "self.state.compute_steps(self.args, max_steps)",
+            "self.state.init_training_references(self, max_steps, num_train_epochs, trial)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._load_checkpoint",
+        "transformers.Trainer._prepare_for_training",
+        (
+            "deepspeed_load_checkpoint(",
+            "self._load_optimizer_and_scheduler(resume_from_checkpoint)",
+            "self._load_scaler(resume_from_checkpoint)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.models.enable_activation_checkpointing",
+        "transformers.Trainer.train",
+        (
+            'every_n_layers = gc_kwargs.pop("every_n_layers", 1)',
+            'offload = gc_kwargs.pop("offload", False)',
+            "self.model.activation_checkpointing_enable(",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.integration.hf_names.rng_state_file",
+        "transformers.Trainer._save_rng_state",
+        (
+            "if self.args.world_size <= 1:",
+            'torch.save(rng_states, os.path.join(output_dir, "rng_state.pth"))',
+            'torch.save(rng_states, os.path.join(output_dir, f"rng_state_{self.args.process_index}.pth"))',
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_rewards.ContractCheckedRewards",
+        "trl.GRPOTrainer._calculate_rewards",
+        (
+            "zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)",
+            "if isinstance(reward_func, nn.Module):",
+            "elif is_async_callable(reward_func):",
+            "prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs",
+            "rewards_per_func = gather(rewards_per_func)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.rewards.dense.weighted_reward_sum",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+            "rewards[unscorable_mask] = torch.nan",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.loss_mask",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ("loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask",),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.loss_mask",
+        "trl.GRPOTrainer._compute_loss",
+        ('mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]',),
+        "relies on",
+    ),
+    Mirrored(
+        # recomputed wherever trl_stable removes tokens from the loss (`_apply_loss_mask`) or rebuilds the batch
+        # (dynamic sampling's refill), so TRL's normaliser counts the tokens that are trained on
+        "trl_stable.trainers.grpo.trl_batch.num_items_in_batch",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ("num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()",),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.num_items_in_batch",
+        "trl.GRPOTrainer._compute_loss",
+        (
+            'elif self.loss_type in ["cispo", "dapo", "vespo"]:',
+            'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+            "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+            "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_batch.process_slice",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "process_slice = slice(",
+            "self.accelerator.process_index * len(prompts),",
+            "(self.accelerator.process_index + 1) * len(prompts),",
+            "advantages = advantages[process_slice]",
+        ),
+    ),
+    Mirrored(
+        # a group is `num_generations` consecutive rows of the gathered batch (in eval: `num_generations_eval`), and an
+        # unscorable row's advantage is 0
+        "trl_stable.trainers.grpo.GRPOTrainer._postprocess_generation",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            'num_generations = self.num_generations if mode == "train" else self.num_generations_eval',
+            "mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)",
+            "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)",
+            "advantages = torch.nan_to_num(advantages, nan=0.0)",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.trl_logs.train_mode",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ('mode = "train" if self.model.training else "eval"',),
+    ),
+    Mirrored(
+        # the proximal pass is TRL's old-logprob pass, run by trl_stable when TRL skipped it
+        "trl_stable.trainers.grpo.GRPOTrainer._compute_proximal_logps",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
+            "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)",
+            "logits_to_keep = completion_ids.size(1)",
+            'batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.'
+            "per_device_eval_batch_size",
+            "with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs"
+            "):",
+            "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(",
+            "batch_size=batch_size,",
+        ),
+    ),
+    Mirrored(
+        # the behaviour weight and the token filter reach TRL's loss folded into (B, T) advantages
+        "trl_stable.trainers.grpo.GRPOTrainer._apply_decoupled_loss",
+        "trl.GRPOTrainer._compute_loss",
+        ("if advantages.dim() == 1:", "advantages = advantages.unsqueeze(1)"),
+        "relies on",
+    ),
+    Mirrored(
+        # the dense reward-to-go reaches TRL's loss as (B, T) advantages
+        "trl_stable.trainers.grpo.GRPOTrainer._postprocess_generation",
+        "trl.GRPOTrainer._compute_loss",
+        ("if advantages.dim() == 1:", "advantages = advantages.unsqueeze(1)"),
+        "relies on",
+    ),
+    Mirrored(
+        # the exact table is checked against TRL's `pad` calls by the contract test
+        "trl_stable.trainers.grpo.trl_batch.concat_rows",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "padding_value=self._tokenizer.pad_token_id,",
+            'padding_side="left",',
+            'padding_side="right",',
+        ),
+    ),
+    Mirrored(
+        # trl_stable's own batch-first key (``routed_experts``) is shuffled and split with the rest
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.GRPOTrainer._prepare_inputs",
+        (
+            "generation_batch = shuffle_sequence_dict(generation_batch)",
+            "generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.trainer.utils.shuffle_sequence_dict",
+        ("if isinstance(v, torch.Tensor) and v.ndim >= 1:", "return v[permutation]"),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._attach_routing",
+        "trl.trainer.utils.split_tensor_dict",
+        ("chunk_dict[key] = tensor[i * chunk_size : (i + 1) * chunk_size]",),
+        "relies on",
+    ),
+    Mirrored(
+        # TRL's last write to the completions table's advantage column in the call is all of this call's
+        # advantages (gathered), so the last N entries are this call's; the contract test checks there is one
+        "trl_stable.trainers.grpo.trl_logs.replace_logged_advantages",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        ('self._logs["advantages"].extend(all_process_advantages.tolist())',),
+        "relies on",
+    ),
+    Mirrored(
+        # the optional keys trl_stable reads, and where TRL puts each in the batch
+        "trl_stable.integration.trl_members.GRPO_OPTIONAL_BATCH_KEYS",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            'output["old_per_token_logps"] = old_per_token_logps',
+            'output["sampling_per_token_logps"] = sampling_per_token_logps',
+            'output["ref_per_token_logps"] = ref_per_token_logps',
+            'output["tool_mask"] = tool_mask',
+            'output["importance_sampling_ratio"] = vllm_importance_sampling_ratio',
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # each reward's own group z-score, logged as GDPO's per-reward advantage
+        "trl_stable.trainers.grpo.GRPOTrainer._log_per_reward_advantages",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "mean_k = torch.nanmean(grouped, dim=1, keepdim=True)",
+            "std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)",
+            "reward_k = (grouped - mean_k) / (std_k + 1e-4)",
+        ),
+    ),
+    Mirrored(
+        # the reference pass: `ref_model`, or the policy with TRL's "ref" adapter / its adapters disabled
+        "trl_stable.trainers.grpo.forward_passes.is_reference_pass",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "if self.ref_model is not None:",
+            "ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(",
+            'with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):',
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # scoring right after generation gives TRL's later call the same arguments; not when a rollout_func's
+        # extra fields, merged into the inputs only after `_generate`, could reach the reward functions
+        "trl_stable.trainers.grpo.GRPOTrainer._scores_early",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "if extra_fields:",
+            "inp[key] = values[i]",
+            "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        # the HF sampler's recorded log-probs, returned as `_generate_single_turn`'s logprobs, become TRL's
+        # `sampling_per_token_logps`
+        "trl_stable.trainers.grpo.GRPOTrainer._generate_single_turn",
+        "trl.GRPOTrainer._generate",
+        (
+            "completion_ids, logprobs = self._generate_single_turn(",
+            "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images",
+        ),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl.GRPOTrainer._calculate_rewards",
+        ("rewards_per_func = torch.zeros(len(prompts), len(self.reward_funcs), device=device)",),
+        "relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl.GRPOTrainer._generate_and_score_completions",
+        (
+            "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+            "for i, reward_func_name in enumerate(self.reward_func_names):",
+        ),
+        "relies on",
+    ),
+)
+
+# The lines of `trl.GRPOTrainer._get_per_token_logps_and_entropies` that `with_mask_position_ids` relies on: the
+# model is called with the chunk's ids and mask as keywords; the contract test also checks that TRL sets no
+# `position_ids` of its own.
+LOGPS_FORWARD_SNIPPETS = (
+    'model_inputs = {"input_ids": input_ids_batch, "attention_mask": attention_mask_batch}',
+    "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)",
+)

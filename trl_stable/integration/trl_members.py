@@ -1,0 +1,599 @@
+"""The registry of every private TRL / transformers member trl_stable relies on (the TRL logic it mirrors or relies on
+is the registry's second table, `trl_stable.integration.mirrored`).
+
+trl_stable extends `trl.GRPOTrainer` by overriding some of its private methods and reading some of its private
+attributes; none of them is TRL's public API, and several changed signature or return arity between TRL releases.
+This module names them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`], [`HELPER_MEMBERS`], and for PPO [`PPO_MEMBERS`],
+[`VLLM_MEMBERS`], [`ENGINE_MEMBERS`]), each as a [`Member`], and the keys and padding of TRL's GRPO batch dict. It
+holds data only: the code that uses the members lives where it is used (`used_in`).
+`tests/integration/test_trl_members.py` checks every entry against the installed TRL and transformers, so an upgrade
+fails there, naming the member, instead of deep inside a training step.
+
+The TRL-imposed channel. TRL's `_generate_and_score_completions` calls `_calculate_rewards`, `_generate`,
+`_generate_single_turn` and `_get_per_token_logps_and_entropies` and keeps what they return to itself (the batch dict
+it returns has no rewards, no sampler routing). trl_stable's override therefore opens one per-call record
+(`trl_stable.trainers.grpo.RolloutRecord`, a context manager, reset when the call ends, also on error) that those
+hooks fill; nothing else carries one batch's values between methods.
+
+The version gate (`trl_stable._compat`) stays: it turns an unsupported TRL into one clear ImportError at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CONFIG_NAME_ATTRIBUTE",
+    "ENGINE_MEMBERS",
+    "GRPO_BATCH_KEYS",
+    "GRPO_MEMBERS",
+    "GRPO_OPTIONAL_BATCH_KEYS",
+    "GRPO_PADDING",
+    "HELPER_MEMBERS",
+    "LOGPS_PARAMS",
+    "PPO_MEMBERS",
+    "REF_ADAPTER_NAME",
+    "TRANSFORMERS_MEMBERS",
+    "VLLM_MEMBERS",
+    "Member",
+]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One private member of a TRL / transformers class that trl_stable uses.
+
+    Attributes:
+        owner: Dotted path of the class (``"trl.GRPOTrainer"``).
+        name: The member's name.
+        kind: "override" (trl_stable overrides it and calls ``super()``), "replace" (trl_stable overrides it without
+            calling ``super()``, repeating its steps: see `MIRRORED`), "call" (trl_stable calls it), "attribute"
+            (read on an instance) or "patch" (replaced on an instance for the duration of a call).
+        params: For methods: the leading parameters (after ``self``) trl_stable passes or accepts, in order.
+        returns: What trl_stable relies on in the return value (arity, type, keys).
+        used_in: The trl_stable modules that use it.
+    """
+
+    owner: str
+    name: str
+    kind: str
+    params: tuple[str, ...] = ()
+    returns: str = ""
+    used_in: tuple[str, ...] = ()
+
+
+_GRPO = "trl.GRPOTrainer"
+# The leading parameters of `_get_per_token_logps_and_entropies`; the ones after them are multimodal inputs.
+LOGPS_PARAMS = (
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
+_TRAINER_PY = ("trl_stable/trainers/grpo/grpo_trainer.py",)
+_CHECKPOINTS_PY = ("trl_stable/trainers/grpo/checkpoints.py",)
+_MARKED_PY = ("trl_stable/trainers/checkpoints.py",)  # both trainers' marked checkpoint save
+_LOGS_PY = ("trl_stable/trainers/grpo/trl_logs.py",)
+_REWARDS_PY = ("trl_stable/trainers/grpo/trl_rewards.py",)
+_BATCH_PY = ("trl_stable/trainers/grpo/trl_batch.py",)
+_REWARD_CALLS_PY = ("trl_stable/integration/reward_calls.py",)
+
+GRPO_MEMBERS: tuple[Member, ...] = (
+    Member(
+        _GRPO,
+        "_generate_and_score_completions",
+        "override",
+        ("inputs",),
+        "dict with GRPO_BATCH_KEYS (+ GRPO_OPTIONAL_BATCH_KEYS); every tensor of batch size B is shuffled and split "
+        "by TRL's `_prepare_inputs`, so trl_stable may add batch-first keys",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_generate",
+        "override",
+        ("prompts",),
+        "8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images); "
+        "extra_fields (index 5) is a dict holding a rollout_func's extra keys; TRL later calls `_calculate_rewards` "
+        "with the same prompts, completions (index 3) and completion ids (index 1), which early scoring relies on",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_tokenize_prompts",
+        "override",
+        ("prompts",),
+        "3-tuple (prompt_ids: list[list[int]], images, multimodal_fields); called once per generation batch, before "
+        "generation, only when there is no rollout_func",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_generate_single_turn",
+        "override",
+        ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+        "2-tuple (completion_ids: list[list[int]], logprobs: list[list[float]] | None)",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_calculate_rewards",
+        "override",
+        ("inputs", "prompts", "completions", "completion_ids_list"),
+        "[N_global, K] float tensor, gathered over processes, NaN where a function returned None",
+        _TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "_get_per_token_logps_and_entropies",
+        "override",
+        LOGPS_PARAMS,
+        "3-tuple (logps [B, T], entropies | None, aux_loss | None); the parameters after compute_aux_loss are the "
+        "multimodal forward keys (`multimodal_forward_keys`); `model` is only called, once per chunk, with the "
+        "chunk's `input_ids` and `attention_mask` as keywords and no `position_ids` (`LOGPS_FORWARD_SNIPPETS`), so "
+        "`with_mask_position_ids` can add them",
+        _TRAINER_PY,
+    ),
+    Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
+    Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", _REWARDS_PY),
+    Member(_GRPO, "_log_metric", "call", ("name", "value"), "", _REWARDS_PY),
+    # attributes, read on an instance (checked on a tiny trainer)
+    Member(
+        _GRPO,
+        "_metrics",
+        "attribute",
+        returns='{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`',
+        used_in=_LOGS_PY,
+    ),
+    Member(
+        _GRPO,
+        "_logs",
+        "attribute",
+        returns='dict with an "advantages" list: the completions table\'s advantage column',
+        used_in=_LOGS_PY,
+    ),
+    Member(
+        _GRPO,
+        "_pending_metrics",
+        "attribute",
+        returns="defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
+        used_in=_LOGS_PY,
+    ),
+    Member(
+        _GRPO,
+        "_pending_extra_logs",
+        "attribute",
+        returns="dict of columns reward functions logged with `log_extra`, flushed after the rewards",
+        used_in=_LOGS_PY,
+    ),
+    Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_BATCH_PY),
+    Member(
+        _GRPO,
+        "reward_funcs",
+        "attribute",
+        returns="the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
+        "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
+        "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
+        used_in=(*_TRAINER_PY, *_REWARDS_PY),
+    ),
+    Member(
+        _GRPO,
+        "async_loop",
+        "attribute",
+        returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "environments",
+        "attribute",
+        returns="per-rollout environment instances or None (passed to reward functions)",
+        used_in=_REWARDS_PY,
+    ),
+    Member(
+        _GRPO,
+        "num_generations_eval",
+        "attribute",
+        returns="group size in evaluation",
+        used_in=_TRAINER_PY,
+    ),
+    # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
+    Member(
+        _GRPO,
+        "_save_checkpoint",
+        "replace",
+        ("model", "trial"),
+        "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: `rng_state_file`), then "
+        "pushes it and rotates old checkpoints. trl_stable's override writes the same files with the same helpers "
+        "and rotates only after its completion marker (MIRRORED)",
+        _CHECKPOINTS_PY,
+    ),
+    Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _MARKED_PY),
+    # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
+    # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
+    Member(
+        _GRPO, "reward_func_names", "attribute", returns="list[str], aligned with reward_funcs", used_in=_TRAINER_PY
+    ),
+    Member(
+        _GRPO,
+        "reward_processing_classes",
+        "attribute",
+        returns="list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "reward_weights",
+        "attribute",
+        returns="[K] float tensor, aligned with reward_funcs",
+        used_in=_TRAINER_PY,
+    ),
+    # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
+    Member(_GRPO, "num_generations", "attribute", returns="group size in training", used_in=_TRAINER_PY),
+    Member(_GRPO, "max_completion_length", "attribute", returns="int, the completion cap", used_in=_TRAINER_PY),
+    Member(_GRPO, "loss_type", "attribute", returns="str, TRL's loss (named in describe_paths)", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "importance_sampling_level",
+        "attribute",
+        returns='"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
+        used_in=_TRAINER_PY,
+    ),
+    Member(_GRPO, "use_vllm", "attribute", returns="bool: the sampler is vLLM", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "use_transformers_continuous_batching",
+        "attribute",
+        returns="bool: the sampler is transformers' continuous batching (no sampler log-probs)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO, "tools", "attribute", returns="list of tool functions (R3 refuses tool calling)", used_in=_TRAINER_PY
+    ),
+    Member(_GRPO, "rollout_func", "attribute", returns="the user's rollout function or None", used_in=_TRAINER_PY),
+    Member(
+        _GRPO,
+        "environment_factories",
+        "attribute",
+        returns="None unless environments make the prompts (then no prompt column is checked)",
+        used_in=_TRAINER_PY,
+    ),
+    Member(
+        _GRPO,
+        "ref_model",
+        "attribute",
+        returns="the KL reference model, or None (PEFT: the policy with adapters off)",
+        used_in=("trl_stable/trainers/grpo/forward_passes.py",),
+    ),
+    Member(
+        _GRPO, "create_model_card", "call", ("model_name",), "None (writes README.md in output_dir)", _CHECKPOINTS_PY
+    ),
+    Member(
+        _GRPO,
+        "use_adaptive_entropy",
+        "attribute",
+        returns="bool: TRL saves its entropy state",
+        used_in=_CHECKPOINTS_PY,
+    ),
+    Member(_GRPO, "entropy_coef", "attribute", returns="float, in TRL's entropy state file", used_in=_CHECKPOINTS_PY),
+    Member(
+        _GRPO,
+        "_last_world_entropy",
+        "attribute",
+        returns="float, in TRL's entropy state file",
+        used_in=_CHECKPOINTS_PY,
+    ),
+)
+
+TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "transformers.GenerationMixin",
+        "_get_logits_processor",
+        "patch",
+        ("generation_config",),
+        "a LogitsProcessorList; trl_stable appends its sampler-log-prob recorder last",
+        ("trl_stable/sampler_logprobs.py",),
+    ),
+    Member(
+        "transformers.trainer_utils",
+        "rotate_checkpoints",
+        "call",
+        ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"),
+        "None; deletes the oldest `checkpoint-*` folders beyond the limit (called after the marker)",
+        _MARKED_PY,
+    ),
+    # the steps of `Trainer._save_checkpoint` both trainers' checkpoints call, each given the checkpoint folder
+    Member(
+        "transformers.Trainer",
+        "_save_checkpoint",
+        "replace",
+        ("model", "trial"),
+        "None; writes `checkpoint-{global_step}`, pushes it, rotates old ones. `MarkedCheckpoints` writes the same "
+        "files with the same helpers and rotates only after its completion marker (MIRRORED)",
+        _MARKED_PY,
+    ),
+    Member("transformers.Trainer", "save_model", "call", ("output_dir", "_internal_call"), "", _MARKED_PY),
+    Member("transformers.Trainer", "store_flos", "call", (), "", _MARKED_PY),
+    Member("transformers.Trainer", "_save_optimizer_and_scheduler", "call", ("output_dir",), "", _MARKED_PY),
+    Member("transformers.Trainer", "_save_scaler", "call", ("output_dir",), "", _MARKED_PY),
+    Member("transformers.Trainer", "_save_rng_state", "call", ("output_dir",), "", _MARKED_PY),
+    Member("transformers.Trainer", "_push_from_checkpoint", "call", ("checkpoint_folder",), "", _MARKED_PY),
+    Member(
+        "transformers.modeling_layers.GradientCheckpointingLayer",
+        "__call__",
+        "call",
+        returns="the decoder-layer class whose forward is recomputed under gradient checkpointing",
+        used_in=("trl_stable/moe/replay.py",),
+    ),
+)
+
+# What trl_stable's PPOTrainer, a `transformers.Trainer` through TRL's `_BaseTrainer`, takes from them beyond their
+# public API: the Trainer steps its own loop calls (engine set-up, clipping, evaluation and saving, resume, the end of
+# training), the methods it overrides, and the TRL helpers of its log-prob passes.
+_PPO = (
+    "trl_stable/trainers/ppo/models.py",
+    "trl_stable/trainers/ppo/ppo_trainer.py",
+    "trl_stable/trainers/ppo/rewards.py",
+)
+_PPO_TRAINER = _PPO[1:2]
+_T = "transformers.Trainer"
+PPO_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "trl.trainer.utils",
+        "selective_log_softmax_and_entropy",
+        "call",
+        ("logits", "index", "entropy_requires_grad", "temperature"),
+        "2-tuple (token log-probs, entropy), both shaped like `index`",
+        _PPO[:1],
+    ),
+    Member(
+        "trl.trainer.utils", "disable_dropout_in_model", "call", ("model",), "None (every Dropout's p to 0)", _PPO[:1]
+    ),
+    Member("trl.trainer.utils", "add_fused_lm_head", "call", ("model",), "None; `fused_lm_head=True` calls", _PPO[:1]),
+    Member("trl.trainer.utils", "get_callable_name", "call", ("func",), "the reward function's log name", _PPO[2:]),
+    Member(
+        "trl.trainer.base_trainer._BaseTrainer",
+        "create_model_card",
+        "override",
+        ("model_name", "dataset_name", "tags"),
+        "None; writes README.md in output_dir from `_name`, `_paper`, `_tag_names` and `model.config`",
+        _PPO_TRAINER,
+    ),
+    Member(
+        _T,
+        "_prepare_for_training",
+        "call",
+        ("max_steps", "train_dataloader", "resume_from_checkpoint"),
+        "(prepared model, dataloader); builds the optimizer (deepspeed_init under DeepSpeed) and the scheduler over "
+        "`max_steps` optimizer steps; PPO calls it once, in __init__, so the step API has them",
+        _PPO_TRAINER,
+    ),
+    Member(
+        _T, "_get_train_sampler", "call", ("train_dataset",), "the sampler of `train_sampling_strategy`", _PPO_TRAINER
+    ),
+    Member(
+        _T,
+        "_clip_grad_norm",
+        "call",
+        ("model",),
+        "the pre-clip gradient norm (None under DeepSpeed's start)",
+        _PPO_TRAINER,
+    ),
+    Member(
+        _T, "_evaluate", "call", ("trial", "ignore_keys_for_eval", "skip_scheduler"), "the eval metrics", _PPO_TRAINER
+    ),
+    Member(_T, "_determine_best_metric", "call", ("metrics", "trial"), "whether a new best was reached", _PPO_TRAINER),
+    Member(_T, "_save", "override", ("output_dir", "state_dict"), "None; what save_model writes", _PPO_TRAINER),
+    Member(
+        _T,
+        "_load_from_checkpoint",
+        "override",
+        ("resume_from_checkpoint", "model"),
+        "None; loads full weights, shards or the adapter into `model` (PPO passes its policy, then loads its value "
+        "head)",
+        _PPO_TRAINER,
+    ),
+    Member(_T, "_load_best_model", "override", (), "None", _PPO_TRAINER),
+    Member(_T, "_load_optimizer_and_scheduler", "call", ("checkpoint",), "None", _PPO_TRAINER),
+    Member(_T, "_load_scaler", "call", ("checkpoint",), "None", _PPO_TRAINER),
+    Member(
+        _T, "_load_callback_state", "call", (), "None (honours restore_callback_states_from_checkpoint)", _PPO_TRAINER
+    ),
+    Member(_T, "_load_rng_state", "call", ("checkpoint",), "None", _PPO_TRAINER),
+    Member(
+        _T,
+        "_finalize_training",
+        "call",
+        ("trial", "num_train_samples", "start_time"),
+        "the TrainOutput; reads `_tr_loss`, `_total_loss_scalar`, `_initial_global_step` (MIRRORED), logs the speed "
+        "metrics, loads the best model, calls on_train_end and waits for the hub push",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.trainer_callback.TrainerState",
+        "init_training_references",
+        "call",
+        ("trainer", "max_steps", "num_train_epochs", "trial"),
+        "None; sets max_steps, num_train_epochs and the process flags on the state",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.trainer_callback.TrainerState",
+        "compute_steps",
+        "call",
+        ("args", "max_steps"),
+        "sets logging_steps / save_steps / eval_steps from `args` (fractions of max_steps resolved)",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.integrations.deepspeed",
+        "deepspeed_load_checkpoint",
+        "call",
+        ("deepspeed_engine", "checkpoint_path", "load_module_strict"),
+        "None; loads the engine's checkpoint (weights, optimizer) written by `_save_optimizer_and_scheduler`",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.trainer_utils",
+        "seed_worker",
+        "call",
+        ("worker_id", "num_workers", "rank"),
+        "None; Trainer's dataloader worker_init_fn",
+        _PPO_TRAINER,
+    ),
+)
+# TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo/vllm.py`).
+_PPO_VLLM = ("trl_stable/trainers/ppo/vllm.py",)
+_VLLM_GENERATION = "trl.generation.vllm_generation.VLLMGeneration"
+VLLM_MEMBERS: tuple[Member, ...] = (
+    Member(
+        _VLLM_GENERATION,
+        "__init__",
+        "call",
+        ("model", "accelerator", "processing_class", "mode"),
+        "a helper holding the colocate engine in `llm` or the server client; keyword arguments as GRPOTrainer passes",
+        _PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "generate",
+        "call",
+        ("prompts", "images", "num_generations"),
+        "4-tuple (prompt_ids, completion_ids, logprobs [B][T][1] with None for NaN, logprob_token_ids)",
+        _PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION, "sync_weights", "call", (), "None (gathers shards, merges LoRA, loads into vLLM)", _PPO_VLLM
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "max_completion_length",
+        "attribute",
+        returns="set per call: `generate` reads it for vLLM's max_tokens",
+        used_in=_PPO_VLLM,
+    ),
+    Member(
+        _VLLM_GENERATION,
+        "llm",
+        "patch",
+        returns="the colocate `vllm.LLM`; its `generate` is wrapped for one call to read `routed_experts` (R3)",
+        used_in=_PPO_VLLM,
+    ),
+    Member(
+        "trl.generation.vllm_generation",
+        "LLM",
+        "patch",
+        returns="the engine class `_init_vllm` builds from; replaced while the helper is built, to pass "
+        "`enable_return_routed_experts=True` (R3)",
+        used_in=_PPO_VLLM,
+    ),
+)
+# Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.
+HELPER_MEMBERS: tuple[Member, ...] = (
+    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _TRAINER_PY),
+    Member(
+        "trl.models.utils",
+        "disable_gradient_checkpointing",
+        "call",
+        ("model", "gradient_checkpointing_kwargs"),
+        "a context manager (the proximal forward runs without recomputation)",
+        _TRAINER_PY,
+    ),
+    Member(
+        "trl.trainer.utils",
+        "is_async_callable",
+        "call",
+        ("func",),
+        "bool",
+        (*_REWARD_CALLS_PY, *_REWARDS_PY),
+    ),
+    Member(
+        "trl.trainer.utils",
+        "start_event_loop_in_daemon",
+        "call",
+        ("name",),
+        "3-tuple (thread, loop, ready event)",
+        _REWARD_CALLS_PY,
+    ),
+    Member(
+        "trl.trainer.utils",
+        "shutdown_event_loop_in_daemon",
+        "call",
+        ("thread", "loop"),
+        "None",
+        _REWARD_CALLS_PY,
+    ),
+    Member(
+        "trl.trainer.sft_trainer.DataCollatorForLanguageModeling",
+        "torch_call",
+        "override",
+        ("examples",),
+        "a batch dict with `labels` (-100 where no loss); `padding_free` packs rows into one",
+        ("trl_stable/masking/sft.py",),
+    ),
+)
+# What PPOTrainer takes from TRL and accelerate to run under DeepSpeed / FSDP (`trl_stable.trainers.ppo.engines`):
+# TRL's engine helpers of `trl.models` (exported there, outside TRL's documented API) and accelerate's private setter
+# of the "this backward closes an optimizer step" flag that DeepSpeed's engine steps on.
+_ENGINES_PY = ("trl_stable/trainers/ppo/engines.py",)
+ENGINE_MEMBERS: tuple[Member, ...] = (
+    Member(
+        "trl.models",
+        "unwrap_model_for_generation",
+        "call",
+        ("model", "accelerator"),
+        "a context manager yielding the unwrapped module with ZeRO-3 parameters gathered (reads and toggles "
+        "`is_gradient_checkpointing` / `gradient_checkpointing_disable` / `_enable` on it)",
+        _ENGINES_PY,
+    ),
+    Member("trl.models", "prepare_deepspeed", "call", ("model", "accelerator"), "a DeepSpeed engine", _ENGINES_PY),
+    Member("trl.models", "prepare_fsdp", "call", ("model", "accelerator"), "the FSDP-wrapped model", _ENGINES_PY),
+    Member(
+        "accelerate.state.GradientState",
+        "_set_sync_gradients",
+        "call",
+        ("sync_gradients",),
+        "None; `accelerator.backward` passes the flag to DeepSpeed as the accumulation boundary",
+        _ENGINES_PY,
+    ),
+)
+# `config._name_or_path`: the name a model was loaded from (PPO loads its tokenizer and names its reward models by it).
+CONFIG_NAME_ATTRIBUTE = "_name_or_path"
+
+# Keys of TRL's `_generate_and_score_completions` output that trl_stable reads.
+GRPO_BATCH_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "num_items_in_batch",
+)
+# Present only in some configurations: old logps (num_iterations > 1 or vLLM IS), sampler logps (vLLM, rollout_func,
+# or HF generate recorded by trl_stable), reference logps (beta != 0), tool_mask (tools / env_mask), vLLM IS ratio.
+GRPO_OPTIONAL_BATCH_KEYS = (
+    "old_per_token_logps",
+    "sampling_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+    "importance_sampling_ratio",
+)
+
+# How TRL pads each [B, T] key it builds in `_generate_and_score_completions` (`pad(..., padding_value=...,
+# padding_side=...)`): (side, value), "pad_token_id" standing for the tokenizer's pad id. Batches trl_stable
+# concatenates (`trainers.grpo.trl_batch.concat_rows`) are padded the same way; a key not listed (old / reference log
+# probs, the IS ratio) is computed on the [prompt | completion] rows and aligned with the completion: right, 0.
+GRPO_PADDING: dict[str, tuple[str, int | float | str]] = {
+    "prompt_ids": ("left", "pad_token_id"),
+    "prompt_mask": ("left", 0),
+    "completion_ids": ("right", "pad_token_id"),
+    "completion_mask": ("right", 0),
+    "sampling_per_token_logps": ("right", 0.0),
+    "tool_mask": ("right", 1),
+}
+
+# TRL's name for the copy of the initial adapter it loads as the reference of a re-trained PEFT adapter.
+REF_ADAPTER_NAME = "ref"
