@@ -272,3 +272,47 @@ def test_ppo_save_checkpoint_replaces_an_older_checkpoint_of_the_same_name(tmp_p
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "health.jsonl"]
     with pytest.raises(ValueError, match=r"set PPOConfig.output_dir"):
         trainer.save_checkpoint(str(tmp_path / "elsewhere"))  # checkpoints live in output_dir, as in Trainer
+
+
+# ---------------------------------------------------------------------------------------------------- name collisions
+def test_a_file_or_foreign_folder_named_like_a_checkpoint_is_refused_at_start_up(tmp_path, tokenizer):
+    (tmp_path / "checkpoint-2").write_text("my notes")
+    with pytest.raises(ValueError, match=r"checkpoint-2 \(a file\).*Move or rename it"):
+        ppo(tokenizer, tmp_path)
+    (tmp_path / "checkpoint-2").unlink()
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "data.csv").write_text("1,2")
+    with pytest.raises(ValueError, match=r"checkpoint-3 \(a folder no trainer wrote\)"):
+        ppo(tokenizer, tmp_path)
+    assert (tmp_path / "checkpoint-3" / "data.csv").read_text() == "1,2"  # never renamed or deleted
+    from trl_stable import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none", use_cpu=True
+    )
+    with pytest.raises(ValueError, match=r"checkpoint-3 \(a folder no trainer wrote\)"):
+        GRPOTrainer(
+            build_causal_lm("qwen2", tokenizer, seed=0),
+            reward_funcs=length_score,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            processing_class=tokenizer,
+        )
+
+
+def test_a_collision_that_appears_during_the_run_stops_the_save_with_its_name(tmp_path, tokenizer):
+    (tmp_path / ".tmp-checkpoint-2").write_text("unrelated")  # no save writes a temporary folder any more
+    trainer, _ = ppo(tokenizer, tmp_path, save_steps=1, max_steps=2)
+    original_save = trainer._save_checkpoint
+
+    def save(model, trial):
+        if trainer.state.global_step == 2:
+            (tmp_path / "checkpoint-2").write_text("written by someone else meanwhile")
+        return original_save(model, trial)
+
+    trainer._save_checkpoint = save
+    with pytest.raises(ValueError, match=r"checkpoint-2 \(a file\)"):
+        trainer.train()
+    assert (tmp_path / "checkpoint-2").read_text() == "written by someone else meanwhile"
+    assert checkpoint_problem(str(tmp_path / "checkpoint-1")) is None
+    assert (tmp_path / ".tmp-checkpoint-2").read_text() == "unrelated"

@@ -43,6 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 __all__ = [
     "MARKER_FILE",
     "MarkedCheckpoints",
+    "check_checkpoint_names",
     "TRAINER_STATE_FILE",
     "CheckpointInfo",
     "begin_marker",
@@ -381,6 +382,40 @@ def restore_stable_state(
             logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
 
 
+def _is_checkpoint_folder(path: str) -> bool:
+    """Whether `path` is a folder a trainer wrote as a checkpoint (trl_stable's marker or transformers' trainer state),
+    or an empty one (a save that was killed before its first file)."""
+    return os.path.isdir(path) and (
+        not os.listdir(path)
+        or os.path.isfile(os.path.join(path, MARKER_FILE))
+        or os.path.isfile(os.path.join(path, TRAINER_STATE_FILE))
+    )
+
+
+def check_checkpoint_names(output_dir: str, folder: str | None = None) -> None:
+    """Refuse a name collision in `output_dir`: something named like a checkpoint (``checkpoint-N``) that is not one
+    (a file, or a folder no trainer wrote), which a save would fail on and transformers' rotation could delete. With
+    `folder`, only that name (the checkpoint about to be written). trl_stable never renames or deletes such a file.
+
+    Raises:
+        ValueError: naming each colliding path and the fix.
+    """
+    if folder is not None:
+        paths = [folder] if os.path.lexists(folder) else []
+    elif os.path.isdir(output_dir):
+        paths = [os.path.join(output_dir, n) for n in sorted(os.listdir(output_dir)) if _CHECKPOINT.fullmatch(n)]
+    else:
+        paths = []
+    strays = [p for p in paths if not _is_checkpoint_folder(p)]
+    if strays:
+        kinds = ", ".join(f"{p} ({'a folder no trainer wrote' if os.path.isdir(p) else 'a file'})" for p in strays)
+        raise ValueError(
+            f"{kinds}: named like a checkpoint in output_dir, where the trainer writes checkpoint-<step> folders (and "
+            "transformers' save_total_limit deletes old ones). Move or rename it, or choose another output_dir; "
+            "trl_stable does not rename or delete what it did not write."
+        )
+
+
 # ---------------------------------------------------------------------------------------------- the trainers' mixin
 class MarkedCheckpoints:
     """Complete-or-marked checkpoints for a `transformers.Trainer` subclass (both trl_stable trainers).
@@ -401,6 +436,7 @@ class MarkedCheckpoints:
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
+            check_checkpoint_names(run_dir, folder)
             if os.path.isdir(folder):  # an older save of this step (a run restarted from an earlier checkpoint)
                 shutil.rmtree(folder)
             begin_marker(folder, self.state.global_step)  # incomplete from here on

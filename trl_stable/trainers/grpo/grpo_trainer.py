@@ -83,6 +83,7 @@ from trl_stable.rewards.dense import (
     weighted_reward_sum,
 )
 from trl_stable.sampler_logprobs import record_sampler_logps
+from trl_stable.trainers.checkpoints import check_checkpoint_names
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
@@ -197,6 +198,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             )
         self._rollout: RolloutRecord | None = None  # set only inside `_rollout_record`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
+        check_checkpoint_names(self.args.output_dir)
         self._nan_dropped_total = 0
         self._split_dense_reward_funcs()
         self._num_user_reward_funcs = len(self.reward_funcs)

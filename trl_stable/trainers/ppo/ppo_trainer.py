@@ -82,6 +82,7 @@ from trl_stable.trainers.checkpoints import (
     TRAINER_STATE_FILE,
     CheckpointInfo,
     MarkedCheckpoints,
+    check_checkpoint_names,
     load_stable_state,
     resolve_checkpoint,
     restore_stable_state,
@@ -270,6 +271,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        check_checkpoint_names(self.args.output_dir)
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"PPOTrainer does not run under nn.DataParallel ({self.args.n_gpu} GPUs in one process): launch one "
