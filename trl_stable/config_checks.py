@@ -26,6 +26,7 @@ __all__ = [
     "check_all_finite",
     "check_bounds",
     "check_dependents",
+    "check_reward_scale",
     "check_training_length",
     "field_default",
     "training_argument_bounds",
@@ -214,4 +215,29 @@ def check_training_length(config: Any) -> None:
         raise ValueError(
             f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run has no training "
             "step. Set max_steps > 0 (steps) or num_train_epochs > 0 (passes over train_dataset)."
+        )
+
+
+# The bound on rewards times the summed weight magnitudes a config accepts: the weighted sum of bounded rewards, and
+# the squares of its deviations over a batch, stay far inside float32 (3.4e38).
+MAX_WEIGHTED_REWARD = 1e15
+
+
+def check_reward_scale(config: Any) -> None:
+    """Refuse `reward_weights` whose magnitudes, summed and times `max_abs_reward`, could overflow the weighted sum
+    of bounded rewards (TRL's and PPO's aggregation) in float32.
+
+    Raises:
+        ValueError: naming both fields and the largest weight sum the bound allows.
+    """
+    limit, weights = config.max_abs_reward, config.reward_weights
+    if limit is None or not weights:
+        return
+    total = sum(abs(float(w)) for w in weights)
+    if total * limit > MAX_WEIGHTED_REWARD:
+        raise ValueError(
+            f"reward_weights={list(weights)} (summed magnitude {total:g}) times max_abs_reward={limit:g} exceeds "
+            f"{MAX_WEIGHTED_REWARD:g}, where the weighted sum of rewards and its squares leave float32's range; use "
+            f"weights whose magnitudes sum to at most {MAX_WEIGHTED_REWARD / limit:g} (rescale them), or a smaller "
+            "max_abs_reward."
         )

@@ -9,9 +9,9 @@ from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.rewards.dense import (
     RewardContractError,
     RewardTypeError,
+    bound_rewards,
     checked_sequence_reward,
     collect_dense_rewards,
-    infinite_rewards_to_nan,
     sequence_reward_values,
     validate_dense_rewards,
     weighted_reward_sum,
@@ -21,10 +21,12 @@ from trl_stable.rewards.dense import (
 def test_sequence_values_none_nan_and_inf_do_not_apply(caplog):
     out = sequence_reward_values([1.0, None, 2], 3, "f")
     assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == 2.0
-    with caplog.at_level("WARNING"):
-        out = sequence_reward_values([0.0, float("inf"), -float("inf"), 1e39, float("nan")], 5, "f")
-    assert out[0] == 0.0 and all(math.isnan(v) for v in out[1:].tolist())
-    assert "'f' returned inf for completion 1 (and 2 more" in caplog.text  # 1e39 overflows float32: infinite too
+    out = sequence_reward_values([0.0, float("inf"), -float("inf"), 1e39, float("nan")], 5, "f")
+    assert out[:4].tolist() == [0.0, math.inf, -math.inf, math.inf] and math.isnan(out[4])  # 1e39: beyond float32
+    with caplog.at_level("WARNING"):  # the bound, applied to every function's values at once, makes them NaN
+        bounded, counts = bound_rewards(out[:, None], ["f"])
+    assert bounded[0, 0] == 0.0 and all(math.isnan(v) for v in bounded[1:, 0].tolist()) and counts.tolist() == [3]
+    assert "'f' returned inf for completion 1 (and 2 more" in caplog.text
     with pytest.raises(RewardContractError, match="returned 1 values for 2 completions"):
         sequence_reward_values([0.0], 2, "f")
     with pytest.raises(TypeError, match="'f' returned '0.5' \\(str\\) for completion 0"):
@@ -41,11 +43,12 @@ def test_weighted_sum_skips_nan_and_keeps_all_nan_rows_nan():
 def test_infinite_model_rewards_become_nan(caplog):
     rewards = torch.tensor([[0.0, 1.0], [0.0, -float("inf")]])
     with caplog.at_level("WARNING"):
-        out = infinite_rewards_to_nan(rewards, ["a", "b"])
+        out, counts = bound_rewards(rewards, ["a", "b"], None)
     assert "'b' returned -inf for completion 1" in caplog.text
     assert out[1, 0] == 0.0 and math.isnan(out[1, 1]) and out[0].tolist() == [0.0, 1.0]
+    assert counts.tolist() == [0, 1]
     finite = torch.tensor([[0.0, math.nan]])
-    assert infinite_rewards_to_nan(finite, ["a", "b"]) is finite  # nothing to do: TRL's tensor itself
+    assert bound_rewards(finite, ["a", "b"])[0] is finite  # nothing to do: TRL's tensor itself
 
 
 def test_dense_rows_none_zero_nan_and_inf_do_not_apply():
@@ -75,7 +78,8 @@ def test_checked_sequence_reward_defers_the_error():
     assert len(errors) == 1 and "'f' returned '0.5'" in str(errors[0])
     fine = checked_sequence_reward(lambda **kw: [None, 1, float("inf")], "f", errors, is_async=False)
     out = fine(prompts=["a", "b", "c"])
-    assert out[0] != out[0] and out[1] == 1.0 and out[2] != out[2] and len(errors) == 1
+    # None -> NaN; inf stays inf here, for the bound that `bound_rewards` applies to every function at once
+    assert out[0] != out[0] and out[1] == 1.0 and out[2] == math.inf and len(errors) == 1
 
 
 def test_collect_dense_rewards_weights_and_metrics():

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_stable.monitoring.metric_names import ARENA_FAILED_JUDGE_CALLS, ARENA_JUDGE_CALLS
+from trl_stable.rewards.failure_guard import FailureGuard
 
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
@@ -69,6 +70,7 @@ class ArenaResult:
         rounds: Rounds played.
         judge_calls: Judge invocations (two per match with `both_orders`).
         failed_calls: Judge calls that failed and were scored as draws.
+        failure: Why the first failed call failed (None when none did).
     """
 
     rewards: list[float]
@@ -80,6 +82,7 @@ class ArenaResult:
     rounds: int = 0
     judge_calls: int = 0
     failed_calls: int = 0
+    failure: str | None = None
 
 
 class _Tournament:
@@ -171,14 +174,14 @@ class _Tournament:
         if self.rounds_played >= self.max_rounds:
             self.done = True
 
-    def result(self, judge_calls: int, failed_calls: int) -> ArenaResult:
+    def result(self, judge_calls: int, failed_calls: int, failure: str | None = None) -> ArenaResult:
         rewards = [self.wins[i] / self.matches[i] if self.matches[i] else 0.5 for i in range(self.n)]
         buchholz = [self.buchholz(i) for i in range(self.n)]
         standings = sorted(range(self.n), key=lambda i: (-self.wins[i], -buchholz[i], i))
         return ArenaResult(
             rewards=rewards, wins=list(self.wins), matches=list(self.matches), buchholz=buchholz,
             standings=standings, pairings=list(self.pairings), rounds=self.rounds_played, judge_calls=judge_calls,
-            failed_calls=failed_calls,
+            failed_calls=failed_calls, failure=failure,
         )  # fmt: skip
 
 
@@ -197,32 +200,41 @@ def _check_prob(value: Any) -> float | None:
     return p
 
 
-def _call_judges(judge: Any, triples: list[tuple[str, str, str]], max_workers: int) -> list[float | None]:
-    """Judge every (prompt, a, b) triple concurrently; None for a failed call."""
+def _call_judges(
+    judge: Any, triples: list[tuple[str, str, str]], max_workers: int
+) -> tuple[list[float | None], str | None]:
+    """Judge every (prompt, a, b) triple concurrently; None for a failed call. Also returns why the first failed
+    call failed (None when none did), for the arena's failure guard."""
     if not triples:
-        return []
+        return [], None
+    errors: list[str] = []
     batch = getattr(judge, "judge_batch", None)
     if callable(batch):
         try:
             raw = list(batch(triples))
-        except Exception:  # noqa: BLE001 - a failed batch is a batch of draws, never a crashed training step
+        except Exception as err:  # noqa: BLE001 - a failed batch is a batch of draws, never a crashed training step
+            errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
             raw = [None] * len(triples)
         if len(raw) != len(triples):
             raise ValueError(f"judge_batch returned {len(raw)} results for {len(triples)} comparisons.")
-        return [_check_prob(v) for v in raw]
-
-    def one(triple: tuple[str, str, str]) -> float | None:
-        try:
-            return judge(*triple)
-        except Exception:  # noqa: BLE001 - see above
-            return None
-
-    if max_workers <= 1 or len(triples) == 1:
-        raw = [one(t) for t in triples]
     else:
-        with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
-            raw = list(pool.map(one, triples))
-    return [_check_prob(v) for v in raw]
+
+        def one(triple: tuple[str, str, str]) -> float | None:
+            try:
+                return judge(*triple)
+            except Exception as err:  # noqa: BLE001 - see above
+                errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
+                return None
+
+        if max_workers <= 1 or len(triples) == 1:
+            raw = [one(t) for t in triples]
+        else:
+            with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
+                raw = list(pool.map(one, triples))
+    probs = [_check_prob(v) for v in raw]
+    if not errors and any(p is None for p in probs):
+        errors.append("the judge gave no verdict (None, NaN or an answer without one)")
+    return probs, errors[0] if errors else None
 
 
 def _round_triples(
@@ -267,16 +279,19 @@ def run_arenas(
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
     calls = [0] * len(groups)
     failed = [0] * len(groups)
+    causes: list[str | None] = [None] * len(groups)
     while True:
         pending = [(k, t.next_round()) for k, t in enumerate(tournaments) if not t.done]
         pending = [(k, pairs) for k, pairs in pending if pairs]
         if not pending:
             break
         triples, owners = _round_triples(groups, pending, both_orders)
-        outcomes = _call_judges(judge, triples, max_workers)
+        outcomes, cause = _call_judges(judge, triples, max_workers)
         for k, p in zip(owners, outcomes):
             calls[k] += 1
             failed[k] += p is None
+            if p is None and causes[k] is None:
+                causes[k] = cause
         per_order = 2 if both_orders else 1
         cursor = 0
         for k, pairs in pending:
@@ -284,7 +299,7 @@ def run_arenas(
             scores = [_match_score(chunk[m : m + per_order]) for m in range(0, len(chunk), per_order)]
             tournaments[k].record(pairs, scores)
             cursor += len(chunk)
-    return [t.result(calls[k], failed[k]) for k, t in enumerate(tournaments)]
+    return [t.result(calls[k], failed[k], causes[k]) for k, t in enumerate(tournaments)]
 
 
 def run_arena(
@@ -391,6 +406,17 @@ def _as_text(value: Any) -> str:
     return str(value)
 
 
+class JudgeRequestsFailed(RuntimeError):
+    """Every request of a judge batch failed (the message names the first failure)."""
+
+
+@dataclass(frozen=True)
+class _FailedRequest:
+    """A judge request that raised, in place of its answer: why."""
+
+    cause: str
+
+
 class LLMJudge:
     """A pairwise judge over an LLM: fills a template, asks a backend, parses the "[[A]]/[[B]]/[[C]]" verdict.
 
@@ -428,13 +454,13 @@ class LLMJudge:
         """A judge over ``chat(messages) -> text`` (e.g. a wrapper around ``client.chat.completions.create``),
         called concurrently on `max_workers` threads; an exception is a failed call (None)."""
 
-        def backend(prompts: list[str]) -> list[str | None]:
-            def ask(prompt: str) -> str | None:
+        def backend(prompts: list[str]) -> list[str | _FailedRequest | None]:
+            def ask(prompt: str) -> str | _FailedRequest | None:
                 messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
                 try:
                     return chat([*messages, {"role": "user", "content": prompt}])
-                except Exception:  # noqa: BLE001 - a failed request is a draw, counted by the arena
-                    return None
+                except Exception as err:  # noqa: BLE001 - a failed request is a draw, counted by the arena
+                    return _FailedRequest(f"{type(err).__name__}: {str(err)[:200]}")
 
             with cf.ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(prompts) or 1))) as pool:
                 return list(pool.map(ask, prompts))
@@ -446,14 +472,23 @@ class LLMJudge:
         return self.template.replace("{prompt}", prompt).replace("{response_a}", a).replace("{response_b}", b)
 
     def judge_batch(self, triples: Sequence[tuple[str, str, str]]) -> list[float | None]:
+        """P(A wins) per triple; None for a failed request or an answer without a verdict. When every request
+        failed, raises `JudgeRequestsFailed` naming the first failure (the arena counts a batch of draws, with it)."""
         prompts = [self.format(*t) for t in triples]
         answers = list(self.backend(prompts))
         if len(answers) != len(prompts):
             raise ValueError(f"The judge backend returned {len(answers)} answers for {len(prompts)} prompts.")
-        return [self.parser(a) for a in answers]
+        failed = [a for a in answers if isinstance(a, _FailedRequest)]
+        if failed and len(failed) == len(answers):
+            raise JudgeRequestsFailed(f"every judge request failed, e.g. {failed[0].cause}")
+        return [None if isinstance(a, _FailedRequest) else self.parser(a) for a in answers]
 
     def __call__(self, prompt: str, a: str, b: str) -> float | None:
-        return self.judge_batch([(prompt, a, b)])[0]
+        """P(a beats b) for one pair; None for a failed request or an answer without a verdict."""
+        try:
+            return self.judge_batch([(prompt, a, b)])[0]
+        except JudgeRequestsFailed:
+            return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -477,10 +512,15 @@ class ArenaReward:
         pairing / rounds / both_orders: See `gar_rewards`.
         seed: Base seed.
         max_workers: Judge calls in flight at once (ignored by a ``judge_batch`` judge, which batches itself).
+        max_failing_steps: A dead judge (every call of a step failed: 401, 500, garbage answers, an exception)
+            gives every completion 0.5, a constant reward the run would train on for ever; after this many such steps
+            in a row the call raises `trl_stable.rewards.failure_guard.RewardComponentFailure`, naming the judge's
+            cause (each one warns). None: never stop.
 
     Attributes:
         judge_calls / failed_calls: Cumulative counts; per call they also go to the trainer's logs as
-        ``arena/judge_calls`` and ``arena/failed_judge_calls`` (through TRL's ``log_metric``).
+        ``arena/judge_calls`` and ``arena/failed_judge_calls`` (through TRL's ``log_metric``). Checkpoints keep them
+        and the failure guard (`checkpoint_state`).
     """
 
     def __init__(
@@ -491,6 +531,7 @@ class ArenaReward:
         both_orders: bool = True,
         seed: int = 0,
         max_workers: int = 8,
+        max_failing_steps: int | None = 5,
     ):
         check_arena_args(pairing, rounds)
         if max_workers < 1:
@@ -506,6 +547,11 @@ class ArenaReward:
         self._num_calls = 0
         self._lock = threading.Lock()
         self.__name__ = f"arena_{pairing}"
+        self.guard = FailureGuard(
+            f"The arena judge of reward function '{self.__name__}'",
+            max_failing_steps,
+            "ArenaReward(max_failing_steps=...)",
+        )
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
         keys = [json.dumps(p, sort_keys=True, default=str) if not isinstance(p, str) else p for p in prompts]
@@ -529,8 +575,24 @@ class ArenaReward:
         with self._lock:
             self.judge_calls += calls
             self.failed_calls += failed
+            cause = next((r.failure for r in results if r.failure), None)
+            self.guard.record(calls > 0 and failed == calls, cause)
         log_metric = kwargs.get("log_metric")
         if callable(log_metric):
             log_metric(ARENA_JUDGE_CALLS, float(calls))  # counts: summed over processes by the trainers
             log_metric(ARENA_FAILED_JUDGE_CALLS, float(failed))
         return rewards
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The counts, the seed stream's position and the failure guard, for a trainer's checkpoint."""
+        return {
+            "judge_calls": self.judge_calls,
+            "failed_calls": self.failed_calls,
+            "num_calls": self._num_calls,
+            "guard": self.guard.checkpoint_state(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.judge_calls, self.failed_calls = int(state["judge_calls"]), int(state["failed_calls"])
+        self._num_calls = int(state["num_calls"])
+        self.guard.load_checkpoint_state(state["guard"])

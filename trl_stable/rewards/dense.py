@@ -30,10 +30,10 @@ The one rule for what a value means, in both trainers:
 
 | value | sequence reward (one per completion) | dense reward (one per token) |
 |---|---|---|
-| finite number | the reward | the token's reward |
+| finite number within +-`max_abs_reward` | the reward | the token's reward |
 | None | "does not apply" (TRL's meaning): left out of the weighted sum | a None *row*: zeros; a None token: as NaN |
 | NaN | the same as None | "does not apply" at this token: 0, counted in ``rewards/<name>/nan_tokens`` |
-| +-inf | the same as NaN, with a warning | the same as NaN, with a warning |
+| beyond +-`max_abs_reward` (1e6), +-inf | as NaN, with a warning; ``rewards/<name>/out_of_range`` | as NaN, warned |
 | anything else | `TypeError` naming the function and the completion | `TypeError`, likewise |
 
 A number is a Python `int`, `float` or `bool`, a NumPy scalar, or a 0-d tensor or array; the trainers compute in
@@ -44,20 +44,25 @@ list is expected, a nested list or a 2-D tensor is a `TypeError`, and a wrong nu
 are a `RewardContractError`, raised on every process at once (`raise_on_every_process`), since a reward function runs
 on one process's completions only.
 
-An infinite reward is read as a broken score rather than a reward: left as it is it would turn every advantage of the
-batch into NaN or +-3.4e38 (and the next `generate` would die on an inf/NaN probability), so it is handled exactly as a
-NaN is, with a warning naming the function and the completion.
+A reward beyond the bound (`max_abs_reward` of both trainers' configs, `DEFAULT_MAX_ABS_REWARD` = 1e6; None: only
++-inf) is read as a broken score rather than a reward: a finite 1e20 or 3e38 (or an inf) left as it is overflows the
+float32 arithmetic downstream (a group's std, a value loss, TRL's weighted sum, the gradients: inf losses, frozen or
+NaN weights, and the next `generate` dies on an inf/NaN probability), so it is handled exactly as a NaN is, a warning
+naming the function and the completion. Both trainers apply the bound to each function's values before the weighted
+sum (`bound_rewards`), and the configs refuse `reward_weights` whose sum of magnitudes times the bound could overflow
+that sum, so every number the trainers compute from rewards stays finite.
 
-A completion to which *no* sequence-level function applies (every value None/NaN/inf) has no reward. GRPO does what
-TRL does by default: the completion is kept in the batch with advantage 0, outside the group baseline (and still in
-the loss's token count); ``nan_reward_action="drop"`` removes it from the loss instead, with a warning and the
-``rewards/nan_dropped`` counter, which is what we recommend. PPO, which has no TRL counterpart to match, always drops
-it (``ppo/dropped_samples``): a sample with no score cannot get a return.
+A completion to which *no* sequence-level function applies (every value None/NaN/out of range) has no reward; both
+trainers follow ``nan_reward_action``. GRPO does what TRL does by default (``"zero"``): the completion is kept in the
+batch with advantage 0, outside the group baseline (and still in the loss's token count); ``"drop"`` removes it from
+the loss instead, with a warning and the ``rewards/nan_dropped`` counter, which is what we recommend. PPO drops it by
+default (``ppo/dropped_samples``: a sample with no score cannot get a return); its ``"zero"`` keeps it with advantage
+0 and no value loss (``ppo/zeroed_samples``).
 
-`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN or +-inf
-marks a sample without a reward (RELC-era loops put the environment score inside the token rewards, so a NaN is a
-failed score, not a token the reward does not apply to) and the sample is dropped; a value that is not a number is a
-`TypeError` naming the argument and the sample.
+`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN or a value
+out of range marks a sample without a reward (RELC-era loops put the environment score inside the token rewards, so a
+NaN is a failed score, not a token the reward does not apply to), handled by ``nan_reward_action``; a value that is
+not a number is a `TypeError` naming the argument and the sample.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
+
 logger = logging.getLogger(__name__)
 
 DENSE_ATTR = "dense"
@@ -83,11 +90,15 @@ __all__ = [
     "RewardTypeError",
     "call_on_every_process",
     "checked_sequence_reward",
+    "failure_cause",
+    "record_reward_failures",
     "collect_dense_rewards",
     "dense_reward",
     "is_dense_reward",
     "has_prefetch",
-    "infinite_rewards_to_nan",
+    "DEFAULT_MAX_ABS_REWARD",
+    "out_of_range",
+    "bound_rewards",
     "raise_on_every_process",
     "reward_number",
     "reward_numbers",
@@ -135,12 +146,12 @@ def raise_on_every_process(
 
 
 def call_on_every_process(accelerator: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, where a `RewardContractError` raised on any one process is raised on every process
-    (`raise_on_every_process`); a collective: every process must call this."""
+    """``fn(*args)``, where a `RewardContractError` (or a reward component's `RewardComponentFailure`) raised on any
+    one process is raised on every process (`raise_on_every_process`); a collective: every process must call this."""
     error = result = None
     try:
         result = fn(*args)
-    except RewardContractError as err:
+    except (RewardContractError, RewardComponentFailure) as err:
         error = err
     raise_on_every_process(error, accelerator)
     return result
@@ -164,6 +175,15 @@ def has_prefetch(func: Any) -> bool:
 
 # float32's largest finite value: the trainers compute rewards in float32, where anything larger is infinite.
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# The largest reward magnitude the trainers take by default: far above any score of a reward model, a classifier or a
+# rule, and far enough below float32's 3.4e38 that the sums, squares (stds, value losses) and gradients of rewards
+# this large stay finite.
+DEFAULT_MAX_ABS_REWARD = 1e6
+
+
+def out_of_range(value: float, limit: float | None) -> bool:
+    """Whether a reward value is beyond the bound: +-inf, or (with a `limit`) larger in magnitude than `limit`."""
+    return math.isinf(value) or (limit is not None and abs(value) > limit)
 
 
 def reward_number(value: Any, subject: str, where: str) -> float:
@@ -239,17 +259,20 @@ def reward_numbers(values: Any, subject: str, where: Callable[[int], str], expec
     return [reward_number(v, subject, where(i)) for i, v in enumerate(_as_list(values, subject, expected))]
 
 
-def _warn_infinite(subject: str, where: list[str], values: list[float]) -> None:
+def _warn_out_of_range(subject: str, where: list[str], values: list[float], limit: float | None) -> None:
+    bound = "infinite" if limit is None else f"beyond max_abs_reward={limit:g} (or infinite)"
     logger.warning(
-        f"{subject} returned {values[0]} for {where[0]}"
-        + (f" (and {len(where) - 1} more infinite value(s))" if len(where) > 1 else "")
-        + ": an infinite reward is treated as NaN (does not apply), as it would turn every advantage of the batch "
-        "into NaN. Return a finite value, or None/NaN where the function does not apply."
+        f"{subject} returned {values[0]:g} for {where[0]}"
+        + (f" (and {len(where) - 1} more such value(s))" if len(where) > 1 else "")
+        + f": a reward {bound} is treated as NaN (does not apply), as it would overflow the trainer's float32 "
+        "arithmetic (advantages, value loss, gradients). Return a smaller value (rescale the reward), None/NaN where "
+        "the function does not apply, or raise max_abs_reward."
     )
 
 
 def sequence_reward_values(values: Any, num_completions: int, name: str, subject: str | None = None) -> torch.Tensor:
-    """One sequence-level reward function's output as float64 [N]: None, NaN and +-inf -> NaN ("does not apply").
+    """One sequence-level reward function's output as float64 [N]: None -> NaN ("does not apply"), a value beyond
+    float32's range -> +-inf; the bound is applied later, to every function's values at once (`bound_rewards`).
 
     Args:
         values: What the function returned.
@@ -270,43 +293,61 @@ def sequence_reward_values(values: Any, num_completions: int, name: str, subject
             f"{subject} returned {len(out)} values for {num_completions} completions; return exactly one value "
             "(or None) per completion."
         )
-    infinite = [i for i, v in enumerate(out) if math.isinf(v)]
-    if infinite:
-        _warn_infinite(subject, [f"completion {i}" for i in infinite], [out[i] for i in infinite])
-        for i in infinite:
-            out[i] = math.nan
     return torch.tensor(out, dtype=torch.float64)
 
 
-def infinite_rewards_to_nan(rewards_per_func: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """`rewards_per_func` [N, K] with its +-inf entries NaN, with a warning per function (the contract's rule for
-    rewards that did not come through `sequence_reward_values`, e.g. a reward model's logits). The same tensor when
-    every entry is finite or NaN."""
-    infinite = torch.isinf(rewards_per_func)
-    if not bool(infinite.any()):
-        return rewards_per_func
-    for col in infinite.any(dim=0).nonzero().flatten().tolist():
-        rows = infinite[:, col].nonzero().flatten().tolist()
+def bound_rewards(
+    rewards_per_func: torch.Tensor, names: Sequence[str], limit: float | None = DEFAULT_MAX_ABS_REWARD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's bound on sequence rewards, in both trainers: `rewards_per_func` [N, K] (every function's
+    values, reward models' logits included) with the entries beyond +-`limit` (and +-inf) NaN, a warning per function
+    naming the completions, and the count per function [K] (``rewards/<name>/out_of_range``).
+
+    Args:
+        rewards_per_func: [N, K] rewards, NaN where a function does not apply.
+        names: The K functions' names.
+        limit: The largest magnitude taken; None: only +-inf is out of range.
+    """
+    bad = torch.isinf(rewards_per_func)
+    if limit is not None:
+        bad |= rewards_per_func.abs() > limit
+    counts = bad.sum(dim=0)
+    if not bool(bad.any()):
+        return rewards_per_func, counts
+    for col in bad.any(dim=0).nonzero().flatten().tolist():
+        rows = bad[:, col].nonzero().flatten().tolist()
         values = rewards_per_func[rows, col].tolist()
-        _warn_infinite(f"Reward function '{names[col]}'", [f"completion {r}" for r in rows], values)
-    return rewards_per_func.masked_fill(infinite, math.nan)
+        _warn_out_of_range(f"Reward function '{names[col]}'", [f"completion {r}" for r in rows], values, limit)
+    return rewards_per_func.masked_fill(bad, math.nan), counts
+
+
+def failure_cause(err: BaseException) -> str:
+    """How a reward component's failure is named in warnings and errors: the exception's type and message."""
+    return f"raised {type(err).__name__}: {str(err)[:200]}"
 
 
 def checked_sequence_reward(
-    func: Callable[..., Any], name: str, errors: list[RewardContractError], is_async: bool
+    func: Callable[..., Any],
+    name: str,
+    errors: list[Exception],
+    is_async: bool,
+    failures: dict[str, str] | None = None,
 ) -> Callable[..., Any]:
     """`func` with its output put through `sequence_reward_values`, for a caller that passes TRL's keywords
     (``prompts=``, ...) and reads one value per completion: TRL's `_calculate_rewards`.
 
-    A contract error is appended to `errors` and the output replaced by None for every completion, so the caller
-    still reaches the gather it runs after the reward functions; raise ``errors[0]`` after it with
-    `raise_on_every_process`, on every process.
+    A contract error (or a component's `RewardComponentFailure`) is appended to `errors` and the output replaced by
+    None for every completion, so the caller still reaches the gather it runs after the reward functions; raise
+    ``errors[0]`` after it with `raise_on_every_process`, on every process. Any other exception the function raises
+    is a failed call (with `failures`): its completions are unscored (None), ``failures[name]`` says why, and the
+    caller's `FailureGuard` counts the step (`record_reward_failures`).
 
     Args:
         func: The reward function.
         name: Its name.
         errors: Where a contract error goes.
         is_async: Whether `func` is async (the wrapper then is too, so the caller awaits it).
+        failures: Where a failed call's cause goes; None: the function's exceptions propagate.
     """
 
     def check(out: Any, prompts: Sequence[Any]) -> list[float | None]:
@@ -316,17 +357,51 @@ def checked_sequence_reward(
             errors.append(err)
             return [None] * len(prompts)
 
+    def failed(err: Exception, prompts: Sequence[Any]) -> list[float | None]:
+        if isinstance(err, (RewardContractError, RewardComponentFailure)):
+            errors.append(err)
+        elif failures is None:
+            raise err
+        else:
+            failures.setdefault(name, failure_cause(err))
+            logger.warning(f"Reward function '{name}' {failures[name]}; its completions are unscored.", exc_info=err)
+        return [None] * len(prompts)
+
     if is_async:
 
         async def checked_async(**kwargs: Any) -> list[float | None]:
-            return check(await func(**kwargs), kwargs["prompts"])
+            try:
+                out = await func(**kwargs)
+            except Exception as err:  # noqa: BLE001 - a failed call: counted by the caller's guard
+                return failed(err, kwargs["prompts"])
+            return check(out, kwargs["prompts"])
 
         return checked_async
 
     def checked(**kwargs: Any) -> list[float | None]:
-        return check(func(**kwargs), kwargs["prompts"])
+        try:
+            out = func(**kwargs)
+        except Exception as err:  # noqa: BLE001 - a failed call: counted by the caller's guard
+            return failed(err, kwargs["prompts"])
+        return check(out, kwargs["prompts"])
 
     return checked
+
+
+def record_reward_failures(
+    guards: Mapping[str, FailureGuard],
+    failed: Mapping[str, bool],
+    causes: Mapping[str, str],
+    default_cause: str = "returned None/NaN or an out-of-range value for every completion",
+) -> None:
+    """One step's outcome for each guarded reward function: `failed[name]` (decided on every process's completions,
+    so every process records the same and stops at the same step), with this process's cause when it has one.
+
+    Raises:
+        RewardComponentFailure: when a function failed for its guard's limit of consecutive steps.
+    """
+    for name, guard in guards.items():
+        guard.record(bool(failed.get(name, False)), causes.get(name, default_cause))
 
 
 def weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
@@ -366,21 +441,24 @@ def reward_row(row: Any, length: int, subject: str, where: str) -> list[float]:
     return out
 
 
-def _dense_row(row: Any, length: int, subject: str, where: str) -> list[float]:
+def _dense_row(row: Any, length: int, subject: str, where: str, limit: float | None) -> list[float]:
     out = reward_row(row, length, subject, where)
-    infinite = [t for t, v in enumerate(out) if math.isinf(v)]
-    if infinite:
-        _warn_infinite(subject, [f"token {t} of {where}" for t in infinite], [out[t] for t in infinite])
-        for t in infinite:
+    bad = [t for t, v in enumerate(out) if out_of_range(v, limit)]
+    if bad:
+        _warn_out_of_range(subject, [f"token {t} of {where}" for t in bad], [out[t] for t in bad], limit)
+        for t in bad:
             out[t] = math.nan
     return out
 
 
 def validate_dense_rewards(
-    rewards: Any, completion_lengths: Sequence[int], name: str = "reward function"
+    rewards: Any,
+    completion_lengths: Sequence[int],
+    name: str = "reward function",
+    limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> list[list[float]]:
     """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; None, NaN and
-    +-inf tokens -> NaN, which `collect_dense_rewards` counts and uses as 0).
+    out-of-range tokens (beyond +-`limit`, +-inf) -> NaN, which `collect_dense_rewards` counts and uses as 0).
 
     Raises:
         RewardTypeError: naming `name` and the completion when the output is not a list of rows of numbers.
@@ -394,7 +472,7 @@ def validate_dense_rewards(
             "return exactly one list (or None) per completion."
         )
     return [
-        [0.0] * length if row is None else _dense_row(row, length, subject, f"completion {i}")
+        [0.0] * length if row is None else _dense_row(row, length, subject, f"completion {i}", limit)
         for i, (row, length) in enumerate(zip(rows, completion_lengths))
     ]
 
@@ -407,10 +485,12 @@ class DenseRewards:
         rows: Per completion, one float per completion token: the weighted sum over the dense functions (NaN -> 0).
         metrics: ``rewards/<name>/token_mean`` (the function's own unweighted mean per completion token),
             ``rewards/<name>/sum_mean`` (its mean per-completion sum) and ``rewards/<name>/nan_tokens``.
+        failures: Per function whose call raised on this process, the cause (its rows are None: no dense reward).
     """
 
     rows: list[list[float]]
     metrics: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # the functions whose call raised here, and why
 
     def as_tensor(self, width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """[B, width] float32, right-padded with zeros (width: the longest completion)."""
@@ -429,6 +509,7 @@ def collect_dense_rewards(
     completion_lengths: Sequence[int],
     call: Callable[..., Any],
     handles: Sequence[Any] | None = None,
+    limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> DenseRewards:
     """Call every dense reward function through `call(func)` and sum their rows under the contract above.
 
@@ -441,14 +522,25 @@ def collect_dense_rewards(
         call: Invokes one function on the batch and returns its raw output; ``call(func, prefetched=h)`` adds the
             keyword argument.
         handles: Per function, what its `prefetch` returned (None: not prefetched, called without ``prefetched``).
+        limit: The reward bound (`max_abs_reward`): a token reward beyond it counts as NaN.
     """
     total = [[0.0] * n for n in completion_lengths]
     metrics: dict[str, float] = {}
+    failures: dict[str, str] = {}
     num_tokens = max(sum(completion_lengths), 1)
     handles = list(handles) if handles is not None else [None] * len(funcs)
     for func, name, weight, handle in zip(funcs, names, weights, handles, strict=True):
-        out = call(func) if handle is None else call(func, prefetched=handle)
-        rows = validate_dense_rewards(out, completion_lengths, name=f"reward function '{name}'")
+        try:
+            out = call(func) if handle is None else call(func, prefetched=handle)
+        except (RewardContractError, RewardComponentFailure):
+            raise
+        except Exception as err:  # noqa: BLE001 - a failed call: no dense reward this step, counted by the guard
+            failures[name] = failure_cause(err)
+            logger.warning(
+                f"Dense reward function '{name}' {failures[name]}: no dense reward this step.", exc_info=err
+            )
+            out = None
+        rows = validate_dense_rewards(out, completion_lengths, name=f"reward function '{name}'", limit=limit)
         nan_tokens = 0
         sums = []
         for acc, row in zip(total, rows):
@@ -467,7 +559,7 @@ def collect_dense_rewards(
         metrics[f"rewards/{name}/nan_tokens"] = float(nan_tokens)
         metrics[f"rewards/{name}/token_mean"] = sum(sums) / num_tokens
         metrics[f"rewards/{name}/sum_mean"] = sum(sums) / max(len(sums), 1)
-    return DenseRewards(total, metrics)
+    return DenseRewards(total, metrics, failures)
 
 
 @dataclass
@@ -484,13 +576,14 @@ class PendingDenseRewards:
     completion_lengths: Sequence[int]
     call: Callable[..., Any]
     handles: Sequence[Any] | None = None  # per function, what its prefetch returned
+    limit: float | None = DEFAULT_MAX_ABS_REWARD
     _result: DenseRewards | None = field(default=None, repr=False)
 
     def collect(self) -> DenseRewards:
         """Call every dense function (collecting what its `prefetch` started) and sum the rows under the contract."""
         if self._result is None:
             self._result = collect_dense_rewards(
-                self.funcs, self.names, self.weights, self.completion_lengths, self.call, self.handles
+                self.funcs, self.names, self.weights, self.completion_lengths, self.call, self.handles, self.limit
             )
         return self._result
 
@@ -502,6 +595,7 @@ def start_dense_rewards(
     completion_lengths: Sequence[int],
     call: Callable[..., Any],
     prefetch: Callable[[Callable[..., Any]], Any],
+    limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> PendingDenseRewards:
     """Prefetch every dense function that has a `prefetch` (through the trainer's `prefetch(func)`, which passes the
     same arguments as `call(func)` will) and return the pending rewards, to `collect` later.
@@ -510,6 +604,8 @@ def start_dense_rewards(
         funcs, names, weights, completion_lengths, call: As for `collect_dense_rewards`.
         prefetch: Invokes ``func.prefetch`` on the batch and returns its handle, handed back to the function's call
             as ``prefetched=``.
+        limit: The reward bound (`max_abs_reward`).
     """
     handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
-    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call, handles)
+    lengths = list(completion_lengths)
+    return PendingDenseRewards(list(funcs), list(names), list(weights), lengths, call, handles, limit)

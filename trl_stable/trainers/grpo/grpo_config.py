@@ -14,6 +14,7 @@ from trl_stable.config_checks import (
     check_all_finite,
     check_bounds,
     check_dependents,
+    check_reward_scale,
     check_training_length,
     training_argument_bounds,
 )
@@ -23,6 +24,7 @@ from trl_stable.moe.hook import ROUTING_REPLAY_HELP, check_routing_replay_mode
 from trl_stable.monitoring.callback import health_config_from_args
 from trl_stable.monitoring.integration import HealthArguments
 from trl_stable.redaction import SecretsNotPickled
+from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
@@ -49,6 +51,8 @@ GRPO_BOUNDS: dict[str, Bound] = {
     "overlong_penalty_factor": Bound(low=0.0, low_open=True),
     "dense_reward_coef": Bound(),
     "dense_reward_gamma": Bound(low=0.0, high=1.0, low_open=True),
+    "max_abs_reward": Bound(low=0.0, low_open=True, optional=True, fix="None bounds only +-inf."),
+    "reward_max_failing_steps": Bound(low=1, integer=True, optional=True, fix="None never stops."),
     "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
 }
 # TRL's own sampling, batch and loss numbers, which `trl.GRPOConfig` does not check (a top_p of 1.5 or a zero
@@ -218,6 +222,24 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
             "with no scorable completion raises)."
         },
     )
+    reward_max_failing_steps: int | None = field(
+        default=5,
+        metadata={
+            "help": "Stop training when a reward function fails on every completion (it raises, or gives None/NaN or "
+            "an out-of-range value for all of them) this many steps in a row; each such step warns, naming the "
+            "function and the cause, and its completions are unscored (nan_reward_action). None: never stop."
+        },
+    )
+    max_abs_reward: float | None = field(
+        default=DEFAULT_MAX_ABS_REWARD,
+        metadata={
+            "help": "The largest reward magnitude taken: a reward (sequence value, reward-model logit, dense token) "
+            "beyond +-max_abs_reward is treated as NaN (does not apply; nan_reward_action), with a warning and "
+            "`rewards/<name>/out_of_range` (logged on the steps where it happens), so the float32 arithmetic stays "
+            "finite (a 1e20 reward gave inf losses). None: only +-inf. Runs whose rewards stay within the bound are "
+            "TRL's, number for number."
+        },
+    )
     # step_loss_mask, step_mask_tools: from StepMaskArguments
     routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
 
@@ -236,6 +258,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
 
     def _validate_stable_options(self) -> None:
+        check_reward_scale(self)
         check_routing_replay_mode(self.routing_replay)
         self.validate_step_mask_arguments()
         if not is_sequence_level(self.advantage_estimator):

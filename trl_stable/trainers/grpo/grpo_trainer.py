@@ -74,14 +74,16 @@ from trl_stable.monitoring.reduction import (
 )
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
+    bound_rewards,
     call_on_every_process,
     has_prefetch,
-    infinite_rewards_to_nan,
     is_dense_reward,
     raise_on_every_process,
+    record_reward_failures,
     start_dense_rewards,
     weighted_reward_sum,
 )
+from trl_stable.rewards.failure_guard import FailureGuard
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.checkpoints import check_checkpoint_names
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
@@ -215,6 +217,11 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         # TRL's `_calculate_rewards` calls `reward_funcs`: from here on, the contract-checked ones (built once)
         self._reward_contract = ContractCheckedRewards(self.reward_funcs, self.reward_func_names)
         self.reward_funcs = self._reward_contract.funcs
+        limit = self._opt("reward_max_failing_steps")
+        self._reward_guards = {
+            name: FailureGuard(f"Reward function '{name}'", limit, "reward_max_failing_steps")
+            for name in [*self.reward_func_names, *self.dense_reward_func_names]
+        }
         self.routing = RoutingHook(self.accelerator.unwrap_model(self.model), self._opt("routing_replay"))
         # Start-up checks (each generation batch's prompts are checked in `_tokenize_prompts`): a completion length
         # the model's context cannot take, and a missing or empty prompt, fail now rather than inside a forward.
@@ -482,10 +489,19 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         finally:
-            errors = self._reward_contract.take_errors()  # this call's, also when TRL raised
+            errors, failures = self._reward_contract.take_errors()  # this call's, also when TRL raised
         # after TRL's gather, which every process reached: a broken answer on one process stops them all here
         raise_on_every_process(errors[0] if errors else None, self.accelerator)
-        rewards_per_func = infinite_rewards_to_nan(rewards_per_func, self.reward_func_names)  # reward models' logits
+        # the bound on every function's values (reward models' logits included) before TRL sums them
+        rewards_per_func, out_of_range = bound_rewards(
+            rewards_per_func, self.reward_func_names, self._opt("max_abs_reward")
+        )
+        for name, count in zip(self.reward_func_names, out_of_range.tolist()):
+            if count:  # only when a value was clipped, so that a run without one logs exactly what TRL logs
+                self._log(f"rewards/{name}/out_of_range", float(count))
+        if self.model.training:  # a function with no usable value for any completion of the gathered batch
+            unscored = torch.isnan(rewards_per_func).all(dim=0).tolist()
+            record_reward_failures(self._reward_guards, dict(zip(self.reward_func_names, unscored)), failures)
         if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
             raise ValueError(
                 f"Every reward function ({', '.join(self.reward_func_names)}) returned None/NaN/inf for every "
@@ -522,6 +538,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             [len(ids) for ids in completion_ids_list],
             call=lambda func, **extra: call_reward_func(func, loop, **kwargs, **extra),
             prefetch=lambda func: call_reward_func(func.prefetch, loop, **kwargs),  # the call's own arguments
+            limit=self._opt("max_abs_reward"),
         )
 
     def _collect_dense_rewards(self, pending: PendingDenseRewards) -> torch.Tensor:
@@ -533,6 +550,11 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """
         dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
+        if self.model.training:  # a dense function that raised on any process failed this step
+            raised = [float(name in dense.failures) for name in pending.names]
+            raised = self.accelerator.reduce(torch.tensor(raised, device=self.accelerator.device), "sum").tolist()
+            failed = {name: count > 0 for name, count in zip(pending.names, raised)}
+            record_reward_failures(self._reward_guards, failed, dense.failures)
         # token means over every process's tokens, counts summed: the numbers of one process with the global batch
         for name, value in reduce_metrics(
             dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator
@@ -824,11 +846,15 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """(shared, per-process) state for a checkpoint: the NaN-reward count (of the gathered batch, the same on
         every process) and this process's refill RNG (None until the first refill draws from it)."""
         refill = getattr(self, "_refill_generator", None)
-        shared = {"nan_dropped_total": self._nan_dropped_total}
+        guards = {name: guard.checkpoint_state() for name, guard in self._reward_guards.items()}
+        shared = {"nan_dropped_total": self._nan_dropped_total, "reward_guards": guards}
         return shared, {"refill_generator": None if refill is None else refill.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self._nan_dropped_total = int(shared["nan_dropped_total"])
+        for name, state in shared.get("reward_guards", {}).items():
+            if name in self._reward_guards:
+                self._reward_guards[name].load_checkpoint_state(state)
         if per_process is not None and per_process["refill_generator"] is not None:
             generator = torch.Generator()
             generator.set_state(per_process["refill_generator"])

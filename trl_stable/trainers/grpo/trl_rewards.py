@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import is_async_callable
 
-from trl_stable.rewards.dense import RewardContractError, checked_sequence_reward
+from trl_stable.rewards.dense import checked_sequence_reward
 
 __all__ = ["ContractCheckedRewards", "reward_kwargs"]
 
@@ -38,10 +38,11 @@ class ContractCheckedRewards:
     contract, built once (the trainer puts `funcs` in TRL's `reward_funcs` at construction; nothing swaps them later).
 
     Each callable function is wrapped by `checked_sequence_reward`: the wrapper hands TRL exactly the values TRL would
-    have built itself from a well-formed, finite answer (a float per completion, None -> NaN), so the numbers are
-    TRL's; an infinite value reaches TRL as NaN; an answer that is not numbers is replaced by None for every
-    completion and its error kept in `errors`, so every process still reaches TRL's gather after the functions. The
-    trainer takes the errors (`take_errors`) after each call and raises the first on every process. Reward models
+    have built itself from a well-formed answer (a float per completion, None -> NaN), so the numbers are TRL's; an
+    answer that is not numbers is replaced by None for every completion and its error kept in `errors`, so every
+    process still reaches TRL's gather after the functions; a call that raises leaves its completions unscored, with
+    its cause in `failures` (the trainer's guard counts it). The trainer takes both (`take_errors`) after each call and
+    raises the first error on every process; out-of-range values are bounded on the gathered rewards. Reward models
     (``nn.Module``) are TRL's to score and are left as they are. A wrapper keeps its function's name and
     ``__wrapped__`` (``inspect.unwrap`` gives the function back).
 
@@ -51,18 +52,22 @@ class ContractCheckedRewards:
     """
 
     def __init__(self, funcs: Sequence[Any], names: Sequence[str]):
-        self.errors: list[RewardContractError] = []
+        self.errors: list[Exception] = []
+        self.failures: dict[str, str] = {}  # per function whose call raised in this call, the cause
         self.originals = list(funcs)
         self.funcs = [self._checked(func, name) for func, name in zip(funcs, names, strict=True)]
 
     def _checked(self, func: Any, name: str) -> Any:
         if isinstance(func, torch.nn.Module):
             return func
-        wrapper = checked_sequence_reward(func, name, self.errors, is_async=is_async_callable(func))
+        is_async = is_async_callable(func)
+        wrapper = checked_sequence_reward(func, name, self.errors, is_async=is_async, failures=self.failures)
         return functools.update_wrapper(wrapper, func, assigned=("__module__", "__name__", "__qualname__"), updated=())
 
-    def take_errors(self) -> list[RewardContractError]:
-        """The contract errors of the call since the last `take_errors`, in the order found; the list is emptied."""
-        errors = list(self.errors)
+    def take_errors(self) -> tuple[list[Exception], dict[str, str]]:
+        """The contract errors (and `RewardComponentFailure`s) of the call since the last `take_errors`, in the order
+        found, and the causes of the functions whose call raised; both are emptied."""
+        errors, failures = list(self.errors), dict(self.failures)
         self.errors.clear()
-        return errors
+        self.failures.clear()
+        return errors, failures

@@ -19,12 +19,14 @@ from trl_stable.config_checks import (
     check_all_finite,
     check_bounds,
     check_dependents,
+    check_reward_scale,
     check_training_length,
     training_argument_bounds,
 )
 from trl_stable.core.kl import kl_estimator_names
 from trl_stable.monitoring.integration import PPOHealthArguments
 from trl_stable.redaction import SecretsNotPickled
+from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
@@ -107,6 +109,8 @@ PPO_BOUNDS: dict[str, Bound] = {
     "lam_alpha": Bound(low=0.0, low_open=True),
     "lam_q": Bound(low=0.0, high=1.0, low_open=True),
     "score_clip": Bound(low=0.0, low_open=True, optional=True, fix="None disables the clip."),
+    "max_abs_reward": Bound(low=0.0, low_open=True, optional=True, fix="None bounds only +-inf."),
+    "reward_max_failing_steps": Bound(low=1, integer=True, optional=True, fix="None never stops."),
     "max_prompt_length": Bound(low=1, integer=True, optional=True, fix="None keeps whole prompts."),
     "min_new_tokens": Bound(low=0, integer=True, optional=True, fix="None always generates max_new_tokens."),
     "max_new_tokens": Bound(low=1, integer=True),
@@ -332,6 +336,23 @@ class PPOConfig(
         metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."},
     )
     score_clip: float | None = field(default=None, metadata={"help": "Clip the sequence scores to +-score_clip."})
+    reward_max_failing_steps: int | None = field(
+        default=5,
+        metadata={
+            "help": "Stop training when a reward function fails on every completion (it raises, or gives None/NaN or "
+            "an out-of-range value for all of them) this many steps in a row, as GRPO does; each such step warns, "
+            "naming the function and the cause, and its samples are unscored (nan_reward_action). None: never stop."
+        },
+    )
+    max_abs_reward: float | None = field(
+        default=DEFAULT_MAX_ABS_REWARD,
+        metadata={
+            "help": "The largest reward magnitude taken (the reward contract's bound, as in GRPO): a sequence reward, "
+            "reward-model logit, dense token reward or `step()` score beyond +-max_abs_reward counts as NaN (a "
+            "sample without a reward: nan_reward_action), with a warning and `rewards/<name>/out_of_range`, so "
+            "the float32 arithmetic stays finite. None: only +-inf."
+        },
+    )
     nan_reward_action: str = field(
         default="drop",
         metadata={
@@ -420,6 +441,7 @@ class PPOConfig(
                 f"gradient_accumulation_steps ({self.per_device_train_batch_size} x {self.gradient_accumulation_steps}"
                 f" = {backward}); change one of them."
             )
+        check_reward_scale(self)
         if self.nan_reward_action not in _NAN_REWARD_ACTIONS:
             raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
         if self.kl_penalty not in kl_estimator_names():

@@ -75,8 +75,10 @@ from trl_stable.rewards.dense import (
     RewardTypeError,
     call_on_every_process,
     raise_on_every_process,
+    record_reward_failures,
     reward_numbers,
 )
+from trl_stable.rewards.failure_guard import FailureGuard
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.checkpoints import (
     TRAINER_STATE_FILE,
@@ -286,8 +288,14 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         self.fused_ref = fused and ref_model is not None and add_fused_logprob_head(ref_model, args.temperature)
 
         # --- rewards; the engine set-up, optimizer and scheduler are Trainer's (the step API needs them now) ---
-        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, processing_class)
+        self.rewards = RewardFunctions(
+            reward_funcs, args.reward_weights, reward_processing_classes, processing_class, args.max_abs_reward
+        )
         self.rewards.to(self.accelerator.device)
+        self.reward_guards = {
+            name: FailureGuard(f"Reward function '{name}'", args.reward_max_failing_steps, "reward_max_failing_steps")
+            for name in self.rewards.names
+        }
         # The data order is the sampler's (seeded with `data_seed` or `seed`): built before the per-process seeding
         # below, which the sampler would otherwise read as its seed.
         self.train_dataloader = self.get_train_dataloader() if train_dataset is not None else None
@@ -745,12 +753,13 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         except RewardContractError as err:
             error = err
         raise_on_every_process(error, self.accelerator)
-        # NaN or +-inf marks a sample without a reward: RELC-era loops put the score inside token_rewards, so a NaN
-        # token is a failed score rather than a token the reward does not apply to (as it is for a dense reward
-        # function); an infinite one would turn every advantage of the batch into NaN
-        bad = ~torch.isfinite(dense).all(1)
+        # NaN or a value out of range (the contract's bound, max_abs_reward; +-inf) marks a sample without a reward:
+        # RELC-era loops put the score inside token_rewards, so a NaN token is a failed score rather than a token the
+        # reward does not apply to (as it is for a dense reward function); an overflowing one would make the
+        # advantages, value loss and gradients of the batch infinite
+        bad = self._out_of_range(dense).any(1)
         if score_t is not None:
-            bad |= ~torch.isfinite(score_t)
+            bad |= self._out_of_range(score_t)
         drop = self.args.nan_reward_action == "drop"
         # decided on every process at once: a process that raised alone would leave the others hanging in a collective
         if drop and self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
@@ -787,6 +796,13 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         if self.args.use_score_scaling:
             logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
         return batch, reduce_metrics(logs, self.accelerator)
+
+    def _out_of_range(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Where `rewards` hold no usable reward: NaN, +-inf, or beyond +-`max_abs_reward`."""
+        bad = ~torch.isfinite(rewards)
+        if self.args.max_abs_reward is not None:
+            bad |= rewards.abs() > self.args.max_abs_reward
+        return bad
 
     def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """`core.scale_scores` after merging every process's valid scores into the running statistics (with
@@ -1315,6 +1331,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         # sequence rewards now; dense functions prefetched, called by step() after its forwards. A contract error is
         # seen by this process only: every process must stop with it
         pending = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+        self._guard_rewards(pending.names, pending.rewards_per_func, pending.failures, unscored_everywhere=True)
         if args.multi_objective_aggregation == "normalize_then_sum":
             pending.normalize_then_sum(self._reduce_to_cpu)
         stats = self.step(
@@ -1324,9 +1341,28 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
             scores=pending.scores,
             extra_logs=pending.stats,  # the dense metrics join it when step() collects them
         )
+        dense = pending.result().dense
+        if dense is not None:  # a dense function that raised on any process failed this step
+            self._guard_rewards(self.rewards.dense_names, None, dense.failures, unscored_everywhere=False)
         if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
             self._log_completions(prompts, responses, pending.result())
         return stats.get("loss/total", 0.0)
+
+    def _guard_rewards(
+        self, names: Sequence[str], values: torch.Tensor | None, failures: dict[str, str], unscored_everywhere: bool
+    ) -> None:
+        """Count a step in which a reward function failed wholesale (`reward_max_failing_steps`): with `values`, when
+        it gave no usable value for any completion of any process; otherwise when its call raised on some process.
+        Decided on every process's outcome, so every process stops at the same step."""
+        if not names:
+            return
+        if values is not None:
+            local = torch.isnan(values).all(dim=0).float()
+        else:
+            local = torch.tensor([float(name in failures) for name in names])
+        counts = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum")
+        failed = counts >= self.accelerator.num_processes if unscored_everywhere else counts > 0
+        record_reward_failures(self.reward_guards, dict(zip(names, failed.tolist())), failures)
 
     def evaluate(
         self, eval_dataset: Any | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
@@ -1499,12 +1535,16 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(shared, per-process) state for a checkpoint: the KL coefficient and running score statistics (the same
         on every process), this process's mini-batch shuffling stream."""
-        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict()}
+        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
+        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict(), "reward_guards": guards}
         return shared, {"shuffle": self.shuffle_generator.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self.kl_ctl.value = shared["kl_coef"]
         self.running.load_state_dict(shared["running"])
+        for name, state in shared.get("reward_guards", {}).items():
+            if name in self.reward_guards:
+                self.reward_guards[name].load_checkpoint_state(state)
         if per_process is not None:
             self.shuffle_generator.set_state(per_process["shuffle"])
 

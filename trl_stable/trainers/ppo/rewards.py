@@ -8,6 +8,7 @@ TRL's tokenization (`trl_stable.rewards.reward_models`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,17 +24,23 @@ from trl_stable.integration.hf_names import model_name_of
 from trl_stable.integration.reward_calls import call_reward_func, reward_event_loop
 from trl_stable.monitoring.reduction import Stat, dense_reward_stats, logged_metric_stat
 from trl_stable.rewards.dense import (
+    DEFAULT_MAX_ABS_REWARD,
     DenseRewards,
     PendingDenseRewards,
-    infinite_rewards_to_nan,
+    RewardContractError,
+    bound_rewards,
+    failure_cause,
     is_dense_reward,
     sequence_reward_values,
     start_dense_rewards,
     weighted_reward_sum,
 )
+from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 
 __all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +82,7 @@ class PendingRewards:
         rewards_per_func: torch.Tensor | None = None,
         weights: Sequence[float] = (),
         names: Sequence[str] = (),
+        failures: dict[str, str] | None = None,
     ):
         self.scores = scores
         self.metrics = metrics
@@ -82,6 +90,7 @@ class PendingRewards:
         self.rewards_per_func = rewards_per_func  # [N, K] sequence-level rewards, NaN where one does not apply
         self.weights = list(weights)
         self.names = list(names)  # of the K sequence-level functions
+        self.failures = {} if failures is None else failures  # functions whose call raised, and why
         self._dense = dense
         self._result: BatchRewards | None = None
 
@@ -131,6 +140,7 @@ class RewardFunctions:
         processing_classes: Tokenizers of the reward models (None entries: loaded from the model's name, as TRL's
             GRPO does; the policy tokenizer for a nameless model with the policy's vocabulary).
         policy_tokenizer: The policy's tokenizer.
+        limit: The largest reward magnitude taken (`max_abs_reward`); beyond it a value counts as NaN.
     """
 
     def __init__(
@@ -139,6 +149,7 @@ class RewardFunctions:
         weights: Sequence[float] | None,
         processing_classes: Any | Sequence[Any] | None,
         policy_tokenizer: Any,
+        limit: float | None = DEFAULT_MAX_ABS_REWARD,
     ):
         if reward_funcs is None:
             reward_funcs = []
@@ -161,10 +172,15 @@ class RewardFunctions:
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
         self.processing_classes = self._processing_classes(processing_classes, policy_tokenizer)
         self.tokenizer = policy_tokenizer
+        self.limit = limit  # the contract's bound on reward magnitudes (`max_abs_reward`)
         self.loop = reward_event_loop(funcs)  # async reward functions run here, as on TRL's reward loop in GRPO
 
     def __len__(self) -> int:
         return len(self.funcs)
+
+    @property
+    def dense_names(self) -> list[str]:
+        return [name for name, func in zip(self.names, self.funcs) if is_dense_reward(func)]
 
     @staticmethod
     def _name(func: Any) -> str:
@@ -213,22 +229,34 @@ class RewardFunctions:
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
         scores = rewards_per_func = None
+        failures: dict[str, str] = {}  # the functions whose call raised here, and why: their completions unscored
         if sequence:
             columns_out = []
             for i in sequence:
                 func, name = self.funcs[i], self.names[i]
-                if isinstance(func, nn.Module):
-                    values = reward_model_scores(func, self.processing_classes[i], prompts, completions).double().cpu()
-                    values = infinite_rewards_to_nan(values.unsqueeze(1), [name]).squeeze(1)
-                else:
-                    out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
-                    values = sequence_reward_values(out, n, name)
+                try:
+                    if isinstance(func, nn.Module):
+                        values = reward_model_scores(func, self.processing_classes[i], prompts, completions)
+                        values = values.double().cpu()
+                    else:
+                        out = call_reward_func(func, self.loop, trainer_state=trainer_state, **kwargs)
+                        values = sequence_reward_values(out, n, name)
+                except (RewardContractError, RewardComponentFailure):
+                    raise
+                except Exception as err:  # noqa: BLE001 - a failed call: counted by the trainer's guard
+                    failures[name] = failure_cause(err)
+                    logger.warning(f"Reward function '{name}' {failures[name]}; its completions are unscored.")
+                    values = torch.full((n,), float("nan"), dtype=torch.float64)
+                columns_out.append(values)
+            names = [self.names[i] for i in sequence]
+            # the contract's bound on every function's values (reward models' logits included), before the sum
+            rewards_per_func, out_of_range = bound_rewards(torch.stack(columns_out, dim=1), names, self.limit)
+            for name, values, count in zip(names, rewards_per_func.unbind(1), out_of_range):
                 finite = values[~torch.isnan(values)]
                 metrics[f"rewards/{name}/mean"] = finite.mean().item() if len(finite) else float("nan")
                 # over the samples it scored on every process, when `PPOTrainer.step` logs it
                 stats[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
-                columns_out.append(values)
-            rewards_per_func = torch.stack(columns_out, dim=1)
+                stats[f"rewards/{name}/out_of_range"] = Stat.total(count)
             scores = weighted_reward_sum(rewards_per_func, [self.weights[i] for i in sequence])
 
         dense_idx = [i for i, f in enumerate(self.funcs) if is_dense_reward(f)]
@@ -249,6 +277,7 @@ class RewardFunctions:
                 call=lambda func, **extra: call_reward_func(func, self.loop, **dense_kwargs, **extra),
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
+                limit=self.limit,
             )
         return PendingRewards(
             scores,
@@ -258,4 +287,5 @@ class RewardFunctions:
             rewards_per_func,
             [self.weights[i] for i in sequence],
             [self.names[i] for i in sequence],
+            failures,
         )
