@@ -21,9 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from exp_common import (
-    COLORS,
     PROMPTS,
-    band,
+    arm_bands,
     column,
     figure,
     finish_args,
@@ -113,19 +112,18 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(2, "")
-        for arm, color in zip(ARMS, COLORS, strict=False):
-            band(axes[0], runs.matrix(arm, "coverage"), arm.upper(), color, window=5)
-            band(axes[1], runs.matrix(arm, "answer"), arm.upper(), color, window=5)
+        fig, axes = figure(2)
+        labels = {arm: arm.upper() for arm in ARMS}
+        arm_bands(axes[0], runs, ARMS, "coverage", labels, window=5)
+        arm_bands(axes[1], runs, ARMS, "answer", labels, window=5)
         axes[0].set(title=f"coverage reward (scale 0-{args.scale:g})", xlabel="step", ylabel="5-step mean")
         axes[0].set_ylim(0, args.scale)
         axes[1].axhline(0.25, color="gray", ls="--", lw=1, label="first token uniform over the coverage set")
         axes[1].set(title="answer reward (0/1)", xlabel="step", ylabel="5-step mean", ylim=(0, 1))
         for ax in axes:
             ax.legend(loc="upper left", fontsize=8)
-        fig.suptitle(f"GDPO vs GRPO, two rewards of different scales; median and min-max over {args.seeds} seeds")
-        fig.tight_layout()
-        save(fig, args.png)
+        title = f"GDPO vs GRPO, two rewards of different scales; median and min-max over {args.seeds} seeds"
+        save(fig, args.png, title)
     return summary
 
 

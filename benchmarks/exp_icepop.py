@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from exp_common import (
     COLORS,
-    band,
+    arm_bands,
     column,
     figure,
     finish_args,
@@ -258,10 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(3, "", width=4.6, height=3.5)
-        for arm, color in zip(ARMS, COLORS, strict=False):
-            band(axes[0], runs.matrix(arm, "reward"), LABELS[arm], color, window=5)
-            band(axes[1], runs.matrix(arm, "grad_norm"), LABELS[arm], color, window=3)
+        fig, axes = figure(3, width=4.6, height=3.5)
+        arm_bands(axes[0], runs, ARMS, "reward", LABELS, window=5)
+        arm_bands(axes[1], runs, ARMS, "grad_norm", LABELS, window=3)
         axes[0].set(title="training reward (mismatched sampler)", xlabel="step", ylabel="5-step mean")
         axes[1].set(title="grad norm before clipping", xlabel="step", ylabel="3-step mean", yscale="log")
         axes[1].set_ylim(1e-2, 5)  # once every group is all right the gradient is 0: the curves leave the plot
@@ -274,13 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
         axes[2].set(
             title="step 0: cos(batch gradient, on-policy gradient)\n(dots: seeds, bar: median)", ylim=(0, None)
         )
-        fig.suptitle(
+        title = (
             f"IcePop / KPop under sampler mismatch (noise p={args.mismatch_prob}, std={args.mismatch_std}); "
-            f"median and min-max over {args.seeds} seeds",
-            fontsize=11,
+            f"median and min-max over {args.seeds} seeds"
         )
-        fig.tight_layout()
-        save(fig, args.png)
+        save(fig, args.png, title)
     return summary
 
 

@@ -26,9 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from exp_common import (
-    COLORS,
     PROMPTS,
-    band,
+    arm_bands,
     column,
     figure,
     finish_args,
@@ -184,19 +183,18 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(2, "", nrows=len(inits), width=5.0, height=3.4)
+        fig, axes = figure(2, nrows=len(inits), width=5.0, height=3.4)
         for i, init in enumerate(inits):
             ax_r, ax_z = axes[2 * i], axes[2 * i + 1]
-            for arm, color in zip(ARMS, COLORS, strict=False):
-                band(ax_r, runs.matrix(f"{init}/{arm}", "reward"), arm.upper(), color, window=5)
-                band(ax_z, runs.matrix(f"{init}/{arm}", "zero_grad"), arm.upper(), color, window=5)
+            keys = [f"{init}/{arm}" for arm in ARMS]
+            labels = {f"{init}/{arm}": arm.upper() for arm in ARMS}
+            arm_bands(ax_r, runs, keys, "reward", labels, window=5)
+            arm_bands(ax_z, runs, keys, "zero_grad", labels, window=5)
             ax_r.set(title=f"{init} init: training reward", xlabel="step", ylabel="reward (5-step mean)", ylim=(0, 1))
             ax_z.set(title=f"{init} init: groups with zero gradient", xlabel="step", ylabel="share", ylim=(0, 1.02))
             ax_r.legend(loc="upper left")
             ax_z.legend(loc="upper right")
-        fig.suptitle(f"NGRPO vs GRPO, first-token 0/1 task; median and min-max over {args.seeds} seeds", fontsize=11)
-        fig.tight_layout()
-        save(fig, args.png)
+        save(fig, args.png, f"NGRPO vs GRPO, first-token 0/1 task; median and min-max over {args.seeds} seeds")
     return summary
 
 

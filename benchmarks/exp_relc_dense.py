@@ -40,24 +40,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+from exp_common import REPO, examples_on_path, load_example
 
-REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO / "examples" / "research_projects", REPO / "eval_scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import torch  # noqa: E402
+examples_on_path()
 from eval_utils import (  # noqa: E402
     EMBEDDED_SCORER_SETTINGS,
     EVAL_DIR,
@@ -65,20 +58,19 @@ from eval_utils import (  # noqa: E402
     load_prompts,
     sample_continuations,
 )
-from research_common import (  # noqa: E402
-    distinct_n,
-    load_script_module,
-    loop_ppo_config,
-    parse_script_args,
-    smooth,
-    truncate_queries,
-)
+from policy_loading import load_policy  # noqa: E402
+from ppo_args import loop_ppo_config  # noqa: E402
+from prompt_batches import truncate_queries  # noqa: E402
+from reward_curve import smooth  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
+from sentiment_task import load_review_texts  # noqa: E402
+from text_metrics import distinct_n  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticBackend, CriticIntrinsicReward, CriticRewardConfig  # noqa: E402
 from trl_stable.rewards.critic_backends import format_sentiment_answer  # noqa: E402
 
-SCRIPT = REPO / "examples" / "research_projects" / "sentiment" / "ppo_intrinsic.py"
+SCRIPT = "sentiment/ppo_intrinsic.py"  # the README's main command, under examples/research_projects/
 BANNED = ("the", "and", "a")
 _WORD = re.compile(r"[A-Za-z']+")
 ARMS = {
@@ -152,13 +144,13 @@ def mask_eos(model, eos_token_id: int):
 
 def run_credit(arm: str, seed: int, cli: argparse.Namespace, out: Path) -> tuple[list[dict], object, object]:
     """One PPO run of the credit task; returns (history, trained policy, tokenizer)."""
-    script = load_script_module(SCRIPT, "sentiment_ppo_intrinsic")
+    script = load_example(SCRIPT)
     argv = [*cli.ppo_flags, "--ppo_config.seed", str(seed), "--model_save_path", str(out)]
     args = parse_script_args(script.ScriptArguments, argv)
     ppo = replace(args.ppo_config, min_new_tokens=None, max_new_tokens=cli.new_tokens)
-    model, tokenizer = script.load_policy(None, seed, args, "sentiment", True)
+    model, tokenizer = load_policy(None, seed, args, "sentiment", True)
     mask_eos(model, tokenizer.eos_token_id)  # every continuation runs its 16 tokens: ending early is no way out
-    texts = script.load_review_texts(None, True)
+    texts = load_review_texts(None, True)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, str(out)), processing_class=tokenizer)
     critic = credit_critic(tokenizer) if arm != "sparse" else None
@@ -200,7 +192,7 @@ def run_credit(arm: str, seed: int, cli: argparse.Namespace, out: Path) -> tuple
 
 def run_sentiment(arm: str, seed: int, cli: argparse.Namespace, out: Path) -> tuple[list[dict], object, object]:
     """One run of the README's main command with the arm's critic flags."""
-    script = load_script_module(SCRIPT, "sentiment_ppo_intrinsic")
+    script = load_example(SCRIPT)
     argv = [*SENTIMENT_FLAGS[arm], *cli.ppo_flags, "--max_steps", str(cli.steps), "--ppo_config.seed", str(seed)]
     argv += ["--model_save_path", str(out)]
     args = parse_script_args(script.ScriptArguments, argv)
@@ -250,9 +242,9 @@ def heldout_eval(task: str, model, tokenizer, scorer, cli: argparse.Namespace, s
 
 def initial_policy(task: str, seed: int, cli: argparse.Namespace):
     """The untrained embedded policy of `seed` (every arm of that seed starts from it), for a reference column."""
-    script = load_script_module(SCRIPT, "sentiment_ppo_intrinsic")
+    script = load_example(SCRIPT)
     args = parse_script_args(script.ScriptArguments, [*cli.ppo_flags, "--ppo_config.seed", str(seed)])
-    model, tokenizer = script.load_policy(None, seed, args, "sentiment", True)
+    model, tokenizer = load_policy(None, seed, args, "sentiment", True)
     if task == "credit":
         mask_eos(model, tokenizer.eos_token_id)
     tokenizer.padding_side = "left"

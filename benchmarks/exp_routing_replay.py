@@ -33,8 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from exp_common import (
-    COLORS,
-    band,
+    arm_bands,
     column,
     figure,
     finish_args,
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(len(scenarios), "", nrows=2, width=5.0, height=3.3)
+        fig, axes = figure(len(scenarios), nrows=2, width=5.0, height=3.3)
         titles = {
             "r3": "on-policy, sampler log-probs in the loss",
             "r2": "4 updates per batch (old-logprob pass)",
@@ -191,23 +190,22 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for i, scenario in enumerate(scenarios):
             ax_r, ax_s = axes[i], axes[len(scenarios) + i]
+            keys = [f"{scenario}/{arm}" for arm in SCENARIO_ARMS[scenario]]
+            labels = {f"{scenario}/{arm}": f"replay {arm}" for arm in SCENARIO_ARMS[scenario]}
+            # the reward is logged on the steps that generate: every step (r3), one in four (r2)
+            x = runs.matrix(keys[0], "step")[0]
             window = 5 if scenario == "r3" else 2
-            for arm, color in zip(SCENARIO_ARMS[scenario], COLORS, strict=False):
-                key = f"{scenario}/{arm}"
-                x = runs.matrix(key, "step")[0]
-                band(ax_r, runs.matrix(key, "reward"), f"replay {arm}", color, window=window, x=x)
-                band(ax_s, runs.matrix(key, "spread"), f"replay {arm}", color, window=window, x=x)
+            arm_bands(ax_r, runs, keys, "reward", labels, window=window, x=x)
+            arm_bands(ax_s, runs, keys, "spread", labels, window=window, x=x)
             ax_r.set(title=titles[scenario], xlabel="optimizer step", ylabel="training reward (smoothed)")
             ax_s.set(title=spread_labels[scenario], xlabel="optimizer step")
             ax_r.legend(loc="upper left")
             ax_s.legend(loc="upper right")
-        fig.suptitle(
+        title = (
             f"Routing replay, tiny Qwen3-MoE, routing noise {args.drift}x logit std; median and min-max over "
-            f"{args.seeds} seeds",
-            fontsize=11,
+            f"{args.seeds} seeds"
         )
-        fig.tight_layout()
-        save(fig, args.png)
+        save(fig, args.png, title)
     return summary
 
 

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.mark.slow
 def test_readme_main_command_raises_the_kl_alarm(load_script, tmp_path):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     out = tmp_path / "run"

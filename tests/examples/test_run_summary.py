@@ -1,4 +1,4 @@
-"""The end-of-run side-by-side of the research scripts (`research_common.run_summary`), the before/after samples
+"""The end-of-run side-by-side of the research scripts (`run_summary.run_summary`), the before/after samples
 (`sample_preview`), the embedded critic defaults of the sentiment script and the offline sentiment evaluators."""
 
 import random
@@ -15,7 +15,7 @@ def _history(rewards, kls, d2s):
 
 
 def test_run_summary_hand_values_and_caution():
-    from research_common import run_summary
+    from run_summary import run_summary
 
     history = _history([0.0, 0.2, 0.8, 1.0], [0.0, 2.0, 20.0, 30.0], [0.9, 0.7, 0.4, 0.2])
     text = run_summary(history, ["The film"], [" was long"], [" great great"], "reward", target_kl=6.0, window=2)
@@ -30,7 +30,7 @@ def test_run_summary_hand_values_and_caution():
 
 
 def test_run_summary_without_trouble_has_no_caution():
-    from research_common import run_summary
+    from run_summary import run_summary
 
     history = _history([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 3.0, 4.0], [0.9, 0.9, 0.85, 0.85])
     text = run_summary(history, ["p"], ["a"], ["b"], target_kl=6.0, window=20)  # a short run: its two halves
@@ -38,7 +38,7 @@ def test_run_summary_without_trouble_has_no_caution():
 
 
 def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):
-    from research_common import sample_preview
+    from run_summary import sample_preview
 
     from trl_stable import PPOConfig, PPOTrainer
     from trl_stable.testing import build_causal_lm
@@ -57,7 +57,7 @@ def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):
 
 
 def test_embedded_sentiment_critic_is_afinn_bounded_paper_mode_is_relc(load_script):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     critic = parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).critic

@@ -40,37 +40,28 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedded import SENTIMENT_REVIEWS, read_jsonl  # noqa: E402
-from research_common import (  # noqa: E402
-    RelcPPOConfig,
-    RunArgs,
-    RunLog,
-    build_intrinsic_reward,
-    critic_token_rewards,
-    default_save_path,
-    is_embedded,
-    load_policy,
-    loop_ppo_config,
-    parse_script_args,
-    ppo_mode_defaults,
-    relc_length_range,
-    run_summary,
-    sample_preview,
-    truncate_queries,
-)
-from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
+from critic_rewards import build_intrinsic_reward, critic_token_rewards  # noqa: E402
+from embedded import is_embedded  # noqa: E402
+from policy_loading import load_policy  # noqa: E402
+from ppo_args import RunArgs, default_save_path, epochs_for, loop_ppo_config, ppo_mode_defaults  # noqa: E402
+from prompt_batches import PromptBatches, truncate_queries  # noqa: E402
+from relc_flags import RelcPPOConfig, relc_length_range  # noqa: E402
+from run_log import StepLog  # noqa: E402
+from run_saving import resume_run, save_checkpoint, save_run, save_run_args  # noqa: E402
+from run_summary import run_summary, sample_preview  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
+from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
-PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
 # The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum
 # bounded by 0.5 against a reward in [-1, 1]. docs/results_relc.md measures why: unbounded (RELC's +-0.5 per token)
 # the policy collapses to repeated sentiment words whichever lexicon the critic reads; a bound of 1 or 0.5 earns
@@ -152,6 +143,8 @@ class ScriptArguments(RunArgs):
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
     """The critic (RELC's flags: --use_intrinsic_reward, --positive_reward_value, ...)."""
     mode_defaults = staticmethod(sentiment_mode_defaults)
+    config_algorithm: ClassVar[str] = "ppo"
+    """The `algorithm:` of the family's config files this script runs (`configs/ppo.yaml`)."""
 
     @staticmethod
     def finalize(args: ScriptArguments) -> ScriptArguments:
@@ -159,36 +152,31 @@ class ScriptArguments(RunArgs):
         return replace(args, ppo_config=replace(args.ppo_config, **lengths)) if lengths else args
 
 
-def load_review_texts(source: str | None, embedded: bool) -> list[str]:
-    if source is None and embedded:
-        return [r["text"] for r in read_jsonl(SENTIMENT_REVIEWS)]
-    if source is not None and Path(source).is_file():
-        return [r["text"] for r in read_jsonl(source)]
-    from datasets import load_dataset
-
-    ds = load_dataset(source or "imdb", split="train")
-    return [t for t in ds["text"] if len(t) > 200]  # RELC drops short reviews
-
-
 def main(args: ScriptArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
     ppo = args.ppo_config
     embedded = is_embedded(ppo.model_name, args.offline)
-    reward_model = args.reward_model or (VADER if embedded else PAPER_REWARD_MODEL)
-    sentiment = vader_compound if reward_model == VADER else build_sentiment_logit(reward_model)
+    reward_model = sentiment_model(args.reward_model, embedded)
+    sentiment = sentiment_scorer(reward_model)
     texts = load_review_texts(args.query_dataset, embedded)
     save_path = default_save_path("sentiment", args.critic.use_intrinsic_reward, args.model_save_path)
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "sentiment", embedded)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, ppo.seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
-    log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
+    if trainer.accelerator.is_main_process:
+        save_run_args(args, save_path)
+    # --resume_from_checkpoint: the trainer's state and the critic's counters, then the prompt order from there
+    start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
+    epochs = epochs_for(args, embedded)
+    batches = PromptBatches(prompts, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+    log = StepLog(trainer, "sentiment", len(batches), start, history)
     preview_prompts = list(PREVIEW_PROMPTS)
     before = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
 
     # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
     # the spans that made it positive or negative, and take a PPO step on the sum
-    for records in log.batches(prompts):
+    for step, records in enumerate(batches.from_step(start), start + 1):
         queries = [torch.tensor(r["input_ids"]) for r in records]
         responses = trainer.generate(queries, return_prompt=False)
         query_texts = [r["query"] for r in records]
@@ -197,12 +185,18 @@ def main(args: ScriptArguments) -> list[dict]:
         env_scores = [float(s) for s in sentiment(scored)]
         intrinsic = critic_token_rewards(critic, query_texts, response_texts, responses, env_scores)
         stats = trainer.step(queries, responses, token_rewards=intrinsic, scores=env_scores)
-        log.record(env_scores, intrinsic, stats, responses=response_texts)
-    history = log.finish()
+        log.record(step, env_scores, intrinsic, stats, responses=response_texts, critic=critic)
+        if args.save_freq and step % args.save_freq == 0:
+            save_checkpoint(trainer, save_path, step, log.history, critic)
+    history = log.close()
+    save_run(trainer, save_path, history, "sentiment")
+    if critic is not None:
+        critic.close()
+
     after = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
     if trainer.accelerator.is_main_process and history:
         name = f"environment reward ({reward_model})"
-        print(run_summary(history, preview_prompts, before, after, name, ppo.target_kl, before_step=log.start))
+        print(run_summary(history, preview_prompts, before, after, name, ppo.target_kl, before_step=start))
     return history
 
 
