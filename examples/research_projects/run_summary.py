@@ -44,8 +44,9 @@ def run_summary(
     window: int = 20,
     before_step: int = 0,
 ) -> str:
-    """A short side-by-side of the run's start and end: reward, intrinsic reward, KL, distinct-2 of the rollouts
-    (means over the first and the last `window` steps) and one continuation per prompt before and after.
+    """A short side-by-side of the run's start and end: reward, intrinsic reward, KL (and, given `target_kl`, how far
+    it ended from it), distinct-2 of the rollouts (means over the first and the last `window` steps) and one
+    continuation per prompt before and after.
 
     A reward that rises while the KL runs far past its target or the rollouts lose their diversity is the policy
     exploiting the reward, not learning the task; the summary says so when it sees it (KL above twice the target,
@@ -68,6 +69,9 @@ def run_summary(
         row("distinct-2 of the rollouts", "distinct_2", ".3f"),
     ]
     kl_end = window_mean(last, "kl")
+    if target_kl and not math.isnan(kl_end):
+        off = f"{kl_end - target_kl:+.2f} ({kl_end / target_kl - 1:+.0%})"
+        lines.append(f"  {f'KL at the end vs its target {target_kl:g}':<34} {kl_end:.2f}, {off}")
     d2_start, d2_end = window_mean(first, "distinct_2"), window_mean(last, "distinct_2")
     warnings_ = []
     if target_kl and kl_end > 2 * target_kl:

@@ -25,6 +25,7 @@ def test_run_summary_hand_values_and_caution():
         "0.100 -> 0.900" in lines[1] and "KL to the reference (target 6)" in lines[3] and "1.00 -> 25.00" in lines[3]
     )
     assert "0.800 -> 0.300" in lines[4]
+    assert lines[5] == "  KL at the end vs its target 6      25.00, +19.00 (+317%)"  # (20 + 30) / 2 - 6
     assert "Caution: the KL ends at 25.0, above twice its target 6 and distinct-2 fell from 0.80 to 0.30" in text
     assert "    before: 'was long'" in text and "    after:  'great great'" in text
 
@@ -35,6 +36,8 @@ def test_run_summary_without_trouble_has_no_caution():
     history = _history([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 3.0, 4.0], [0.9, 0.9, 0.85, 0.85])
     text = run_summary(history, ["p"], ["a"], ["b"], target_kl=6.0, window=20)  # a short run: its two halves
     assert text.splitlines()[0] == "Summary: means of steps 1-2 -> steps 3-4" and "Caution" not in text
+    assert "  KL at the end vs its target 6      3.50, -2.50 (-42%)" in text  # below the target: how far, too
+    assert "KL at the end" not in run_summary(history, ["p"], ["a"], ["b"], target_kl=None)
 
 
 def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):

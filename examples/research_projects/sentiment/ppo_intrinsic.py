@@ -13,8 +13,10 @@ The embedded environment reward is VADER's compound score; the embedded critic r
 `--critic_lexicon afinn`), so it is not the reward densified, and its per-sample absolute sum is bounded by a
 quarter of the reward's range (`--intrinsic_reward_max_sum 0.5`). `--critic_lexicon vader
 --intrinsic_reward_max_sum None` is the earlier setting (critic = reward lexicon, RELC's unbounded +-0.5 per token).
-At the end the run prints a side-by-side of its first and last steps: reward, KL, distinct-2 of the rollouts and two
-continuations before / after.
+The adaptive KL controller aims at a KL of 6 with a horizon the 160-step run can follow (`--ppo_config.horizon 512`,
+`--ppo_config.init_kl_coef 0.3`; `EMBEDDED_KL`). At the end the run prints a side-by-side of its first and last
+steps: reward, KL and how far it ended from its target, distinct-2 of the rollouts and two continuations before /
+after.
 
 Paper mode (gpt2-large policy, IMDB prompts of 4-10 tokens, lvwerra/distilbert-imdb positive logit as reward, a
 GPT critic through `OPENAI_API_KEY`):
@@ -67,16 +69,25 @@ from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 # the policy collapses to repeated sentiment words whichever lexicon the critic reads; a bound of 1 or 0.5 earns
 # the same reward at matched KL, 0.5 keeping the held-out diversity and perplexity closer to the baseline's.
 EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
+# The embedded run's KL controller (target 6): Ziegler et al.'s horizon of 10000 samples is ~5 horizons of a paper
+# run (about 48k samples) but 4 times the whole embedded run (160 steps x 16 = 2560 samples), where the coefficient
+# could move by 5% at most and every arm's KL overshot to 10-11. A horizon of 512 gives the embedded run the paper's
+# 5 horizons (the coefficient can move 2.7x). Of the settings measured (init 0.1-0.3, horizons 125-10000, seeds
+# 0-2), 0.3 with 512 ended closest to the target: 6.7-7.4 over the last 20 steps, the coefficient settling at 0.27-0.29.
+EMBEDDED_KL = {"init_kl_coef": 0.3, "horizon": 512.0}
 # The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
 # before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
 PREVIEW_PROMPTS = ("The movie starts with", "The film is about")
 
 
 def sentiment_mode_defaults(args) -> dict:
-    """`ppo_mode_defaults`, plus `EMBEDDED_CRITIC` in embedded mode."""
+    """`ppo_mode_defaults`, plus `EMBEDDED_CRITIC` and `EMBEDDED_KL` in embedded mode."""
     defaults = ppo_mode_defaults(args)
     if args is not None and is_embedded(args.ppo_config.model_name, args.offline):
-        defaults = {**defaults, "critic": {**defaults.get("critic", {}), **EMBEDDED_CRITIC}}
+        defaults = {
+            "ppo_config": {**defaults["ppo_config"], **EMBEDDED_KL},
+            "critic": {**defaults.get("critic", {}), **EMBEDDED_CRITIC},
+        }
     return defaults
 
 
