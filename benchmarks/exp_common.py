@@ -202,6 +202,17 @@ def random_token_sets(vocab_size: int, sizes: Sequence[int], seed: int, skip: in
     return out
 
 
+def target_share_reward(tokenizer, seed: int, size: int = 128) -> Callable:
+    """The reward of the IcePop and routing-replay tasks: the share of a completion's tokens that lie in one random
+    set of `size` token ids (drawn with `seed`; about 12% of the tiny vocabulary for 128), 0 for an empty one."""
+    target = set(random_token_sets(len(tokenizer), [size], seed=seed)[0])
+
+    def in_target_share(completion_ids, **kwargs):
+        return [sum(t in target for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    return in_target_share
+
+
 # ---------------------------------------------------------------------------------------------- summaries
 def smooth(y: np.ndarray, window: int) -> np.ndarray:
     """Trailing moving average along the last axis (window clipped at the start)."""
