@@ -72,8 +72,9 @@ EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
 # The embedded run's KL controller (target 6): Ziegler et al.'s horizon of 10000 samples is ~5 horizons of a paper
 # run (about 48k samples) but 4 times the whole embedded run (160 steps x 16 = 2560 samples), where the coefficient
 # could move by 5% at most and every arm's KL overshot to 10-11. A horizon of 512 gives the embedded run the paper's
-# 5 horizons (the coefficient can move 2.7x). Of the settings measured (init 0.1-0.3, horizons 125-10000, seeds
-# 0-2), 0.3 with 512 ended closest to the target: 6.7-7.4 over the last 20 steps, the coefficient settling at 0.27-0.29.
+# 5 horizons (the coefficient can move 2.7x). Measured on seeds 0-2 (last 20 steps): horizons of 1000-10000 ended at
+# a KL of 7.8-11, horizons of 250-512 with an initial coefficient of 0.2-0.3 at 6.4-7.8 (0.1: 9.5-9.8); 0.3 with 512
+# ends at 6.7-7.4, the coefficient settling at 0.27-0.29.
 EMBEDDED_KL = {"init_kl_coef": 0.3, "horizon": 512.0}
 # The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
 # before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
