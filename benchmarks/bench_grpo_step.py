@@ -26,23 +26,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from exp_common import PROMPTS  # noqa: E402  (the method experiments' prompts)
 from tqdm import tqdm  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import trl_stable  # noqa: E402
 from trl_stable.testing import build_causal_lm, build_tokenizer  # noqa: E402
-
-PROMPTS = [
-    "The movie was",
-    "I think the",
-    "The weather today",
-    "She walked to",
-    "The report says",
-    "We met at",
-    "After the game",
-    "My favourite food",
-]
 
 STABLE_ON = {"use_decoupled_loss": True, "advantage_estimator": "ngrpo"}
 VARIANTS = {

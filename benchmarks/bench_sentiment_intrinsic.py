@@ -29,16 +29,15 @@ import json
 import math
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "research_projects"))
-sys.path.insert(0, str(REPO / "eval_scripts"))
+from exp_common import examples_on_path, load_example
 
+examples_on_path()
 from embedded import embedded_policy  # noqa: E402
-from research_common import load_script_module, parse_script_args, plot_reward_curve, smooth  # noqa: E402
+from reward_curve import plot_reward_curve, smooth  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
 
 ARMS = {"ppo_baseline": [], "ppo_intrinsic": ["--use_intrinsic_reward"]}
 
@@ -94,9 +93,7 @@ def main() -> None:
     cli = parser.parse_args()
     arms = {**ARMS, "ppo_intrinsic": ARMS["ppo_intrinsic"] + shlex.split(cli.intrinsic_flags)}
 
-    script = load_script_module(
-        REPO / "examples" / "research_projects" / "sentiment" / "ppo_intrinsic.py", "sentiment_ppo_intrinsic"
-    )
+    script = load_example("sentiment/ppo_intrinsic.py")
     out = Path(cli.output_dir)
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     curves: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}

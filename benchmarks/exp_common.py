@@ -1,17 +1,21 @@
-"""Shared pieces of the method experiments (`exp_ngrpo.py`, `exp_icepop.py`, `exp_routing_replay.py`, `exp_gdpo.py`).
+"""Shared pieces of the method experiments (`exp_ngrpo.py`, `exp_icepop.py`, `exp_routing_replay.py`, `exp_gdpo.py`,
+and the set-up of `exp_relc_dense.py`).
 
-Each experiment trains tiny `trl_stable.testing` models with `trl_stable.GRPOTrainer`, once per arm and seed, and
-reports per-step curves (median over seeds with a min-max band), a table of medians and ranges, and a PNG. Runs are
-deterministic given the seed (one torch thread, seeded models, data and sampling); the arms of one seed start from
-the same weights and see the same prompts.
+Each GRPO experiment trains tiny `trl_stable.testing` models with `trl_stable.GRPOTrainer`, once per arm and seed,
+and reports per-step curves (median over seeds with a min-max band), a table of medians and ranges, and a PNG. Runs
+are deterministic given the seed (one torch thread, seeded models, data and sampling); the arms of one seed start
+from the same weights and see the same prompts. `exp_relc_dense.py` runs the RELC example scripts instead
+(`examples_on_path`, `load_example`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -32,7 +36,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from trl_stable import GRPOConfig, GRPOTrainer  # noqa: E402
 
-IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = REPO / "docs" / "images"
+EXAMPLES = REPO / "examples" / "research_projects"
+EVAL_SCRIPTS = REPO / "eval_scripts"
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
 PROMPTS = [
     "The movie was",
@@ -54,6 +61,26 @@ def quiet() -> None:
     import logging
 
     logging.getLogger("trl_stable").setLevel(logging.ERROR)
+
+
+def examples_on_path() -> None:
+    """Make the RELC examples' helpers (`examples/research_projects/*.py`) and the evaluation's (`eval_scripts/`)
+    importable by name, as the scripts themselves import them."""
+    for path in (EXAMPLES, EVAL_SCRIPTS):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+
+
+def load_example(relative: str):
+    """The example script `examples/research_projects/<relative>` as a module, to run its `main` in this process
+    (sentiment/ and toxicity/ both hold a `ppo_intrinsic.py`: the module is named after the path)."""
+    examples_on_path()
+    name = "example_" + relative.removesuffix(".py").replace("/", "_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / relative)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def parser(doc: str, steps: int, seeds: int, quick_steps: int) -> argparse.ArgumentParser:
@@ -175,6 +202,17 @@ def random_token_sets(vocab_size: int, sizes: Sequence[int], seed: int, skip: in
     return out
 
 
+def target_share_reward(tokenizer, seed: int, size: int = 128) -> Callable:
+    """The reward of the IcePop and routing-replay tasks: the share of a completion's tokens that lie in one random
+    set of `size` token ids (drawn with `seed`; about 12% of the tiny vocabulary for 128), 0 for an empty one."""
+    target = set(random_token_sets(len(tokenizer), [size], seed=seed)[0])
+
+    def in_target_share(completion_ids, **kwargs):
+        return [sum(t in target for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    return in_target_share
+
+
 # ---------------------------------------------------------------------------------------------- summaries
 def smooth(y: np.ndarray, window: int) -> np.ndarray:
     """Trailing moving average along the last axis (window clipped at the start)."""
@@ -223,20 +261,31 @@ def band(ax, y: np.ndarray, label: str, color: str, window: int = 1, x: np.ndarr
     ax.fill_between(x, y.min(axis=0), y.max(axis=0), color=color, alpha=0.18, lw=0)
 
 
-def save(fig, path: str | None) -> None:
-    if not path:
-        return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    print(f"\nsaved {path}")
-
-
-def figure(ncols: int, title: str, nrows: int = 1, width: float = 4.6, height: float = 3.6):
+def figure(ncols: int, nrows: int = 1, width: float = 4.6, height: float = 3.6):
+    """A grid of `nrows` x `ncols` panels of `width` x `height` inches; returns (figure, flat list of axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
-    fig.suptitle(title, fontsize=11)
     return fig, axes.ravel()
+
+
+def arm_bands(ax, runs: Runs, keys: Sequence[str], metric: str, labels: dict[str, str] | None = None, **kw) -> None:
+    """One `band` per arm (`keys`, in `COLORS` order) of `metric`; `kw` goes to `band` (window, x)."""
+    for key, color in zip(keys, COLORS, strict=False):
+        band(ax, runs.matrix(key, metric), (labels or {}).get(key, key), color, **kw)
+
+
+def save(fig, path: str | None, title: str) -> None:
+    """Title the figure, lay it out and write it to `path` (no file when `path` is None)."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        print(f"\nsaved {path}")
+    plt.close(fig)

@@ -18,25 +18,9 @@ mean and the steps to a level.
 
 from __future__ import annotations
 
+import exp_common as common
 import numpy as np
 import torch
-from exp_common import (
-    COLORS,
-    PROMPTS,
-    band,
-    column,
-    figure,
-    finish_args,
-    med_range,
-    parser,
-    print_table,
-    quiet,
-    random_token_sets,
-    run_seeds,
-    save,
-    steps_to,
-    train_grpo,
-)
 
 from trl_stable.testing import build_causal_lm, build_tokenizer
 
@@ -45,11 +29,12 @@ ARMS = ("grpo", "gdpo")
 
 def make_run(args, tokenizer):
     def run(arm: str, seed: int):
-        cover = random_token_sets(len(tokenizer), [args.coverage_tokens], seed=2000 + seed)[0]
+        cover = common.random_token_sets(len(tokenizer), [args.coverage_tokens], seed=2000 + seed)[0]
         generator = torch.Generator().manual_seed(2100 + seed)
         # each prompt's answers are a subset of the coverage tokens: both rewards can reach their maximum together
         answers = {
-            p: {cover[i] for i in torch.randperm(len(cover), generator=generator)[:32].tolist()} for p in PROMPTS
+            p: {cover[i] for i in torch.randperm(len(cover), generator=generator)[:32].tolist()}
+            for p in common.PROMPTS
         }
         cover = set(cover)
 
@@ -59,7 +44,7 @@ def make_run(args, tokenizer):
         def answer(prompts, completion_ids, **kwargs):
             return [float(bool(ids) and ids[0] in answers[p]) for p, ids in zip(prompts, completion_ids)]
 
-        _, logs = train_grpo(
+        _, logs = common.train_grpo(
             build_causal_lm("qwen2", tokenizer, seed=seed),
             tokenizer,
             [coverage, answer],
@@ -70,22 +55,22 @@ def make_run(args, tokenizer):
             learning_rate=args.learning_rate,
         )
         return {
-            "coverage": column(logs, "rewards/coverage/mean"),
-            "answer": column(logs, "rewards/answer/mean"),
+            "coverage": common.column(logs, "rewards/coverage/mean"),
+            "answer": common.column(logs, "rewards/answer/mean"),
         }, {}
 
     return run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser(__doc__, steps=80, seeds=5, quick_steps=3)
+    p = common.parser(__doc__, steps=80, seeds=5, quick_steps=3)
     p.add_argument("--scale", type=float, default=10.0, help="maximum of the coverage reward (answer's is 1)")
     p.add_argument("--coverage-tokens", type=int, default=128)
     p.add_argument("--learning-rate", type=float, default=1e-2)
-    args = finish_args(p.parse_args(argv), "exp_gdpo")
+    args = common.finish_args(p.parse_args(argv), "exp_gdpo")
     tokenizer = build_tokenizer()
     print(f"GDPO vs GRPO: {args.seeds} seeds x {ARMS}, {args.steps} steps, coverage scale {args.scale}")
-    runs = run_seeds(ARMS, args.seeds, make_run(args, tokenizer))
+    runs = common.run_seeds(ARMS, args.seeds, make_run(args, tokenizer))
 
     tail = max(1, args.steps // 10)
     levels = {"coverage": args.scale / 2, "answer": 0.5}
@@ -95,11 +80,15 @@ def main(argv: list[str] | None = None) -> dict:
         for name in ("coverage", "answer"):
             curve = runs.matrix(arm, name)
             start, final = curve[:, :tail].mean(axis=1), curve[:, -tail:].mean(axis=1)
-            reach = np.array([steps_to(c, levels[name]) for c in curve])
+            reach = np.array([common.steps_to(c, levels[name]) for c in curve])
             summary[arm][name] = {"start": start.tolist(), "final": final.tolist(), "steps_to": reach.tolist()}
-            row += [med_range(start, "{:.2f}"), med_range(final, "{:.2f}"), med_range(reach, "{:.0f}")]
+            row += [
+                common.med_range(start, "{:.2f}"),
+                common.med_range(final, "{:.2f}"),
+                common.med_range(reach, "{:.0f}"),
+            ]
         rows.append(row)
-    print_table(
+    common.print_table(
         f"median (min-max) over {args.seeds} seeds; first / last {tail} steps",
         [
             "arm",
@@ -113,22 +102,21 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(2, "")
-        for arm, color in zip(ARMS, COLORS, strict=False):
-            band(axes[0], runs.matrix(arm, "coverage"), arm.upper(), color, window=5)
-            band(axes[1], runs.matrix(arm, "answer"), arm.upper(), color, window=5)
+        fig, axes = common.figure(2)
+        labels = {arm: arm.upper() for arm in ARMS}
+        common.arm_bands(axes[0], runs, ARMS, "coverage", labels, window=5)
+        common.arm_bands(axes[1], runs, ARMS, "answer", labels, window=5)
         axes[0].set(title=f"coverage reward (scale 0-{args.scale:g})", xlabel="step", ylabel="5-step mean")
         axes[0].set_ylim(0, args.scale)
         axes[1].axhline(0.25, color="gray", ls="--", lw=1, label="first token uniform over the coverage set")
         axes[1].set(title="answer reward (0/1)", xlabel="step", ylabel="5-step mean", ylim=(0, 1))
         for ax in axes:
             ax.legend(loc="upper left", fontsize=8)
-        fig.suptitle(f"GDPO vs GRPO, two rewards of different scales; median and min-max over {args.seeds} seeds")
-        fig.tight_layout()
-        save(fig, args.png)
+        title = f"GDPO vs GRPO, two rewards of different scales; median and min-max over {args.seeds} seeds"
+        common.save(fig, args.png, title)
     return summary
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

@@ -32,24 +32,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import exp_common as common
 import numpy as np
 import torch
-from exp_common import (
-    COLORS,
-    band,
-    column,
-    figure,
-    finish_args,
-    med_range,
-    parser,
-    print_table,
-    quiet,
-    random_token_sets,
-    run_seeds,
-    save,
-    steps_to,
-    train_grpo,
-)
 from transformers import TrainerCallback
 
 from trl_stable.testing import build_causal_lm, build_tokenizer
@@ -107,12 +92,7 @@ class MismatchedSampler:
 
 
 def task(tokenizer, seed: int):
-    target = set(random_token_sets(len(tokenizer), [128], seed=3000 + seed)[0])
-
-    def in_target_share(completion_ids, **kwargs):
-        return [sum(t in target for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-    return in_target_share
+    return common.target_share_reward(tokenizer, seed=3000 + seed)
 
 
 class GradientRecorder(TrainerCallback):
@@ -134,7 +114,7 @@ def batch_gradients(args, tokenizer, seed: int, arm: str, mismatch: bool) -> np.
     model = build_causal_lm("qwen2", tokenizer, seed=seed)
     MismatchedSampler(model, *_mismatch(args, mismatch), seed=10_000 + seed)
     recorder = GradientRecorder(model)
-    train_grpo(
+    common.train_grpo(
         model,
         tokenizer,
         [task(tokenizer, seed)],
@@ -167,7 +147,7 @@ def make_run(args, tokenizer):
 
         model = build_causal_lm("qwen2", tokenizer, seed=seed)
         MismatchedSampler(model, *_mismatch(args, True), seed=20_000 + seed)
-        _, logs = train_grpo(
+        _, logs = common.train_grpo(
             model,
             tokenizer,
             [task(tokenizer, seed)],
@@ -179,19 +159,19 @@ def make_run(args, tokenizer):
         )
         masked_key = {"icepop": "token_filter/icepop/masked_token_frac", "kpop": "token_filter/kpop/masked_token_frac"}
         metrics = {
-            "reward": column(logs, "reward"),
-            "grad_norm": column(logs, "grad_norm"),
-            "w_max": column(logs, "behaviour_weight/max"),
+            "reward": common.column(logs, "reward"),
+            "grad_norm": common.column(logs, "grad_norm"),
+            "w_max": common.column(logs, "behaviour_weight/max"),
         }
         if arm in masked_key:
-            metrics["masked"] = column(logs, masked_key[arm])
+            metrics["masked"] = common.column(logs, masked_key[arm])
         return metrics, {"rel_var": rel_var, "cos_median": float(np.median(cos))}
 
     return run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser(__doc__, steps=60, seeds=5, quick_steps=2)
+    p = common.parser(__doc__, steps=60, seeds=5, quick_steps=2)
     p.add_argument("--mismatch-prob", type=float, default=0.25, help="share of sampler positions with logit noise")
     p.add_argument("--mismatch-std", type=float, default=2.0, help="std of that noise (logit units)")
     p.add_argument("--sampler-temperature", type=float, default=1.0, help="extra sampler-only temperature")
@@ -200,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--level", type=float, default=0.9, help="reward level for 'steps to level'")
     args = p.parse_args(argv)
     quick = args.quick
-    args = finish_args(args, "exp_icepop")
+    args = common.finish_args(args, "exp_icepop")
     if quick:
         args.grad_batches = 2
     tokenizer = build_tokenizer()
@@ -208,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"IcePop/KPop: {args.seeds} seeds x {ARMS}, {args.steps} steps; sampler noise p={args.mismatch_prob} "
         f"std={args.mismatch_std}, temperature x{args.sampler_temperature}"
     )
-    runs = run_seeds(ARMS, args.seeds, make_run(args, tokenizer))
+    runs = common.run_seeds(ARMS, args.seeds, make_run(args, tokenizer))
 
     tail = max(1, args.steps // 10)
     rows, summary = [], {}
@@ -217,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         masked = runs.matrix(arm, "masked").mean(axis=1) if "masked" in runs.curves[arm] else None
         final = reward[:, -tail:].mean(axis=1)
         peak_to_end = reward.max(axis=1) - final
-        reach = np.array([steps_to(r, args.level) for r in reward])
+        reach = np.array([common.steps_to(r, args.level) for r in reward])
         gmed = np.median(gnorm, axis=1)
         gtail = np.percentile(gnorm, 95, axis=1) / gmed
         summary[arm] = {
@@ -232,17 +212,17 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             [
                 LABELS[arm],
-                med_range(runs.extra[arm]["rel_var"], "{:.1f}"),
-                med_range(runs.extra[arm]["cos_median"], "{:.2f}"),
-                med_range(gmed, "{:.3f}"),
-                med_range(gtail, "{:.1f}"),
-                med_range(reach, "{:.0f}"),
-                med_range(final, "{:.2f}"),
-                med_range(peak_to_end, "{:.2f}"),
-                "-" if masked is None else med_range(masked, "{:.3f}"),
+                common.med_range(runs.extra[arm]["rel_var"], "{:.1f}"),
+                common.med_range(runs.extra[arm]["cos_median"], "{:.2f}"),
+                common.med_range(gmed, "{:.3f}"),
+                common.med_range(gtail, "{:.1f}"),
+                common.med_range(reach, "{:.0f}"),
+                common.med_range(final, "{:.2f}"),
+                common.med_range(peak_to_end, "{:.2f}"),
+                "-" if masked is None else common.med_range(masked, "{:.3f}"),
             ]
         )
-    print_table(
+    common.print_table(
         f"median (min-max) over {args.seeds} seeds",
         [
             "arm",
@@ -258,32 +238,29 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(3, "", width=4.6, height=3.5)
-        for arm, color in zip(ARMS, COLORS, strict=False):
-            band(axes[0], runs.matrix(arm, "reward"), LABELS[arm], color, window=5)
-            band(axes[1], runs.matrix(arm, "grad_norm"), LABELS[arm], color, window=3)
+        fig, axes = common.figure(3, width=4.6, height=3.5)
+        common.arm_bands(axes[0], runs, ARMS, "reward", LABELS, window=5)
+        common.arm_bands(axes[1], runs, ARMS, "grad_norm", LABELS, window=3)
         axes[0].set(title="training reward (mismatched sampler)", xlabel="step", ylabel="5-step mean")
         axes[1].set(title="grad norm before clipping", xlabel="step", ylabel="3-step mean", yscale="log")
         axes[1].set_ylim(1e-2, 5)  # once every group is all right the gradient is 0: the curves leave the plot
         axes[0].legend(loc="upper left", fontsize=8)
         for i, arm in enumerate(ARMS):
             cosine = runs.extra[arm]["cos_median"]
-            axes[2].scatter(np.full(len(cosine), i), cosine, color=COLORS[i], alpha=0.7)
-            axes[2].hlines(np.median(cosine), i - 0.3, i + 0.3, color=COLORS[i], lw=2)
+            axes[2].scatter(np.full(len(cosine), i), cosine, color=common.COLORS[i], alpha=0.7)
+            axes[2].hlines(np.median(cosine), i - 0.3, i + 0.3, color=common.COLORS[i], lw=2)
         axes[2].set_xticks(range(len(ARMS)), list(ARMS))
         axes[2].set(
             title="step 0: cos(batch gradient, on-policy gradient)\n(dots: seeds, bar: median)", ylim=(0, None)
         )
-        fig.suptitle(
+        title = (
             f"IcePop / KPop under sampler mismatch (noise p={args.mismatch_prob}, std={args.mismatch_std}); "
-            f"median and min-max over {args.seeds} seeds",
-            fontsize=11,
+            f"median and min-max over {args.seeds} seeds"
         )
-        fig.tight_layout()
-        save(fig, args.png)
+        common.save(fig, args.png, title)
     return summary
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

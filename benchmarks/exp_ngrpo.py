@@ -23,25 +23,9 @@ update per batch, ratio 1), so NGRPO's asymmetric clipping would not act and is 
 
 from __future__ import annotations
 
+import exp_common as common
 import numpy as np
 import torch
-from exp_common import (
-    COLORS,
-    PROMPTS,
-    band,
-    column,
-    figure,
-    finish_args,
-    med_range,
-    parser,
-    print_table,
-    quiet,
-    random_token_sets,
-    run_seeds,
-    save,
-    steps_to,
-    train_grpo,
-)
 
 from trl_stable.testing import build_causal_lm, build_tokenizer
 
@@ -80,12 +64,13 @@ def make_run(args, tokenizer):
         init, arm = key.split("/")
         vocab = len(tokenizer)
         # per prompt: [wrong token, 12 wrong alternatives, `targets` answer tokens]
-        sets = random_token_sets(vocab, [1 + 12 + args.targets] * len(PROMPTS), seed=1000 + seed)
-        targets = {p: set(s[13:]) for p, s in zip(PROMPTS, sets, strict=True)}
+        sets = common.random_token_sets(vocab, [1 + 12 + args.targets] * len(common.PROMPTS), seed=1000 + seed)
+        targets = {p: set(s[13:]) for p, s in zip(common.PROMPTS, sets, strict=True)}
         model = build_causal_lm("qwen2", tokenizer, seed=seed)
         if init != "random":
             starts = {
-                p: start_distribution(init, vocab, s[0], s[1:17], args.wrong_prob) for p, s in zip(PROMPTS, sets)
+                p: start_distribution(init, vocab, s[0], s[1:17], args.wrong_prob)
+                for p, s in zip(common.PROMPTS, sets)
             }
             warm_start(model, tokenizer, starts)
         zero_grad = []
@@ -99,7 +84,7 @@ def make_run(args, tokenizer):
             zero_grad.append(float(dead.mean()))
             return rewards
 
-        _, logs = train_grpo(
+        _, logs = common.train_grpo(
             model,
             tokenizer,
             [first_token_correct],
@@ -111,21 +96,21 @@ def make_run(args, tokenizer):
             max_completion_length=2,
             learning_rate=args.learning_rate,
         )
-        reward = column(logs, "reward")
-        homogeneous = column(logs, "frac_reward_zero_std")  # TRL's count of groups whose rewards are all equal
+        reward = common.column(logs, "reward")
+        homogeneous = common.column(logs, "frac_reward_zero_std")  # TRL's count of groups whose rewards are all equal
         return {
             "reward": reward,
             "zero_grad": zero_grad[: len(reward)],
             "homogeneous": homogeneous,
-            "entropy": column(logs, "entropy"),
-            "grad_norm": column(logs, "grad_norm"),
+            "entropy": common.column(logs, "entropy"),
+            "grad_norm": common.column(logs, "grad_norm"),
         }, {}
 
     return run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser(__doc__, steps=100, seeds=5, quick_steps=3)
+    p = common.parser(__doc__, steps=100, seeds=5, quick_steps=3)
     p.add_argument("--inits", default="random,confident", help="comma-separated: random, confident, plausible")
     p.add_argument("--targets", type=int, default=32, help="answer tokens per prompt")
     p.add_argument(
@@ -134,12 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--learning-rate", type=float, default=2e-2)
     p.add_argument("--level", type=float, default=0.5, help="reward level for 'steps to level'")
-    args = finish_args(p.parse_args(argv), "exp_ngrpo")
+    args = common.finish_args(p.parse_args(argv), "exp_ngrpo")
     tokenizer = build_tokenizer()
     inits = args.inits.split(",")
     keys = [f"{init}/{arm}" for init in inits for arm in ARMS]
     print(f"NGRPO vs GRPO: {args.seeds} seeds x {keys}, {args.steps} steps")
-    runs = run_seeds(keys, args.seeds, make_run(args, tokenizer))
+    runs = common.run_seeds(keys, args.seeds, make_run(args, tokenizer))
 
     rows, summary = [], {}
     tail = max(1, args.steps // 10)
@@ -149,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
             "zero_grad_start": dead[:, :tail].mean(axis=1),
             "zero_grad_mean": dead.mean(axis=1),
             "reward_final": reward[:, -tail:].mean(axis=1),
-            "steps_to_level": np.array([steps_to(r, args.level) for r in reward]),
+            "steps_to_level": np.array([common.steps_to(r, args.level) for r in reward]),
             "entropy_start": runs.matrix(key, "entropy")[:, :tail].mean(axis=1),
             "entropy_final": runs.matrix(key, "entropy")[:, -tail:].mean(axis=1),
             "grad_norm_final": runs.matrix(key, "grad_norm")[:, -tail:].mean(axis=1),
@@ -160,16 +145,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             [
                 key,
-                med_range(stats["zero_grad_start"], "{:.2f}"),
-                med_range(stats["zero_grad_mean"], "{:.2f}"),
-                med_range(stats["reward_final"], "{:.2f}"),
-                med_range(stats["steps_to_level"], "{:.0f}"),
-                med_range(stats["entropy_start"], "{:.2f}"),
-                med_range(stats["entropy_final"], "{:.2f}"),
-                med_range(stats["grad_norm_final"], "{:.3f}"),
+                common.med_range(stats["zero_grad_start"], "{:.2f}"),
+                common.med_range(stats["zero_grad_mean"], "{:.2f}"),
+                common.med_range(stats["reward_final"], "{:.2f}"),
+                common.med_range(stats["steps_to_level"], "{:.0f}"),
+                common.med_range(stats["entropy_start"], "{:.2f}"),
+                common.med_range(stats["entropy_final"], "{:.2f}"),
+                common.med_range(stats["grad_norm_final"], "{:.3f}"),
             ]
         )
-    print_table(
+    common.print_table(
         f"median (min-max) over {args.seeds} seeds; zero-gradient groups = groups whose advantages are all 0",
         [
             "init/arm",
@@ -184,22 +169,21 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(2, "", nrows=len(inits), width=5.0, height=3.4)
+        fig, axes = common.figure(2, nrows=len(inits), width=5.0, height=3.4)
         for i, init in enumerate(inits):
             ax_r, ax_z = axes[2 * i], axes[2 * i + 1]
-            for arm, color in zip(ARMS, COLORS, strict=False):
-                band(ax_r, runs.matrix(f"{init}/{arm}", "reward"), arm.upper(), color, window=5)
-                band(ax_z, runs.matrix(f"{init}/{arm}", "zero_grad"), arm.upper(), color, window=5)
+            keys = [f"{init}/{arm}" for arm in ARMS]
+            labels = {f"{init}/{arm}": arm.upper() for arm in ARMS}
+            common.arm_bands(ax_r, runs, keys, "reward", labels, window=5)
+            common.arm_bands(ax_z, runs, keys, "zero_grad", labels, window=5)
             ax_r.set(title=f"{init} init: training reward", xlabel="step", ylabel="reward (5-step mean)", ylim=(0, 1))
             ax_z.set(title=f"{init} init: groups with zero gradient", xlabel="step", ylabel="share", ylim=(0, 1.02))
             ax_r.legend(loc="upper left")
             ax_z.legend(loc="upper right")
-        fig.suptitle(f"NGRPO vs GRPO, first-token 0/1 task; median and min-max over {args.seeds} seeds", fontsize=11)
-        fig.tight_layout()
-        save(fig, args.png)
+        common.save(fig, args.png, f"NGRPO vs GRPO, first-token 0/1 task; median and min-max over {args.seeds} seeds")
     return summary
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

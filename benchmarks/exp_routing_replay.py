@@ -30,23 +30,9 @@ update of each batch, which runs at the old-logprob pass's weights, so only rout
 
 from __future__ import annotations
 
+import exp_common as common
 import numpy as np
 import torch
-from exp_common import (
-    COLORS,
-    band,
-    column,
-    figure,
-    finish_args,
-    med_range,
-    parser,
-    print_table,
-    quiet,
-    random_token_sets,
-    run_seeds,
-    save,
-    train_grpo,
-)
 
 from trl_stable.moe import SUPPORTED_ROUTERS
 from trl_stable.moe.adapters import adapter_for
@@ -92,11 +78,7 @@ def drifting_moe(tokenizer, seed: int, init_range: float, expert_scale: float):
 def make_run(args, tokenizer):
     def run(key: str, seed: int):
         scenario, arm = key.split("/")
-        target = set(random_token_sets(len(tokenizer), [128], seed=4000 + seed)[0])
-
-        def in_target_share(completion_ids, **kwargs):
-            return [sum(t in target for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
+        in_target_share = common.target_share_reward(tokenizer, seed=4000 + seed)
         model = drifting_moe(tokenizer, seed, args.init_range, args.expert_scale)
         NoisyRouting(model, args.drift, seed=5000 + seed)  # the hooks keep it alive with the model
         config = {"routing_replay": arm}
@@ -104,7 +86,7 @@ def make_run(args, tokenizer):
             config["use_decoupled_loss"] = True
         else:
             config["num_iterations"] = 4
-        trainer_logs = train_grpo(
+        trainer_logs = common.train_grpo(
             model,
             tokenizer,
             [in_target_share],
@@ -116,11 +98,11 @@ def make_run(args, tokenizer):
         )[1]
         # r2: the reward is logged on the steps that generate, the first update of each batch, which runs at the
         # weights of the old-logprob pass: there only the routing can move the ratio off 1
-        generated = ~np.isnan(column(trainer_logs, "reward"))
+        generated = ~np.isnan(common.column(trainer_logs, "reward"))
         spread_key = "behaviour_weight/max" if scenario == "r3" else "clip_ratio/region_mean"
         return {
-            "reward": np.asarray(column(trainer_logs, "reward"))[generated],
-            "spread": np.asarray(column(trainer_logs, spread_key))[generated],
+            "reward": np.asarray(common.column(trainer_logs, "reward"))[generated],
+            "spread": np.asarray(common.column(trainer_logs, spread_key))[generated],
             "step": np.flatnonzero(generated) + 1,
         }, {}
 
@@ -128,7 +110,7 @@ def make_run(args, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = parser(__doc__, steps=60, seeds=5, quick_steps=3)
+    p = common.parser(__doc__, steps=60, seeds=5, quick_steps=3)
     p.add_argument("--scenarios", default="r3,r2", help="comma-separated: r3, r2")
     p.add_argument("--r2-steps", type=int, default=120, help="optimizer steps of the r2 runs (4 per batch)")
     p.add_argument("--drift", type=float, default=0.1, help="routing noise, in units of the router logits' std")
@@ -140,14 +122,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=0.2,
         help="initializer_range of the MoE (the kit's default is 0.02)",
     )
-    args = finish_args(p.parse_args(argv), "exp_routing_replay")
+    args = common.finish_args(p.parse_args(argv), "exp_routing_replay")
     if args.quick:
         args.r2_steps = 4
     tokenizer = build_tokenizer()
     scenarios = args.scenarios.split(",")
     keys = [f"{s}/{arm}" for s in scenarios for arm in SCENARIO_ARMS[s]]
     print(f"Routing replay: {args.seeds} seeds x {keys}, {args.steps} steps, drift {args.drift}")
-    runs = run_seeds(keys, args.seeds, make_run(args, tokenizer))
+    runs = common.run_seeds(keys, args.seeds, make_run(args, tokenizer))
 
     rows, summary = [], {}
     for key in keys:
@@ -159,14 +141,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             [
                 key,
-                med_range(reward[:, :tail].mean(axis=1), "{:.3f}"),
-                med_range(smooth_peak, "{:.3f}"),
-                med_range(final, "{:.3f}"),
-                med_range(smooth_peak - final, "{:.3f}"),
-                med_range(np.nanmedian(spread, axis=1), "{:.3g}"),
+                common.med_range(reward[:, :tail].mean(axis=1), "{:.3f}"),
+                common.med_range(smooth_peak, "{:.3f}"),
+                common.med_range(final, "{:.3f}"),
+                common.med_range(smooth_peak - final, "{:.3f}"),
+                common.med_range(np.nanmedian(spread, axis=1), "{:.3g}"),
             ]
         )
-    print_table(
+    common.print_table(
         f"median (min-max) over {args.seeds} seeds, per generation batch; spread = behaviour_weight/max (r3), or the "
         "clipped token share at the first update of a batch, whose weights are the old-logprob pass's (r2)",
         [
@@ -180,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
     )
     if args.png:
-        fig, axes = figure(len(scenarios), "", nrows=2, width=5.0, height=3.3)
+        fig, axes = common.figure(len(scenarios), nrows=2, width=5.0, height=3.3)
         titles = {
             "r3": "on-policy, sampler log-probs in the loss",
             "r2": "4 updates per batch (old-logprob pass)",
@@ -191,26 +173,25 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for i, scenario in enumerate(scenarios):
             ax_r, ax_s = axes[i], axes[len(scenarios) + i]
+            keys = [f"{scenario}/{arm}" for arm in SCENARIO_ARMS[scenario]]
+            labels = {f"{scenario}/{arm}": f"replay {arm}" for arm in SCENARIO_ARMS[scenario]}
+            # the reward is logged on the steps that generate: every step (r3), one in four (r2)
+            x = runs.matrix(keys[0], "step")[0]
             window = 5 if scenario == "r3" else 2
-            for arm, color in zip(SCENARIO_ARMS[scenario], COLORS, strict=False):
-                key = f"{scenario}/{arm}"
-                x = runs.matrix(key, "step")[0]
-                band(ax_r, runs.matrix(key, "reward"), f"replay {arm}", color, window=window, x=x)
-                band(ax_s, runs.matrix(key, "spread"), f"replay {arm}", color, window=window, x=x)
+            common.arm_bands(ax_r, runs, keys, "reward", labels, window=window, x=x)
+            common.arm_bands(ax_s, runs, keys, "spread", labels, window=window, x=x)
             ax_r.set(title=titles[scenario], xlabel="optimizer step", ylabel="training reward (smoothed)")
             ax_s.set(title=spread_labels[scenario], xlabel="optimizer step")
             ax_r.legend(loc="upper left")
             ax_s.legend(loc="upper right")
-        fig.suptitle(
+        title = (
             f"Routing replay, tiny Qwen3-MoE, routing noise {args.drift}x logit std; median and min-max over "
-            f"{args.seeds} seeds",
-            fontsize=11,
+            f"{args.seeds} seeds"
         )
-        fig.tight_layout()
-        save(fig, args.png)
+        common.save(fig, args.png, title)
     return summary
 
 
 if __name__ == "__main__":
-    quiet()
+    common.quiet()
     main()

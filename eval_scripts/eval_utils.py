@@ -40,9 +40,9 @@ def ensure_examples_on_path() -> None:
 
 
 ensure_examples_on_path()
-from embedded import embedded_policy, read_jsonl  # noqa: E402  (read_jsonl: re-exported for the eval scripts)
-from research_common import distinct_n, use_one_thread  # noqa: E402  (distinct_n: shared with the training logs)
+from embedded import embedded_policy, read_jsonl, use_one_thread  # noqa: E402  (read_jsonl: for the eval scripts)
 from scorers import continuation_logprobs  # noqa: E402
+from text_metrics import distinct_n  # noqa: E402  (distinct_n: shared with the training logs)
 
 
 def write_jsonl(path: str | os.PathLike, rows: Sequence[dict]) -> None:

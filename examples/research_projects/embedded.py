@@ -31,6 +31,18 @@ ENGLISH = "english"
 SUMMARY_PROMPT = "{article}\nTL;DR:"
 
 
+def is_embedded(model_name: str | None, offline: bool) -> bool:
+    """Embedded mode: no model named, or `--offline` (the named model is then a local directory)."""
+    return offline or model_name is None
+
+
+def use_one_thread() -> None:
+    """One torch thread unless the user chose (OMP_NUM_THREADS): for a 64-wide model, thread hand-offs cost more
+    than they give, and on a busy machine two threads ran a forward pass 30x slower than one."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The records of a JSON Lines file (blank lines skipped)."""
     with open(path, encoding="utf-8") as f:

@@ -4,23 +4,15 @@ its injected fault."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import exp_gdpo
+import exp_icepop
+import exp_ngrpo
+import exp_routing_replay
 import numpy as np
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import exp_gdpo  # noqa: E402
-import exp_icepop  # noqa: E402
-import exp_ngrpo  # noqa: E402
-import exp_routing_replay  # noqa: E402
-
-from trl_stable.testing import build_causal_lm  # noqa: E402
+from trl_stable.testing import build_causal_lm
 
 
 def test_ngrpo_quick(tmp_path):

@@ -3,6 +3,7 @@ server, and each script end to end on a tiny kit model."""
 
 import json
 import math
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -293,13 +294,18 @@ def test_continuation_logprobs_context_bos_and_empty_prompt(tiny_dir):
 
 
 def test_grpo_fluency_reward_is_inverse_conditional_perplexity(tiny_dir):
+    import importlib.util
     from pathlib import Path
 
     from eval_utils import conditional_perplexity, load_causal_lm
-    from research_common import load_script_module
 
     path = Path(__file__).resolve().parents[2] / "examples/research_projects/sentiment/grpo_intrinsic.py"
-    grpo = load_script_module(path, "sentiment_grpo_intrinsic")
+    name = "sentiment_grpo_intrinsic"  # a script: imported by path, registered first (its dataclasses look it up)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    grpo = sys.modules[name]
     model, tok = load_causal_lm(tiny_dir, device="cpu")
     prompts, completions = ["The movie", "A film"], [" was good", " ran long"]
     fluency = grpo.fluency_reward(model, tok)(prompts, completions)

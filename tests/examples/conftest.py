@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,12 @@ def embedded_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def load_script():
     """Import an example script by path under a unique name (two scripts are called ppo_intrinsic.py)."""
-    from research_common import load_script_module
 
-    return lambda relative, name: load_script_module(EXAMPLES / relative, name)
+    def load(relative: str, name: str):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, EXAMPLES / relative)
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+        return sys.modules[name]
+
+    return load

@@ -56,7 +56,8 @@ SUMMARIZATION_ROUGE = """--use_instric_reward --positive_reward_value 0.5 --nega
 
 def parse(module, cls_name: str, command: str):
     """(args, the one RELC warning's text or None, the trainer's PPOConfig) of a command."""
-    from research_common import loop_ppo_config, parse_script_args
+    from ppo_args import loop_ppo_config
+    from script_args import parse_script_args
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -85,7 +86,7 @@ def scripts(load_script):
 
 
 def test_sentiment_intrinsic_command(scripts, tmp_path):
-    from research_common import save_run_args
+    from run_saving import save_run_args
 
     args, warning, cfg = parse(scripts["sentiment"], "ScriptArguments", SENTIMENT_INTRINSIC)
     critic = args.critic
@@ -138,7 +139,7 @@ def test_sentiment_baseline_command(scripts):
 
 
 def test_toxicity_intrinsic_command(scripts, tmp_path):
-    from research_common import save_run_args
+    from run_saving import save_run_args
 
     args, warning, cfg = parse(scripts["toxicity"], "ToxicityArguments", TOXICITY_INTRINSIC)
     critic = args.critic
@@ -173,7 +174,11 @@ def test_toxicity_intrinsic_command(scripts, tmp_path):
 @pytest.mark.parametrize("intrinsic", [False, True])
 def test_toxicity_peft_command(scripts, intrinsic):
     command = TOXICITY_PEFT + (" " + TOXICITY_PEFT_INTRINSIC_FLAGS if intrinsic else "")
-    args, warning, cfg = parse(scripts["peft"], "PeftToxicityArguments", command)
+    # ppo_intrinsic_peft.py becomes the toxicity script with --use_peft and the flags given
+    launched = scripts["peft"].command(shlex.split(command))
+    assert launched[1] == scripts["toxicity"].__file__ and launched[2] == "--use_peft"
+    args, warning, cfg = parse(scripts["toxicity"], "ToxicityArguments", shlex.join(launched[2:]))
+    assert args.use_peft is True
     assert ppo_values(cfg, *PPO_FIELDS) == {
         "model_name": "meta-llama/Llama-2-7b-chat-hf",
         "learning_rate": 1.41e-5,
@@ -220,7 +225,7 @@ def test_summarization_rouge_command(scripts):
 def test_length_flags_keep_relc_meaning_and_ours_stay_inclusive(scripts):
     """RELC's flags exclude their upper bound; PPOConfig's own `--max_new_tokens` includes it, and is no longer
     overridden by a default of the RELC flag."""
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     tox, summ, sent = scripts["toxicity"], scripts["summarization"], scripts["sentiment"]
     assert parse_script_args(tox.ToxicityArguments, []).ppo_config.max_new_tokens == 14  # no RELC flag: ours
@@ -250,12 +255,12 @@ def test_no_warning_without_ignored_flags(scripts):
 def test_toxicity_positive_reward_value_has_relcs_meaning():
     """RELC's toxicity `--positive_reward_value` (+0.1 in its .sh) rewards every token outside a toxic span: our
     toxicity port maps it onto `outside_span_reward_value`, so RELC's command gives RELC's token rewards."""
-    import research_common
+    from relc_flags import relc_toxicity_values
 
     from trl_stable.rewards import CriticRewardConfig
 
     relc = CriticRewardConfig(critic_task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5)
-    mapped = research_common.relc_toxicity_values(relc)
+    mapped = relc_toxicity_values(relc)
     assert (mapped.positive_reward_value, mapped.negative_reward_value, mapped.outside_span_reward_value) == (
         0.0,
         -0.5,
@@ -265,4 +270,4 @@ def test_toxicity_positive_reward_value_has_relcs_meaning():
         critic_task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5, outside_span_reward_value=0.2
     )
     with pytest.raises(ValueError, match="name the same reward"):
-        research_common.relc_toxicity_values(both)
+        relc_toxicity_values(both)

@@ -39,7 +39,7 @@ def _history(path):
 
 
 def test_relc_sentiment_command_parses(load_script):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     args = parse_script_args(mod.ScriptArguments, shlex.split(RELC_SENTIMENT))
@@ -61,7 +61,8 @@ def test_relc_sentiment_command_parses(load_script):
 
 
 def test_relc_toxicity_and_summarization_commands_parse_and_key_is_redacted(load_script, tmp_path):
-    from research_common import parse_script_args, save_run_args
+    from run_saving import save_run_args
+    from script_args import parse_script_args
 
     tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     args = parse_script_args(tox.ToxicityArguments, shlex.split(RELC_TOXICITY))
@@ -80,7 +81,8 @@ def test_relc_toxicity_and_summarization_commands_parse_and_key_is_redacted(load
 
 
 def test_mode_defaults_and_bf16_from_accelerate(load_script, monkeypatch):
-    from research_common import EMBEDDED_PPO, parse_script_args
+    from ppo_args import EMBEDDED_PPO
+    from script_args import parse_script_args
 
     tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
 
@@ -103,7 +105,8 @@ def test_mode_defaults_and_bf16_from_accelerate(load_script, monkeypatch):
 
 
 def test_truncated_queries_and_smoothing():
-    from research_common import smooth, truncate_queries
+    from prompt_batches import truncate_queries
+    from reward_curve import smooth
 
     from trl_stable.testing import build_tokenizer
 
@@ -118,7 +121,7 @@ def test_truncated_queries_and_smoothing():
 def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path, capsys):
     """Embedded sentiment run: trains with the lexicon critic, checkpoints, saves, plots, prints its before/after
     summary; the eval scripts read it."""
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     out = tmp_path / "ppo_intrinsic"
@@ -157,7 +160,7 @@ def test_sentiment_ppo_intrinsic_end_to_end_then_eval(load_script, tmp_path, cap
 
 
 def test_toxicity_ppo_intrinsic_end_to_end(load_script, tmp_path):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     out = tmp_path / "tox"
@@ -169,18 +172,21 @@ def test_toxicity_ppo_intrinsic_end_to_end(load_script, tmp_path):
 
 
 def test_toxicity_peft_trains_only_the_adapter(load_script, tmp_path):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
-    mod = load_script("toxicity/ppo_intrinsic_peft.py", "toxicity_ppo_intrinsic_peft")
+    peft = load_script("toxicity/ppo_intrinsic_peft.py", "toxicity_ppo_intrinsic_peft")
+    tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     out = tmp_path / "tox_peft"
     argv = ["--max_steps", "1", "--model_save_path", str(out), *SMALL, *SMALL_PPO_FLAT, "--learning_rate", "1e-2"]
-    mod.run(parse_script_args(mod.PeftToxicityArguments, argv))
+    launched = peft.command(argv)  # what ppo_intrinsic_peft.py runs: the toxicity script, --use_peft, the flags
+    assert launched[1:3] == [tox.__file__, "--use_peft"]
+    tox.main(parse_script_args(tox.ToxicityArguments, launched[2:]))
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
 
 
 def test_summarization_sft_then_ppo_rouge_with_offline_critic(load_script, tmp_path):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("summarization/ppo_rouge.py", "summarization_ppo_rouge")
     out = tmp_path / "summ"
@@ -238,7 +244,7 @@ def test_every_algorithm_yaml_loads_with_its_declared_types(load_script, name):
     import typing
 
     import yaml
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
     path = EXAMPLES / "sentiment" / "configs" / name
@@ -261,7 +267,7 @@ def test_every_algorithm_yaml_loads_with_its_declared_types(load_script, name):
 
 
 def test_config_flag_and_missing_files(load_script):
-    from research_common import pop_config_flag
+    from script_args import pop_config_flag
 
     mod = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
     assert pop_config_flag(["--config", "dapo.yaml", "--max_steps", "5"]) == ("dapo.yaml", ["--max_steps", "5"])
@@ -270,9 +276,26 @@ def test_config_flag_and_missing_files(load_script):
         mod.load_yaml("no_such_algorithm.yaml")
 
 
+def test_ppo_yaml_runs_the_ppo_script_with_the_same_flags(load_script):
+    """`grpo_intrinsic.py --config ppo.yaml <flags>` becomes `ppo_intrinsic.py --config <ppo.yaml> <flags>`, which
+    takes the family's file (its `algorithm: ppo`) and refuses a GRPO one."""
+    from script_args import parse_script_args
+
+    grpo = load_script("sentiment/grpo_intrinsic.py", "sentiment_grpo_intrinsic")
+    ppo = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+    command = grpo.ppo_command("ppo.yaml", ["--epochs", "10", "--output_dir", "out/x"])
+    assert command[1] == ppo.__file__ and command[2:4] == ["--config", str(EXAMPLES / "sentiment/configs/ppo.yaml")]
+    assert command[4:] == ["--epochs", "10", "--model_save_path", "out/x"]
+    args = parse_script_args(ppo.ScriptArguments, command[2:])
+    assert (args.epochs, args.model_save_path, args.critic.use_intrinsic_reward) == (10, "out/x", True)
+    assert (args.ppo_config.min_new_tokens, args.ppo_config.max_new_tokens) == (15, 20)  # the file's values
+    with pytest.raises(ValueError, match="algorithm 'gdpo' is not what this script runs"):
+        parse_script_args(ppo.ScriptArguments, ["--config", str(EXAMPLES / "sentiment/configs/gdpo.yaml")])
+
+
 def test_yaml_and_flags_take_the_declared_type(load_script, tmp_path):
     """`learning_rate: 1e-4` is a string to YAML; the file and the flag both arrive as the field's float."""
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     config = tmp_path / "run.yaml"
@@ -337,7 +360,7 @@ def test_grpo_gdpo_yaml_with_dense_critic_trains(load_script, tmp_path):
 @pytest.mark.slow
 def test_embedded_sentiment_reward_rises(load_script, tmp_path):
     """The README quick start: on the embedded default the reward rises within a few dozen PPO steps."""
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     torch.manual_seed(0)
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
@@ -348,7 +371,7 @@ def test_embedded_sentiment_reward_rises(load_script, tmp_path):
 
 
 def test_resume_from_checkpoint_reproduces_the_run(load_script, tmp_path):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     base = ["--use_intrinsic_reward", "--max_steps", "3", "--save_freq", "1", *SMALL, *SMALL_PPO_NESTED]

@@ -19,7 +19,7 @@ def captured(monkeypatch):
     seen = {"rows": []}
 
     def spy_on(module):
-        trainer_cls, build, log_cls = module.PPOTrainer, module.build_intrinsic_reward, module.RunLog
+        trainer_cls, build, batches_cls = module.PPOTrainer, module.build_intrinsic_reward, module.PromptBatches
 
         class Trainer(trainer_cls):
             def __init__(self, *args, **kwargs):
@@ -40,14 +40,14 @@ def captured(monkeypatch):
 
             return None if critic is None else Recording()
 
-        class RunLog(log_cls):
-            def batches(self, records):
+        class PromptBatches(batches_cls):
+            def __init__(self, records, *args, **kwargs):
                 seen["queries"] = records
-                return super().batches(records)
+                super().__init__(records, *args, **kwargs)
 
         monkeypatch.setattr(module, "PPOTrainer", Trainer)
         monkeypatch.setattr(module, "build_intrinsic_reward", build_intrinsic_reward)
-        monkeypatch.setattr(module, "RunLog", RunLog)
+        monkeypatch.setattr(module, "PromptBatches", PromptBatches)
 
     seen["spy_on"] = spy_on
     return seen
@@ -64,7 +64,7 @@ def _fake_openai_server():
 
 def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured, tmp_path, monkeypatch):
     """RELC's PPO, length, sharing, data and critic flags, through an OpenAI-compatible critic server."""
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     captured["spy_on"](mod)
@@ -117,7 +117,8 @@ def test_sentiment_flags_reach_the_trainer_data_and_critic(load_script, captured
 
 
 def test_intrinsic_threshold_and_backend_choice(load_script, tmp_path, tiny_dir):
-    from research_common import build_intrinsic_reward, parse_script_args
+    from critic_rewards import build_intrinsic_reward
+    from script_args import parse_script_args
 
     from trl_stable.rewards import LexiconCritic, OpenAICritic, TransformersCritic
     from trl_stable.testing import build_tokenizer
@@ -159,7 +160,8 @@ def tiny_dir(tmp_path_factory):
 
 def test_every_ppo_flag_lands_in_ppo_config(load_script, tmp_path):
     """The flat RELC flags of the toxicity script are PPOConfig's own fields; the loop's config keeps them."""
-    from research_common import loop_ppo_config, parse_script_args
+    from ppo_args import loop_ppo_config
+    from script_args import parse_script_args
 
     tox = load_script("toxicity/ppo_intrinsic.py", "toxicity_ppo_intrinsic")
     flags = {"model_name": "m", "target_kl": "None", "kl_penalty": "mse", "vf_coef": "0.3", "gamma": "0.9"}
@@ -175,8 +177,9 @@ def test_every_ppo_flag_lands_in_ppo_config(load_script, tmp_path):
 
 
 def test_secrets_are_redacted_from_run_args_and_argv(tmp_path):
-    from research_common import redact_argv, save_run_args
+    from run_saving import save_run_args
 
+    from trl_stable.redaction import redact_argv
     from trl_stable.rewards import CriticRewardConfig
 
     argv = ["script.py", "--perspective_api", "KEY-1", "--perspective_api=KEY-2", "--model_name", "gpt2"]
@@ -263,7 +266,7 @@ def test_classifier_label_conventions(tmp_path):
 def test_every_process_takes_the_same_number_of_steps(tmp_path):
     """63 prompts over 2 processes are shards of 32 and 31; with batch 16 both must take 1 step per epoch (a
     process taking a second step would hang in the step's collective ops)."""
-    from research_common import PromptBatches
+    from prompt_batches import PromptBatches
 
     class Accelerator:
         num_processes = 2

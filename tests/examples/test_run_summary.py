@@ -1,4 +1,4 @@
-"""The end-of-run side-by-side of the research scripts (`research_common.run_summary`), the before/after samples
+"""The end-of-run side-by-side of the research scripts (`run_summary.run_summary`), the before/after samples
 (`sample_preview`), the embedded critic defaults of the sentiment script and the offline sentiment evaluators."""
 
 import random
@@ -15,7 +15,7 @@ def _history(rewards, kls, d2s):
 
 
 def test_run_summary_hand_values_and_caution():
-    from research_common import run_summary
+    from run_summary import run_summary
 
     history = _history([0.0, 0.2, 0.8, 1.0], [0.0, 2.0, 20.0, 30.0], [0.9, 0.7, 0.4, 0.2])
     text = run_summary(history, ["The film"], [" was long"], [" great great"], "reward", target_kl=6.0, window=2)
@@ -25,20 +25,23 @@ def test_run_summary_hand_values_and_caution():
         "0.100 -> 0.900" in lines[1] and "KL to the reference (target 6)" in lines[3] and "1.00 -> 25.00" in lines[3]
     )
     assert "0.800 -> 0.300" in lines[4]
+    assert lines[5] == "  KL at the end vs its target 6      25.00, +19.00 (+317%)"  # (20 + 30) / 2 - 6
     assert "Caution: the KL ends at 25.0, above twice its target 6 and distinct-2 fell from 0.80 to 0.30" in text
     assert "    before: 'was long'" in text and "    after:  'great great'" in text
 
 
 def test_run_summary_without_trouble_has_no_caution():
-    from research_common import run_summary
+    from run_summary import run_summary
 
     history = _history([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 3.0, 4.0], [0.9, 0.9, 0.85, 0.85])
     text = run_summary(history, ["p"], ["a"], ["b"], target_kl=6.0, window=20)  # a short run: its two halves
     assert text.splitlines()[0] == "Summary: means of steps 1-2 -> steps 3-4" and "Caution" not in text
+    assert "  KL at the end vs its target 6      3.50, -2.50 (-42%)" in text  # below the target: how far, too
+    assert "KL at the end" not in run_summary(history, ["p"], ["a"], ["b"], target_kl=None)
 
 
 def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):
-    from research_common import sample_preview
+    from run_summary import sample_preview
 
     from trl_stable import PPOConfig, PPOTrainer
     from trl_stable.testing import build_causal_lm
@@ -57,7 +60,7 @@ def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):
 
 
 def test_embedded_sentiment_critic_is_afinn_bounded_paper_mode_is_relc(load_script):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
     critic = parse_script_args(mod.ScriptArguments, ["--use_intrinsic_reward"]).critic

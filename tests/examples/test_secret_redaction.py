@@ -65,7 +65,7 @@ def test_grpo_script_writes_no_secret(load_script, tmp_path, monkeypatch, capfd,
 
 
 def test_ppo_script_writes_no_secret(load_script, tmp_path, monkeypatch, capfd, caplog):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     out = tmp_path / "ppo"
     argv = ["--use_intrinsic_reward", "--max_steps", "2", "--save_freq", "1", "--model_save_path", str(out)]
@@ -85,7 +85,7 @@ def test_ppo_script_writes_no_secret(load_script, tmp_path, monkeypatch, capfd, 
 @pytest.mark.parametrize("script, cls", [("sentiment/ppo_intrinsic.py", "ScriptArguments"),
                                          ("sentiment/grpo_intrinsic.py", "GRPOScriptArguments")])  # fmt: skip
 def test_key_in_the_variable_name_flag_is_refused_unechoed(load_script, capfd, script, cls):
-    from research_common import parse_script_args
+    from script_args import parse_script_args
 
     mod = load_script(script, script.replace("/", "_").removesuffix(".py"))
     with pytest.raises(SystemExit):  # tyro prints the config's error and exits

@@ -128,7 +128,7 @@ def test_alarm_clears_after_recovery_and_single_spike_is_ignored():
 def test_clipped_ratio_alone_trips_length_alarm():
     tracker, events = replay(with_fault("completions/clipped_ratio", lambda i: 0.5))
     assert raised(events) == ["length_near_cap"]
-    assert "50% of completions truncated" in events[0].symptom
+    assert "50% of completions truncated at the cap, up from 2% at the start" in events[0].symptom
 
 
 def test_repeat_every_and_disabled_alarms():
@@ -186,17 +186,56 @@ def test_clipped_ratio_alarm_needs_no_cap():
     # A plain TRL run whose cap is unknown still reports truncation; the mean length alone needs the cap.
     tracker = HealthTracker(HealthConfig())
     events = []
-    for step in range(1, 5):
-        events += tracker.update({"completions/mean_length": 500.0, "completions/clipped_ratio": 0.6}, step=step)
-    assert raised(events) == ["length_near_cap"]
-    assert events[0].symptom == "60% of completions truncated at the cap (alarm >= 30%)"
+    for step in range(1, 9):  # 5 records of reference (5% truncated), then 60%: raised on the third
+        clipped = 0.05 if step <= 5 else 0.6
+        events += tracker.update({"completions/mean_length": 500.0, "completions/clipped_ratio": clipped}, step=step)
+    assert [(e.kind, e.alarm, e.step) for e in events] == [("raised", "length_near_cap", 8)]
+    assert events[0].symptom == (
+        "60% of completions truncated at the cap, up from 5% at the start (alarm at a rise of 30 points)"
+    )
     tracker = HealthTracker(HealthConfig())
-    assert not any(tracker.update({"completions/mean_length": 500.0}, step=s) for s in range(1, 5))
+    assert not any(tracker.update({"completions/mean_length": 500.0}, step=s) for s in range(1, 9))
+
+
+def truncated_by_design(n=160, seed=0, blow_up_at=None):
+    """PPO records of a run that truncates by design, as the README's main command does (lengths drawn in [15, 20]
+    per batch, cap 20, batches of 16): a mean length of 10-15 tokens and 10-45% of the responses cut at their drawn
+    length. From `blow_up_at` on, the policy loops: every response runs to the cap."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        looping = blow_up_at is not None and i >= blow_up_at
+        truncated = 1.0 if looping else rng.choice([2, 3, 4, 5, 6, 7]) / 16
+        length = 19.5 if looping else rng.uniform(10, 15)
+        out.append({"step": i + 1, "tokens/response_len_mean": length, "tokens/truncated_frac": truncated})
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_truncation_by_design_raises_nothing_a_loop_does(seed):
+    """The class of false alarm the README's main command raised at step 3 (38% truncated against an absolute 30%):
+    a level that is the run's design from its first step is no alarm; the same run starting to loop is one."""
+    tracker = HealthTracker(HealthConfig(), max_completion_length=20)
+    assert [e for r in truncated_by_design(seed=seed) for e in tracker.update(r, step=r["step"])] == []
+    tracker = HealthTracker(HealthConfig(), max_completion_length=20)
+    events = [e for r in truncated_by_design(seed=seed, blow_up_at=80) for e in tracker.update(r, step=r["step"])]
+    assert [(e.kind, e.alarm, e.step) for e in events if e.kind != "repeated"] == [("raised", "length_near_cap", 83)]
+    assert events[0].symptom.startswith("mean completion length 19.5 is 98% of the cap 20 (it started at 1")
+    assert "100% of completions truncated at the cap, up from" in events[0].symptom
+
+
+def test_completions_at_the_cap_from_the_start_raise_nothing():
+    """A fixed-length run (EOS masked, every completion 16 of 16 tokens) sits at the cap by design: neither its
+    length nor its truncated share can rise, and neither alarms."""
+    tracker = HealthTracker(HealthConfig(), max_completion_length=16)
+    records = [{"tokens/response_len_mean": 16.0, "tokens/truncated_frac": 1.0} for _ in range(60)]
+    assert not any(tracker.update(r, step=i + 1) for i, r in enumerate(records))
+    assert tracker.active == []
 
 
 def test_length_symptom_names_what_tripped():
     _, events = replay(with_fault("completions/mean_length", lambda i: 0.95 * CAP))
-    assert events[0].symptom.startswith(f"mean completion length {0.95 * CAP:.1f} is 95% of the cap {CAP}")
+    assert events[0].symptom.startswith(f"mean completion length {0.95 * CAP:.1f} is 95% of the cap {CAP} (it started")
     _, events = replay(with_fault("completions/clipped_ratio", lambda i: 0.5))
     # the mean length (~30) is far from the cap: the symptom gives its share, it does not call it "near"
     assert "near" not in events[0].symptom and "50% of completions truncated" in events[0].symptom
@@ -352,8 +391,9 @@ def test_kl_alarm_thresholds_are_configurable_and_need_a_target():
 
 
 # objective/kl of the README's main command (examples/research_projects/sentiment/ppo_intrinsic.py
-# --use_intrinsic_reward, embedded default: target 6, init_kl_coef 0.1, horizon 10000), one value per PPO step; the
-# adaptive coefficient went from 0.1 to 0.103 while the KL sat at 5-7x its target for 100 steps
+# --use_intrinsic_reward) under an earlier embedded default (a VADER critic with RELC's unbounded scale, target 6,
+# init_kl_coef 0.1, horizon 10000), one value per PPO step; the adaptive coefficient went from 0.1 to 0.103 while
+# the KL sat at 5-7x its target for 100 steps
 README_RUN_KL = [
     0.0, -0.0, 0.4, 1.3, 2.4, 2.4, 3.3, 2.6, 4.8, 5.6, 6.5, 4.9, 3.8, 5.5, 6.8, 5.9, 7.4, 2.4, 6.4, 6.1, 3.1, 7.3, 4.8,
     7.1, 8.8, 6.7, 10.1, 8.1, 9.8, 11.8, 15.3, 12.7, 18.1, 10.0, 13.7, 19.4, 19.3, 18.3, 14.0, 11.9, 22.0, 23.9, 20.2,

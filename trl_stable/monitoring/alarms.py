@@ -70,7 +70,8 @@ _SPECS = [
         severity=WARNING,
         metric="completions/mean_length",
         symptom="completion length {value:.1f} is near the cap {threshold:.0f}",
-        cause="completions run into max_completion_length: the model loops or repeats itself",
+        cause="completions run into max_completion_length more than they did at the start of the run: the model "
+        "loops or repeats itself",
         remedy="add an overlong penalty (DAPO soft punishment), mask truncated completions "
         "(mask_truncated_completions=True), or raise max_completion_length if answers are legitimately long",
     ),

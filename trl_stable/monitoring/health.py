@@ -53,6 +53,8 @@ DEFAULT_METRIC_KEYS: dict[str, tuple[str, ...]] = {
 MASKED_FRACTION_PATTERN = r"^(?!eval_)(?!.*seq)(?=.*(icepop|kpop))(?=.*(mask|clamp|filter|drop)).*(frac|ratio|share)"
 
 GAUGES = tuple(DEFAULT_METRIC_KEYS)
+# Gauges judged against the run's own start (the median of their first `reference_window` values).
+_REFERENCE_GAUGES = ("grad_norm", "entropy", "completion_length", "clipped_ratio")
 
 
 @dataclass
@@ -96,8 +98,9 @@ class HealthConfig:
     reference_window: int = field(
         default=5,
         metadata={
-            "help": "The first this-many finite values of grad_norm and entropy are the run's reference for "
-            "the relative floors."
+            "help": "The first this-many finite values of grad_norm, entropy, the completion length and the "
+            "truncated share are the run's reference (their median): for the relative floors, and for the length "
+            "alarm, which judges a run against where it started."
         },
     )
     grad_norm_floor: float = field(default=1e-6, metadata={"help": "grad_norm below this is 'near zero'."})
@@ -113,10 +116,19 @@ class HealthConfig:
         },
     )
     length_cap_ratio: float = field(
-        default=0.9, metadata={"help": "Alarm when the mean completion length exceeds this fraction of the cap."}
+        default=0.9,
+        metadata={
+            "help": "Alarm when the mean completion length reaches this fraction of the cap, having started below "
+            "it (completions that start at the cap do so by design: a fixed length, a cap below the answers)."
+        },
     )
     clipped_ratio_alarm: float = field(
-        default=0.3, metadata={"help": "Alarm when this share of completions is truncated at the cap."}
+        default=0.3,
+        metadata={
+            "help": "Alarm when the share of completions truncated at the cap rises this much above where the run "
+            "started (its reference): a share that is high from the start is the run's design (a length drawn "
+            "per batch, as RELC's length sampler does), a rise is completions running longer (loops)."
+        },
     )
     entropy_floor: float = field(
         default=0.05,
@@ -402,7 +414,7 @@ class HealthTracker:
         self.states = {name: _AlarmState() for name in ALARMS if name not in self.config.disabled_alarms}
         self.rewards: deque[float] = deque(maxlen=self.config.plateau_window)
         self.reward_ceiling: float | None = None
-        self._references: dict[str, list[float]] = {"grad_norm": [], "entropy": []}
+        self._references: dict[str, list[float]] = {g: [] for g in _REFERENCE_GAUGES}
         self.last_gauges: dict[str, float] = {}
 
     @property
@@ -416,12 +428,18 @@ class HealthTracker:
         return min(steps) if steps else None
 
     def _reference(self, gauge: str, value: float) -> float | None:
+        """The run's reference of `gauge` (the median of its first `reference_window` values), None while `value`
+        is still one of them."""
         values = self._references[gauge]
         if len(values) < self.config.reference_window:
             if math.isfinite(value):
                 values.append(value)
             return None
         return statistics.median(values)
+
+    def _started_at(self, gauge: str) -> float | None:
+        values = self._references[gauge]
+        return statistics.median(values) if len(values) >= self.config.reference_window else None
 
     def _conditions(self, gauges: dict[str, float]) -> dict[str, tuple[bool, float | None, float | None]]:
         """alarm -> (holds, value, threshold) for the alarms this record has data for."""
@@ -483,14 +501,21 @@ class HealthTracker:
         return out
 
     def _length_condition(self, finite: dict[str, float]) -> tuple[bool, float | None, float | None] | None:
-        """Completions near the cap: the mean length (needs the cap) or the truncated share (needs no cap)."""
+        """Completions running into the cap more than they did at the start: the mean length reaching
+        `length_cap_ratio` of the cap from below (needs the cap), or the truncated share rising by
+        `clipped_ratio_alarm` over its reference (needs no cap). Judged against the run's own start, as the relative
+        floors are: a run sampled at a fixed or drawn length is truncated from its first step by design."""
+        cfg = self.config
         cap = self.max_completion_length
         length = finite.get("completion_length") if cap else None
         clipped = finite.get("clipped_ratio")
-        if length is None and clipped is None:
+        length_ref = None if length is None else self._reference("completion_length", length)
+        clipped_ref = None if clipped is None else self._reference("clipped_ratio", clipped)
+        if length_ref is None and clipped_ref is None:  # no data, or the reference is still being taken
             return None
-        near = length is not None and length >= self.config.length_cap_ratio * cap
-        truncated = clipped is not None and clipped >= self.config.clipped_ratio_alarm
+        near_cap = cfg.length_cap_ratio * cap if cap else None
+        near = length_ref is not None and length_ref < near_cap <= length
+        truncated = clipped_ref is not None and clipped >= clipped_ref + cfg.clipped_ratio_alarm
         return near or truncated, length, cap
 
     def update(self, logs: Mapping[str, Any], step: int | None = None) -> list[HealthEvent]:
@@ -591,12 +616,17 @@ class HealthTracker:
     def _length_symptom(self, length: float | None, cap: float | None) -> str:
         parts = []
         if length is not None and cap:
-            parts.append(f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}")
+            part = f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}"
+            start = self._started_at("completion_length")
+            parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
         clipped = self.last_gauges.get("clipped_ratio")
         if clipped is not None:
-            parts.append(
-                f"{clipped:.0%} of completions truncated at the cap (alarm >= {self.config.clipped_ratio_alarm:.0%})"
-            )
+            part = f"{clipped:.0%} of completions truncated at the cap"
+            start = self._started_at("clipped_ratio")
+            if start is not None:
+                rise = 100 * self.config.clipped_ratio_alarm
+                part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
+            parts.append(part)
         return ", ".join(parts)
 
     def meta(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Each YAML names its `algorithm` and holds `grpo:` fields (any `trl_stable.GRPOCo
 flags as usual (`--max_steps 40`, `--use_intrinsic_reward`), GRPOConfig fields as `--grpo.<field> <value>`
 (`--grpo.epsilon_high 0.28`; booleans are flags: `--grpo.use_decoupled_loss`); file and flag values both take the
 field's type.
-`configs/ppo.yaml` (`algorithm: ppo`) runs `ppo_intrinsic.py` with its fields instead.
+`configs/ppo.yaml` (`algorithm: ppo`) runs `ppo_intrinsic.py --config configs/ppo.yaml` with the other flags instead.
 
 Rewards: sentiment (VADER compound of the completion, or a hub classifier's positive logit), fluency (exp of the mean
 token log-prob of the completion under the frozen initial policy, in (0, 1]), and, with `--use_intrinsic_reward`,
@@ -33,27 +33,22 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from research_common import (  # noqa: E402
-    build_intrinsic_reward,
-    is_embedded,
-    load_script_module,
-    parse_script_args,
-    plot_reward_curve,
-    pop_config_flag,
-    read_config,
-    redact_argv,
-    save_run_args,
-    truncate_queries,
-    use_one_thread,
-    write_history,
-)
-from scorers import VADER, build_sentiment_logit, continuation_logprobs, vader_compound  # noqa: E402
+from critic_rewards import build_intrinsic_reward  # noqa: E402
+from embedded import embedded_policy, is_embedded  # noqa: E402
+from policy_loading import load_policy  # noqa: E402
+from prompt_batches import truncate_queries  # noqa: E402
+from reward_curve import plot_reward_curve  # noqa: E402
+from run_saving import save_run_args, write_history  # noqa: E402
+from scorers import continuation_logprobs  # noqa: E402
+from script_args import parse_script_args, pop_config_flag, read_config  # noqa: E402
+from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer  # noqa: E402
 
 from trl_stable import GRPOConfig  # noqa: E402
+from trl_stable.redaction import redact_argv  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-_ppo_script = load_script_module(Path(__file__).resolve().parent / "ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+PPO_SCRIPT = Path(__file__).resolve().parent / "ppo_intrinsic.py"
 ALGORITHMS = ("grpo", "dr_grpo", "liteppo", "rloo", "gspo", "dapo", "sapo", "icepop", "kpop", "gdpo", "ngrpo", "ppo")
 # GRPOConfig values of the embedded run (tiny model, CPU); in paper mode these fields keep GRPOConfig's defaults.
 EMBEDDED_GRPO = {
@@ -159,7 +154,7 @@ def fluency_reward(model, tokenizer):
 
 
 def sentiment_reward(name: str):
-    score = vader_compound if name == VADER else build_sentiment_logit(name)
+    score = sentiment_scorer(name)
 
     def sentiment(prompts, completions, **kwargs) -> list[float]:
         return score(list(completions))
@@ -170,29 +165,21 @@ def sentiment_reward(name: str):
 def run_grpo(args: GRPOScriptArguments) -> list[dict]:
     """Train with trl_stable.GRPOTrainer; returns the per-step history (reward, per-function means)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from trl_stable import GRPOTrainer
 
     embedded = is_embedded(args.model_name, args.offline)
     seed = args.grpo.seed
-    if embedded:
-        use_one_thread()
-    if args.model_name is None:
-        from embedded import embedded_policy
-
-        model, tokenizer = embedded_policy("sentiment", seed=seed)
-        reference, _ = embedded_policy("sentiment", seed=seed)  # a second copy: frozen, for the fluency reward
+    model, tokenizer = load_policy(args.model_name, seed, None, "sentiment", embedded)
+    if args.model_name is None:  # a second copy: frozen, for the fluency reward
+        reference, _ = embedded_policy("sentiment", seed=seed)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
-        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-        tokenizer.padding_side = "left"
-        model = args.model_name
         reference = AutoModelForCausalLM.from_pretrained(args.model_name)
-    texts = _ppo_script.load_review_texts(args.query_dataset, embedded)
+    texts = load_review_texts(args.query_dataset, embedded)
     queries = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, seed)
     prompts = [q["query"] for q in queries]
-    funcs = [sentiment_reward(args.reward_model or (VADER if embedded else _ppo_script.PAPER_REWARD_MODEL))]
+    funcs = [sentiment_reward(sentiment_model(args.reward_model, embedded))]
     weights = [args.sentiment_weight]
     if args.fluency_weight:
         funcs.append(fluency_reward(reference, tokenizer))
@@ -226,20 +213,24 @@ def run_grpo(args: GRPOScriptArguments) -> list[dict]:
     return history
 
 
+def ppo_command(config: str, argv: Sequence[str]) -> list[str]:
+    """`ppo_intrinsic.py --config <the PPO config file> <flags>`: one output flag for the whole family, so
+    `--output_dir` is the PPO script's `--model_save_path`."""
+    flags = [a.replace("--output_dir", "--model_save_path", 1) if a.startswith("--output_dir") else a for a in argv]
+    return [sys.executable, str(PPO_SCRIPT), "--config", config_path(config), *flags]
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     config, rest = pop_config_flag(list(sys.argv[1:] if argv is None else argv))
     values = load_yaml(config)
     if values.get("algorithm") == "ppo":
-        values.pop("algorithm")
-        # one output flag for the whole family: --output_dir is the PPO script's --model_save_path
-        rest = [a.replace("--output_dir", "--model_save_path", 1) if a.startswith("--output_dir") else a for a in rest]
-        args, run = parse_script_args(_ppo_script.ScriptArguments, rest, file_values=values), _ppo_script.main
-    else:
-        description = __doc__.split("\n\n")[0]
-        args, run = parse_script_args(GRPOScriptArguments, rest, description, file_values=values), run_grpo
+        # PPO with a value model is the PPO script's run: this process becomes it, with the same flags
+        os.execv(sys.executable, ppo_command(config, rest))
+    description = __doc__.split("\n\n")[0]
+    args = parse_script_args(GRPOScriptArguments, rest, description, file_values=values)
     if argv is None:  # parsed: trackers (wandb) record sys.argv with the run, so its secrets go now
         redact_argv(sys.argv)
-    return run(args)
+    return run_grpo(args)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ The embedded environment reward is VADER's compound score; the embedded critic r
 `--critic_lexicon afinn`), so it is not the reward densified, and its per-sample absolute sum is bounded by a
 quarter of the reward's range (`--intrinsic_reward_max_sum 0.5`). `--critic_lexicon vader
 --intrinsic_reward_max_sum None` is the earlier setting (critic = reward lexicon, RELC's unbounded +-0.5 per token).
-At the end the run prints a side-by-side of its first and last steps: reward, KL, distinct-2 of the rollouts and two
-continuations before / after.
+The adaptive KL controller aims at a KL of 6 with a horizon the 160-step run can follow (`--ppo_config.horizon 512`,
+`--ppo_config.init_kl_coef 0.3`; `EMBEDDED_KL`). At the end the run prints a side-by-side of its first and last
+steps: reward, KL and how far it ended from its target, distinct-2 of the rollouts and two continuations before /
+after.
 
 Paper mode (gpt2-large policy, IMDB prompts of 4-10 tokens, lvwerra/distilbert-imdb positive logit as reward, a
 GPT critic through `OPENAI_API_KEY`):
@@ -40,52 +42,53 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedded import SENTIMENT_REVIEWS, read_jsonl  # noqa: E402
-from research_common import (  # noqa: E402
-    RelcPPOConfig,
-    RunArgs,
-    RunLog,
-    build_intrinsic_reward,
-    critic_token_rewards,
-    default_save_path,
-    is_embedded,
-    load_policy,
-    loop_ppo_config,
-    parse_script_args,
-    ppo_mode_defaults,
-    relc_length_range,
-    run_summary,
-    sample_preview,
-    truncate_queries,
-)
-from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
+from critic_rewards import build_intrinsic_reward, critic_token_rewards  # noqa: E402
+from embedded import is_embedded  # noqa: E402
+from policy_loading import load_policy  # noqa: E402
+from ppo_args import RunArgs, default_save_path, epochs_for, loop_ppo_config, ppo_mode_defaults  # noqa: E402
+from prompt_batches import PromptBatches, truncate_queries  # noqa: E402
+from relc_flags import RelcPPOConfig, relc_length_range  # noqa: E402
+from run_log import StepLog  # noqa: E402
+from run_saving import resume_run, save_checkpoint, save_run, save_run_args  # noqa: E402
+from run_summary import run_summary, sample_preview  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
+from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
-PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
 # The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum
 # bounded by 0.5 against a reward in [-1, 1]. docs/results_relc.md measures why: unbounded (RELC's +-0.5 per token)
 # the policy collapses to repeated sentiment words whichever lexicon the critic reads; a bound of 1 or 0.5 earns
 # the same reward at matched KL, 0.5 keeping the held-out diversity and perplexity closer to the baseline's.
 EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
+# The embedded run's KL controller (target 6): Ziegler et al.'s horizon of 10000 samples is ~5 horizons of a paper
+# run (about 48k samples) but 4 times the whole embedded run (160 steps x 16 = 2560 samples), where the coefficient
+# could move by 5% at most and every arm's KL overshot to 10-11. A horizon of 512 gives the embedded run the paper's
+# 5 horizons (the coefficient can move 2.7x). Measured on seeds 0-2 (last 20 steps): horizons of 1000-10000 ended at
+# a KL of 7.8-11, horizons of 250-512 with an initial coefficient of 0.2-0.3 at 6.4-7.8 (0.1: 9.5-9.8); 0.3 with 512
+# ends at 6.7-7.4, the coefficient settling at 0.27-0.29.
+EMBEDDED_KL = {"init_kl_coef": 0.3, "horizon": 512.0}
 # The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
 # before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
 PREVIEW_PROMPTS = ("The movie starts with", "The film is about")
 
 
 def sentiment_mode_defaults(args) -> dict:
-    """`ppo_mode_defaults`, plus `EMBEDDED_CRITIC` in embedded mode."""
+    """`ppo_mode_defaults`, plus `EMBEDDED_CRITIC` and `EMBEDDED_KL` in embedded mode."""
     defaults = ppo_mode_defaults(args)
     if args is not None and is_embedded(args.ppo_config.model_name, args.offline):
-        defaults = {**defaults, "critic": {**defaults.get("critic", {}), **EMBEDDED_CRITIC}}
+        defaults = {
+            "ppo_config": {**defaults["ppo_config"], **EMBEDDED_KL},
+            "critic": {**defaults.get("critic", {}), **EMBEDDED_CRITIC},
+        }
     return defaults
 
 
@@ -152,6 +155,8 @@ class ScriptArguments(RunArgs):
     critic: Annotated[CriticRewardConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=CriticRewardConfig)
     """The critic (RELC's flags: --use_intrinsic_reward, --positive_reward_value, ...)."""
     mode_defaults = staticmethod(sentiment_mode_defaults)
+    config_algorithm: ClassVar[str] = "ppo"
+    """The `algorithm:` of the family's config files this script runs (`configs/ppo.yaml`)."""
 
     @staticmethod
     def finalize(args: ScriptArguments) -> ScriptArguments:
@@ -159,36 +164,31 @@ class ScriptArguments(RunArgs):
         return replace(args, ppo_config=replace(args.ppo_config, **lengths)) if lengths else args
 
 
-def load_review_texts(source: str | None, embedded: bool) -> list[str]:
-    if source is None and embedded:
-        return [r["text"] for r in read_jsonl(SENTIMENT_REVIEWS)]
-    if source is not None and Path(source).is_file():
-        return [r["text"] for r in read_jsonl(source)]
-    from datasets import load_dataset
-
-    ds = load_dataset(source or "imdb", split="train")
-    return [t for t in ds["text"] if len(t) > 200]  # RELC drops short reviews
-
-
 def main(args: ScriptArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
     ppo = args.ppo_config
     embedded = is_embedded(ppo.model_name, args.offline)
-    reward_model = args.reward_model or (VADER if embedded else PAPER_REWARD_MODEL)
-    sentiment = vader_compound if reward_model == VADER else build_sentiment_logit(reward_model)
+    reward_model = sentiment_model(args.reward_model, embedded)
+    sentiment = sentiment_scorer(reward_model)
     texts = load_review_texts(args.query_dataset, embedded)
     save_path = default_save_path("sentiment", args.critic.use_intrinsic_reward, args.model_save_path)
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "sentiment", embedded)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, ppo.seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(args.critic, "sentiment", tokenizer)
-    log = RunLog(trainer, "sentiment", args, save_path, embedded, critic)
+    if trainer.accelerator.is_main_process:
+        save_run_args(args, save_path)
+    # --resume_from_checkpoint: the trainer's state and the critic's counters, then the prompt order from there
+    start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
+    epochs = epochs_for(args, embedded)
+    batches = PromptBatches(prompts, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+    log = StepLog(trainer, "sentiment", len(batches), start, history)
     preview_prompts = list(PREVIEW_PROMPTS)
     before = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
 
     # RELC: sample a continuation of each review opening, score its sentiment, let the critic reward the tokens of
     # the spans that made it positive or negative, and take a PPO step on the sum
-    for records in log.batches(prompts):
+    for step, records in enumerate(batches.from_step(start), start + 1):
         queries = [torch.tensor(r["input_ids"]) for r in records]
         responses = trainer.generate(queries, return_prompt=False)
         query_texts = [r["query"] for r in records]
@@ -197,12 +197,18 @@ def main(args: ScriptArguments) -> list[dict]:
         env_scores = [float(s) for s in sentiment(scored)]
         intrinsic = critic_token_rewards(critic, query_texts, response_texts, responses, env_scores)
         stats = trainer.step(queries, responses, token_rewards=intrinsic, scores=env_scores)
-        log.record(env_scores, intrinsic, stats, responses=response_texts)
-    history = log.finish()
+        log.record(step, env_scores, intrinsic, stats, responses=response_texts, critic=critic)
+        if args.save_freq and step % args.save_freq == 0:
+            save_checkpoint(trainer, save_path, step, log.history, critic)
+    history = log.close()
+    save_run(trainer, save_path, history, "sentiment")
+    if critic is not None:
+        critic.close()
+
     after = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
     if trainer.accelerator.is_main_process and history:
         name = f"environment reward ({reward_model})"
-        print(run_summary(history, preview_prompts, before, after, name, ppo.target_kl, before_step=log.start))
+        print(run_summary(history, preview_prompts, before, after, name, ppo.target_kl, before_step=start))
     return history
 
 

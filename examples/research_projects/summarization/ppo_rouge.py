@@ -40,24 +40,17 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedded import SUMMARY_PROMPT, read_jsonl, summarization_records  # noqa: E402
-from research_common import (  # noqa: E402
-    RelcPPOConfig,
-    RunArgs,
-    RunLog,
-    build_intrinsic_reward,
-    critic_token_rewards,
-    default_save_path,
-    is_embedded,
-    load_policy,
-    load_script_module,
-    loop_ppo_config,
-    parse_script_args,
-    ppo_mode_defaults,
-    relc_length_range,
-    tokenize_queries,
-)
+from critic_rewards import build_intrinsic_reward, critic_token_rewards  # noqa: E402
+from embedded import SUMMARY_PROMPT, is_embedded, read_jsonl, summarization_records  # noqa: E402
+from policy_loading import load_policy  # noqa: E402
+from ppo_args import RunArgs, default_save_path, epochs_for, loop_ppo_config, ppo_mode_defaults  # noqa: E402
+from prompt_batches import PromptBatches, tokenize_queries  # noqa: E402
+from relc_flags import RelcPPOConfig, relc_length_range  # noqa: E402
+from run_log import StepLog  # noqa: E402
+from run_saving import resume_run, save_checkpoint, save_run, save_run_args  # noqa: E402
 from scorers import RougeScorer  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
+from summarization_sft import SFTArguments, train_sft  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticBackend, CriticRewardConfig  # noqa: E402
@@ -163,15 +156,15 @@ def main(args: SummarizationArguments) -> list[dict]:
     embedded = is_embedded(ppo.model_name, args.offline)
     save_path = default_save_path("summarization", args.critic.use_intrinsic_reward, args.model_save_path)
     if embedded and ppo.model_name is None:
-        # the embedded policy cannot summarize until it has seen a few (article, summary) pairs
-        sft = load_script_module(HERE / "sft_warmstart.py", "summarization_sft_warmstart")
-        sft_args = sft.SFTArguments(
+        # the embedded policy cannot summarize until it has seen a few (article, summary) pairs: sft_warmstart.py's
+        # training first, into <save_path>/sft_warmstart
+        sft_args = SFTArguments(
             output_dir=str(Path(save_path) / "sft_warmstart"),
             max_steps=args.sft_steps or EMBEDDED_SFT_STEPS,
             seed=ppo.seed,
             embedded_warmup_steps=args.embedded_warmup_steps,
         )
-        ppo = replace(ppo, model_name=sft.train_sft(sft_args))
+        ppo = replace(ppo, model_name=train_sft(sft_args))
     prompts, refs = load_pairs(args, embedded)
     rouge = RougeScorer()
     critic_config, backend = args.critic, None
@@ -182,11 +175,17 @@ def main(args: SummarizationArguments) -> list[dict]:
     records = tokenize_queries(tokenizer, prompts, [{"reference": r} for r in refs])
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
     critic = build_intrinsic_reward(critic_config, "summarization", tokenizer, backend=backend)
-    log = RunLog(trainer, "summarization", args, save_path, embedded, critic)
+    if trainer.accelerator.is_main_process:
+        save_run_args(args, save_path)
+    # --resume_from_checkpoint: the trainer's state and the critic's counters, then the prompt order from there
+    start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
+    epochs = epochs_for(args, embedded)
+    batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+    log = StepLog(trainer, "summarization", len(batches), start, history)
 
     # RELC summarization: summarize each article, reward the mean ROUGE F-measure against the reference, let the
     # critic label good and bad spans of the summary, PPO step
-    for batch in log.batches(records):
+    for step, batch in enumerate(batches.from_step(start), start + 1):
         query_ids = [torch.tensor(r["input_ids"]) for r in batch]
         summary_ids = trainer.generate(query_ids, return_prompt=False)
         summaries = tokenizer.batch_decode(summary_ids, skip_special_tokens=True)
@@ -194,8 +193,14 @@ def main(args: SummarizationArguments) -> list[dict]:
         rewards = [args.rouge_scale * sum(r.values()) / len(r) for r in rouge_scores]
         span_rewards = critic_token_rewards(critic, [r["query"] for r in batch], summaries, summary_ids, rewards)
         stats = trainer.step(query_ids, summary_ids, token_rewards=span_rewards, scores=rewards)
-        log.record(rewards, span_rewards, stats)
-    return log.finish()
+        log.record(step, rewards, span_rewards, stats, critic=critic)
+        if args.save_freq and step % args.save_freq == 0:
+            save_checkpoint(trainer, save_path, step, log.history, critic)
+    history = log.close()
+    save_run(trainer, save_path, history, "summarization")
+    if critic is not None:
+        critic.close()
+    return history
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ PERSPECTIVE_API_KEY, else facebook/roberta-hate-speech-dynabench-r4-target):
         --epochs 5 --prompt_toxicity_level 0.6 --output_min_length 10 --output_max_length 14 \
         --learning_rate 1.41e-5 --batch_size 32 --mini_batch_size 32 --gradient_accumulation_steps 1 --ppo_epochs 4
 
+`--use_peft` trains a LoRA adapter instead (`--lora_r`, `--lora_alpha`, `--lora_dropout`, `--lora_target_modules`;
+`--load_in_4bit` / `--load_in_8bit` are PPOConfig's): RELC's Llama-2 self-critique run, `ppo_intrinsic_peft.py`.
+
 RELC passed the key as `--perspective_api $PERSPECTIVE_API_KEY`; that flag still works but the environment
 variable is preferred (command lines end up in logs). The key is never printed or saved.
 """
@@ -38,23 +41,16 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedded import TOXICITY_PROMPTS, read_jsonl  # noqa: E402
-from research_common import (  # noqa: E402
-    RelcPPOConfig,
-    RunArgs,
-    RunLog,
-    build_intrinsic_reward,
-    critic_token_rewards,
-    default_save_path,
-    is_embedded,
-    load_policy,
-    loop_ppo_config,
-    parse_script_args,
-    ppo_mode_defaults,
-    relc_length_range,
-    tokenize_queries,
-)
+from critic_rewards import build_intrinsic_reward, critic_token_rewards  # noqa: E402
+from embedded import TOXICITY_PROMPTS, is_embedded, read_jsonl  # noqa: E402
+from policy_loading import load_policy  # noqa: E402
+from ppo_args import RunArgs, default_save_path, epochs_for, loop_ppo_config, ppo_mode_defaults  # noqa: E402
+from prompt_batches import PromptBatches, tokenize_queries  # noqa: E402
+from relc_flags import RelcPPOConfig, relc_length_range  # noqa: E402
+from run_log import StepLog  # noqa: E402
+from run_saving import resume_run, save_checkpoint, save_run, save_run_args  # noqa: E402
 from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
+from script_args import parse_script_args  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticRewardConfig  # noqa: E402
@@ -90,6 +86,14 @@ class ToxicityArguments(RunArgs):
     excluded as in RELC's LengthSampler. They set `--min_new_tokens` / `--max_new_tokens` (both included): RELC's
     10 and 14 are 10 to 13 tokens. None: `--min_new_tokens` / `--max_new_tokens` (default 10 to 14, which the
     measured embedded runs use)."""
+    use_peft: bool = False
+    """Train a LoRA adapter instead of the whole policy (RELC's Llama-2 experiment, `ppo_intrinsic_peft.py`): one
+    process holds the policy once, the reference is the same weights with the adapter disabled."""
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
+    """Modules that get an adapter (None: peft's default for the architecture; the embedded GPT-2 uses c_attn)."""
     ppo_config: Annotated[RelcPPOConfig, tyro.conf.OmitArgPrefixes] = field(
         default_factory=lambda: RelcPPOConfig(min_new_tokens=10, max_new_tokens=14)
     )
@@ -127,8 +131,24 @@ def build_toxicity_fn(args: ToxicityArguments, embedded: bool):
     )
 
 
-def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
-    """Train; returns the per-step reward history. `peft_config` trains a LoRA adapter (ppo_intrinsic_peft.py)."""
+def lora_config(args: ToxicityArguments, embedded: bool):
+    """The LoRA adapter of `--use_peft` (peft's LoraConfig): on the embedded GPT-2's attention projection unless
+    `--lora_target_modules` names others."""
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules or (["c_attn"] if embedded and args.ppo_config.model_name is None else None)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def main(args: ToxicityArguments) -> list[dict]:
+    """Train; returns the per-step reward history."""
     ppo = args.ppo_config
     embedded = is_embedded(ppo.model_name, args.offline)
     prompts = load_prompts(args, embedded)
@@ -137,21 +157,35 @@ def main(args: ToxicityArguments, peft_config=None) -> list[dict]:
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "toxicity", embedded)
     records = tokenize_queries(tokenizer, prompts)
     config = loop_ppo_config(ppo, save_path)
+    peft_config = lora_config(args, embedded) if args.use_peft else None
     trainer = PPOTrainer(model, args=config, processing_class=tokenizer, peft_config=peft_config)
     critic = build_intrinsic_reward(args.critic, "toxicity", tokenizer)
-    log = RunLog(trainer, "toxicity", args, save_path, embedded, critic)
+    if trainer.accelerator.is_main_process:
+        save_run_args(args, save_path)
+    # --resume_from_checkpoint: the trainer's state and the critic's counters, then the prompt order from there
+    start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
+    epochs = epochs_for(args, embedded)
+    batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
+    log = StepLog(trainer, "toxicity", len(batches), start, history)
 
     # RELC detox: continue a toxic prompt, reward 1 - toxicity of the continuation, let the critic name the toxic
     # spans (their tokens get --negative_reward_value), PPO step
-    for batch in log.batches(records):
+    for step, batch in enumerate(batches.from_step(start), start + 1):
         queries = [torch.tensor(r["input_ids"]) for r in batch]
         responses = trainer.generate(queries, return_prompt=False)
         continuations = tokenizer.batch_decode(responses, skip_special_tokens=True)
         # A failed Perspective call scores NaN: the PPO step drops that sample instead of inventing a reward.
         env = [float("nan") if t is None else 1.0 - t for t in toxicity(continuations)]
         dense = critic_token_rewards(critic, [r["query"] for r in batch], continuations, responses, env)
-        log.record(env, dense, trainer.step(queries, responses, token_rewards=dense, scores=env))
-    return log.finish()
+        stats = trainer.step(queries, responses, token_rewards=dense, scores=env)
+        log.record(step, env, dense, stats, critic=critic)
+        if args.save_freq and step % args.save_freq == 0:
+            save_checkpoint(trainer, save_path, step, log.history, critic)
+    history = log.close()
+    save_run(trainer, save_path, history, "toxicity")
+    if critic is not None:
+        critic.close()
+    return history
 
 
 if __name__ == "__main__":

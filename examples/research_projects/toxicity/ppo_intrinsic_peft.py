@@ -1,8 +1,9 @@
 """Detoxification with PPO + intrinsic rewards, training a LoRA adapter (RELC's Llama-2 self-critique experiment).
 
 One process holds the policy once: the reference model is the same weights with the adapter disabled, so a 7B chat
-model fits on one GPU (add `--load_in_4bit` to load it in 4 bits with bitsandbytes). Every flag of
-`ppo_intrinsic.py` applies, plus the LoRA flags below.
+model fits on one GPU (add `--load_in_4bit` to load it in 4 bits with bitsandbytes). This command runs
+`ppo_intrinsic.py --use_peft` with the flags given: every flag of `ppo_intrinsic.py` applies, with the LoRA flags
+`--lora_r 16`, `--lora_alpha 32`, `--lora_dropout 0.05`, `--lora_target_modules`.
 
 Embedded default (CPU): the tiny policy with a LoRA adapter on its attention projection:
 
@@ -24,47 +25,19 @@ local model path); point `--critic_base_url` at a vLLM server serving the same c
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from research_common import is_embedded, load_script_module, parse_script_args  # noqa: E402
-
-_toxicity = load_script_module(Path(__file__).resolve().parent / "ppo_intrinsic.py", "toxicity_ppo_intrinsic")
-ToxicityArguments, main = _toxicity.ToxicityArguments, _toxicity.main
+TOXICITY_SCRIPT = Path(__file__).resolve().parent / "ppo_intrinsic.py"
 
 
-@dataclass
-class PeftToxicityArguments(ToxicityArguments):
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = field(default=None)
-    """Modules that get an adapter (None: peft's default for the architecture; the embedded GPT-2 uses c_attn)."""
-
-
-def lora_config(args: PeftToxicityArguments, embedded: bool):
-    from peft import LoraConfig
-
-    targets = args.lora_target_modules or (["c_attn"] if embedded and args.ppo_config.model_name is None else None)
-    return LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def run(args: PeftToxicityArguments) -> list[dict]:
-    """Train the adapter with the toxicity script's loop; `--load_in_4bit` / `--load_in_8bit` are PPOConfig's."""
-    embedded = is_embedded(args.ppo_config.model_name, args.offline)
-    return main(args, peft_config=lora_config(args, embedded))
+def command(argv: Sequence[str]) -> list[str]:
+    """The toxicity script's command line with a LoRA adapter: this process becomes it (the same Python and
+    environment; under `accelerate launch` each process keeps its rank)."""
+    return [sys.executable, str(TOXICITY_SCRIPT), "--use_peft", *argv]
 
 
 if __name__ == "__main__":
-    arguments = parse_script_args(PeftToxicityArguments, description=__doc__.split("\n\n")[0])
-    run(arguments)
+    os.execv(sys.executable, command(sys.argv[1:]))
