@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from text_metrics import distinct_n
 from tqdm.auto import tqdm
+from transformers import PrinterCallback
 
 
 class StepLog:
@@ -25,6 +26,8 @@ class StepLog:
     def __init__(self, trainer, task: str, total: int, start: int = 0, history: Sequence[dict] = ()):
         self.trainer = trainer
         self.history = list(history)
+        # the bar below shows the run; Trainer's printer (its display under disable_tqdm) would print every log dict
+        trainer.remove_callback(PrinterCallback)
         disable = not trainer.accelerator.is_local_main_process
         self.bar = tqdm(total=total, initial=start, desc=f"PPO {task}", disable=disable)
 
