@@ -265,6 +265,7 @@ _PPO = (
     "trl_stable/trainers/ppo/plumbing.py",
     "trl_stable/trainers/ppo/rewards.py",
 )
+_PPO_TRAINER = ("trl_stable/trainers/ppo/ppo_trainer.py",)
 PPO_MEMBERS: tuple[Member, ...] = (
     Member(
         "trl.trainer.utils",
@@ -314,6 +315,30 @@ PPO_MEMBERS: tuple[Member, ...] = (
         ("report_to",),
         "the callback classes of the `report_to` integrations",
         _PPO[1:2],
+    ),
+    Member(
+        "transformers.Trainer",
+        "_get_train_sampler",
+        "override",
+        ("train_dataset",),
+        "the train sampler; for group_by_length a `LengthGroupedSampler` whose `lengths` and `generator` PPO reuses",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.Trainer",
+        "_get_eval_sampler",
+        "call",
+        ("eval_dataset",),
+        "the evaluation sampler (None for a dataset without a length)",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.trainer_pt_utils.LengthGroupedSampler",
+        "__init__",
+        "call",
+        ("batch_size", "dataset", "lengths", "model_input_name", "generator"),
+        "a sampler grouping rows of similar `lengths` into batches of `batch_size`",
+        _PPO_TRAINER,
     ),
 )
 # TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo/vllm.py`).
@@ -477,6 +502,25 @@ class Mirrored:
 
 
 MIRRORED: tuple[Mirrored, ...] = (
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.get_eval_dataloader",
+        "transformers.Trainer._get_dataloader",
+        (
+            '"num_workers": self.args.dataloader_num_workers,',
+            '"pin_memory": self.args.dataloader_pin_memory,',
+            '"persistent_workers": self.args.dataloader_persistent_workers,',
+            '"multiprocessing_context": self.args.dataloader_multiprocessing_context,',
+            '"prefetch_factor": self.args.dataloader_prefetch_factor,',
+            '"in_order": self.args.dataloader_in_order,',
+            'dataloader_params["drop_last"] = self.args.dataloader_drop_last',
+            "dataloader = self.accelerator.prepare(DataLoader(dataset, **dataloader_params))",
+        ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.update (sync_each_batch)",
+        "transformers.Trainer._run_epoch",
+        ('self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)',),
+    ),
     Mirrored(
         "trl_stable.trl_internals.reward_kwargs",
         "trl.GRPOTrainer._calculate_rewards",

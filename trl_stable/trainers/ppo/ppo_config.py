@@ -1,7 +1,9 @@
 """Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`.
 
 Every inherited `TrainingArguments` field is honoured the way `transformers.Trainer` honours it (PPOTrainer is a
-`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`). The batch
+`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`); a field
+that only acts with another option is refused without it (`trl_stable.config_checks.training_argument_dependents`).
+`docs/ppo.md` lists every field, and `tests/trainers/test_ppo_every_setting.py` shows each one acting. The batch
 fields map onto PPO's batch structure as TRL's own PPOTrainer mapped them: `per_device_train_batch_size` is the
 micro-batch (one forward/backward), `gradient_accumulation_steps` micro-batches make one optimizer step, and
 `batch_size` (rollout samples per process) is split into such mini-batches, `ppo_epochs` times over.
