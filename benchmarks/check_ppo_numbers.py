@@ -56,7 +56,8 @@ def _weights_checksum(trainer):
 def _args(out, **overrides):
     from trl_stable import PPOConfig
 
-    base = dict(**_EXTRA,
+    base = dict(
+        **_EXTRA,
         output_dir=out,
         batch_size=4,
         mini_batch_size=2,

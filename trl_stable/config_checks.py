@@ -30,6 +30,7 @@ __all__ = [
     "check_training_length",
     "field_default",
     "training_argument_bounds",
+    "training_argument_dependents",
 ]
 
 
@@ -203,6 +204,93 @@ def training_argument_bounds(config: Any) -> dict[str, Bound]:
         if str(getattr(value, "value", value)) == "steps":
             bounds[name] = _STEPS_BOUND
     return bounds
+
+
+# The trackers whose transformers callback names its run after `run_name` (the others ignore it).
+_RUN_NAMING_TRACKERS = ("comet_ml", "mlflow", "swanlab", "trackio", "wandb")
+# Schedules that ignore `warmup_steps` / `lr_scheduler_kwargs` (transformers' `get_scheduler` passes neither on).
+_NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
+_NO_KWARGS_SCHEDULES = ("constant", "constant_with_warmup")
+
+
+def _name(value: Any) -> str:
+    """An enum's value (transformers' strategies and names) or the string itself."""
+    return str(getattr(value, "value", value))
+
+
+def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
+    """The `TrainingArguments` fields that only act together with another one, as [`Dependent`]s for
+    [`check_dependents`] (call it after `TrainingArguments.__post_init__`, which resolves the strategies).
+
+    `transformers.Trainer` ignores each of these, without a word, when the option it needs is off: `warmup_steps` under
+    the "constant" schedule, `eval_steps` without step-wise evaluation, `run_name` without a tracker that names runs,
+    `optim_target_modules` without a GaLore / APOLLO optimizer, and so on.
+    """
+    schedule = _name(config.lr_scheduler_type)
+    evaluates = _name(config.eval_strategy) != "no"
+    report_to = set(config.report_to or [])
+    accelerator = getattr(config, "accelerator_config", None)
+    seedable = getattr(accelerator, "use_seedable_sampler", True)
+    sampling = config.train_sampling_strategy
+    return (
+        Dependent(("num_train_epochs",), config.max_steps <= 0, "max_steps=-1 (max_steps > 0 sets the run's length)"),
+        Dependent(
+            ("warmup_steps",),
+            schedule not in _NO_WARMUP_SCHEDULES,
+            f"a schedule that warms up, e.g. lr_scheduler_type='constant_with_warmup' ({schedule!r} has no warm-up)",
+        ),
+        Dependent(
+            ("lr_scheduler_kwargs",),
+            schedule not in _NO_KWARGS_SCHEDULES,
+            f"an lr_scheduler_type that takes arguments, e.g. 'cosine_with_min_lr' ({schedule!r} takes none)",
+        ),
+        Dependent(("logging_steps",), _name(config.logging_strategy) == "steps", "logging_strategy='steps'"),
+        Dependent(("eval_steps",), _name(config.eval_strategy) == "steps", "eval_strategy='steps'"),
+        Dependent(
+            ("eval_delay", "metric_for_best_model", "greater_is_better"), evaluates, "eval_strategy='steps' or 'epoch'"
+        ),
+        Dependent(("save_steps",), _name(config.save_strategy) == "steps", "save_strategy='steps'"),
+        Dependent(
+            ("hub_strategy", "hub_always_push"), bool(config.push_to_hub), "push_to_hub=True (pushes while training)"
+        ),
+        Dependent(
+            ("run_name",),
+            bool(report_to & set(_RUN_NAMING_TRACKERS)),
+            f"report_to naming a tracker that names its runs ({', '.join(_RUN_NAMING_TRACKERS)})",
+        ),
+        Dependent(
+            ("project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"),
+            "trackio" in report_to,
+            "report_to including 'trackio'",
+        ),
+        Dependent(
+            ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"),
+            bool(config.activation_checkpointing),
+            "activation_checkpointing=True",
+        ),
+        Dependent(("fsdp_config",), bool(config.fsdp), "fsdp=True"),
+        Dependent(
+            ("dataloader_persistent_workers", "dataloader_multiprocessing_context", "dataloader_in_order"),
+            config.dataloader_num_workers > 0,
+            "dataloader_num_workers > 0 (they configure the loading workers)",
+        ),
+        Dependent(
+            ("length_column_name",),
+            sampling in ("group_by_length", "batch_rebalance"),
+            "train_sampling_strategy='group_by_length'",
+        ),
+        Dependent(
+            ("optim_target_modules",),
+            _name(config.optim).startswith(("galore_", "apollo_")),
+            "a GaLore or APOLLO optimizer (optim='galore_adamw', 'apollo_adamw', ...)",
+        ),
+        Dependent(
+            ("data_seed",),
+            (sampling == "random" and seedable) or sampling == "group_by_length",
+            "a shuffling sampler: train_sampling_strategy='random' (with "
+            "accelerator_config.use_seedable_sampler=True) or 'group_by_length'",
+        ),
+    )
 
 
 def check_training_length(config: Any) -> None:

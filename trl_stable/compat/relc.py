@@ -190,7 +190,8 @@ class PPOConfig:
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             ppo_epochs=self.ppo_epochs,
             report_to=self.log_with or "none",
-            run_name=wandb_kwargs.get("name"),
+            # RELC's wandb kwargs only reach wandb when log_with starts it (accelerate's init_trackers)
+            run_name=wandb_kwargs.get("name") if self.log_with == "wandb" else None,
             max_grad_norm=self.max_grad_norm if self.max_grad_norm is not None else 0.0,  # 0: no clipping
             seed=self.seed,
             early_stopping=self.early_stopping,

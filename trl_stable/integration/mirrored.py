@@ -194,7 +194,17 @@ MIRRORED: tuple[Mirrored, ...] = (
             "self.lr_scheduler.step()",
             "self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)",
             "self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)",
+            'self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)',
         ),
+    ),
+    Mirrored(
+        "trl_stable.trainers.checkpoints.JIT_SENTINEL_FILE",
+        "transformers.trainer_jit_checkpoint.CheckpointManager.execute_jit_checkpoint",
+        (
+            'sentinel_file = os.path.join(output_dir, checkpoint_folder, "checkpoint-is-incomplete.txt")',
+            "self.trainer._save_checkpoint(self.trainer.model, trial=None)",
+        ),
+        relation="relies on",
     ),
     Mirrored(
         "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.get_train_dataloader",

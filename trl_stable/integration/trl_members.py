@@ -372,7 +372,21 @@ PPO_MEMBERS: tuple[Member, ...] = (
         _PPO_TRAINER,
     ),
     Member(
-        _T, "_get_train_sampler", "call", ("train_dataset",), "the sampler of `train_sampling_strategy`", _PPO_TRAINER
+        _T,
+        "_get_train_sampler",
+        "override",
+        ("train_dataset",),
+        "the sampler of `train_sampling_strategy`; for group_by_length a `LengthGroupedSampler` whose `lengths` and "
+        "`generator` PPO reuses",
+        _PPO_TRAINER,
+    ),
+    Member(
+        "transformers.trainer_pt_utils.LengthGroupedSampler",
+        "__init__",
+        "call",
+        ("batch_size", "dataset", "lengths", "model_input_name", "generator"),
+        "a sampler grouping rows of similar `lengths` into batches of `batch_size`",
+        _PPO_TRAINER,
     ),
     Member(
         _T,

@@ -7,10 +7,12 @@ call `validate_health_arguments()` in `__post_init__`, and call [`attach_health_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from trl_stable.config_checks import Dependent, check_dependents
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
 from trl_stable.monitoring.health import HealthConfig
 
@@ -72,21 +74,9 @@ class HealthArguments:
                 self.health_monitor_kwargs = json.loads(self.health_monitor_kwargs)
             except json.JSONDecodeError as err:
                 raise ValueError(f"health_monitor_kwargs is not valid JSON: {err}; pass a dict.") from err
-        if not self.health_monitor:
-            needs = [
-                name
-                for name in (
-                    "health_remedy_virtual_samples",
-                    "health_stop_after_critical_steps",
-                    "health_mismatch_monitor",
-                )
-                if getattr(self, name) not in (False, None)
-            ]
-            if needs:
-                raise ValueError(
-                    f"{', '.join(needs)} need the health monitor, but health_monitor=False; set health_monitor=True "
-                    "or unset them."
-                )
+        # every health_* field configures the monitor (the fields enumerated, so a new one is covered)
+        settings = tuple(f.name for f in dataclasses.fields(HealthArguments) if f.name != "health_monitor")
+        check_dependents(self, (Dependent(settings, self.health_monitor, "health_monitor=True"),))
         health_config_from_args(self)  # field-level validation lives in HealthConfig
 
 
@@ -106,11 +96,14 @@ class PPOHealthArguments(HealthArguments):
     def validate_health_arguments(self) -> None:
         if self.health_remedy_virtual_samples:
             raise ValueError(
-                "health_remedy_virtual_samples is a GRPO remedy (NGRPO virtual samples need groups); PPO has none. "
-                "Unset it."
+                "health_remedy_virtual_samples=True is a GRPO remedy (NGRPO virtual samples need groups); PPO has "
+                "none. Leave it False."
             )
         if self.health_mismatch_monitor:
-            raise ValueError("health_mismatch_monitor is not available in PPOTrainer yet; unset it.")
+            raise ValueError(
+                "health_mismatch_monitor=True is not available in PPOTrainer: PPO logs the sampler/trainer mismatch "
+                "(mismatch/*) with use_decoupled_loss=True, from the sampler's log-probs. Leave it False."
+            )
         super().validate_health_arguments()
 
 

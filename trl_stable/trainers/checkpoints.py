@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 MARKER_FILE = "trl_stable_checkpoint.json"
 TRAINER_STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written by both trainers
+# What transformers' just-in-time (SIGTERM) checkpoint puts in the folder before it calls `_save_checkpoint`
+JIT_SENTINEL_FILE = "checkpoint-is-incomplete.txt"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _FORMAT = 1
 
@@ -383,13 +385,14 @@ def restore_stable_state(
 
 
 def _is_checkpoint_folder(path: str) -> bool:
-    """Whether `path` is a folder a trainer wrote as a checkpoint (trl_stable's marker or transformers' trainer state),
-    or an empty one (a save that was killed before its first file)."""
+    """Whether `path` is a folder a trainer wrote as a checkpoint (trl_stable's marker, transformers' trainer state or
+    its just-in-time checkpoint's sentinel), or an empty one (a save that was killed before its first file)."""
     return os.path.isdir(path) and (
-        not os.listdir(path)
-        or os.path.isfile(os.path.join(path, MARKER_FILE))
-        or os.path.isfile(os.path.join(path, TRAINER_STATE_FILE))
+        not os.listdir(path) or any(os.path.isfile(os.path.join(path, name)) for name in _WRITTEN_BY_A_TRAINER)
     )
+
+
+_WRITTEN_BY_A_TRAINER = (MARKER_FILE, TRAINER_STATE_FILE, JIT_SENTINEL_FILE)
 
 
 def check_checkpoint_names(output_dir: str, folder: str | None = None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +136,7 @@ def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: boo
     else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
     if ref_model is not None:
         ref = ref_model.eval().requires_grad_(False)
-    elif is_peft:
-        if args.num_shared_layers is not None:
-            warnings.warn("num_shared_layers is ignored with PEFT: the reference is the adapter-free policy.")
+    elif is_peft:  # the adapter-free policy (PPOTrainer refuses num_shared_layers here)
         return None
     else:
         ref = create_reference_model(policy, args.num_shared_layers)
@@ -318,11 +315,8 @@ class PolicyAndValue(nn.Module):
 
             handle = backbone(self.policy).register_forward_hook(grab)
         try:
-            head = (
-                dict(logits_to_keep=logits_to_keep, use_cache=False)
-                if labels is None
-                else dict(labels=labels, fused_lm_head=True)
-            )
+            # no `use_cache`: the policy's config has it, set by Trainer from `args.use_cache` (False by default)
+            head = dict(logits_to_keep=logits_to_keep) if labels is None else dict(labels=labels, fused_lm_head=True)
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **head)
         finally:
             if handle is not None:

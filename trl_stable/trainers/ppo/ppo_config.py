@@ -1,7 +1,9 @@
 """Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`.
 
 Every inherited `TrainingArguments` field is honoured the way `transformers.Trainer` honours it (PPOTrainer is a
-`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`). The batch
+`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`); a field
+that only acts with another option is refused without it (`trl_stable.config_checks.training_argument_dependents`).
+`docs/ppo.md` lists every field, and `tests/trainers/test_ppo_every_setting.py` shows each one acting. The batch
 fields map onto PPO's batch structure as TRL's own PPOTrainer mapped them: `per_device_train_batch_size` is the
 micro-batch (one forward/backward), `gradient_accumulation_steps` micro-batches make one optimizer step, and
 `batch_size` (rollout samples per process) is split into such mini-batches, `ppo_epochs` times over.
@@ -9,9 +11,11 @@ micro-batch (one forward/backward), `gradient_accumulation_steps` micro-batches 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
+from transformers.utils import is_torch_tf32_available
 
 from trl_stable.config_checks import (
     Bound,
@@ -22,6 +26,7 @@ from trl_stable.config_checks import (
     check_reward_scale,
     check_training_length,
     training_argument_bounds,
+    training_argument_dependents,
 )
 from trl_stable.core.kl import kl_estimator_names
 from trl_stable.monitoring.integration import PPOHealthArguments
@@ -81,7 +86,21 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
         False,
         "every column of train_dataset is passed to the reward functions, so none may be removed.",
     ),
+    # transformers documents these as flags for your own script, not read by Trainer; PPOTrainer reads none of them
+    "do_train": (
+        False,
+        "it is not read by the trainer (transformers' own Trainer does not read it either): "
+        "training runs when your script calls trainer.train().",
+    ),
+    "do_predict": (False, "PPOTrainer has no prediction loop: generate and score with trainer.evaluate(dataset)."),
 }
+# The optimizers that update the weights inside the backward pass (transformers runs them through
+# `accelerator.backward(loss, learning_rate=...)`): PPO's early stop and loss-spike guard decide after the backward
+# passes of a mini-batch whether its optimizer step happens.
+_FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+# `accelerator_config.gradient_accumulation_kwargs` keys PPO reads; the others configure accelerate's
+# `accumulate()`, which PPO (like transformers' Trainer) does not use.
+_GRADIENT_ACCUMULATION_KWARGS = ("sync_each_batch",)
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
 # `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
@@ -120,6 +139,14 @@ PPO_BOUNDS: dict[str, Bound] = {
     "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None generates the whole batch at once."),
     "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
 }
+
+
+def _world_size() -> int:
+    """The number of processes the launcher started (accelerate's environment variables; 1 without a launcher)."""
+    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
 
 
 @dataclass
@@ -419,6 +446,11 @@ class PPOConfig(
 
     def __post_init__(self):
         if self.log_with is not None:
+            if self.report_to not in (None, "none", [], ["none"], self.log_with, [self.log_with]):
+                raise ValueError(
+                    f"log_with={self.log_with!r} (RELC's name of report_to) and report_to={self.report_to!r} both "
+                    "choose the trackers, and log_with would win: set one of them."
+                )
             self.report_to = self.log_with
         self._resolve_micro_batch()
         if self.max_grad_norm is None:  # PPO's spelling of "no clipping", transformers' is 0
@@ -426,6 +458,7 @@ class PPOConfig(
         # Before TrainingArguments' own checks, which divide by some of these (a zero accumulation would be a
         # ZeroDivisionError there and below, not an error naming the field).
         check_bounds(self, {**training_argument_bounds(self), **PPO_BOUNDS})
+        self._refuse_before_device_setup()
         super().__post_init__()
         self._refuse_unsupported()
         check_all_finite(self)
@@ -453,6 +486,12 @@ class PPOConfig(
             raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
         if self.adap_kl_ctrl and (self.target is None or self.horizon is None):
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
+        if self.adap_kl_ctrl and self.init_kl_coef == 0:
+            raise ValueError(
+                "adap_kl_ctrl=True with init_kl_coef=0: the adaptive controller multiplies the coefficient, so it "
+                "would stay 0 for ever (target and horizon ignored). Set init_kl_coef > 0, or adap_kl_ctrl=False for "
+                "no KL penalty."
+            )
         if self.multi_objective_aggregation not in _AGGREGATIONS:
             raise ValueError(
                 f"multi_objective_aggregation must be one of {_AGGREGATIONS}, got "
@@ -473,6 +512,7 @@ class PPOConfig(
                 Dependent(("lam_alpha",), self.lam_schedule == "vapo", "lam_schedule='vapo'"),
                 Dependent(("lam_q",), self.lam_schedule == "relative_position", "lam_schedule='relative_position'"),
                 Dependent(("use_score_norm",), self.use_score_scaling, "use_score_scaling=True"),
+                *training_argument_dependents(self),
             ),
         )
         self.validate_decoupled_loss_arguments()
@@ -486,12 +526,39 @@ class PPOConfig(
         if self.mini_batch_size is not None:
             self.per_device_train_batch_size = self.mini_batch_size
 
-    def _refuse_unsupported(self) -> None:
-        """Refuse, by name, a `TrainingArguments` setting PPO would have to ignore (`PPO_UNSUPPORTED`)."""
+    def _refuse_before_device_setup(self) -> None:
+        """Refuse what `TrainingArguments.__post_init__` would fail on with a message that does not say the fix (the
+        `PPO_UNSUPPORTED` fields among them: bf16_full_eval fails there on a CPU), or would fill in so that PPO's
+        evaluation cannot answer it."""
         for name, (accepted, why) in PPO_UNSUPPORTED.items():
             value = getattr(self, name)
             if value != accepted and not (accepted == [] and not value):
                 raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
+        if self.tf32 and not is_torch_tf32_available():
+            raise ValueError(
+                "tf32=True needs an NVIDIA GPU of the Ampere generation or newer (TF32 matrix multiplications), which "
+                "this machine does not have: leave tf32=None (or False)."
+            )
+        if self.ddp_backend is not None and _world_size() <= 1:
+            raise ValueError(
+                f"ddp_backend={self.ddp_backend!r} sets the backend of a multi-process run, but this process was "
+                "started alone (WORLD_SIZE unset): launch with `accelerate launch` / `torchrun`, or leave "
+                "ddp_backend=None."
+            )
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if self.metric_for_best_model is None and (
+            self.load_best_model_at_end or schedule in ("reduce_lr_on_plateau", "greedy")
+        ):
+            what = "load_best_model_at_end=True" if self.load_best_model_at_end else f"lr_scheduler_type={schedule!r}"
+            raise ValueError(
+                f"{what} compares evaluations by metric_for_best_model, which transformers would set to 'loss', but "
+                "PPO's evaluation has no loss: set metric_for_best_model='reward' (eval_reward, the mean reward of "
+                "the eval completions) or another eval_* metric PPOTrainer.evaluate logs."
+            )
+
+    def _refuse_unsupported(self) -> None:
+        """Refuse, by name, a `TrainingArguments` setting PPO would have to ignore once transformers resolved it (the
+        plain `PPO_UNSUPPORTED` fields are refused before)."""
         if self.debug:
             raise ValueError(
                 f"debug={self.debug!r} is not supported by PPOTrainer: its options watch transformers' own training "
@@ -507,4 +574,39 @@ class PPOConfig(
             raise ValueError(
                 "accelerator_config.split_batches=True is not supported by PPOTrainer: batch_size is the number of "
                 "prompts per process, so a batch is never split over processes. Leave it False."
+            )
+        unread = sorted(
+            set(self.accelerator_config.gradient_accumulation_kwargs or {}) - set(_GRADIENT_ACCUMULATION_KWARGS)
+        )
+        if unread:
+            raise ValueError(
+                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer: they "
+                "configure accelerate's `accumulate()`, which PPO does not use (it counts its micro-batches itself). "
+                "Set the accumulation with gradient_accumulation_steps; only 'sync_each_batch' is read."
+            )
+        optim = str(getattr(self.optim, "value", self.optim))
+        if optim in _FUSED_BACKWARD_OPTIMIZERS:
+            raise ValueError(
+                f"optim={optim!r} is not supported by PPOTrainer: LOMO updates "
+                "the weights inside the backward pass, but PPO decides after a mini-batch's backward passes whether "
+                "its optimizer step happens (early_stopping, ratio_threshold). Use another optim, e.g. 'adamw_torch' "
+                "or 'adafactor' to save memory."
+            )
+        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
+            raise ValueError(
+                "do_eval=True is not read by the trainer (transformers documents it as a flag for your own script; "
+                "it sets it itself when eval_strategy is not 'no'): set eval_strategy='steps' or 'epoch' to evaluate "
+                "during train(), or call trainer.evaluate(). Leave do_eval=False."
+            )
+        if self.fp16 and self.device.type == "cpu":
+            raise ValueError(
+                "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "
+                "loss scaler only on an accelerator (CUDA, XPU, ...). Use bf16=True (with use_cpu=True) on a CPU, or "
+                "run on a GPU."
+            )
+        if self.local_rank != -1 and self.local_rank != self.local_process_index:
+            raise ValueError(
+                f"local_rank={self.local_rank} but this process's local rank is {self.local_process_index} (from the "
+                "launcher's environment, which accelerate reads): the field is only there for the deprecated "
+                "torch.distributed.launch to pass it. Leave local_rank=-1."
             )

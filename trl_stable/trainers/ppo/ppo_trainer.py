@@ -50,9 +50,11 @@ from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.optimization import GreedyLR
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, TrainOutput, seed_worker, speed_metrics
 from trl.trainer.base_trainer import _BaseTrainer
 
+from trl_stable.config_checks import field_default
 from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour_weight
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
@@ -236,6 +238,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         if model is None:
             raise ValueError("Pass `model` (a causal LM or its name) or set `PPOConfig.model_name`.")
         model_id = model if isinstance(model, str) else model_name_of(model)
+        _refuse_unused_arguments(args, model, ref_model, lam_fn)
         if isinstance(model, str):
             model = load_policy(model, args, peft_config, PartialState().local_process_index)
         elif args.load_in_4bit or args.load_in_8bit:
@@ -249,6 +252,12 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         self.pad_token_id = processing_class.pad_token_id
         self.eos_token_id = processing_class.eos_token_id
         model, self.is_peft = prepare_policy(model, peft_config, args)
+        if self.is_peft and args.num_shared_layers is not None:
+            raise ValueError(
+                f"num_shared_layers={args.num_shared_layers} would share layers between the policy and a copy of it, "
+                "but with a PEFT policy the reference is the policy itself with its adapter disabled (nothing is "
+                "copied): leave num_shared_layers=None."
+            )
         if ref_model is None and not self.is_peft and is_zero3_partitioned(model):
             # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
             if not model_id:
@@ -1022,6 +1031,8 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         args = self.args
         n = batch["input_ids"].shape[0]
         backward = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        sync_each_batch = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        self.optimizer.train()  # schedule-free optimizers keep two weight sets (Trainer switches them too)
         records: dict[str, list[float]] = {}
         early_stopped = False
         epochs_done = 0
@@ -1038,8 +1049,13 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
                         }
                     )
                     last_micro = micro_start + args.per_device_train_batch_size >= backward
-                    # gradients are all-reduced once per optimizer step, not once per micro-batch
-                    sync = nullcontext() if last_micro else self.accelerator.no_sync(self.model_wrapped)
+                    # gradients are all-reduced once per optimizer step, not once per micro-batch (unless
+                    # accelerator_config.gradient_accumulation_kwargs asks for sync_each_batch, as in Trainer)
+                    sync = (
+                        nullcontext()
+                        if last_micro or sync_each_batch
+                        else self.accelerator.no_sync(self.model_wrapped)
+                    )
                     sync_gradients(self.accelerator, self.engine, last_micro)
                     with sync:
                         loss, mb_stats = self._loss(mb)
@@ -1243,6 +1259,14 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         )
         return self.accelerator.prepare(loader)
 
+    def _get_train_sampler(self, train_dataset: Any | None = None) -> torch.utils.data.Sampler | None:
+        """Trainer's training sampler; with ``train_sampling_strategy="group_by_length"`` grouped by the prompts that
+        are generated and padded together, PPO's `batch_size`, instead of the micro-batch Trainer would take."""
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, LengthGroupedSampler):
+            return LengthGroupedSampler(self.args.batch_size, lengths=sampler.lengths, generator=sampler.generator)
+        return sampler
+
     def _max_steps(self, check: bool = True) -> int:
         """The PPO steps `train()` runs: `max_steps`, or `num_train_epochs` passes over the train dataloader. A
         dataset smaller than one step raises (`check`) or gives 0."""
@@ -1296,7 +1320,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         self._begin(max_steps)
         start_time, start_step = time.time(), self.state.global_step
         steps_per_epoch = len(self.train_dataloader)
-        losses = []
+        losses, step_logs = [], None
         if args.eval_on_start:
             self._evaluate(trial=None, ignore_keys_for_eval=None, skip_scheduler=True)
         epoch, within = divmod(start_step, steps_per_epoch)
@@ -1309,10 +1333,13 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
             for rows in batches:
                 within += 1
                 self.state.epoch = epoch + within / steps_per_epoch
-                losses.append(self._train_step(rows))
+                step_logs = self._train_step(rows)
+                losses.append(step_logs.get("loss/total", 0.0))
                 if self.state.global_step >= max_steps or self.control.should_training_stop:
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            if self.control.should_log and step_logs is not None and not self._logged_this_step():
+                self.log(dict(step_logs))  # logging_strategy="epoch": the epoch's last PPO step
             self._maybe_evaluate_and_save()
             epoch, within = epoch + 1, 0
         finite = [loss for loss in losses if math.isfinite(loss)] if args.logging_nan_inf_filter else losses
@@ -1323,8 +1350,8 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         num_samples = max_steps * args.batch_size * self.accelerator.num_processes
         return self._finalize_training(None, num_samples, start_time)
 
-    def _train_step(self, rows: list[dict]) -> float:
-        """One PPO step of `train()` on a batch of dataset rows; returns its total loss."""
+    def _train_step(self, rows: list[dict]) -> dict[str, float]:
+        """One PPO step of `train()` on a batch of dataset rows; returns its statistics (`step`'s)."""
         args = self.args
         prompts, queries = self._prompt_ids(rows)
         responses = self.generate(queries, return_prompt=False)
@@ -1344,9 +1371,13 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         dense = pending.result().dense
         if dense is not None:  # a dense function that raised on any process failed this step
             self._guard_rewards(self.rewards.dense_names, None, dense.failures, unscored_everywhere=False)
-        if self.state.log_history and self.state.log_history[-1].get("step") == self.state.global_step:
+        if self._logged_this_step():
             self._log_completions(prompts, responses, pending.result())
-        return stats.get("loss/total", 0.0)
+        return stats
+
+    def _logged_this_step(self) -> bool:
+        """Whether `state.log_history` already holds an entry of the current step."""
+        return bool(self.state.log_history) and self.state.log_history[-1].get("step") == self.state.global_step
 
     def _guard_rewards(
         self, names: Sequence[str], values: torch.Tensor | None, failures: dict[str, str], unscored_everywhere: bool
@@ -1389,6 +1420,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         if not len(self.rewards):
             raise ValueError("evaluate() needs reward_funcs to score the completions.")
         self._memory_tracker.start()
+        self.optimizer.eval()  # a schedule-free optimizer's evaluation weights, as Trainer's evaluate uses
         start = time.time()
         columns: dict[str, list[torch.Tensor]] = {}
         batch_metrics: dict[str, list[float]] = {}
@@ -1417,6 +1449,7 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
             metrics[f"{metric_key_prefix}_{key}"] = float(np.mean(values))
         num_samples = len(torch.cat(columns["reward"])) if columns else 0
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+        self.optimizer.train()
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         self._memory_tracker.stop_and_update_metrics(metrics)
@@ -1728,6 +1761,28 @@ class PPOTrainer(MarkedCheckpoints, _BaseTrainer):
         if batch is not None:
             columns = {c: gather_object([str(v) for v in batch[c]]) for c in columns_to_log if c in batch}
             self.log_table("game_log", {**columns, "reward": values.tolist()})
+
+
+def _refuse_unused_arguments(args: PPOConfig, model: Any, ref_model: Any, lam_fn: Any) -> None:
+    """Refuse a `PPOConfig` setting that a `PPOTrainer` argument makes the trainer ignore, naming both."""
+    if args.model_init_kwargs is not None and not isinstance(model, str):
+        raise ValueError(
+            f"model_init_kwargs={args.model_init_kwargs!r} are keyword arguments for loading the policy by name, but "
+            f"`model` is a {type(model).__name__} object, which is used as is: pass the model's name or path, or "
+            "leave model_init_kwargs=None."
+        )
+    if args.num_shared_layers is not None and ref_model is not None:
+        raise ValueError(
+            f"num_shared_layers={args.num_shared_layers} shares layers of the reference the trainer copies from the "
+            "policy, but `ref_model` was given and is used as is: leave num_shared_layers=None, or drop ref_model "
+            "(trl_stable.trainers.ppo.models.create_reference_model builds a sharing one)."
+        )
+    if lam_fn is not None and (args.lam_schedule is not None or args.lam != field_default(args, "lam")):
+        shown = f"lam_schedule={args.lam_schedule!r}" if args.lam_schedule is not None else f"lam={args.lam}"
+        raise ValueError(
+            f"{shown} and `lam_fn` both set GAE's lambda, and lam_fn would win: leave {shown.split('=')[0]} at its "
+            "default, or drop lam_fn."
+        )
 
 
 def _dense_sums(rows: Sequence[Any]) -> torch.Tensor:

@@ -6,7 +6,10 @@ The names and defaults are those of `trl.GRPOConfig`, so a GRPO user's vLLM sett
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from trl_stable.config_checks import Dependent, check_dependents
 
 __all__ = ["VLLMArguments"]
 
@@ -57,13 +60,33 @@ class VLLMArguments:
         metadata={"help": "Colocate mode: offload vLLM's weights and cache between rollouts (less memory, slower)."},
     )
     vllm_model_impl: str = field(
-        default="vllm", metadata={"help": "vLLM model implementation: 'vllm', 'transformers' or 'auto'."}
+        default="vllm",
+        metadata={"help": "Colocate mode: vLLM's model implementation, 'vllm', 'transformers' or 'auto'."},
     )
 
     def validate_vllm_arguments(self) -> None:
         """Raise ValueError, naming the field and the fix, on vLLM settings that cannot work."""
         if self.vllm_mode not in _MODES:
             raise ValueError(f"vllm_mode must be one of {_MODES}, got {self.vllm_mode!r}.")
+        # Every vLLM field but the switch only acts with vLLM on, and each mode reads only its own fields (enumerated
+        # from the fields' help, "Server mode: ..." / "Colocate mode: ...", so a new field is covered).
+        fields = dataclasses.fields(VLLMArguments)
+        settings = tuple(f.name for f in fields if f.name != "use_vllm")
+        server = tuple(f.name for f in fields if f.metadata["help"].startswith("Server mode:"))
+        colocate = tuple(f.name for f in fields if f.metadata["help"].startswith("Colocate mode:"))
+        check_dependents(
+            self,
+            (
+                Dependent(settings, self.use_vllm, "use_vllm=True"),
+                Dependent(server, self.vllm_mode == "server", "vllm_mode='server'"),
+                Dependent(colocate, self.vllm_mode == "colocate", "vllm_mode='colocate'"),
+                Dependent(
+                    ("vllm_server_host", "vllm_server_port"),
+                    self.vllm_server_base_url is None,
+                    "vllm_server_base_url=None (a base URL replaces host and port)",
+                ),
+            ),
+        )
         if not self.use_vllm:
             return
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
