@@ -39,10 +39,10 @@ from trl_stable.rewards import (  # noqa: E402
     CriticIntrinsicReward,
     CriticRewardConfig,
     LexiconCritic,
+    parse_critic_answer,  # noqa: E402
     span_token_rewards,
     token_char_offsets,
 )
-from trl_stable.rewards.critic_parsing import parse_critic_answer  # noqa: E402
 from trl_stable.testing import build_tokenizer  # noqa: E402
 from trl_stable.testing.kit import corpus  # noqa: E402
 from trl_stable.token_offsets import _incremental_offsets, _stream_offsets  # noqa: E402

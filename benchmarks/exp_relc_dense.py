@@ -76,7 +76,7 @@ from research_common import (  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticBackend, CriticIntrinsicReward, CriticRewardConfig  # noqa: E402
-from trl_stable.rewards.critic_backends import format_sentiment_answer  # noqa: E402
+from trl_stable.rewards.critic.lexicon import format_sentiment_answer  # noqa: E402
 
 SCRIPT = REPO / "examples" / "research_projects" / "sentiment" / "ppo_intrinsic.py"
 BANNED = ("the", "and", "a")

@@ -112,7 +112,7 @@ def test_keys_and_invalid_names_are_refused_without_echo(value):
 
 
 def test_critic_config_and_openai_critic_refuse_a_key(monkeypatch):
-    from trl_stable.rewards.critic_backends import OpenAICritic
+    from trl_stable.rewards import OpenAICritic
 
     with pytest.raises(ValueError, match="critic_api_key_env takes the NAME") as err:
         CriticRewardConfig(critic_api_key_env=KEY)

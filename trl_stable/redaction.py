@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "REDACTED",
+    "Secret",
     "SecretsNotPickled",
     "check_env_var_name",
     "is_secret_name",
@@ -139,6 +140,26 @@ def redact_argv(argv: list[str]) -> list[str]:
         elif isinstance(arg, str):
             argv[i] = redact_text(arg)
     return argv
+
+
+class Secret:
+    """Holds a key; prints as '***' so it cannot leak through repr, logs or saved configs, and refuses to pickle."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        raise TypeError("A key is not picklable; pass the name of the environment variable that holds it instead.")
 
 
 # ------------------------------------------------------------------------------------ environment-variable names

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from trl_stable.rewards.chat_http import (
+from trl_stable.rewards.critic.transport import (
     ChatBadResponse,
     ChatConnectionError,
     ChatHTTPClient,

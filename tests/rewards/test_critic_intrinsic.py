@@ -19,7 +19,7 @@ from trl_stable.rewards import (
     parse_critic_answer,
     validate_dense_rewards,
 )
-from trl_stable.rewards.intrinsic import default_prompt_file, fill_critic_template, load_critic_template
+from trl_stable.rewards.critic.templates import default_prompt_file, fill_critic_template, load_critic_template
 from trl_stable.testing import build_causal_lm
 
 try:
@@ -327,7 +327,6 @@ def test_lexicon_critic_answers_parse_back():
     [
         ({"critic_task": "qa"}, "critic_task"),
         ({"critic_backend": "claude"}, "critic_backend"),
-        ({"critic_task": "summarization"}, "lexicon"),
         ({"positive_reward_value": math.inf}, "positive_reward_value"),
         ({"intrinsic_reward_threshold": math.nan}, "intrinsic_reward_threshold"),
         ({"critic_concurrency": 0}, "critic_concurrency"),
@@ -342,6 +341,18 @@ def test_lexicon_critic_answers_parse_back():
 def test_config_validation(kw, field):
     with pytest.raises(ValueError, match=field):
         CriticRewardConfig(**kw)
+
+
+def test_summarization_needs_an_llm_backend_or_a_backend_object(tokenizer):
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_task="summarization")  # the lexicon critic by default
+    with pytest.raises(ValueError, match="critic_backend='lexicon' has no summarization lexicon"):
+        CriticIntrinsicReward(cfg, tokenizer)
+    # any backend object answers for any task, whatever critic_backend says
+    critic = ScriptedCritic(lambda p: "Span 1: cat sat (Label: good)")
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" the cat sat"])
+    (row,) = fn(["Post: a cat."], None, ids, env_rewards=[0.0])
+    assert rewarded_text(tokenizer, ids[0], row, +1) == "catsat"
 
 
 def test_config_fields_have_help():
@@ -476,7 +487,7 @@ def openai_reward(tokenizer, server, **kw):
 
 
 def test_every_backend_counter_is_logged_per_step_with_real_values(tokenizer, monkeypatch):
-    from trl_stable.rewards.critic_backends import COUNTER_NAMES
+    from trl_stable.rewards.critic.counters import COUNTER_NAMES
 
     monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
     with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span:\n[Span 1]: great") as server:

@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from trl_stable.rewards import CriticBackend, CriticIntrinsicReward, CriticRewardConfig, parse_critic_answer
-from trl_stable.rewards.critic_parsing import continuation_header
-from trl_stable.rewards.intrinsic import relc_token_reward_values
-from trl_stable.rewards.span_alignment import align_span, span_token_rewards
+from trl_stable.rewards.critic.alignment import align_span, span_token_rewards
+from trl_stable.rewards.critic.parsing import continuation_header
+from trl_stable.rewards.critic.reward import relc_token_reward_values
 
 SENT_V2 = "Identified Positive Text Span:"
 SENT_V1 = "Identified Text Span:"
@@ -108,7 +108,7 @@ def test_policy_prompts_have_no_critic_header(name):
 
 
 def test_bundled_prompts_expect_headed_answers():
-    from trl_stable.rewards.intrinsic import default_prompt_file, load_critic_template
+    from trl_stable.rewards.critic.templates import default_prompt_file, load_critic_template
 
     for task, first_header in (("sentiment", SENT_V2), ("toxicity", "Toxic Span"), ("summarization", "Span 1:")):
         template = load_critic_template(default_prompt_file(task))
@@ -189,7 +189,7 @@ def test_relc_mapping_per_task_and_warning(caplog):
     )
     with pytest.raises(ValueError, match="task"):
         relc_token_reward_values("qa", 1.0, -1.0)
-    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.intrinsic"):
+    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.critic"):
         CriticRewardConfig(critic_task="toxicity", positive_reward_value=0.1)
     assert "outside_span_reward_value" in caplog.text
 
@@ -226,7 +226,7 @@ def test_end_to_end_relc_prompt_continuation_and_step_metrics(tokenizer, tmp_pat
     completions = [" wonderful cast", " ok"]
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
     logged = {}
-    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.intrinsic"):
+    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.critic"):
         rows = fn(["It was truly", "Meh"], completions, ids, log_metric=logged.__setitem__)
     decoded = [tokenizer.decode([t]) for t in ids[0]]
     assert [d for d, v in zip(decoded, rows[0]) if v == 0.5] == [" wonderful"]  # the response part of the span

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from trl_stable.rewards.critic_backends import RateLimiter
+from trl_stable.rewards.critic.rate_limit import RateLimiter
 
 
 def test_rate_limiter_spaces_acquisitions_evenly():

@@ -1,27 +1,32 @@
-"""A lean chat-completions client on the standard library, for the critic's many small concurrent requests.
+"""The critic's transports: one chat-completions request in, (answer text, token usage) out, or a typed error.
 
-Why not the OpenAI SDK: a batch of N critic requests is N threads that each spend a little CPU building the request
-and parsing the answer, all under one GIL. The SDK spends about 2 ms of CPU per request (request options, httpx,
-pydantic models) against about 0.2 ms here, so 64 requests at 100 ms latency cost about 0.19 s through the SDK and
-0.11 s through this client (`benchmarks/bench_critic.py` measures both). The SDK stays available
-(``OpenAICritic(transport="openai")``) for setups that need what it adds.
+Two clients give the same errors, so the caller counts and retries them one way: `ChatStatusError` (with the
+response headers, for Retry-After), `ChatTimeout`, `ChatConnectionError`, `ChatBadResponse`.
 
-What it does: one keep-alive HTTP/1.1 connection per worker thread (reopened after an error), HTTPS with the system
-trust store (``SSL_CERT_FILE`` honoured), the proxies of the environment (``HTTPS_PROXY`` / ``HTTP_PROXY`` /
-``NO_PROXY``, HTTPS tunnelled with CONNECT), a per-request timeout. Errors are typed so the caller can count and
-retry them: `ChatStatusError` (with the response headers, for Retry-After), `ChatTimeout`, `ChatConnectionError`,
-`ChatBadResponse`.
+- `ChatHTTPClient`: a lean standard-library client: one keep-alive HTTP/1.1 connection per worker thread
+  (reopened after an error), HTTPS with the system trust store (``SSL_CERT_FILE`` honoured), the proxies of the
+  environment (``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``NO_PROXY``, HTTPS tunnelled with CONNECT), a per-request
+  timeout.
+- `SDKChatClient`: the OpenAI SDK, for setups that need what it adds.
+
+`parse_retry_after` reads how long a server asked the client to wait.
 """
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import json
+import math
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from typing import Any
+
+TRANSPORTS = ("http", "openai")  # our client, the OpenAI SDK
 
 
 class ChatError(Exception):
@@ -43,7 +48,7 @@ class ChatBadResponse(ChatError):
 class ChatStatusError(ChatError):
     """A non-2xx response."""
 
-    def __init__(self, status_code: int, headers: http.client.HTTPMessage, body: str) -> None:
+    def __init__(self, status_code: int, headers: Any, body: str) -> None:
         super().__init__(f"HTTP {status_code}: {body[:200]}")
         self.status_code = status_code
         self.headers = headers  # case-insensitive `get`, like httpx's headers
@@ -149,3 +154,88 @@ class ChatHTTPClient:
             conns, self._open = list(self._open), set()
         for conn in conns:
             conn.close()
+
+
+class SDKChatClient:
+    """The same `create` through the OpenAI SDK (its own retries off: ours are counted, jittered, deadline-aware);
+    the SDK's errors become the typed errors above."""
+
+    def __init__(self, base_url: str | None, api_key: str, timeout: float) -> None:
+        import openai
+
+        self._openai = openai
+        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout, max_retries=0)
+
+    def create(self, payload: dict[str, Any], timeout: float) -> tuple[str, dict | None]:
+        openai = self._openai
+        try:
+            resp = self._client.chat.completions.create(**payload, timeout=timeout)
+            answer = resp.choices[0].message.content
+        except openai.APITimeoutError as exc:
+            raise ChatTimeout(f"no response within {timeout:g} s") from exc
+        except openai.APIConnectionError as exc:
+            raise ChatConnectionError(type(exc).__name__) from exc
+        except openai.APIStatusError as exc:
+            raise ChatStatusError(exc.status_code, exc.response.headers, str(exc.message)) from exc
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError) as exc:
+            raise ChatBadResponse(f"not a chat completion: {type(exc).__name__}") from exc
+        if not isinstance(answer, str):
+            raise ChatBadResponse("answer without text content")
+        usage = getattr(resp, "usage", None)
+        return answer, None if usage is None else {
+            k: getattr(usage, k, 0) for k in ("prompt_tokens", "completion_tokens")
+        }
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
+    """Seconds a server asked the client to wait, from its response headers; None when it did not say.
+
+    Reads ``retry-after-ms`` (milliseconds, OpenAI's and Azure's), then ``Retry-After`` as delta-seconds or as an
+    HTTP-date (RFC 9110 10.2.3; a date in the past is 0). Negative or unreadable values are ignored.
+
+    Args:
+        headers: A mapping with case-insensitive ``get`` (httpx headers) or a plain dict.
+        now: The current POSIX time for HTTP-dates (default ``time.time()``).
+
+    Example:
+        >>> parse_retry_after({"retry-after-ms": "1500"}), parse_retry_after({"Retry-After": "20"})
+        (1.5, 20.0)
+    """
+    if headers is None:
+        return None
+    lower = {str(k).lower(): v for k, v in headers.items()}
+    ms = lower.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000.0
+            if math.isfinite(value) and value >= 0:
+                return value
+        except (TypeError, ValueError):
+            pass
+    raw = lower.get("retry-after")
+    if raw is None:
+        return None
+    raw = str(raw).strip()
+    try:
+        value = float(raw)
+        return value if math.isfinite(value) and value >= 0 else None
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:  # HTTP-dates are GMT
+        when = when.replace(tzinfo=timezone.utc)
+    now = time.time() if now is None else now
+    return max(0.0, when.timestamp() - now)
+
+
+def _utc_http_date(posix: float) -> str:
+    """`posix` as an HTTP-date (for tests and the fake server)."""
+    return email.utils.format_datetime(datetime.fromtimestamp(posix, tz=timezone.utc), usegmt=True)

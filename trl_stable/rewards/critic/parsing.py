@@ -277,7 +277,7 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
 
     Returns:
         A `ParsedCritique`; spans keep their original wording (locating them in the response is case- and
-        whitespace-insensitive, see `trl_stable.rewards.span_alignment.locate_span`).
+        whitespace-insensitive, see `trl_stable.rewards.critic.alignment.locate_span`).
     """
     if answer is None:
         return ParsedCritique(ok=False, reason="no answer")
