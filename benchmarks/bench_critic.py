@@ -4,8 +4,9 @@ Measured side by side in one run, against a loopback OpenAI-compatible server (1
 fixed per-request latency:
 
 1. wall time of the whole intrinsic-reward stage (critic prompts, requests, parsing, alignment) for `--samples`
-   completions: ours (concurrency sized to the batch, the default; also through the OpenAI SDK) vs a RELC-like
-   baseline (2 workers, no cache), as a ratio; the limit is about one latency plus parsing and alignment;
+   completions: ours (concurrency sized to the batch, the default, through our httpx client; also through the
+   OpenAI SDK) vs a RELC-like baseline (2 workers, no cache), as a ratio; the limit is about one latency plus
+   parsing and alignment;
 2. the same stage re-run by a restarted process with the on-disk cache (no request paid twice);
 3. the same stage with `--fault_rate` of the requests failing (deterministic per prompt and attempt, in equal
    parts: 429 with Retry-After, 500, a hang past the client timeout, a garbage answer), both pipelines against the
@@ -199,6 +200,7 @@ def main() -> None:
         ours_fn = make_fn(tokenizer, base_url, args.concurrency, cache_dir=cache)
         t_ours, rows_ours = timed_stage(ours_fn)
         assert rows_base == rows_ours, "both pipelines must give the same rewards"
+        ours_fn.close()  # the process ends: its answers are on disk (the cache writes them in a thread)
         restarted = make_fn(tokenizer, base_url, args.concurrency, cache_dir=cache)
         t_cached, rows_cached = timed_stage(restarted)
         assert rows_cached == rows_ours

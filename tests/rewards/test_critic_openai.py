@@ -480,24 +480,16 @@ def test_parse_retry_after_forms():
         assert parse_retry_after(bad) is None
 
 
-class RecordingStop:
-    """Stands in for the critic's stop event: records each backoff wait instead of sleeping it."""
+def record_waits(critic):
+    """Replace the critic's backoff wait with a recorder: each wait is kept instead of slept."""
+    waits = []
 
-    def __init__(self):
-        self.waits = []
-
-    def wait(self, timeout=None):
-        self.waits.append(timeout)
+    def sleep(seconds):
+        waits.append(seconds)
         return False
 
-    def is_set(self):
-        return False
-
-    def set(self):
-        pass
-
-    def clear(self):
-        pass
+    critic._sleep = sleep
+    return waits
 
 
 @pytest.mark.parametrize(
@@ -510,11 +502,11 @@ class RecordingStop:
 )
 def test_retry_after_is_waited_up_to_its_ceiling(server, headers, expected, caplog):
     critic = make(server, backoff_base=0.01, backoff_max=8.0, retry_after_max=60.0, timeout=2.0)
-    critic._stop = RecordingStop()
+    waits = record_waits(critic)
     server.script(status(429, headers=headers))
     with caplog.at_level(logging.WARNING):
         assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
-    assert critic._stop.waits == [pytest.approx(expected)]
+    assert waits == [pytest.approx(expected)]
     assert ("retry after" in caplog.text) == (expected > 8.0)  # a long wait is logged
     assert ("retry_after_max=60" in caplog.text) == (expected == 60.0)
 
@@ -523,10 +515,10 @@ def test_retry_after_http_date_and_on_503(server):
     from trl_stable.rewards.critic.transport import _utc_http_date
 
     critic = make(server, backoff_base=0.01, timeout=2.0)
-    critic._stop = RecordingStop()
+    waits = record_waits(critic)
     server.script(status(503, headers={"Retry-After": _utc_http_date(time.time() + 30)}))
     assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
-    (wait,) = critic._stop.waits
+    (wait,) = waits
     assert 28.0 <= wait <= 30.0  # an HTTP-date has whole seconds
     assert critic.metrics()["critic/server_errors"] == 1
 

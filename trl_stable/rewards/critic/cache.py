@@ -3,6 +3,7 @@ for the same critique twice. Only answers the backend's validator accepts are ke
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import json
 import logging
@@ -67,6 +68,7 @@ class DiskCache:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        self._made: set[str] = set()  # subdirectories known to exist (a mkdir per write costs a syscall)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], f"{key}.json")
@@ -90,7 +92,10 @@ class DiskCache:
 
     def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        folder = os.path.dirname(path)
+        if folder not in self._made:
+            os.makedirs(folder, exist_ok=True)
+            self._made.add(folder)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -109,7 +114,8 @@ class AnswerCache:
     `put` keeps an answer only when `validator` accepts it (counted as ``cache_refused`` otherwise): a cached garbage
     answer would be served to every later step and every restarted run, even after the server is healthy again.
     `get` serves a disk entry written under another validator version only if `validator` accepts it too
-    (``cache_revalidated``), and counts ``cache_hits``.
+    (``cache_revalidated``), and counts ``cache_hits``. Disk writes happen in a writer thread, in order, so the
+    caller does not wait for the file system; `flush` waits for them (`OpenAICritic.generate` and `close` do).
     """
 
     def __init__(
@@ -127,6 +133,8 @@ class AnswerCache:
         self.model = model
         self.memory = MemoryCache(memory_size)
         self.disk = DiskCache(directory) if directory is not None else None
+        self._writer: cf.ThreadPoolExecutor | None = None
+        self._writer_lock = threading.Lock()
 
     def _valid(self, answer: str) -> bool:
         try:
@@ -155,9 +163,27 @@ class AnswerCache:
         return answer
 
     def put(self, key: str, answer: str) -> None:
+        """Keep `answer` (in memory now, on disk soon) if the validator accepts it."""
         if not self._valid(answer):
             self.counters.add("cache_refused")
             return
         self.memory.put(key, answer)
         if self.disk is not None:
-            self.disk.put(key, answer, self.model, self.version)
+            with self._writer_lock:
+                if self._writer is None:
+                    self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-cache")
+                self._writer.submit(self.disk.put, key, answer, self.model, self.version)
+
+    def flush(self) -> None:
+        """Wait until every answer `put` so far is on disk."""
+        with self._writer_lock:
+            writer = self._writer
+        if writer is not None:
+            writer.submit(lambda: None).result()  # one writer thread, in order: everything before is written
+
+    def close(self) -> None:
+        """Flush, and stop the writer thread (a later `put` starts another)."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)

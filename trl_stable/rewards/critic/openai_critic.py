@@ -27,9 +27,9 @@ from trl_stable.rewards.critic.transport import (
     TRANSPORTS,
     ChatBadResponse,
     ChatConnectionError,
-    ChatHTTPClient,
     ChatStatusError,
     ChatTimeout,
+    HTTPXChatClient,
     SDKChatClient,
     parse_retry_after,
 )
@@ -102,7 +102,8 @@ class OpenAICritic(CriticBackend):
         seed: Seed of the backoff jitter.
         memory_cache_size: Answers kept in memory (least recently used evicted).
         max_concurrency: Most requests in flight at once when `concurrency` is None.
-        transport: ``"http"`` (our client) or ``"openai"`` (the OpenAI SDK).
+        transport: ``"http"`` (httpx, one keep-alive connection per worker thread) or ``"openai"`` (the OpenAI
+            SDK).
         answer_validator, validator_version: See `CriticBackend`.
     """
 
@@ -228,7 +229,7 @@ class OpenAICritic(CriticBackend):
         with self._init_lock:
             if self._client is None and self.transport == "http":
                 url = self.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
-                self._client = ChatHTTPClient(url, self._api_key.get())
+                self._client = HTTPXChatClient(url, self._api_key.get())
             elif self._client is None:
                 self._client = SDKChatClient(self.base_url, self._api_key.get(), self.timeout)
             if self._pool is None:
@@ -236,6 +237,10 @@ class OpenAICritic(CriticBackend):
                 # N gets N threads (kept for the next batches), not a fixed pool that runs it in waves.
                 self._pool = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="critic")
             return self._client
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds` (a backoff, a rate-limit slot); True when the critic was closed meanwhile."""
+        return self._stop.wait(seconds)
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         with self._rng_lock:
@@ -287,8 +292,9 @@ class OpenAICritic(CriticBackend):
             if self._auth_error is not None:  # the key was rejected: every further call would be too
                 last_error = "the server rejected the API key"
                 break
-            if self._rate is not None:
-                self._rate.acquire(self._stop)
+            wait = self._rate.reserve() if self._rate is not None else 0.0
+            if wait > 0 and self._sleep(wait):
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 last_error = "batch deadline reached"
@@ -315,7 +321,7 @@ class OpenAICritic(CriticBackend):
                 if time.monotonic() + delay >= deadline:
                     break
                 self.counters.add("retries")
-                if self._stop.wait(delay):
+                if self._sleep(delay):
                     break
                 continue
             self._count_usage(usage)
@@ -383,10 +389,14 @@ class OpenAICritic(CriticBackend):
                 del self._inflight[key]
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
-        return self.submit(prompts, texts).result()
+        answers = self.submit(prompts, texts).result()
+        self.cache.flush()  # a caller that asks again (or restarts) finds every answer on disk
+        return answers
 
     def close(self) -> None:
+        """End every wait, drop the queued requests, write the cache and close the connections."""
         self._stop.set()
+        self.cache.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

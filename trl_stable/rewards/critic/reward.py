@@ -14,6 +14,7 @@ no bound). `CriticIntrinsicReward` is a dense reward function in the sense of `t
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -85,6 +86,11 @@ def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum
             factor = max_abs_sum / total
             scaled = [v * factor for v in scaled]
     return scaled
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_memo(answer: str, header: str | None) -> ParsedCritique:
+    return parse_critic_answer(answer, continues=header)
 
 
 def _as_text(x: Any) -> str:
@@ -215,8 +221,11 @@ class CriticIntrinsicReward:
         return f"CriticIntrinsicReward(task={self.config.critic_task!r}, backend={self.backend!r})"
 
     def parse(self, answer: str | None) -> ParsedCritique:
-        """The spans of one critic answer, read as the continuation of this template's last header."""
-        return parse_critic_answer(answer, continues=self.answer_header)
+        """The spans of one critic answer, read as the continuation of this template's last header (memoized: the
+        backend's cache validator parses each answer first, and the reward reads the same result)."""
+        if not isinstance(answer, str):  # None (a failed request) or a backend's stray object: nothing to share
+            return parse_critic_answer(answer, continues=self.answer_header)
+        return _parse_memo(answer, self.answer_header)
 
     def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
         """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""
