@@ -112,9 +112,13 @@ def test_threshold_selection_and_nan_env_reward(tokenizer):
 def test_disabled_returns_none_and_alias(tokenizer):
     fn = CriticIntrinsicReward(CriticRewardConfig(), tokenizer)
     assert fn(["p"], [" great"], encode(tokenizer, [" great"]), env_rewards=[0.0]) == [None]
-    assert CriticRewardConfig(use_instric_reward=True).use_intrinsic_reward is True
-    assert CriticRewardConfig(use_intrinsic_reward=True, use_instric_reward=False).use_intrinsic_reward is True
-    assert CriticRewardConfig(use_instric_reward=False).use_intrinsic_reward is False
+    from trl_stable.compat.relc_critic import RelcCriticRewardConfig  # RELC's spelling lives in the compat layer
+
+    assert RelcCriticRewardConfig(use_instric_reward=True).use_intrinsic_reward is True
+    assert RelcCriticRewardConfig(use_intrinsic_reward=True, use_instric_reward=False).use_intrinsic_reward is True
+    assert RelcCriticRewardConfig(use_instric_reward=False).use_intrinsic_reward is False
+    with pytest.raises(TypeError, match="use_instric_reward"):
+        CriticRewardConfig(use_instric_reward=True)
 
 
 def test_critic_prompt_uses_template_prompt_and_true_scale_score(tokenizer):
@@ -405,7 +409,9 @@ def test_script_flags_with_relc_names():
     flags = ["--use_instric_reward", "--critic_task", "toxicity", "--positive_reward_value", "0.0",
              "--negative_reward_value", "-0.5", "--intrinsic_reward_threshold", "1.0",
              "--prompt_file", default_prompt_file("toxicity")]  # fmt: skip
-    (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(flags)
+    from trl_stable.compat.relc_critic import RelcCriticRewardConfig
+
+    (cfg,) = HfArgumentParser(RelcCriticRewardConfig).parse_args_into_dataclasses(flags)
     assert cfg.use_intrinsic_reward and cfg.critic_task == "toxicity"
     assert (cfg.positive_reward_value, cfg.negative_reward_value, cfg.intrinsic_reward_threshold) == (0.0, -0.5, 1.0)
     (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(["--use_intrinsic_reward"])

@@ -186,5 +186,7 @@ def test_parser_is_linear_in_the_number_of_span_lines(monkeypatch):
 def test_parser_keeps_first_occurrence_order_and_drops_duplicates():
     parsed = parse_critic_answer("Toxic Span 1: idiot\nToxic Span 2: moron\nToxic Span 3: idiot")
     assert parsed.negative == ["idiot", "moron"]
-    words = parse_critic_answer("1. a: -1\n2. b: 1\n3. a: -1\n4. c: 0", continues="Rewards assigned:")
+    from trl_stable.compat.relc_critic import parse_relc_answer
+
+    words = parse_relc_answer("1. a: -1\n2. b: 1\n3. a: -1\n4. c: 0", continues="Rewards assigned:")
     assert words.negative == ["a"] and words.positive == ["b"]

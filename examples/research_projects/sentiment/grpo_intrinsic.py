@@ -50,7 +50,7 @@ from research_common import (  # noqa: E402
 from scorers import VADER, build_sentiment_logit, continuation_logprobs, vader_compound  # noqa: E402
 
 from trl_stable import GRPOConfig  # noqa: E402
-from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _ppo_script = load_script_module(Path(__file__).resolve().parent / "ppo_intrinsic.py", "sentiment_ppo_intrinsic")

@@ -68,7 +68,7 @@ from research_common import (  # noqa: E402
 from scorers import VADER, build_sentiment_logit, vader_compound  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
-from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
 
 PAPER_REWARD_MODEL = "lvwerra/distilbert-imdb"
 # The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum

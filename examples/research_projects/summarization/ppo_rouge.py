@@ -60,7 +60,8 @@ from research_common import (  # noqa: E402
 from scorers import RougeScorer  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
-from trl_stable.rewards import CriticBackend, CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
+from trl_stable.rewards import CriticBackend  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OFFLINE_TEMPLATE = HERE / "critic_offline_template.txt"

@@ -16,6 +16,7 @@ from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_b
 from trl_stable.redaction import check_env_var_name
 from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
+from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
 from trl_stable.rewards.critic.templates import default_prompt_file
 from trl_stable.rewards.critic.transport import TRANSPORTS
 
@@ -148,15 +149,15 @@ class CriticRewardConfig(CriticBackendConfig):
     backend's fields (`CriticBackendConfig`).
 
     A token's reward is ``positive_reward_value`` inside a positive span, ``negative_reward_value`` inside a negative
-    (toxic, flawed) span, and ``outside_span_reward_value`` inside no span.
+    (toxic, flawed) span, and ``outside_span_reward_value`` inside no span. `continuation_header` and `parse_answer`
+    are the answer format the reward reads (`trl_stable.compat.relc_critic.RelcCriticRewardConfig` adds RELC's).
     """
+
+    continuation_header = staticmethod(continuation_header)
+    parse_answer = staticmethod(parse_critic_answer)
 
     use_intrinsic_reward: bool = field(
         default=False, metadata={"help": "Add the critic's per-token intrinsic rewards to the environment reward."}
-    )
-    use_instric_reward: bool = field(
-        default=False,
-        metadata={"help": "Alias of `use_intrinsic_reward` (RELC's spelling in its sentiment/summarization scripts)."},
     )
     critic_task: str = field(
         default="sentiment",
@@ -165,8 +166,8 @@ class CriticRewardConfig(CriticBackendConfig):
     positive_reward_value: float = field(
         default=0.5,
         metadata={
-            "help": "Reward of a token inside a positive span. Not RELC's toxicity flag of this name (that is the "
-            "reward of a non-toxic token: outside_span_reward_value; see CriticRewardConfig.from_relc)."
+            "help": "Reward of a token inside a positive span (the reward of a token outside every toxic or flawed "
+            "span is outside_span_reward_value)."
         },
     )
     negative_reward_value: float = field(
@@ -175,8 +176,8 @@ class CriticRewardConfig(CriticBackendConfig):
     outside_span_reward_value: float = field(
         default=0.0,
         metadata={
-            "help": "Reward of a token inside no span, in completions whose critique parsed (RELC toxicity: its "
-            "positive_reward_value, 0.1). Failed or unparseable critiques give no reward at all."
+            "help": "Reward of a token inside no span, in completions whose critique parsed (e.g. 0.1 for every "
+            "non-toxic token). Failed or unparseable critiques give no reward at all."
         },
     )
     fuzzy_span_matching: bool = field(
@@ -236,8 +237,6 @@ class CriticRewardConfig(CriticBackendConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.use_instric_reward:
-            self.use_intrinsic_reward = True
         if self.critic_task not in CRITIC_TASKS:
             raise ValueError(f"critic_task must be one of {CRITIC_TASKS}, got {self.critic_task!r}.")
         check_bounds(self, CRITIC_BOUNDS)
@@ -250,9 +249,9 @@ class CriticRewardConfig(CriticBackendConfig):
             import_rapidfuzz()  # fail at configuration time, not at the first critiqued step
         if self.critic_task == "toxicity" and self.positive_reward_value != 0 and self.outside_span_reward_value == 0:
             logger.warning(
-                "critic_task='toxicity' names only toxic spans, so positive_reward_value=%s rewards no token. RELC's "
-                "positive_reward_value is the reward of a non-toxic token: set outside_span_reward_value, or build "
-                "the config with CriticRewardConfig.from_relc(task='toxicity', ...).",
+                "critic_task='toxicity' names only toxic spans, so positive_reward_value=%s rewards no token; the "
+                "reward of a non-toxic token is outside_span_reward_value (RELC's scripts call it "
+                "--positive_reward_value: trl_stable.compat.relc_critic.RelcCriticRewardConfig.from_relc maps it).",
                 self.positive_reward_value,
             )
         if self.prompt_file is not None and not os.path.isfile(self.prompt_file):
@@ -262,28 +261,6 @@ class CriticRewardConfig(CriticBackendConfig):
                 f"critic_lexicon={self.critic_lexicon!r} is a sentiment lexicon; critic_task={self.critic_task!r} "
                 "has one lexicon only (leave critic_lexicon='vader')."
             )
-
-    @classmethod
-    def from_relc(
-        cls, task: str, positive_reward_value: float, negative_reward_value: float, **kwargs
-    ) -> CriticRewardConfig:
-        """A config whose token rewards are RELC's for `task` given RELC's two flag values
-        (`relc_token_reward_values`); `kwargs` are the other fields.
-
-        Example:
-            >>> CriticRewardConfig.from_relc("sentiment", 0.5, -0.5).outside_span_reward_value
-            0.0
-        """
-        from trl_stable.rewards.critic.reward import relc_token_reward_values
-
-        pos, neg, outside = relc_token_reward_values(task, positive_reward_value, negative_reward_value)
-        return cls(
-            critic_task=task,
-            positive_reward_value=pos,
-            negative_reward_value=neg,
-            outside_span_reward_value=outside,
-            **kwargs,
-        )
 
     @property
     def fuzzy_threshold(self) -> float | None:

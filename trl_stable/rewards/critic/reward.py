@@ -36,35 +36,14 @@ from trl_stable.rewards.critic.alignment import (
     token_char_offsets,
 )
 from trl_stable.rewards.critic.backend import CriticBackend
-from trl_stable.rewards.critic.config import CRITIC_TASKS, CriticRewardConfig
+from trl_stable.rewards.critic.config import CriticRewardConfig
 from trl_stable.rewards.critic.counters import COUNTER_NAMES, FAILURE_KINDS, STEP_COUNTER_NAMES, StepCounts
 from trl_stable.rewards.critic.factory import build_critic_backend
 from trl_stable.rewards.critic.jobs import CriticJob
-from trl_stable.rewards.critic.parsing import PARSER_VERSION, ParsedCritique, continuation_header, parse_critic_answer
+from trl_stable.rewards.critic.parsing import PARSER_VERSION, ParsedCritique
 from trl_stable.rewards.critic.templates import fill_critic_template, load_critic_template
 
 logger = logging.getLogger(__name__)
-
-
-def relc_token_reward_values(
-    task: str, positive_reward_value: float, negative_reward_value: float
-) -> tuple[float, float, float]:
-    """RELC's ``--positive_reward_value`` / ``--negative_reward_value`` of `task` as our three per-token values
-    ``(positive_reward_value, negative_reward_value, outside_span_reward_value)``.
-
-    RELC's scripts (Cao et al., EMNLP 2024) use the two flags differently per task:
-
-    - sentiment: a token in a positive span gets ``positive``, in a negative span ``negative``, elsewhere 0, so
-      ``(positive, negative, 0.0)``;
-    - toxicity and summarization: the critic names only bad spans (toxic / problematic); a token in one gets
-      ``negative`` and every other token ``positive`` (toxicity script: +0.1 outside, -0.5 inside), so
-      ``(0.0, negative, positive)``.
-    """
-    if task not in CRITIC_TASKS:
-        raise ValueError(f"task must be one of {CRITIC_TASKS}, got {task!r}.")
-    if task == "sentiment":
-        return float(positive_reward_value), float(negative_reward_value), 0.0
-    return 0.0, float(negative_reward_value), float(positive_reward_value)
 
 
 def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum: float | None = None) -> list[float]:
@@ -89,8 +68,8 @@ def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_memo(answer: str, header: str | None) -> ParsedCritique:
-    return parse_critic_answer(answer, continues=header)
+def _parse_memo(parse: Any, answer: str, header: str | None) -> ParsedCritique:
+    return parse(answer, continues=header)
 
 
 def _as_text(x: Any) -> str:
@@ -193,9 +172,9 @@ class CriticIntrinsicReward:
             if backend is not None or config.critic_backend != "lexicon" or config.prompt_file is not None
             else "{}"  # the lexicon critic annotates the raw text; a template only matters to LLM critics
         )
-        # The header the template ends with: RELC-style prompts make the critic continue it (see
-        # `continuation_header`); the filled prompt ends as the template does unless the text itself is last.
-        self.answer_header = continuation_header(self.template)
+        # The header the template ends with, which the critic's answer continues (see `continuation_header`); the
+        # filled prompt ends as the template does unless the text itself is last.
+        self.answer_header = config.continuation_header(self.template)
         tail = self.template.rstrip().splitlines()[-1].strip() if self.template.strip() else ""
         if self.answer_header is None and tail.endswith(":") and "{" not in tail:
             logger.warning(
@@ -221,11 +200,11 @@ class CriticIntrinsicReward:
         return f"CriticIntrinsicReward(task={self.config.critic_task!r}, backend={self.backend!r})"
 
     def parse(self, answer: str | None) -> ParsedCritique:
-        """The spans of one critic answer, read as the continuation of this template's last header (memoized: the
-        backend's cache validator parses each answer first, and the reward reads the same result)."""
+        """The spans of one critic answer (the config's `parse_answer`), read as the continuation of this template's
+        last header; memoized: the backend's cache validator parses each answer first, the reward reads the result."""
         if not isinstance(answer, str):  # None (a failed request) or a backend's stray object: nothing to share
-            return parse_critic_answer(answer, continues=self.answer_header)
-        return _parse_memo(answer, self.answer_header)
+            return self.config.parse_answer(answer, continues=self.answer_header)
+        return _parse_memo(self.config.parse_answer, answer, self.answer_header)
 
     def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
         """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""

@@ -1,0 +1,1 @@
+"""trl_stable's integration with the TRL release it builds on: the version gate (`version`)."""
