@@ -61,14 +61,32 @@ class DiskCache:
 
     Each entry records the version of the validator (the span parser) that accepted it. Writes are atomic
     (temporary file + rename), so concurrent threads and processes can share a directory.
+
+    A folder that cannot be used (read-only, immutable, a path under a file, a full disk: any `OSError` but a
+    missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves requests, and
+    its failure must never cost an answer.
     """
 
     key = staticmethod(cache_key)
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self.broken: str | None = None
         self._made: set[str] = set()  # subdirectories known to exist (a mkdir per write costs a syscall)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        if self.broken is None:
+            self.broken = f"{type(exc).__name__}: {exc.strerror or exc}"
+            logger.warning(
+                "The critic cache folder %s cannot be used (%s): answers are cached in memory only from now on "
+                "(none is lost). Make it writable or point critic_cache_dir at a writable folder.",
+                self.directory,
+                self.broken,
+            )
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], f"{key}.json")
@@ -80,32 +98,44 @@ class DiskCache:
 
     def get_entry(self, key: str) -> tuple[str, str | None] | None:
         """(answer, the validator version it was stored under) of `key`; None when missing or torn."""
+        if self.broken is not None:
+            return None
         try:
             with open(self._path(key), encoding="utf-8") as f:
                 data = json.load(f)
             answer, version = data.get("answer"), data.get("parser_version")
-        except (OSError, ValueError, AttributeError):
-            return None  # missing or torn file: ask again
+        except FileNotFoundError:
+            return None  # not cached (yet)
+        except OSError as exc:
+            self._fail(exc)
+            return None
+        except (ValueError, AttributeError):
+            return None  # a torn file: ask again
         if not isinstance(answer, str):
             return None
         return answer, version if isinstance(version, str) else None
 
     def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
+        if self.broken is not None:
+            return
         path = self._path(key)
         folder = os.path.dirname(path)
-        if folder not in self._made:
-            os.makedirs(folder, exist_ok=True)
-            self._made.add(folder)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        tmp = None
         try:
+            if folder not in self._made:
+                os.makedirs(folder, exist_ok=True)
+                self._made.add(folder)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                entry = {"model": model, "answer": answer, "parser_version": parser_version}
-                json.dump(entry, f, ensure_ascii=False)
+                json.dump({"model": model, "answer": answer, "parser_version": parser_version}, f, ensure_ascii=False)
             os.replace(tmp, path)
-        except OSError:
-            logger.warning("Could not write the critic cache file in %s", self.directory)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        except OSError as exc:
+            self._fail(exc)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
 
 class AnswerCache:
@@ -168,7 +198,7 @@ class AnswerCache:
             self.counters.add("cache_refused")
             return
         self.memory.put(key, answer)
-        if self.disk is not None:
+        if self.disk is not None and self.disk.broken is None:
             with self._writer_lock:
                 if self._writer is None:
                     self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-cache")
