@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
-from trl_stable.redaction import check_env_var_name
+from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
 from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
@@ -52,7 +52,7 @@ CRITIC_BOUNDS: dict[str, Bound] = {**REWARD_BOUNDS, **BACKEND_BOUNDS}
 
 
 @dataclass
-class CriticBackendConfig:
+class CriticBackendConfig(SecretsNotPickled):
     """Which critic answers and how it is reached: the backend, its model, and the OpenAI-compatible transport's
     settings (URL, key variable, concurrency, timeouts, retries, rate limit, cache).
 
@@ -139,8 +139,8 @@ class CriticBackendConfig:
             )
         if self.critic_lexicon not in SENTIMENT_LEXICONS:
             raise ValueError(f"critic_lexicon must be one of {SENTIMENT_LEXICONS}, got {self.critic_lexicon!r}.")
-        # the key itself typed here would be echoed by "set the environment variable ..." errors and saved
-        check_env_var_name("critic_api_key_env", self.critic_api_key_env)
+        # every *_env field (critic_api_key_env): the key itself typed there would be echoed by errors and saved
+        super().__post_init__()
 
 
 @dataclass
