@@ -580,3 +580,53 @@ def test_checkpoint_state_continues_the_counters(tokenizer):
     assert resumed.consecutive_failing_steps == 2  # the third failing step in a row raises, resumed or not
     with pytest.raises(CriticFailureError, match="3 consecutive steps"):
         resumed(["p"], completions[:1], ids[:1], env_rewards=[0.1])
+
+
+@pytest.mark.parametrize(
+    "fields, named, needs",
+    [
+        ({"critic_base_url": "https://user:URLKEY-77@h/v1"}, "critic_base_url", "critic_backend='openai'"),
+        ({"critic_timeout": 5.0, "critic_rate_limit": 2.0}, "critic_timeout", "critic_backend='openai'"),
+        ({"critic_model": "gpt-4o"}, "critic_model", "an LLM critic_backend"),
+        ({"critic_backend": "openai", "critic_lexicon": "afinn"}, "critic_lexicon", "critic_backend='lexicon'"),
+        (
+            {"critic_backend": "transformers", "critic_model": "m", "critic_base_url": "http://h"},
+            "critic_base_url",
+            "",
+        ),
+        ({"critic_backend": "openai", "critic_batch_size": 4}, "critic_batch_size", "critic_backend='transformers'"),
+    ],
+)
+def test_backend_fields_the_backend_ignores_are_named(tokenizer, monkeypatch, caplog, fields, named, needs):
+    from trl_stable.config_checks import check_dependents
+
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    if fields.get("critic_backend") == "transformers":
+        monkeypatch.setattr("trl_stable.rewards.critic.factory.TransformersCritic", lambda *a, **kw: None)
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, **fields)  # the config alone: scripts pick the backend late
+    with caplog.at_level(logging.WARNING):
+        CriticIntrinsicReward(cfg, tokenizer)  # building the backend names what it ignores
+    (warned,) = [r.getMessage() for r in caplog.records if "without it the run would ignore" in r.getMessage()]
+    assert named in warned and needs in warned and "URLKEY-77" not in warned
+    with pytest.raises(ValueError, match=named) as err:  # the shared rule, refusing
+        check_dependents(cfg, cfg.backend_dependents())
+    assert "URLKEY-77" not in str(err.value)
+
+
+def test_a_backend_object_makes_the_backend_fields_moot_and_says_so(tokenizer, caplog):
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_model="gpt-4o", critic_timeout=3.0)
+    with caplog.at_level(logging.WARNING):
+        CriticIntrinsicReward(cfg, tokenizer, backend=ScriptedCritic(lambda p: "None identified"))
+    (record,) = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert "critic_model='gpt-4o'" in record.getMessage() and "critic_timeout=3.0" in record.getMessage()
+    assert "ScriptedCritic" in record.getMessage()
+
+
+def test_a_disabled_critic_says_so_at_its_first_call(tokenizer, caplog):
+    fn = CriticIntrinsicReward(CriticRewardConfig(), tokenizer)  # use_intrinsic_reward=False: no backend is built
+    ids = encode(tokenizer, [" great"])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert fn(["p"], [" great"], ids, env_rewards=[0.0]) == [None]
+    warned = [r for r in caplog.records if "use_intrinsic_reward=False" in r.getMessage()]
+    assert len(warned) == 1 and "critic_sentiment" in warned[0].getMessage()

@@ -1,9 +1,10 @@
 """The critic's two configurations: which critic answers and how it is reached (`CriticBackendConfig`), and what its
 answers become (`CriticRewardConfig`, which includes the first, so every field is one flat flag of a script).
 
-Every numeric field is checked against its range when the config is built. Whether a backend field applies is
-checked when the backend is built (`trl_stable.rewards.critic.factory`): scripts choose the backend late (a
-paper-mode default, a backend object passed in).
+Every numeric field is checked against its range when the config is built. Whether a backend field applies
+(`CriticBackendConfig.backend_dependents`: `critic_base_url` only with the OpenAI-compatible backend, `critic_model`
+only with an LLM, ...) is checked when the backend is built (`trl_stable.rewards.critic.factory`), by the shared
+rule of `trl_stable.config_checks`: scripts choose the backend late (a paper-mode default, a backend object).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ REWARD_BOUNDS: dict[str, Bound] = {
 }
 # Every numeric field of CriticRewardConfig and what is valid.
 CRITIC_BOUNDS: dict[str, Bound] = {**REWARD_BOUNDS, **BACKEND_BOUNDS}
+# What only the OpenAI-compatible backend reads.
+_OPENAI_FIELDS = (
+    "critic_base_url", "critic_api_key_env", "critic_concurrency", "critic_max_concurrency", "critic_retry_after_max",
+    "critic_cache_dir", "critic_timeout", "critic_transport", "critic_max_retries", "critic_rate_limit",
+    "critic_temperature",
+)  # fmt: skip
 
 
 @dataclass
@@ -129,6 +136,16 @@ class CriticBackendConfig(SecretsNotPickled):
     )
     critic_temperature: float = field(default=0.0, metadata={"help": "Critic sampling temperature (openai)."})
     critic_batch_size: int = field(default=8, metadata={"help": "Prompts per generate call (transformers)."})
+
+    def backend_dependents(self) -> tuple[Dependent, ...]:
+        """The backend fields and the `critic_backend` that reads them (checked by `build_critic_backend`)."""
+        backend = self.critic_backend
+        return (
+            Dependent(_OPENAI_FIELDS, backend == "openai", "critic_backend='openai'"),
+            Dependent(("critic_model", "critic_max_tokens"), backend != "lexicon", "an LLM critic_backend"),
+            Dependent(("critic_batch_size",), backend == "transformers", "critic_backend='transformers'"),
+            Dependent(("critic_lexicon",), backend == "lexicon", "critic_backend='lexicon'"),
+        )
 
     def __post_init__(self) -> None:
         if self.critic_backend not in CRITIC_BACKENDS:

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
+from trl_stable.config_checks import check_dependents, field_default
+from trl_stable.redaction import redact
 from trl_stable.rewards.critic.backend import CriticBackend
-from trl_stable.rewards.critic.config import CriticRewardConfig
+from trl_stable.rewards.critic.config import CriticBackendConfig, CriticRewardConfig
 from trl_stable.rewards.critic.lexicon import LexiconCritic
 from trl_stable.rewards.critic.local import TransformersCritic
 from trl_stable.rewards.critic.openai_critic import OpenAICritic
+
+logger = logging.getLogger(__name__)
+
+
+def warn_ignored_backend_fields(config: CriticRewardConfig, backend: Any) -> None:
+    """Warn, naming them, about the backend fields `config` sets that a backend object passed in makes moot."""
+    ignored = [
+        f"{f.name}={redact(getattr(config, f.name))!r}"
+        for f in dataclasses.fields(CriticBackendConfig)
+        if getattr(config, f.name) != field_default(config, f.name)
+    ]
+    if ignored:
+        logger.warning(
+            "%s: ignored, the backend object passed as backend= (%s) answers the critic prompts; unset them.",
+            ", ".join(ignored),
+            type(backend).__name__,
+        )
 
 
 def build_critic_backend(
@@ -20,7 +41,14 @@ def build_critic_backend(
     validator_version: str = "non-blank",
 ) -> CriticBackend:
     """The backend `config` asks for; `model`/`tokenizer` are the local critic (e.g. the policy) for 'transformers';
-    `answer_validator` / `validator_version` decide which answers a caching backend keeps (see `CriticBackend`)."""
+    `answer_validator` / `validator_version` decide which answers a caching backend keeps (see `CriticBackend`).
+
+    A backend field set for a backend that does not read it (`critic_base_url` with the lexicon critic,
+    `critic_model` / `critic_max_tokens` with it, `critic_lexicon` with an LLM, ...) is named in a warning: the
+    research scripts' defaults still set some of them for every backend (a refusal is one argument away:
+    `check_dependents(config, config.backend_dependents())`).
+    """
+    check_dependents(config, config.backend_dependents(), warn=logger.warning)
     if config.critic_backend == "lexicon":
         if config.critic_task == "summarization":
             raise ValueError(

@@ -38,7 +38,7 @@ from trl_stable.rewards.critic.alignment import (
 from trl_stable.rewards.critic.backend import CriticBackend
 from trl_stable.rewards.critic.config import CriticRewardConfig
 from trl_stable.rewards.critic.counters import COUNTER_NAMES, FAILURE_KINDS, STEP_COUNTER_NAMES, StepCounts
-from trl_stable.rewards.critic.factory import build_critic_backend
+from trl_stable.rewards.critic.factory import build_critic_backend, warn_ignored_backend_fields
 from trl_stable.rewards.critic.jobs import CriticJob
 from trl_stable.rewards.critic.parsing import PARSER_VERSION, ParsedCritique
 from trl_stable.rewards.critic.templates import fill_critic_template, load_critic_template
@@ -182,7 +182,9 @@ class CriticIntrinsicReward:
                 "carry their own headers.",
                 tail,
             )
-        if backend is None and config.use_intrinsic_reward:
+        if backend is not None:
+            warn_ignored_backend_fields(config, backend)
+        elif config.use_intrinsic_reward:
             backend = build_critic_backend(
                 config,
                 critic_model,
@@ -195,6 +197,7 @@ class CriticIntrinsicReward:
         self.totals = StepCounts()
         self._last: dict[str, float] = {}
         self.consecutive_failing_steps = 0
+        self._warned_off = False  # use_intrinsic_reward=False is said once, at the first call
 
     def __repr__(self) -> str:
         return f"CriticIntrinsicReward(task={self.config.critic_task!r}, backend={self.backend!r})"
@@ -290,6 +293,14 @@ class CriticIntrinsicReward:
     ) -> list[list[float] | None]:
         n = len(completion_ids)
         if not self.config.use_intrinsic_reward or self.backend is None:
+            if not self._warned_off:
+                self._warned_off = True
+                logger.warning(
+                    "%s was called with use_intrinsic_reward=False: it gives no intrinsic reward (None rows) and asks "
+                    "no critic. Set use_intrinsic_reward=True (--use_intrinsic_reward), or leave it out of "
+                    "reward_funcs.",
+                    self.__name__,
+                )
             return [None] * n
         waited_from = time.monotonic()
         if prefetched is not None and not prefetched.matches(completion_ids, env_rewards):
