@@ -1,5 +1,6 @@
-"""RELC's critic settings on trl_stable's critic reward: its flag spelling, the meaning its scripts give their two
-reward flags per task, and its per-word answer format.
+"""RELC's critic on trl_stable: `query_batch_span` (the fork's critic call) with its failure semantics, and RELC's
+settings for trl_stable's own critic reward: its flag spelling, the meaning its scripts give their two reward flags
+per task, and its per-word answer format.
 
 RELC (Cao et al., "Enhancing Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024;
 google-research/relc) names the flag ``--use_instric_reward``; its toxicity and summarization scripts give
@@ -16,22 +17,29 @@ config = RelcCriticRewardConfig.from_relc("toxicity", 0.1, -0.5, use_instric_rew
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl_stable.rewards.critic.config import CRITIC_TASKS, CriticRewardConfig
+from trl_stable.rewards.critic.openai_critic import OpenAICritic
 from trl_stable.rewards.critic.parsing import ParsedCritique, continuation_header, parse_critic_answer
 
 __all__ = [
+    "FAILED_CALLS_ENV",
     "WORD_SCORE_HEADER",
     "RelcCriticRewardConfig",
     "parse_relc_answer",
+    "query_batch_span",
     "relc_continuation_header",
     "relc_token_reward_values",
     "word_score_spans",
 ]
 
+FAILED_CALLS_ENV = "TRL_STABLE_RELC_FAILED_CALLS"
 WORD_SCORE_HEADER = "Rewards assigned:"
 _WORD_SCORE_HEADER_RE = re.compile(r"^\s*rewards\s+assigned\s*:\s*$", re.IGNORECASE)
 # "12.  masturb: -1": a number, the word as the prompt listed it, its score
@@ -147,3 +155,104 @@ class RelcCriticRewardConfig(CriticRewardConfig):
             outside_span_reward_value=outside,
             **kwargs,
         )
+
+
+_warned: set[str] = set()
+_failed_prompts: list[str] = []  # the prompts of the calls that failed since the last PPOTrainer.step (this process)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def take_failed_prompts() -> list[str]:
+    """The prompts of the critic calls that failed since the last call, and forget them (`PPOTrainer.step` drops
+    their samples with ``TRL_STABLE_RELC_FAILED_CALLS=drop``)."""
+    taken = list(_failed_prompts)
+    _failed_prompts.clear()
+    return taken
+
+
+def query_batch_span(
+    queries: Sequence[str],
+    max_workers: int = 2,
+    max_tokens: int = 600,
+    api_key: str | None = None,
+    *,
+    model: str = "gpt-3.5-turbo",
+    base_url: str | None = None,
+    timeout: float = 30.0,
+    failed_as: str | None = None,
+    failed_calls: str | None = None,
+) -> list[str | None]:
+    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
+    (temperature 0) and return its answer text, in order. The call goes through trl_stable's `OpenAICritic`
+    (retries with backoff, a per-request timeout, a deadline per batch), so it never raises; a call that failed
+    after its retries is `failed_as` (None, as in the fork).
+
+    What RELC's own parsers make of a failed call (their code, not ours: it runs unchanged):
+
+    - toxicity: None gives every token of the sample 0 (the parser's own ``span is None`` branch): no intrinsic
+      reward. ``""`` reads as "no toxic span", so every token gets ``--positive_reward_value``: a failed call is
+      rewarded like a flawless answer.
+    - summarization: None stops the script (``"None identified" in span`` is a `TypeError`); ``""`` gives every
+      token ``--positive_reward_value``, as toxicity does.
+    - sentiment: None stops the script the same way; ``""`` gives 0 to every token, but the script's fallback for an
+      answer without "Identified Negative Text Span:" appends that sample's positive part twice, so every later
+      sample of the batch gets the positive rewards of the one before it. ``failed_as="Identified Negative Text
+      Span:"`` gives 0 to every token without that shift.
+
+    With ``failed_calls="drop"`` (or the environment variable ``TRL_STABLE_RELC_FAILED_CALLS=drop``, for a script
+    you do not edit) a failed call contributes nothing: the sample is left out of the next `PPOTrainer.step`, found
+    by its response text in the failed prompt (counted in ``ppo/dropped_samples``). Its environment reward goes
+    with it: RELC's scripts add both into one row, which cannot be split again.
+
+    Args:
+        queries: The full critic prompts.
+        max_workers: Requests in flight at once.
+        max_tokens: Answer length limit.
+        api_key: The key; default the environment variable OPENAI_API_KEY.
+        model: The critic model (the fork hard-coded gpt-3.5-turbo).
+        base_url: An OpenAI-compatible server (vLLM, ...); default the environment variable OPENAI_BASE_URL, else
+            OpenAI.
+        timeout: Seconds per HTTP request.
+        failed_as: What a failed call returns (see above).
+        failed_calls: ``"keep"`` (the sample trains on what its parser makes of `failed_as`) or ``"drop"``; default
+            ``TRL_STABLE_RELC_FAILED_CALLS``, else ``"keep"``.
+    """
+    mode = failed_calls or os.environ.get(FAILED_CALLS_ENV) or "keep"
+    if mode not in ("keep", "drop"):
+        raise ValueError(f"failed_calls ({FAILED_CALLS_ENV}) must be 'keep' or 'drop', got {mode!r}.")
+    _warn_once(
+        "substring",
+        "RELC's scripts turn critic spans into token rewards by substring matching decoded tokens (`token in "
+        "span`), which also marks short tokens that merely occur inside a span (e.g. 'a', ','). trl_stable keeps "
+        "your script's rewards as they are; for character-offset alignment use "
+        "trl_stable.rewards.span_token_rewards, or trl_stable.rewards.make_intrinsic_reward with PPOTrainer.train().",
+    )
+    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+    critic = OpenAICritic(
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        concurrency=max_workers,
+        timeout=timeout,
+        temperature=0.0,
+    )
+    with critic:
+        answers = critic.generate(list(queries))
+    failed = [q for q, a in zip(queries, answers) if a is None]
+    if failed and mode == "drop":
+        _failed_prompts.extend(failed)
+    elif failed:
+        _warn_once(
+            "failed_call",
+            f"query_batch_span: {len(failed)} of {len(answers)} critic calls failed after retries; they are returned "
+            f"as {failed_as!r}. Under RELC's toxicity parser None means no intrinsic reward and '' the reward of a "
+            "flawless answer; its sentiment and summarization parsers stop on None. "
+            f"{FAILED_CALLS_ENV}=drop leaves those samples out of the PPO step instead (see query_batch_span).",
+        )
+    return [failed_as if a is None else a for a in answers]
