@@ -23,22 +23,26 @@ class RateLimiter:
         self._lock = threading.Lock()
         self._next = 0.0
 
-    def reserve(self) -> float:
-        """Book the next free slot; the seconds until it starts (0 when it is now)."""
+    def _book(self) -> tuple[float, float]:
+        """(the next free slot, now), booking the slot (`time.monotonic` times)."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)
             self._next = start + self.interval
+        return start, now
+
+    def reserve(self) -> float:
+        """Book the next free slot; the seconds until it starts (0 when it is now)."""
+        start, now = self._book()
         return start - now
 
     def acquire(self, stop: threading.Event | None = None) -> float:
         """Block until this caller's slot and return it (a `time.monotonic` time); a set `stop` event ends the wait
         early (e.g. on close)."""
-        wait = self.reserve()
-        start = time.monotonic() + wait
-        if wait > 0:
+        start, now = self._book()
+        if start > now:
             if stop is None:
-                time.sleep(wait)
+                time.sleep(start - now)
             else:
-                stop.wait(wait)
+                stop.wait(start - now)
         return start
