@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from trl_stable.redaction import redact
 
 __all__ = [
     "Bound",
@@ -153,11 +155,15 @@ class Dependent:
     needs: str
 
 
-def check_dependents(config: Any, dependents: Iterable[Dependent]) -> None:
+def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callable[[str], None] | None = None) -> None:
     """Refuse a dependent field set while the option it needs is off: the run would ignore it, silently.
 
+    Args:
+        warn: Say it with this instead of refusing (e.g. ``logger.warning``), where callers set such fields on
+            purpose before they choose the option (a script's defaults for several backends).
+
     Raises:
-        ValueError: naming the fields set, the option they need, and both fixes.
+        ValueError: naming the fields set, the option they need, and both fixes (without `warn`).
     """
     for dep in dependents:
         if dep.active:
@@ -168,12 +174,15 @@ def check_dependents(config: Any, dependents: Iterable[Dependent]) -> None:
             if getattr(config, name) is not None and getattr(config, name) != field_default(config, name)
         ]
         if set_fields:
-            shown = ", ".join(f"{name}={getattr(config, name)!r}" for name in set_fields)
+            shown = ", ".join(f"{name}={redact(getattr(config, name))!r}" for name in set_fields)  # no URL key
             one = len(set_fields) == 1
-            raise ValueError(
+            message = (
                 f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run would ignore "
                 f"{'it' if one else 'them'}. Set {dep.needs}, or unset {', '.join(set_fields)}."
             )
+            if warn is None:
+                raise ValueError(message)
+            warn(message)
 
 
 # The `TrainingArguments` fields trl_stable's trainers read. transformers checks few of them (warmup_steps >= 0, a

@@ -15,7 +15,8 @@ it returns has no rewards, no sampler routing). trl_stable's override therefore 
 (`trl_stable.trainers.grpo.RolloutRecord`, a context manager, reset when the call ends, also on error) that those
 hooks fill; nothing else carries one batch's values between methods.
 
-The version gate (`trl_stable._compat`) stays: it turns an unsupported TRL into one clear ImportError at import time.
+The version gate (`trl_stable.integration.version`) stays: it turns an unsupported TRL into one clear ImportError at
+import time.
 """
 
 from __future__ import annotations
