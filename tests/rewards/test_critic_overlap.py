@@ -9,8 +9,9 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
 from trl_stable.rewards.dense import RewardContractError, has_prefetch
 from trl_stable.testing import build_causal_lm
@@ -51,10 +52,7 @@ class PrefetchingDenseFn(DenseFn):
 
 
 def ppo_trainer(tokenizer, tmp_path, fn, max_steps=2):
-    args = PPOConfig(
-        output_dir=str(tmp_path), batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, min_new_tokens=2,
-        max_steps=max_steps, report_to="none", disable_tqdm=True, save_strategy="no", seed=1,
-    )  # fmt: skip
+    args = tiny_ppo_args(tmp_path, max_new_tokens=6, min_new_tokens=2, max_steps=max_steps, seed=1)
     return PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=[env_reward, fn],
@@ -173,9 +171,8 @@ def test_ppo_critic_requests_are_sent_once_and_joined(tokenizer, tmp_path, monke
 
 # ---------------------------------------------------------------------------------------------------------- GRPO
 def grpo_trainer(tokenizer, tmp_path, fn, events=None):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-        max_steps=2, learning_rate=1e-3, logging_steps=1, seed=0, report_to="none", save_strategy="no", use_cpu=True,
+    args = tiny_grpo_args(
+        tmp_path, max_steps=2, learning_rate=1e-3, seed=0,
         num_iterations=2,  # TRL then runs its no-grad old-logprob pass inside _generate_and_score_completions
     )  # fmt: skip
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
 
 import trl_stable
 from trl_stable.testing import build_causal_lm
@@ -32,20 +33,8 @@ def nan_reward(completions, **kwargs):
 
 
 def _train(trainer_cls, config_cls, tokenizer, tmp_path, reward_funcs=(length_reward, great_reward), **extra):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        seed=123,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
-    args = config_cls(**{**settings, **extra})
+    settings = dict(max_completion_length=6, max_steps=3, learning_rate=1e-2, seed=123)
+    args = tiny_grpo_args(tmp_path, config_class=config_cls, **{**settings, **extra})
     model = build_causal_lm("qwen2", tokenizer, seed=0)
     trainer = trainer_cls(
         model=model,

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.core import (
     behaviour_weight,
     decoupled_ppo_loss,
@@ -46,21 +47,7 @@ class SpyTrainer(GRPOTrainer):
 
 
 def make_trainer(tokenizer, tmp_path, reward_funcs=(length_reward,), eval_dataset=None, **config):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        seed=0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
-    defaults.update(config)
-    args = GRPOConfig(**defaults)
+    args = tiny_grpo_args(tmp_path, **{"learning_rate": 1e-3, "seed": 0, **config})
     return SpyTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=list(reward_funcs),

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import step_logs, tiny_ppo_args
 from safetensors.torch import load_file
+from tiny_configs import step_logs, tiny_ppo_args
 
 from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward

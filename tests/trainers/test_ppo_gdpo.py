@@ -3,7 +3,7 @@
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
 
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.core import gdpo_scores
