@@ -1640,7 +1640,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         "<policy>",
         "by_name",
         lambda run: _assert(
-            run.seen["model_arg"] is None and run.trainer.policy.config._name_or_path == run.seen["path"]
+            run.seen["model_arg"] is None and run.trainer.policy.config.name_or_path == run.seen["path"]
         ),
     ),
     "model_init_kwargs": Effect(
