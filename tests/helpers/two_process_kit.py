@@ -1,5 +1,6 @@
-"""Reward functions that record what each process saw, for the multi-process scripts: the test recomputes the metrics
-one process holding the global batch would log from the records of both processes.
+"""What the two-process scripts share: a tiny model whose completions end at different lengths on each process, and
+reward functions that record what each process saw (the test recomputes from the records of both processes the
+metrics one process holding the global batch would log).
 
 Imported by name from the scripts `two_processes.launch_two_processes` starts (this folder is on their PYTHONPATH).
 """
@@ -9,7 +10,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from trl_stable.rewards import CriticIntrinsicReward
+import torch
+
+from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
+from trl_stable.testing import build_causal_lm
+
+
+def uneven_lm(family: str, tokenizer) -> torch.nn.Module:
+    """The tiny kit's `family` model (seed 0) with its EOS logit raised by 5: it ends a completion about every 7th
+    token, so the processes hold completions of different lengths."""
+    model = build_causal_lm(family, tokenizer, seed=0)
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = 5.0
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    return model
 
 
 class DenseRecorder:
@@ -39,11 +53,12 @@ class DenseRecorder:
 
 
 class RecordingCritic(CriticIntrinsicReward):
-    """The critic's intrinsic reward; each call appends to `seen` its step and the critic's metrics of that call
-    (`last_metrics`: the ``critic/step_<counter>`` counts, fractions and stage seconds)."""
+    """The lexicon critic's intrinsic reward on every sample (threshold inf); each call appends to `seen` its step and
+    the critic's metrics of that call (`last_metrics`: the ``critic/step_<counter>`` counts, fractions and stage
+    seconds)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, tokenizer):
+        super().__init__(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tokenizer)
         self.seen: list[dict] = []
 
     def __call__(self, *args, trainer_state=None, **kwargs):

@@ -5,8 +5,8 @@ need `--multi_gpu --num_processes 2` with `ACCELERATE_USE_CPU=true` (torchrun un
 runs as ``python -m accelerate.commands.launch`` from this interpreter, so nothing has to be on PATH and the tests
 cannot skip.
 
-The scripts import the shared test helpers by name (`tiny_configs`, `recorders`): this folder is on their
-``PYTHONPATH``.
+The scripts import the shared test helpers by name (`tiny_configs`, `tiny_data`, `two_process_kit`): this folder is
+on their ``PYTHONPATH``.
 
 Scripts end with ``accelerator.wait_for_everyone()`` and ``os._exit(0)``: gloo's destructors race with the peer's exit
 at interpreter teardown and can abort ("terminate called ...", SIGABRT) depending on timing.

@@ -21,6 +21,7 @@ import transformers
 import trl
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args
+from tiny_data import length_reward
 
 from trl_stable import GRPOTrainer
 from trl_stable.integration.mirrored import LOGPS_FORWARD_SNIPPETS, MIRRORED
@@ -186,10 +187,6 @@ def test_with_mask_position_ids_adds_them_only_where_the_forward_takes_them(trai
     assert wrapped.config == "cfg" and wrapped.training  # attribute reads reach the model
 
 
-def _reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
-
-
 class _Recorder(GRPOTrainer):
     """Records what TRL's members returned, through trl_stable's overrides."""
 
@@ -231,7 +228,7 @@ def trained(tmp_path_factory):
     )  # fmt: skip
     path = save_tiny(tmp_path_factory.mktemp("policy"), build_causal_lm("qwen2", tokenizer, seed=0), tokenizer)
     trainer = _Recorder(
-        model=path, reward_funcs=_reward, args=args,  # TRL loads the KL reference (beta=0.1) from the path
+        model=path, reward_funcs=length_reward, args=args,  # TRL loads the KL reference (beta=0.1) from the path
         train_dataset=Dataset.from_dict({"prompt": ["the cat sat", "hello there"]}), processing_class=tokenizer,
     )  # fmt: skip
     batch = trainer._generate_and_score_completions([{"prompt": "the cat sat"}] * 2 + [{"prompt": "hello"}] * 2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args
+from tiny_data import length_reward
 
 from trl_stable import GRPOTrainer
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing, check_routing_replay_mode
@@ -19,10 +20,6 @@ class _Trainer(GRPOTrainer):
         self.seen_batches = getattr(self, "seen_batches", [])
         self.seen_batches.append({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
         return super()._compute_loss(model, inputs)
-
-
-def _reward_len(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
 
 
 def _run(tmp_path, tokenizer, mode, max_steps=2, gradient_checkpointing=False, pad_to_multiple_of=None):
@@ -40,7 +37,7 @@ def _run(tmp_path, tokenizer, mode, max_steps=2, gradient_checkpointing=False, p
     )
     model = build_causal_lm("qwen3_moe", tokenizer)
     trainer = _Trainer(
-        model=model, reward_funcs=_reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     trainer.train()
     return trainer
@@ -148,7 +145,7 @@ def test_grpo_r3_accepts_routed_experts_from_a_rollout_func(tmp_path, tokenizer)
     dataset = Dataset.from_dict({"prompt": ["the cat sat", "hello there my friend"]})
     args = tiny_grpo_args(tmp_path, routing_replay="R3", max_completion_length=4, num_iterations=2, seed=0)
     trainer = _Trainer(
-        model=build_causal_lm("olmoe", tokenizer), reward_funcs=_reward_len, args=args, train_dataset=dataset,
+        model=build_causal_lm("olmoe", tokenizer), reward_funcs=length_reward, args=args, train_dataset=dataset,
         processing_class=tokenizer, rollout_func=rollout_func,
     )  # fmt: skip
     trainer.train()

@@ -7,13 +7,12 @@ import re
 import pytest
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
 import trl_stable
 from trl_stable.monitoring import HealthMonitor
 from trl_stable.monitoring.dashboard import main as dashboard_main
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def read_health(output_dir):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import dense_reward
@@ -24,7 +25,6 @@ from trl_stable.rewards.dense import RewardContractError, RewardTypeError
 from trl_stable.testing import build_causal_lm
 
 NAN, INF = math.nan, math.inf
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 IDS = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]  # completion lengths 3, 2, 3, 1
 FINE = [0.0, 1.0, 0.5, -2.0]
 

@@ -10,6 +10,7 @@ import torch
 import trl
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import env_reward
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
@@ -22,10 +23,6 @@ except ImportError:
     from tests.rewards.fake_openai_server import FakeOpenAIServer
 
 PROMPTS = ["The movie was", "I think the", "A great story", "We saw a"]
-
-
-def env_reward(completions, **kwargs):
-    return [min(len(c), 40) / 41 for c in completions]
 
 
 class DenseFn:
@@ -70,6 +67,18 @@ def spy_rollout_pass(trainer, events):
         return real(batch)
 
     trainer.rollout_pass = rollout_pass
+
+
+NO_SPAN = "Identified Positive Text Span:\n[Span 1]: None identified"
+
+
+def loopback_critic(server, tokenizer):
+    """The critic's intrinsic reward on every sample, asking the loopback `server`."""
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
+        critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
+    )  # fmt: skip
+    return CriticIntrinsicReward(cfg, tokenizer)
 
 
 def numeric_logs(history):
@@ -145,13 +154,8 @@ def test_ppo_critic_requests_are_sent_once_and_joined(tokenizer, tmp_path, monke
     """With the loopback critic, the prefetched requests are the only ones the server sees: the later call joins them
     (in flight or answered) instead of asking again."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-DUMMY-overlap-11bb")
-    answer = "Identified Positive Text Span:\n[Span 1]: None identified"
-    with FakeOpenAIServer(answer=lambda prompt: answer) as server:
-        cfg = CriticRewardConfig(
-            use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
-            critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
-        )  # fmt: skip
-        fn = CriticIntrinsicReward(cfg, tokenizer)
+    with FakeOpenAIServer(answer=lambda prompt: NO_SPAN) as server:
+        fn = loopback_critic(server, tokenizer)
         events = []
         real_prefetch = fn.prefetch
         fn.prefetch = lambda **kw: (events.append("prefetch"), real_prefetch(**kw))[1]
@@ -257,13 +261,8 @@ def test_the_prefetch_handle_reaches_the_call(tokenizer, tmp_path, trainer_kind)
 
 def test_grpo_critic_requests_are_sent_and_counted_once(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-DUMMY-overlap-22cc")
-    answer = "Identified Positive Text Span:\n[Span 1]: None identified"
-    with FakeOpenAIServer(answer=lambda prompt: answer) as server:
-        cfg = CriticRewardConfig(
-            use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
-            critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
-        )  # fmt: skip
-        fn = CriticIntrinsicReward(cfg, tokenizer)
+    with FakeOpenAIServer(answer=lambda prompt: NO_SPAN) as server:
+        fn = loopback_critic(server, tokenizer)
         grpo_trainer(tokenizer, tmp_path, fn).train()
         fn.close()
         sent = len(server.received)

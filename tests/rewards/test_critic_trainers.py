@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import env_reward
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
@@ -19,11 +20,6 @@ except ImportError:
 
 PROMPTS = ["The movie was", "I think the", "A great story", "We saw a"]
 DUMMY_KEY = "sk-test-DUMMY-trainers-77aa"
-
-
-def env_reward(completions, **kwargs):
-    """A sequence-level environment reward in [0, 1): longer completions score higher."""
-    return [min(len(c), 40) / 41 for c in completions]
 
 
 class Recording(CriticIntrinsicReward):

@@ -10,13 +10,12 @@ import torch
 from datasets import Dataset
 from fake_openai_server import FakeOpenAIServer, status
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards.arena import ArenaReward, LLMJudge
 from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 from trl_stable.testing import build_causal_lm, build_reward_model
-
-PROMPTS = ["The movie", "A story", "I think", "We saw"]
 
 
 def test_the_guard_counts_consecutive_failures_warns_and_stops(caplog):
@@ -47,7 +46,7 @@ def _grpo(tmp_path, tokenizer, reward_funcs, max_steps=4, reward_processing_clas
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward_funcs,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 4}),
         processing_class=tokenizer,
         reward_processing_classes=reward_processing_classes,
     )
@@ -141,7 +140,7 @@ def test_a_reward_function_that_keeps_raising_stops_both_trainers(tmp_path, toke
         reward_funcs=broken,
         args=args,
         processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 4}),
     )
     with pytest.raises(RewardComponentFailure, match=r"'broken' failed on every completion for 2.*KeyError"):
         ppo.train()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import dense_reward
@@ -13,7 +14,6 @@ from trl_stable.rewards.dense import RewardTypeError
 from trl_stable.testing import build_causal_lm
 
 NAN, INF = float("nan"), float("inf")
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def make_funcs(sequence_values, dense_first_token=NAN, seen=None):

@@ -8,13 +8,13 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD, bound_rewards
 from trl_stable.testing import build_causal_lm
 
-PROMPTS = ["The movie", "A story", "I think", "We saw"]
 F32_MAX = float(torch.finfo(torch.float32).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 HUGE = [1e20, 1e30, 3e38, -F32_MAX, BF16_MAX, DEFAULT_MAX_ABS_REWARD * (1 + 1e-6)]
@@ -42,7 +42,7 @@ def _ppo(tmp_path, tokenizer, reward, **overrides):
         reward_funcs=reward,
         args=args,
         processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 2}),
     )
 
 
@@ -55,7 +55,7 @@ def _grpo(tmp_path, tokenizer, reward, estimator):
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 2}),
         processing_class=tokenizer,
     )
 
@@ -127,7 +127,7 @@ def test_large_weights_at_the_edge_keep_the_weighted_sum_finite(tmp_path, tokeni
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=[at_bound, at_bound],
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS}),
         processing_class=tokenizer,
     )
     trainer.train()

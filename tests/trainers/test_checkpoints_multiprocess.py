@@ -13,12 +13,13 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from datasets import Dataset
     from tiny_configs import tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
     from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     out = sys.argv[1]
     tok = build_tokenizer()
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 4})
 
     def make(folder):
         args = tiny_ppo_args(os.path.join(out, folder), batch_size=2, mini_batch_size=1, ppo_epochs=2,

@@ -7,15 +7,12 @@ import torch
 import trl
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS, length_reward
 
 import trl_stable
 from trl_stable.testing import build_causal_lm
 
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to", "The report says", "We met at"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
+TRAIN = [*PROMPTS, "The report says", "We met at"]
 
 
 def great_reward(completions, **kwargs):
@@ -40,7 +37,7 @@ def _train(trainer_cls, config_cls, tokenizer, tmp_path, reward_funcs=(length_re
         model=model,
         reward_funcs=list(reward_funcs),
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": TRAIN * 2}),
         processing_class=tokenizer,
     )
     trainer.train()

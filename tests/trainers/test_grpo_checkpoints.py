@@ -11,12 +11,11 @@ import torch
 from datasets import Dataset
 from kill_points import fail_torch_save_on
 from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS
 
 from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.checkpoints import MARKER_FILE, checkpoint_problem
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def reward(prompts, completions, **kwargs):

@@ -11,11 +11,10 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS  # 3 tokens each: no padding
 
 from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]  # 3 tokens each: no padding
 
 
 def token_reward(completion_ids, **kwargs):

@@ -17,17 +17,16 @@ from two_processes import check_returncode, launch_two_processes
 
 SCRIPT = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from reward_recorders import DenseRecorder, RecordingCritic
+    from two_process_kit import DenseRecorder, RecordingCritic, uneven_lm
     from tiny_configs import tiny_grpo_args
     from trl_stable import GRPOTrainer
     from trl_stable.core import overlong_penalty
     from trl_stable.masking.completion_steps import CompletionStepMasker
-    from trl_stable.rewards import CriticRewardConfig
-    from trl_stable.testing import build_causal_lm, build_tokenizer
+    from trl_stable.testing import build_tokenizer
 
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
@@ -77,12 +76,9 @@ SCRIPT = textwrap.dedent(
             return output, keep
 
     tok = build_tokenizer()
-    model = build_causal_lm("qwen3_moe", tok, seed=0)
-    bias = torch.zeros(len(tok))
-    bias[tok.eos_token_id] = 5.0  # EOS about every 7th token: completions of different lengths on each process
-    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    model = uneven_lm("qwen3_moe", tok)
     dense = DenseRecorder(first_tokens)
-    critic = RecordingCritic(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tok)
+    critic = RecordingCritic(tok)
     args = tiny_grpo_args(
         out, num_generations=G, max_steps=2, learning_rate=1e-3, seed=0, advantage_estimator="rloo",
         use_decoupled_loss=True, token_filter="icepop", dynamic_sampling=True, dynamic_sampling_max_refills=2,

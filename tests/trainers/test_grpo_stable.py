@@ -6,6 +6,7 @@ import pytest
 import torch
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS, length_reward
 
 from trl_stable import GRPOTrainer
 from trl_stable.core import (
@@ -17,12 +18,6 @@ from trl_stable.core import (
 )
 from trl_stable.rewards.dense import dense_reward
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
 
 
 def vowel_reward(completions, **kwargs):

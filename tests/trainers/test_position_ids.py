@@ -11,16 +11,13 @@ import torch
 import trl
 from datasets import Dataset
 from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import length_reward
 
 from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
 
 # 1, 3 and 7 tokens: every batch of 4 rows (2 prompts x 2 generations) mixes lengths, so some rows are left-padded
 PROMPTS = ["Hi", "The movie was", "She walked to the store and then", "I think"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
 
 
 def _model(family, tokenizer):

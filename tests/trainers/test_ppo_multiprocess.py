@@ -23,15 +23,15 @@ from trl_stable.testing import build_causal_lm
 
 SCRIPT = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from reward_recorders import DenseRecorder, RecordingCritic
+    from two_process_kit import DenseRecorder, RecordingCritic, uneven_lm
     from tiny_configs import tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
     from trl_stable import PPOTrainer
     from trl_stable.masking.completion_steps import CompletionStepMasker
-    from trl_stable.rewards import CriticRewardConfig
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     out = sys.argv[1]
@@ -47,16 +47,13 @@ SCRIPT = textwrap.dedent(
         return [[1.0 if t < 300 else float("nan") if t > 800 else 0.0 for t in ids] for ids in completion_ids]
 
     tok = build_tokenizer()
-    model = build_causal_lm("qwen2", tok, seed=0)
-    bias = torch.zeros(len(tok))
-    bias[tok.eos_token_id] = 5.0  # EOS about every 7th token: responses of different lengths on each process
-    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    model = uneven_lm("qwen2", tok)
     dense = DenseRecorder(low_ids)
-    critic = RecordingCritic(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tok)
+    critic = RecordingCritic(tok)
     args = tiny_ppo_args(out, mini_batch_size=1, gradient_accumulation_steps=2, ppo_epochs=2, min_new_tokens=2,
                          learning_rate=1e-3, max_steps=2, use_score_scaling=True, use_decoupled_loss=True,
                          token_filter="icepop", step_loss_mask=True)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 4})
     trainer = PPOTrainer(model, reward_funcs=[length, dense, critic], args=args, processing_class=tok,
                          train_dataset=ds)
     trainer.train()
@@ -221,6 +218,7 @@ BROKEN_ON_ONE_RANK = textwrap.dedent(
     torch.set_num_threads(1)
     from datasets import Dataset
     from tiny_configs import tiny_grpo_args, tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
     from trl_stable import GRPOTrainer, PPOTrainer
     from trl_stable.rewards.dense import RewardContractError
     from trl_stable.testing import build_causal_lm, build_tokenizer
@@ -232,7 +230,7 @@ BROKEN_ON_ONE_RANK = textwrap.dedent(
         return ["0.5" if rank == 1 and i == 1 else float("inf") if i == 0 else 0.5 for i in range(len(completion_ids))]
 
     tok = build_tokenizer()
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS})
     if kind == "ppo":
         args = tiny_ppo_args(out, batch_size=2, max_new_tokens=3, max_steps=1)
         trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args,
