@@ -16,8 +16,7 @@ from trl_stable.compat import relc, relc_critic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
 from fake_openai_server import FakeOpenAIServer, status  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
+from tiny_configs import tiny_ppo_args  # noqa: E402
 from two_processes import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("relc_shaped_script.py")
@@ -238,11 +237,10 @@ def test_relc_shaped_script_two_processes_saves_under_is_main_process(tmp_path, 
 def test_train_logs_a_completions_table(tmp_path, tokenizer):
     from datasets import Dataset
 
-    from trl_stable import PPOConfig, PPOTrainer
+    from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm
 
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3,
-                     max_steps=1, report_to="none", disable_tqdm=True, save_strategy="no")  # fmt: skip
+    args = tiny_ppo_args(tmp_path, batch_size=2, max_new_tokens=3, max_steps=1)
     ds = Dataset.from_dict({"prompt": ["The movie", "A story"]})
     trainer = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_configs import tiny_ppo_args
 
 import trl_stable.trainers.ppo.ppo_trainer as ppo_module
 from trl_stable import PPOConfig, PPOTrainer
@@ -67,10 +68,7 @@ def test_ppo_step_loss_mask_removes_invalid_call_tokens_from_the_policy_loss(tok
         return original(term, mask, *args, **kwargs)
 
     monkeypatch.setattr(ppo_module, "pre_mask_token_mean", recording)
-    args = PPOConfig(
-        output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, report_to="none",
-        disable_tqdm=True, save_strategy="no", step_loss_mask=True, step_mask_tools=TOOLS,
-    )  # fmt: skip
+    args = tiny_ppo_args(tmp_path, batch_size=2, step_loss_mask=True, step_mask_tools=TOOLS)
     trainer = PPOTrainer(build_causal_lm("qwen2", tokenizer, seed=0), args=args, processing_class=tokenizer)
     queries = [torch.tensor(tokenizer("Weather?")["input_ids"]), torch.tensor(tokenizer("Again?")["input_ids"])]
     texts = [f"Hmm {BAD} ok", f"Sure {GOOD}"]

@@ -40,8 +40,8 @@ import transformers.trainer
 import transformers.training_args
 from accelerate.utils import DynamoBackend, set_seed
 from datasets import Dataset
-from ppo_test_args import step_logs
 from test_ppo_vllm import FakeGeneration
+from tiny_configs import step_logs
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
@@ -1640,7 +1640,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         "<policy>",
         "by_name",
         lambda run: _assert(
-            run.seen["model_arg"] is None and run.trainer.policy.config._name_or_path == run.seen["path"]
+            run.seen["model_arg"] is None and run.trainer.policy.config.name_or_path == run.seen["path"]
         ),
     ),
     "model_init_kwargs": Effect(

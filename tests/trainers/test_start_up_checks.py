@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
 from transformers import AutoModelForCausalLM
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.prompt_checks import ModelContext, model_context
 
@@ -34,10 +34,7 @@ def _ppo(tmp_path, tokenizer, family="gpt2", train_dataset=None, **kw):
 
 
 def _grpo(tmp_path, tokenizer, prompts, family="gpt2", **kw):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, **{"max_completion_length": 4, **kw},
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, **{"per_device_train_batch_size": 2, "max_completion_length": 4, **kw})
     return GRPOTrainer(
         build_causal_lm(family, tokenizer, seed=0),
         reward_funcs=_length,
