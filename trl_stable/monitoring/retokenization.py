@@ -1,10 +1,5 @@
-"""Re-tokenization check for multi-turn and agent runs.
-
-When the trainer re-encodes a conversation (prompt, tool outputs, earlier turns) to score it, the token ids must be
-the ones the sampler produced; otherwise the log-probs the loss uses belong to a different sequence (the
-`retokenization` alarm of docs/health_monitoring.md). This module compares the two id sequences per sample, reports
-where they first differ, and gives a keep-mask to drop the mismatching samples from the loss.
-"""
+"""Re-tokenization check for multi-turn and agent runs: when the trainer re-encodes a conversation, its token ids
+must be the sampler's, or the loss scores a different sequence (the `retokenization` alarm)."""
 
 from __future__ import annotations
 
