@@ -1,15 +1,6 @@
-"""Find the steps of a chat transcript with tool calls automatically.
-
-The transcript is rendered with the tokenizer's chat template; each message's character span comes from
-rendering growing prefixes of the conversation (falling back to locating the content when a template is not
-prefix-stable). Inside each assistant turn, tool-call blocks (``<tool_call>...</tool_call>`` by default, the
-Hermes/Qwen format) and fenced code blocks become steps; the rest of the turn is a ``text`` step. The outcome of a
-call (a following ``tool`` message) is attached to it: an explicit ``exec_status`` / ``status`` key on the tool
-message, or, with ``infer_exec_status``, a crash / timeout / oom read from the tool output.
-
-Structured ``tool_calls`` (OpenAI message format) that the template does not render are appended to the
-assistant content as tool-call blocks first, so the model is trained on the calls it is asked to make.
-"""
+"""Find the steps of a chat transcript with tool calls (docs/agent_steps.md): tool-call blocks and fenced code blocks
+of each assistant turn, located by rendering growing prefixes with the chat template, with the outcome a following
+tool message reports (``exec_status`` / ``status``, or read from its output)."""
 
 from __future__ import annotations
 

@@ -186,21 +186,10 @@ def _same_topk_set(forced: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 
 
 class RoutingReplay:
-    """Record and replay the expert choices of every router of a HuggingFace MoE model.
+    """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
 
-    Example:
-        ```python
-        replay = RoutingReplay(model)
-        with replay.record():
-            old = model(input_ids, attention_mask=attention_mask)
-        routing = replay.export()  # [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`
-        with replay.replay(routing):
-            new = model(input_ids, attention_mask=attention_mask)  # same experts, gradients reach the routers
-        print(replay.metrics())  # {"routing/agreement": ..., "routing/replayed_frac": ...}
-        replay.clear()
-        ```
-
-    Rows equal to -1 in a routing tensor (padding, tokens the sampler never fed) fall back to the router's own choice.
+    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows equal to -1 (padding,
+    tokens the sampler never fed) fall back to the router's own choice.
 
     Args:
         model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model). Every router of a supported
