@@ -229,19 +229,15 @@ def _assistant_steps(
         step = _step(body_start + a, body_start + b, kind, message_index=index)
         if kind == "tool_call":
             step["metadata"]["tool_call_id"] = call_ids.pop(0) if call_ids else None
-            step["metadata"]["tool_name"] = _tool_name(body[a:b], open_tag, close_tag)
+            try:
+                step["metadata"]["tool_name"] = parse_tool_call(body[a:b], open_tag, close_tag).name
+            except ValueError:
+                step["metadata"]["tool_name"] = None
         steps.append(step)
         cursor = b
     if cursor < len(body):
         steps.append(_step(body_start + cursor, body_end, "text", message_index=index))
     return steps
-
-
-def _tool_name(block: str, open_tag: str, close_tag: str) -> str | None:
-    try:
-        return parse_tool_call(block, open_tag, close_tag).name
-    except ValueError:
-        return None
 
 
 def _attach_outcome(

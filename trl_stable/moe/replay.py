@@ -180,11 +180,6 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
     return states
 
 
-def _same_topk_set(forced: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """[N] bool: the replayed experts are the router's own top-k set (indices within a row are distinct)."""
-    return (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
-
-
 class RoutingReplay:
     """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
 
@@ -509,7 +504,8 @@ class RoutingReplay:
         valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
         forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
         with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
-            same = _same_topk_set(forced, current)
+            # the replayed experts are the router's own top-k set (indices within a row are distinct)
+            same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
             state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
             state.replayed = state.replayed + (tokens if valid is None else valid.sum())
             state.seen += tokens

@@ -33,10 +33,9 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     """
     if not getattr(args, "health_monitor", True):
         return None
-    kwargs = {}
-    for arg_name, field_name in _ARG_FIELDS.items():
-        if hasattr(args, arg_name):
-            kwargs[field_name] = getattr(args, arg_name)
+    kwargs = {
+        field_name: getattr(args, arg_name) for arg_name, field_name in _ARG_FIELDS.items() if hasattr(args, arg_name)
+    }
     extra = getattr(args, "health_monitor_kwargs", None) or {}
     if not isinstance(extra, dict):
         raise ValueError(f"health_monitor_kwargs must be a dict of HealthConfig fields, got {type(extra).__name__}.")
@@ -194,9 +193,8 @@ class HealthMonitor(TrainerCallback):
             return control
         self.events.extend(events)
         for event in events:
-            level = logging.INFO if event.kind == "cleared" else logging.WARNING
-            if event.severity == "critical" and event.kind != "cleared":
-                level = logging.ERROR
+            critical = event.severity == "critical"
+            level = logging.INFO if event.kind == "cleared" else logging.ERROR if critical else logging.WARNING
             if state.is_world_process_zero:
                 logger.log(level, event.message())
             self._write(event.to_record())

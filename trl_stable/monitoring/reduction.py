@@ -147,10 +147,6 @@ def _combine(stat: Stat, rows: torch.Tensor) -> float:
     return math.sqrt(max(total_m2.item(), 0.0) / (n - 1))
 
 
-def _checksum(names: Sequence[str]) -> float:
-    return float(zlib.crc32("\0".join(names).encode()))
-
-
 def reduce_metrics(
     metrics: Mapping[str, Stat | float], accelerator: Any | None = None, names_may_differ: bool = False
 ) -> dict[str, float]:
@@ -189,7 +185,8 @@ def reduce_metrics(
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     rows = torch.stack([_row(stats[name], device) for name in names])
     if multi:
-        check = torch.tensor([[_checksum(names), len(names), 0.0]], dtype=torch.float64, device=device)
+        checksum = float(zlib.crc32("\0".join(names).encode()))
+        check = torch.tensor([[checksum, len(names), 0.0]], dtype=torch.float64, device=device)
         gathered = accelerator.gather(torch.cat([rows, check]).unsqueeze(0)).reshape(-1, len(names) + 1, 3).cpu()
         if not bool((gathered[:, -1] == gathered[0, -1]).all()):
             raise ValueError(
