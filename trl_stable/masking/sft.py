@@ -187,10 +187,9 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
                     "invalid_steps": int(sum(out["num_invalid_steps"])),
                 }
             except TypeError:  # IterableDataset: no column access
-                stats = {}
-            if stats:
-                self.step_mask_stats[name] = stats
-                logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
+                return out
+            self.step_mask_stats[name] = stats
+            logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
         return out
 
 

@@ -84,7 +84,8 @@ class HealthConfig:
         default=0.01, metadata={"help": "grad_norm below this fraction of its reference is near zero."}
     )
     max_completion_length: int | None = field(
-        default=None, metadata={"help": "Completion cap; None takes the trainer arguments' (max_completion_length)."}
+        default=None,
+        metadata={"help": "Completion cap; None: from the trainer arguments (max_completion_length, ...)."},
     )
     length_cap_ratio: float = field(
         default=0.9, metadata={"help": "Alarm when the mean length reaches this fraction of the cap from below."}
@@ -93,7 +94,8 @@ class HealthConfig:
         default=0.3, metadata={"help": "Alarm when the truncated share rises this much above its reference."}
     )
     entropy_floor: float = field(
-        default=0.05, metadata={"help": "Entropy (nats/token) below this has collapsed (at most half its reference)."}
+        default=0.05,
+        metadata={"help": "Entropy (nats/token) below this (or half its reference, if lower) has collapsed."},
     )
     entropy_relative_floor: float = field(
         default=0.1, metadata={"help": "Entropy below this fraction of its reference has collapsed."}
@@ -108,7 +110,8 @@ class HealthConfig:
         default=0.1, metadata={"help": "Alarm when IcePop/KPop mask more than this share of tokens."}
     )
     kl_target: float | None = field(
-        default=None, metadata={"help": "KL target in the KL gauge's unit; None: PPOConfig's `target` (or off)."}
+        default=None,
+        metadata={"help": "KL target in the KL gauge's unit; None: PPOConfig's `target`, else the alarm is off."},
     )
     kl_alarm_ratio: float = field(
         default=2.0, metadata={"help": "Alarm when the KL to the reference stays above this multiple of kl_target."}

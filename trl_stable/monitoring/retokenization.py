@@ -119,15 +119,8 @@ def check_retokenization(
 
 
 def drop_mismatched(completion_mask: torch.Tensor, report: RetokenizationReport) -> torch.Tensor:
-    """Zero the loss mask of the samples whose re-encoding differs, so they leave the loss.
-
-    Args:
-        completion_mask (`torch.Tensor` of shape `(B, T)`): the loss mask.
-        report ([`RetokenizationReport`]): from [`check_retokenization`] on the same batch.
-
-    Returns:
-        `torch.Tensor`: a new mask of the same dtype and shape.
-    """
+    """A new `completion_mask` (B, T), same dtype, with the rows of the samples whose re-encoding differs (`report`, of
+    the same batch) zeroed, so they leave the loss."""
     if completion_mask.shape[0] != report.num_samples:
         raise ValueError(
             f"completion_mask has {completion_mask.shape[0]} rows but the report covers {report.num_samples} samples."
