@@ -1,10 +1,5 @@
-"""Step validation for RL: remove invalid steps' tokens from the policy loss (GRPO and PPO).
-
-The same checks as step-masked SFT run on each sampled completion: its tool-call blocks are validated (JSON,
-known tool, typed arguments) and, through `extra_steps`, anything the environment knows (e.g. a code step that
-crashed). The result is a per-token keep mask that the trainer multiplies into its completion mask, so the
-invalid steps' tokens carry no policy gradient (and do not count in the token normaliser).
-"""
+"""Step validation for RL (GRPO and PPO): the checks of step-masked SFT on each sampled completion, as a keep mask the
+trainer multiplies into its completion mask, so invalid steps' tokens carry no gradient and leave the normaliser."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Per-token loss masks from step boundaries (docs/agent_steps.md).
 
-A sequence is split into steps ``{"start", "end", "type", "metadata"}``; boundaries are token indices
-(``"unit": "token"``, the default) or character offsets into the sequence's text (``"unit": "char"``), mapped to
-tokens through the tokenizer's offsets. A token gets mask 0 when it overlaps an invalid step (see
-`trl_stable.masking.validation`); tokens of valid steps get 1, and tokens outside every step get `outside_steps`
-(1 by default: only invalid steps are removed).
-
 A token that straddles a step boundary (byte-level BPE merges across it, e.g. ``"}\\n"``) is masked when it
 overlaps an invalid step at all: a token that carries part of a broken call must not be trained on.
 """
