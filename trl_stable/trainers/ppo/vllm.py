@@ -28,6 +28,7 @@ import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_stable.integration.patching import wrapped_method
+from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.rollout import Rollout
 
 __all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
@@ -201,7 +202,9 @@ def vllm_rollout(
         batch = [q.to(device).long() for q in queries[start : start + chunk]]
         max_new = max(1, int(length_sampler())) if length_sampler is not None else trainer.args.max_new_tokens
         ids, logps, routes = rollouts.sample([q.tolist() for q in batch], max_new, trainer.state.global_step)
-        responses = [trainer._trim_response(torch.tensor(c, dtype=torch.long, device=device)) for c in ids]
+        responses = [
+            trim_response(torch.tensor(c, dtype=torch.long, device=device), trainer.eos_token_id) for c in ids
+        ]
         if any(len(r) == 0 for r in responses):
             raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
         if logps is not None:
