@@ -9,13 +9,14 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from trl.trainer.utils import pad
 
 from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo.engines import generation_call
 from trl_stable.trainers.ppo.rollout import Rollout
 from trl_stable.trainers.prompt_checks import first_error, too_long_error
 
-__all__ = ["hf_rollout", "left_pad", "trim_response"]
+__all__ = ["hf_rollout", "trim_response"]
 
 
 def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -26,17 +27,6 @@ def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     # without EOS there is no padding: generate pads only after a finished sequence, and a sampled pad token is a
     # real action
     return response
-
-
-def left_pad(seqs: list[torch.Tensor], pad_token_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`seqs` left-padded into one [B, T] batch of ids, and its attention mask."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = s
-        mask[i, width - len(s) :] = 1
-    return ids, mask
 
 
 def hf_rollout(
@@ -84,7 +74,8 @@ def hf_rollout(
                 )
                 if too_long is not None:
                     raise too_long
-                input_ids, attention_mask = left_pad(batch, trainer.pad_token_id, device)
+                input_ids = pad(batch, trainer.pad_token_id, padding_side="left")
+                attention_mask = pad([torch.ones_like(q) for q in batch], padding_side="left")
                 record = record_sampler_logps(policy) if capture else nullcontext()
                 with trainer.routing.sampling() as sampled, record as recorder:
                     generated = sample(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -175,11 +175,8 @@ def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: boo
 def build_value_head(
     policy: nn.Module, value_model: nn.Module | None, disable_dropout: bool
 ) -> tuple[ValueHead, nn.Module | None]:
-    """The value head and, for a separate critic, its backbone (None: the head reads the policy's hidden states).
-
-    `value_model` None: a new head on the policy's last hidden state (RELC style). A `ValueHead`: that head on the
-    policy (its width must match). A transformers model: a separate critic; a 1-output `score` head is reused.
-    """
+    """The value head and, for a separate critic, its backbone (None: the head reads the policy's hidden states);
+    `value_model` as in `PPOTrainer`."""
     if value_model is None:
         return ValueHead(hidden_size(policy)), None
     if isinstance(value_model, ValueHead):
@@ -225,13 +222,9 @@ def enable_activation_checkpointing(model: nn.Module, value_backbone: nn.Module 
 
 def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
     """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`): called with ``fused_lm_head=True``
-    and labels it returns the labels' log-probs and the entropies, projecting through the LM head in tiles, so the
-    [B, R, V] logits never exist (at batch 64, 1,024 response tokens and a 152k vocabulary they would be ~20 GB in
-    bf16, ~40 GB as fp32 log-softmax). Generation and plain calls keep the original forward.
-
-    Returns whether the head was added (models without output embeddings keep the logits path). Patching a model
-    again (a second trainer on the same model) is safe: the newest patch, with its temperature, serves fused calls.
-    """
+    and labels it returns their log-probs and the entropies without building the [B, R, V] logits; other calls keep
+    the original forward. Returns whether it was added (a model without output embeddings keeps the logits path); a
+    second patch (a second trainer on the same model) serves fused calls with its own temperature."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         return False
@@ -240,9 +233,8 @@ def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
 
 
 def fused_logprob_labels(input_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
-    """Labels for the fused head: the response block (the last R columns of `input_ids`) scored, the rest -100.
-
-    Every response column is scored, padding included, as the logits path does; the trainer masks padding later."""
+    """Labels for the fused head: the response block (the last R columns of `input_ids`, padding included, as the
+    logits path scores it) scored, the rest -100."""
     labels = torch.full_like(input_ids, -100)
     labels[:, -response_ids.shape[1] :] = response_ids
     return labels
@@ -364,12 +356,9 @@ class PolicyAndValue(nn.Module):
 def response_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`.
-
-    TRL's `selective_log_softmax_and_entropy` (fused kernel where available, chunked otherwise). Half-precision
-    logits are upcast one sequence at a time: PPO's ratio needs fp32 log-probs, but the fp32 log-softmax of the whole
-    [B, T, V] batch is never built at once.
-    """
+    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`, by
+    TRL's `selective_log_softmax_and_entropy`. Half-precision logits are upcast one sequence at a time: PPO's ratio
+    needs fp32 log-probs, but the fp32 log-softmax of the whole [B, T, V] batch is never built at once."""
     if logits.dtype in (torch.float32, torch.float64):
         rows = [(logits, tokens)]
     else:
@@ -383,6 +372,13 @@ def response_logprobs(
     return torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
 
 
+def logits_scores(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> ResponseScores:
+    """`ResponseScores` from the logits of the response positions (and any after them, dropped)."""
+    logits = logits[:, : response_ids.shape[1]]
+    logprobs, entropy = response_logprobs(logits, response_ids, temperature)
+    return ResponseScores(logprobs, entropy, logits)
+
+
 class ResponseForwards:
     """The policy's and the reference's passes over a batch's response tokens (a `PPOTrainer` mixin); reads
     `model_wrapped`, `ref_model`, `fused_policy`, `fused_ref`, `engine` and `args.temperature`."""
@@ -393,31 +389,23 @@ class ResponseForwards:
         """The response tokens' log-probs and entropies, and values [B, R + 1] (V(s_t) for each token, then the value
         after the last position). Through the fused LM head unless `need_logits` (then also the raw [B, R, V])."""
         ids, response_ids = batch["input_ids"], batch["response_ids"]
-        resp_width = response_ids.shape[1]
+        keep = response_ids.shape[1] + 1
+        inputs = (ids, batch["attention_mask"], batch["position_ids"])
         if self.fused_policy and not need_logits:
-            out, values = model(
-                ids,
-                batch["attention_mask"],
-                batch["position_ids"],
-                logits_to_keep=resp_width + 1,
-                labels=fused_logprob_labels(ids, response_ids),
-            )
-            return fused_scores(out, resp_width), values
-        logits, values = model(ids, batch["attention_mask"], batch["position_ids"], logits_to_keep=resp_width + 1)
-        logits = logits[:, :resp_width]
-        logprobs, entropy = response_logprobs(logits, response_ids, self.args.temperature)
-        return ResponseScores(logprobs, entropy, logits), values
+            out, values = model(*inputs, logits_to_keep=keep, labels=fused_logprob_labels(ids, response_ids))
+            return fused_scores(out, keep - 1), values
+        logits, values = model(*inputs, logits_to_keep=keep)
+        return logits_scores(logits, response_ids, self.args.temperature), values
 
     def _ref_scores(self, batch: dict[str, torch.Tensor], need_logits: bool = False) -> ResponseScores:
         """The reference model's view of the response tokens (the policy without its adapter under PEFT)."""
         ids, response_ids = batch["input_ids"], batch["response_ids"]
-        resp_width = response_ids.shape[1]
         kwargs = dict(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
         fused = (self.fused_ref if self.ref_model is not None else self.fused_policy) and not need_logits
         if fused:
             kwargs.update(labels=fused_logprob_labels(ids, response_ids), fused_lm_head=True)
         else:
-            kwargs.update(logits_to_keep=resp_width + 1, use_cache=False)
+            kwargs.update(logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
         if self.ref_model is not None:
             out = self.ref_model(**kwargs)
         elif self.engine.is_fsdp:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
@@ -428,10 +416,8 @@ class ResponseForwards:
             with policy.disable_adapter():
                 out = policy(**kwargs)
         if fused:
-            return fused_scores(out, resp_width)
-        logits = out.logits[:, :resp_width]
-        logprobs, entropy = response_logprobs(logits, response_ids, self.args.temperature)
-        return ResponseScores(logprobs, entropy, logits)
+            return fused_scores(out, response_ids.shape[1])
+        return logits_scores(out.logits, response_ids, self.args.temperature)
 
 
 @dataclass

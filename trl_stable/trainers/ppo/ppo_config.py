@@ -6,9 +6,9 @@ Every inherited field is honoured as `transformers.Trainer` honours it, or refus
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from accelerate.utils import get_int_from_env
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
 
@@ -114,15 +114,9 @@ PPO_BOUNDS: dict[str, Bound] = {
     "top_p": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 turns nucleus sampling off."),
     "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None generates the whole batch at once."),
     "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
+    "vllm_gpu_memory_utilization": Bound(low=0.0, high=1.0, low_open=True),
+    "vllm_tensor_parallel_size": Bound(low=1, integer=True),
 }
-
-
-def _world_size() -> int:
-    """The number of processes the launcher started (accelerate's environment variables; 1 without a launcher)."""
-    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 1
 
 
 @dataclass
@@ -180,8 +174,7 @@ class PPOConfig(
     num_shared_layers: int | None = field(
         default=None,
         metadata={
-            "help": "Share (and freeze) the policy's embeddings and first layers with the reference copy instead of "
-            "copying them. None: copy all."
+            "help": "First layers (and embeddings) the reference copy shares with the policy, frozen. None: copy all."
         },
     )
     disable_dropout: bool = field(
@@ -193,10 +186,7 @@ class PPOConfig(
     batch_size: int = field(default=16, metadata={"help": "Rollout samples (prompts) per process per PPO step."})
     per_device_train_batch_size: int = field(
         default=_DEFAULT_MICRO_BATCH,
-        metadata={
-            "help": "The micro-batch (samples per forward/backward). Times `gradient_accumulation_steps` it is one "
-            "optimizer step, which must divide `batch_size`."
-        },
+        metadata={"help": "The micro-batch: samples per forward/backward (x gradient_accumulation_steps: one step)."},
     )
     mini_batch_size: int | None = field(
         default=None, metadata={"help": "RELC's name of the micro-batch: when set, `per_device_train_batch_size`."}
@@ -207,8 +197,7 @@ class PPOConfig(
     kl_penalty: str = field(
         default="kl",
         metadata={
-            "help": "Per-token KL estimator: 'kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' (exact over the "
-            "vocabulary) or a name registered with `trl_stable.core.register_kl_estimator`."
+            "help": "Per-token KL estimator ('kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' or a registered one)."
         },
     )
     adap_kl_ctrl: bool = field(
@@ -231,10 +220,7 @@ class PPOConfig(
     )
     use_decoupled_loss: bool = field(
         default=False,
-        metadata={
-            "help": "Decoupled PPO loss (AReaL): the clipped term against the rollout-pass log-probs times the "
-            "behaviour weight exp(logp_rollout_pass - logp_sampler)."
-        },
+        metadata={"help": "Decoupled PPO loss (AReaL): the clipped term times the sampler's behaviour weight."},
     )
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 
@@ -243,10 +229,7 @@ class PPOConfig(
     lam: float = field(default=0.95, metadata={"help": "GAE lambda (used when `lam_schedule` is None)."})
     lam_schedule: str | None = field(
         default=None,
-        metadata={
-            "help": "Per-sequence lambda from the effective length: 'vapo' (VAPO) or 'relative_position'. A callable "
-            "goes to `PPOTrainer(lam_fn=...)`."
-        },
+        metadata={"help": "Per-sequence GAE lambda from the sequence's length: 'vapo' or 'relative_position'."},
     )
     lam_alpha: float = field(default=0.05, metadata={"help": "alpha of the VAPO length-adaptive lambda."})
     lam_q: float = field(
@@ -267,10 +250,7 @@ class PPOConfig(
     )
     multi_objective_aggregation: str = field(
         default="sum",
-        metadata={
-            "help": "How `train()` combines several sequence-level rewards: 'sum' (weighted) or 'normalize_then_sum' "
-            "(GDPO: each z-scored over the batch first), as TRL's GRPOConfig field."
-        },
+        metadata={"help": "'sum' (weighted) or 'normalize_then_sum' (GDPO) of the sequence-level rewards."},
     )
     use_score_scaling: bool = field(
         default=False, metadata={"help": "Divide the sequence scores by their running std."}
@@ -280,25 +260,15 @@ class PPOConfig(
     )
     score_clip: float | None = field(default=None, metadata={"help": "Clip the sequence scores to +-score_clip."})
     reward_max_failing_steps: int | None = field(
-        default=5,
-        metadata={
-            "help": "Stop training when a reward function fails on every completion this many steps in a row, as "
-            "GRPO does. None: never stop."
-        },
+        default=5, metadata={"help": "Stop after a reward function failed wholesale this many steps in a row."}
     )
     max_abs_reward: float | None = field(
         default=DEFAULT_MAX_ABS_REWARD,
-        metadata={
-            "help": "The largest reward magnitude taken (the reward contract's bound, as in GRPO): beyond it a value "
-            "counts as NaN, with a warning. None: only +-inf."
-        },
+        metadata={"help": "Rewards beyond +-max_abs_reward count as NaN, with a warning (None: only +-inf)."},
     )
     nan_reward_action: str = field(
         default="drop",
-        metadata={
-            "help": "A sample without a reward: 'drop' takes it out of the step, 'zero' keeps it in the policy loss "
-            "with advantage 0 and no value loss (GRPO's 'zero')."
-        },
+        metadata={"help": "A sample without a reward: 'drop' it, or keep it with advantage 0 ('zero')."},
     )
 
     # --- generation ---
@@ -306,11 +276,7 @@ class PPOConfig(
         default=512, metadata={"help": "Keep at most this many (rightmost) prompt tokens in `train()`."}
     )
     min_new_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Each generation batch draws its length cap from [min_new_tokens, max_new_tokens] (RELC's "
-            "LengthSampler). None: always `max_new_tokens`."
-        },
+        default=None, metadata={"help": "Draw each generation cap from [min_new_tokens, max_new_tokens] (RELC)."}
     )
     max_new_tokens: int = field(default=20, metadata={"help": "Maximum number of generated tokens."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use it too)."})
@@ -321,10 +287,7 @@ class PPOConfig(
     )
     fused_lm_head: bool | None = field(
         default=None,
-        metadata={
-            "help": "Log-probs through TRL's fused LM head (no [B, R, V] logits) instead of the response logits. "
-            "None: fused on CUDA, logits elsewhere."
-        },
+        metadata={"help": "Log-probs through TRL's fused LM head (no [B, R, V] logits). None: on CUDA only."},
     )
     generation_kwargs: dict | None = field(
         default=None,
@@ -337,10 +300,7 @@ class PPOConfig(
     # step_mask_tools: from StepMaskArguments
     routing_replay: str = field(
         default="off",
-        metadata={
-            "help": "MoE routing replay: 'off'; 'R2' replays the rollout pass's routing in the epochs; 'R3' replays "
-            "the sampler's in the rollout pass and the epochs (trl_stable.moe)."
-        },
+        metadata={"help": "MoE routing replay: 'off', 'R2' (the rollout pass's) or 'R3' (the sampler's)."},
     )
 
     def __post_init__(self):
@@ -394,8 +354,7 @@ class PPOConfig(
         if self.adap_kl_ctrl and self.init_kl_coef == 0:
             raise ValueError(
                 "adap_kl_ctrl=True with init_kl_coef=0: the adaptive controller multiplies the coefficient, so it "
-                "would stay 0 for ever (target and horizon ignored). Set init_kl_coef > 0, or adap_kl_ctrl=False for "
-                "no KL penalty."
+                "would stay 0. Set init_kl_coef > 0, or adap_kl_ctrl=False for no KL penalty."
             )
         if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -431,11 +390,11 @@ class PPOConfig(
                 "tf32=True needs an NVIDIA GPU of the Ampere generation or newer (TF32 matrix multiplications), which "
                 "this machine does not have: leave tf32=None (or False)."
             )
-        if self.ddp_backend is not None and _world_size() <= 1:
+        world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+        if self.ddp_backend is not None and world_size <= 1:
             raise ValueError(
                 f"ddp_backend={self.ddp_backend!r} sets the backend of a multi-process run, but this process was "
-                "started alone (WORLD_SIZE unset): launch with `accelerate launch` / `torchrun`, or leave "
-                "ddp_backend=None."
+                "started alone: launch with `accelerate launch` / `torchrun`, or leave ddp_backend=None."
             )
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if self.metric_for_best_model is None and (
@@ -444,8 +403,7 @@ class PPOConfig(
             what = "load_best_model_at_end=True" if self.load_best_model_at_end else f"lr_scheduler_type={schedule!r}"
             raise ValueError(
                 f"{what} compares evaluations by metric_for_best_model, which transformers would set to 'loss', but "
-                "PPO's evaluation has no loss: set metric_for_best_model='reward' (eval_reward, the mean reward of "
-                "the eval completions) or another eval_* metric PPOTrainer.evaluate logs."
+                "PPO's evaluation has no loss: set metric_for_best_model='reward' or another metric `evaluate` logs."
             )
 
     def _refuse_unsupported(self) -> None:
@@ -457,9 +415,8 @@ class PPOConfig(
             )
         if self.train_sampling_strategy == "batch_rebalance":
             raise ValueError(
-                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: it balances token counts "
-                "over micro-batches of a dataloader batch, but a PPO batch is generated, not read. Use 'random', "
-                "'sequential' or 'group_by_length'."
+                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: a PPO batch is generated, "
+                "not read from the dataloader. Use 'random', 'sequential' or 'group_by_length'."
             )
         if self.accelerator_config.split_batches:
             raise ValueError(
@@ -471,33 +428,27 @@ class PPOConfig(
         )
         if unread:
             raise ValueError(
-                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer: they "
-                "configure accelerate's `accumulate()`, which PPO does not use (it counts its micro-batches itself). "
-                "Set the accumulation with gradient_accumulation_steps; only 'sync_each_batch' is read."
+                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer (it does "
+                "not use `accumulate()`): set gradient_accumulation_steps; only 'sync_each_batch' is read."
             )
         optim = str(getattr(self.optim, "value", self.optim))
         if optim in _FUSED_BACKWARD_OPTIMIZERS:
             raise ValueError(
-                f"optim={optim!r} is not supported by PPOTrainer: LOMO updates "
-                "the weights inside the backward pass, but PPO decides after a mini-batch's backward passes whether "
-                "its optimizer step happens (early_stopping, ratio_threshold). Use another optim, e.g. 'adamw_torch' "
-                "or 'adafactor' to save memory."
+                f"optim={optim!r} is not supported by PPOTrainer: LOMO steps inside the backward pass, but PPO "
+                "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
             )
         if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
             raise ValueError(
-                "do_eval=True is not read by the trainer (transformers documents it as a flag for your own script; "
-                "it sets it itself when eval_strategy is not 'no'): set eval_strategy='steps' or 'epoch' to evaluate "
-                "during train(), or call trainer.evaluate(). Leave do_eval=False."
+                "do_eval=True is not read by any trainer (a flag for your own script): set eval_strategy='steps' or "
+                "'epoch' to evaluate during train(), or call trainer.evaluate(). Leave do_eval=False."
             )
         if self.fp16 and self.device.type == "cpu":
             raise ValueError(
-                "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "
-                "loss scaler only on an accelerator (CUDA, XPU, ...). Use bf16=True (with use_cpu=True) on a CPU, or "
-                "run on a GPU."
+                "fp16=True on a CPU would train in float32 without a word (accelerate's float16 autocast needs an "
+                "accelerator). Use bf16=True (with use_cpu=True) on a CPU, or run on a GPU."
             )
         if self.local_rank != -1 and self.local_rank != self.local_process_index:
             raise ValueError(
                 f"local_rank={self.local_rank} but this process's local rank is {self.local_process_index} (from the "
-                "launcher's environment, which accelerate reads): the field is only there for the deprecated "
-                "torch.distributed.launch to pass it. Leave local_rank=-1."
+                "launcher's environment); the field is for torch.distributed.launch (deprecated). Leave local_rank=-1."
             )

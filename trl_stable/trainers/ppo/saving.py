@@ -1,6 +1,6 @@
-"""PPO's files in `transformers.Trainer`'s saving and resume (a `PPOTrainer` mixin): the policy, the value head and a
-separate critic written and loaded where Trainer writes and loads a model, trl_stable's state in each checkpoint,
-the step API's `save_checkpoint` / `load_checkpoint`, and the model card's value-head section."""
+"""PPO's files in `transformers.Trainer`'s saving and resume (a `PPOTrainer` mixin): the policy, value head and a
+separate critic where Trainer saves and loads a model, PPO's state in each checkpoint, the step API's
+`save_checkpoint` / `load_checkpoint`, and the model card's value-head section."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class SaveAndResume:
     """`PPOTrainer`'s save and resume; the checkpoint folder itself is `MarkedCheckpoints`' (both trainers')."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """What `save_model` and checkpoints write: the policy (`save_pretrained`: full model or LoRA adapter), the
-        value head (`value_head.safetensors`, or the separate value model under `value_model/`), the tokenizer and
-        the training arguments. `state_dict`: the gathered weights of the whole `PolicyAndValue` (ZeRO-3, FSDP)."""
+        """What `save_model` and checkpoints write: the policy (full model or LoRA adapter), the value head (and a
+        separate value model under `value_model/`), the tokenizer and the training arguments. `state_dict`: the
+        gathered weights of the whole `PolicyAndValue` (ZeRO-3, FSDP)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
@@ -61,8 +61,8 @@ class SaveAndResume:
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # `PPOConfig` pickles without secrets
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load what `_save` wrote: the policy through Trainer's own loader (full weights, shards or the adapter),
-        then the value head / value model. Under FSDP, Trainer's loader reads the engine's own files."""
+        """Load what `_save` wrote: the policy through Trainer's loader, then the value head / value model (under
+        FSDP, Trainer's loader reads the engine's own files)."""
         if self.is_fsdp_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model or self.model_wrapped)
         unwrapped = self.unwrapped()
@@ -88,8 +88,8 @@ class SaveAndResume:
         return None
 
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(shared, per-process) state for a checkpoint: the KL coefficient, the running score statistics and the
-        reward guards (the same on every process), this process's mini-batch shuffling stream."""
+        """(shared, per-process) state for a checkpoint: the KL coefficient, running score statistics and reward
+        guards; this process's mini-batch shuffling stream."""
         guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
         shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict(), "reward_guards": guards}
         return shared, {"shuffle": self.shuffle_generator.get_state()}
@@ -104,8 +104,8 @@ class SaveAndResume:
             self.shuffle_generator.set_state(per_process["shuffle"])
 
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
-        """(name, function) of the reward functions whose checkpoint state (e.g. critic counters) is saved: the
-        trainer's and those a step-API loop registered with `save_checkpoint` / `load_checkpoint`."""
+        """(name, function) of the reward functions whose checkpoint state is saved: the trainer's and those a
+        step-API loop registered with `save_checkpoint` / `load_checkpoint`."""
         extra = [(getattr(f, "__name__", type(f).__name__), f) for f in self._step_api_reward_funcs]
         return [*zip(self.rewards.names, self.rewards.funcs), *extra]
 
@@ -125,9 +125,8 @@ class SaveAndResume:
         )
 
     def _load_checkpoint(self, info: CheckpointInfo) -> None:
-        """Restore everything a checkpoint holds, the way Trainer's resume reads it (weights, optimizer, scheduler,
-        scaler, trainer state, callbacks' state, RNG), then trl_stable's state (KL controller, running moments,
-        shuffling stream, health monitor, reward-function counters)."""
+        """Restore a checkpoint the way Trainer's resume reads it (weights, optimizer, scheduler, scaler, state,
+        callbacks, RNG), then trl_stable's state (`trl_stable.trainers.checkpoints`, `_trainer_checkpoint_state`)."""
         path = info.path
         if self.is_deepspeed_enabled:
             deepspeed_load_checkpoint(self.model_wrapped, path, load_module_strict=not self.is_peft)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from trl.trainer.utils import pad
 
 from trl_stable.core.positions import position_ids_from_mask
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, batch_routing
@@ -133,34 +134,28 @@ def resolve_token_rewards(deferred, responses):
 def make_batch(queries, responses, pad_token_id: int, device, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
     """Left-padded queries and right-padded responses in one [B, P + R] batch, with the response mask, the turn ids
     ([B, R], -1 on non-actions; action mask = response mask and turn id >= 0) and the R3 routing."""
-    prompt_width = max(len(q) for q in queries)
-    resp_width = max(len(r) for r in responses)
-    n = len(queries)
-    input_ids = torch.full((n, prompt_width + resp_width), pad_token_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(n, resp_width, device=device)
-    for i, (q, r) in enumerate(zip(queries, responses)):
-        input_ids[i, prompt_width - len(q) : prompt_width] = q.to(device)
-        input_ids[i, prompt_width : prompt_width + len(r)] = r.to(device)
-        attention_mask[i, prompt_width - len(q) : prompt_width + len(r)] = 1
-        response_mask[i, : len(r)] = 1
+    queries = [q.to(device).long() for q in queries]
+    responses = [r.to(device).long() for r in responses]
+    prompt_ids = pad(queries, pad_token_id, padding_side="left")
+    response_ids = pad(responses, pad_token_id)
+    response_mask = pad([torch.ones(len(r), device=device) for r in responses])
+    prompt_mask = pad([torch.ones_like(q) for q in queries], padding_side="left")
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
     batch = {
-        "input_ids": input_ids,
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
         # numbered from each row's first real token, as `generate` did: every pass agrees with the sampler
         "position_ids": position_ids_from_mask(attention_mask),
-        "response_ids": input_ids[:, prompt_width:],
+        "response_ids": response_ids,
         "response_mask": response_mask,
         "response_lengths": torch.tensor([len(r) for r in responses], device=device),
     }
     if turn_ids is not None:
-        turns = torch.full((n, resp_width), -1, dtype=torch.long, device=device)
-        for i, row in enumerate(turn_ids):
-            turns[i, : len(row)] = torch.as_tensor(row, dtype=torch.long).to(device)
+        turns = pad([torch.as_tensor(row, dtype=torch.long).to(device) for row in turn_ids], padding_value=-1)
         batch["turn_ids"] = turns
         batch["response_mask"] = response_mask * (turns >= 0)
     if routing is not None:
-        batch[ROUTED_EXPERTS_KEY] = batch_routing(routing, attention_mask, prompt_width)
+        batch[ROUTED_EXPERTS_KEY] = batch_routing(routing, attention_mask, prompt_ids.shape[1])
     return batch
 
 
