@@ -89,6 +89,12 @@ def require_deepspeed_if_asked() -> None:
 
 def check_engine(engine: Engine, args: Any, *, quantized: bool) -> None:
     """Refuse, naming the fix, what PPOTrainer cannot run under `engine`."""
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"PPOTrainer does not run under nn.DataParallel ({args.n_gpu} GPUs in one process): launch one process "
+            "per GPU with `accelerate launch` (examples/accelerate_configs/multi_gpu.yaml), or make one GPU visible "
+            "(CUDA_VISIBLE_DEVICES)."
+        )
     if engine.fsdp_version == 1:
         raise ValueError(
             "PPOTrainer supports FSDP2 only: set `fsdp_version: 2` in the accelerate config "

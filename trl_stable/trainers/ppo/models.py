@@ -90,7 +90,7 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
                 "(pip install 'trl_stable[quantization]') or turn the option off."
             )
         if peft_config is None:
-            raise ValueError("A quantised policy can only be trained through an adapter: pass `peft_config`.")
+            raise ValueError("A quantized policy can only be trained through an adapter: pass `peft_config`.")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -104,7 +104,7 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
 
 
 def prepare_policy(model: nn.Module, peft_config: Any | None, args: Any) -> tuple[nn.Module, bool]:
-    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantised models) and
+    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantized models) and
     switch dropout off when asked; returns (model, is_peft)."""
     is_peft = is_peft_model(model)
     if peft_config is not None and not is_peft:
@@ -260,7 +260,7 @@ def fused_scores(out: Any, response_width: int) -> ResponseScores:
 
 
 class PolicyAndValue(nn.Module):
-    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronises them together.
+    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronizes them together.
 
     forward returns the logits and values of the last `logits_to_keep` positions; with `labels` (a policy given the
     fused head, `add_fused_logprob_head`) the fused output (``log_probs`` / ``entropy`` per position) instead of
@@ -459,6 +459,6 @@ def build_models(
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, value_backbone, is_peft, args)
     if is_quantized(model):
-        # accelerate does not move quantised (device-mapped) models: put the head where the policy lives
+        # accelerate does not move quantized (device-mapped) models: put the head where the policy lives
         value_head.to(next(model.parameters()).device)
     return PPOModels(PolicyAndValue(model, value_head, value_backbone), ref_model, tokenizer, model_id, is_peft)

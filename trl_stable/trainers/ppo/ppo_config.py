@@ -1,6 +1,6 @@
 """Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`.
 
-Every inherited field is honoured as `transformers.Trainer` honours it, or refused by name with the reason
+Every inherited field is honored as `transformers.Trainer` honors it, or refused by name with the reason
 (`PPO_UNSUPPORTED`, and fields that only act with another option); `docs/ppo.md` lists every field.
 """
 
@@ -191,7 +191,7 @@ class PPOConfig(
     mini_batch_size: int | None = field(
         default=None, metadata={"help": "RELC's name of the micro-batch: when set, `per_device_train_batch_size`."}
     )
-    ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
+    ppo_epochs: int = field(default=4, metadata={"help": "Optimization passes over each rollout batch."})
 
     # --- KL penalty and controller ---
     kl_penalty: str = field(
@@ -220,7 +220,7 @@ class PPOConfig(
     )
     use_decoupled_loss: bool = field(
         default=False,
-        metadata={"help": "Decoupled PPO loss (AReaL): the clipped term times the sampler's behaviour weight."},
+        metadata={"help": "Decoupled PPO loss (AReaL): the clipped term times the sampler's behavior weight."},
     )
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 

@@ -109,7 +109,7 @@ class PPOTrainer(
     _BaseTrainer,
 ):
     """PPO trainer with a value model, a reference model and per-token rewards; a `transformers.Trainer`, `args`
-    honoured as `Trainer` honours them (`docs/ppo.md`).
+    honored as `Trainer` honors them (`docs/ppo.md`).
 
     Args:
         model: The policy: a causal LM, or its name/path (loaded with `args.model_init_kwargs`). None:
@@ -197,12 +197,6 @@ class PPOTrainer(
             optimizers=optimizers,
         )
         check_checkpoint_names(self.args.output_dir)
-        if self.args.n_gpu > 1:
-            raise ValueError(
-                f"PPOTrainer does not run under nn.DataParallel ({self.args.n_gpu} GPUs in one process): launch one "
-                "process per GPU with `accelerate launch` (examples/accelerate_configs/multi_gpu.yaml), or make one "
-                "GPU visible (CUDA_VISIBLE_DEVICES)."
-            )
         self.engine = Engine.of(self.accelerator)
         check_engine(self.engine, args, quantized=is_quantized(model))
         # Log-probs through TRL's fused LM head (no [B, R, V] logits) where it saves memory: on CUDA, or when asked
@@ -412,8 +406,7 @@ class PPOTrainer(
         return logs
 
     def make_batch(self, queries, responses, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
-        """Left-padded queries and right-padded responses in one [B, P + R] batch, with the response mask, the turn
-        ids ([B, R], -1 on non-actions; action mask = response mask and turn id >= 0) and the R3 routing."""
+        """`step`'s batch (`trl_stable.trainers.ppo.step_inputs.make_batch`) on the trainer's pad token and device."""
         return make_batch(queries, responses, self.pad_token_id, self.accelerator.device, turn_ids, routing)
 
     def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
@@ -541,7 +534,7 @@ class PPOTrainer(
 
     # ------------------------------------------------------------------ 4. update
     def update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """`ppo_epochs` passes over shuffled mini-batches; one optimiser step per `per_device_train_batch_size *
+        """`ppo_epochs` passes over shuffled mini-batches; one optimizer step per `per_device_train_batch_size *
         gradient_accumulation_steps` samples; early stop when the policy KL exceeds 1.5 x `target_kl`."""
         args = self.args
         n = batch["input_ids"].shape[0]
