@@ -47,12 +47,13 @@ from transformers.trainer_callback import ExportableState, PrinterCallback, Prog
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.utils import is_torch_tf32_available
 
-import trl_stable.trainers.ppo.ppo_trainer as ppo_trainer_module
+import trl_stable.trainers.ppo.loop_events as ppo_loop_events
 import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.testing import MOE_FAMILIES, build_causal_lm, save_tiny
 from trl_stable.trainers.checkpoints import MARKER_FILE
+from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 PROMPTS = [
@@ -331,7 +332,7 @@ def _(ctx, fields):
 @probe("empty_cache")
 def _(ctx, fields):
     calls = []
-    ctx.monkeypatch.setattr(ppo_trainer_module, "clear_device_cache", lambda *a, **k: calls.append(1))
+    ctx.monkeypatch.setattr(ppo_loop_events, "clear_device_cache", lambda *a, **k: calls.append(1))
     run = train(ctx, fields, max_steps=2)
     run.seen["clears"] = len(calls)
     return run
@@ -948,7 +949,7 @@ def _(ctx, fields):
             input_ids=q.unsqueeze(0), attention_mask=torch.ones(1, len(q), dtype=torch.long), do_sample=False,
             max_new_tokens=trainer.args.max_new_tokens, pad_token_id=trainer.pad_token_id,
         )  # fmt: skip
-        greedy.append(trainer._trim_response(out[0, len(q) :]).tolist())
+        greedy.append(trim_response(out[0, len(q) :], trainer.eos_token_id).tolist())
     return Run(trainer.args, trainer, seen={"sampled": [[r.tolist() for r in s] for s in sampled], "greedy": greedy})
 
 
