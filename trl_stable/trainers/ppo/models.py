@@ -54,6 +54,12 @@ def hidden_size(model: nn.Module) -> int:
     return int(size)
 
 
+def embedding_rows(model: nn.Module | None) -> int | None:
+    """The rows of `model`'s input embedding table (the token ids it takes), None when it has no readable one."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 

@@ -68,6 +68,7 @@ from trl_stable.trainers.ppo.models import (
     ResponseForwards,
     add_fused_logprob_head,
     build_models,
+    embedding_rows,
     is_quantized,
 )
 from trl_stable.trainers.ppo.ppo_config import PPOConfig
@@ -75,7 +76,13 @@ from trl_stable.trainers.ppo.prompts import PromptData, collate_rows
 from trl_stable.trainers.ppo.rewards import RewardFunctions, guard_reward_failures
 from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout
 from trl_stable.trainers.ppo.saving import SaveAndResume
-from trl_stable.trainers.ppo.step_inputs import check_step_inputs, make_batch, resolve_token_rewards, trim_micro_batch
+from trl_stable.trainers.ppo.step_inputs import (
+    check_step_inputs,
+    check_token_ids,
+    make_batch,
+    resolve_token_rewards,
+    trim_micro_batch,
+)
 from trl_stable.trainers.ppo.step_rewards import StepRewards
 from trl_stable.trainers.ppo.tables import Tables
 from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
@@ -237,6 +244,8 @@ class PPOTrainer(
         # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
         contexts = (model, models.wrapper.value_backbone, ref_model)
         self.model_contexts = [model_context(m) for m in contexts if m is not None]
+        # likewise a token id none of their embedding tables holds (`check_token_ids`)
+        self.vocab_size = min((n for n in map(embedding_rows, contexts) if n is not None), default=None)
         self._check_prompts_at_start(train_dataset)
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
@@ -306,8 +315,10 @@ class PPOTrainer(
         """
         single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
         queries = [query_tensor] if single else list(query_tensor)
-        if any(len(q) == 0 for q in queries):
-            raise ValueError("Every query needs at least one token (e.g. a BOS token).")
+        for i, q in enumerate(queries):
+            check_token_ids(q, "query_tensor" if single else f"query_tensor[{i}]", self.vocab_size)
+            if len(q) == 0:
+                raise ValueError("Every query needs at least one token (e.g. a BOS token).")
         args = self.args
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
@@ -363,7 +374,15 @@ class PPOTrainer(
         """
         args = self.args
         sampler_logprobs, routing, deferred = check_step_inputs(
-            args, self.routing.mode, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
+            args,
+            self.routing.mode,
+            self.vocab_size,
+            queries,
+            responses,
+            token_rewards,
+            scores,
+            turn_ids,
+            sampler_logprobs,
         )
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
