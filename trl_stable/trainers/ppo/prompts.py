@@ -115,7 +115,7 @@ class PromptData:
         generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
         for context in self.model_contexts:
             check_generation_budget(context, generation, "max_new_tokens", args.max_prompt_length)
-        check_prompt_column(train_dataset)
+        check_prompt_column(train_dataset, alternatives=("input_ids",))
         if "input_ids" in (getattr(train_dataset, "column_names", None) or ()):  # read at once, as check_prompt_column
             for i, row in enumerate(train_dataset["input_ids"]):
                 if row is not None and len(row):
