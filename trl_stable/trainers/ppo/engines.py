@@ -19,17 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Engine",
-    "check_engine",
-    "configure_deepspeed",
-    "generation_call",
-    "is_zero3_partitioned",
-    "prepare_reference",
-    "require_deepspeed_if_asked",
-    "sync_gradients",
-]
-
 
 @dataclass(frozen=True)
 class Engine:

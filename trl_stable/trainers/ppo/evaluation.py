@@ -14,8 +14,6 @@ from transformers.trainer_utils import speed_metrics
 from trl_stable.monitoring.reduction import reduce_metrics
 from trl_stable.rewards.dense import call_on_every_process
 
-__all__ = ["Evaluation", "dense_sums"]
-
 
 def dense_sums(rows: Sequence[Any]) -> torch.Tensor:
     """Each completion's summed dense reward (NaN tokens count 0, as in `step`)."""

@@ -16,8 +16,6 @@ from trl_stable.trainers.ppo.engines import generation_call
 from trl_stable.trainers.ppo.rollout import Rollout
 from trl_stable.trainers.prompt_checks import first_error, too_long_error
 
-__all__ = ["hf_rollout", "trim_response"]
-
 
 def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """`response` cut after its first EOS (kept)."""

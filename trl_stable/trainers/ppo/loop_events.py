@@ -9,8 +9,6 @@ import math
 from accelerate.utils.memory import clear_device_cache
 from transformers.trainer_utils import SaveStrategy
 
-__all__ = ["LoopEvents"]
-
 # transformers' schedules that need the run's length in optimizer steps (the others run without a horizon)
 _HORIZON_FREE_SCHEDULES = ("constant", "constant_with_warmup", "reduce_lr_on_plateau")
 

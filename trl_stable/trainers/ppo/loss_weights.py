@@ -10,8 +10,6 @@ from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
 from trl_stable.monitoring.reduction import step_mask_stats
 
-__all__ = ["LossWeights"]
-
 
 class LossWeights:
     """`PPOTrainer`'s loss weights; reads `args`, `accelerator`, `processing_class` and `step_masker`."""

@@ -19,26 +19,6 @@ from trl_stable.integration.hf_names import model_name_of
 from trl_stable.trainers.ppo.engines import is_zero3_partitioned
 from trl_stable.trainers.ppo.value_head import ValueHead
 
-__all__ = [
-    "PPOModels",
-    "PolicyAndValue",
-    "ResponseForwards",
-    "ResponseScores",
-    "add_fused_logprob_head",
-    "enable_activation_checkpointing",
-    "fused_logprob_labels",
-    "fused_scores",
-    "backbone",
-    "build_models",
-    "build_value_head",
-    "check_model_arguments",
-    "create_reference_model",
-    "hidden_size",
-    "load_policy",
-    "prepare_policy",
-    "response_logprobs",
-]
-
 
 def backbone(model: nn.Module) -> nn.Module:
     """The transformer body (no LM/classification head) of a (possibly PEFT-wrapped) HF model."""

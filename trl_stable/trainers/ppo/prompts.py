@@ -20,8 +20,6 @@ from trl_stable.trainers.prompt_checks import (
     too_long_error,
 )
 
-__all__ = ["PromptData", "collate_rows"]
-
 logger = logging.getLogger(__name__)
 
 

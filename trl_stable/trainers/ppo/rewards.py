@@ -35,8 +35,6 @@ from trl_stable.rewards.dense import (
 from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 
-__all__ = ["BatchRewards", "PendingRewards", "RewardFunctions", "guard_reward_failures"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["LengthSampler", "Rollout"]
-
 
 class LengthSampler:
     """Draw a generation length uniformly from [min_value, max_value] (inclusive), as RELC's scripts did."""

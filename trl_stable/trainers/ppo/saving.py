@@ -26,8 +26,6 @@ from trl_stable.trainers.checkpoints import (
 )
 from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 
-__all__ = ["VALUE_MODEL_DIR", "SaveAndResume"]
-
 logger = logging.getLogger(__name__)
 
 VALUE_MODEL_DIR = "value_model"

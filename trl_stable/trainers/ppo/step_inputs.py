@@ -14,9 +14,6 @@ from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, batch_routing
 from trl_stable.rewards.dense import RewardContractError, RewardTypeError
 from trl_stable.trainers.ppo.rollout import Rollout
 
-__all__ = ["check_per_token", "check_step_inputs", "make_batch", "resolve_token_rewards", "trim_micro_batch"]
-
-
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 

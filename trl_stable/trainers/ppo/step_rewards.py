@@ -12,8 +12,6 @@ from trl_stable.core.score_scaling import scale_scores as scale_with_moments
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 from trl_stable.rewards.dense import RewardContractError, raise_on_every_process, reward_numbers
 
-__all__ = ["StepRewards"]
-
 
 class StepRewards:
     """`PPOTrainer`'s step rewards; reads `args`, `accelerator` and the running score statistics `running`."""

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-__all__ = ["Tables"]
-
 
 class Tables:
     """`PPOTrainer`'s tables; `self.tables` holds the latest table per name (main process)."""

@@ -26,8 +26,6 @@ from trl_stable.integration.patching import wrapped_method
 from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.rollout import Rollout
 
-__all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
-
 ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
 
 

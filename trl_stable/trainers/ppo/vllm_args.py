@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 
 from trl_stable.config_checks import Dependent, check_dependents
 
-__all__ = ["VLLMArguments"]
-
 _MODES = ("server", "colocate")
 
 
