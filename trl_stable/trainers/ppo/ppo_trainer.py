@@ -80,6 +80,8 @@ from trl_stable.trainers.prompt_checks import model_context
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["PPOTrainer"]
+
 
 PPO_CITATION = """\
 @article{schulman2017proximal,
