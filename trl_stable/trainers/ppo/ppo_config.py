@@ -121,12 +121,7 @@ PPO_BOUNDS: dict[str, Bound] = {
 
 @dataclass
 class PPOConfig(
-    SecretsNotPickled,
-    TrainingArguments,
-    PPOHealthArguments,
-    DecoupledLossArguments,
-    StepMaskArguments,
-    VLLMArguments,
+    SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments
 ):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 

@@ -176,9 +176,5 @@ def vllm_rollout(
             routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
         sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
     return Rollout(
-        sequences,
-        queries,
-        sampler_logprobs=sampler_logps or None,
-        routing=routing or None,
-        with_prompt=return_prompt,
+        sequences, queries, sampler_logprobs=sampler_logps or None, routing=routing or None, with_prompt=return_prompt
     )
