@@ -202,10 +202,9 @@ class PPOTrainer(
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator, self.engine)
+        coef = args.init_kl_coef
         self.kl_ctl = (
-            AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
-            if args.adap_kl_ctrl
-            else FixedKLController(args.init_kl_coef)
+            AdaptiveKLController(coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(coef)
         )
         self.running = RunningMoments()
         self.lam_fn = lam_fn
@@ -356,7 +355,8 @@ class PPOTrainer(
         # requests in flight) are waited for after them.
         batch, rollout_logs = self.rollout_pass(batch)
         if deferred is not None:
-            token_rewards = self._resolve_token_rewards(deferred, responses)
+            # checked; a contract error seen by one process stops every process
+            token_rewards = call_on_every_process(self.accelerator, resolve_token_rewards, deferred, responses)
             if token_rewards is None and scores is None:
                 raise ValueError("step()'s deferred token_rewards returned None and no `scores` were given.")
         batch, reward_logs = self._drop_broken_rewards(batch, token_rewards, scores)
@@ -387,10 +387,6 @@ class PPOTrainer(
     def make_batch(self, queries, responses, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
         """`step`'s batch (`trl_stable.trainers.ppo.step_inputs.make_batch`) on the trainer's pad token and device."""
         return make_batch(queries, responses, self.pad_token_id, self.accelerator.device, turn_ids, routing)
-
-    def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
-        """Deferred token rewards, checked; a contract error seen by one process stops every process."""
-        return call_on_every_process(self.accelerator, resolve_token_rewards, deferred, responses)
 
     # ------------------------------------------------------------------ 2. rollout pass
     @torch.no_grad()
@@ -450,15 +446,8 @@ class PPOTrainer(
         mask, valid = batch["response_mask"], batch["valid"]
         kl = batch["kl"] * mask
         kl_coef = self.kl_ctl.value
-        parts = compose_token_rewards(
-            kl,
-            kl_coef,
-            batch["dense_rewards"],
-            batch.get("scores"),
-            mask,
-            whiten=args.whiten_rewards,
-            reduce_sum=self._reduce_sum,
-        )
+        whiten = dict(whiten=args.whiten_rewards, reduce_sum=self._reduce_sum)
+        parts = compose_token_rewards(kl, kl_coef, batch["dense_rewards"], batch.get("scores"), mask, **whiten)
         values = batch["values"] * mask
         last = last_action_index(mask)
         ended = batch["response_ids"].gather(1, last.unsqueeze(1)).squeeze(1) == self.eos_token_id
@@ -582,14 +571,9 @@ class PPOTrainer(
         old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
         policy_mask = mask * mb["step_keep"] if "step_keep" in mb else mask  # invalid agent steps: no policy gradient
         if "behaviour_weight" in mb:
+            weight, keep = mb["behaviour_weight"], mb["behaviour_keep"]
             pg_loss = decoupled_ppo_loss(
-                logprobs,
-                old_logprobs,
-                mb["behaviour_weight"],
-                advantages,
-                policy_mask,
-                mb["behaviour_keep"],
-                eps_low=args.cliprange,
+                logprobs, old_logprobs, weight, advantages, policy_mask, keep, eps_low=args.cliprange
             )
         else:
             pg_loss = pre_mask_token_mean(
