@@ -1,6 +1,5 @@
-"""PPO's rollouts through HF `generate` (`PPOTrainer.generate` without vLLM): the queries left-padded in chunks and
-sampled with the engine's full parameters, each response cut after its EOS, with the sampler's log-probs (decoupled
-loss) and MoE routing (R3) recorded on the way. `trl_stable.trainers.ppo.vllm` makes the same `Rollout` with vLLM."""
+"""PPO's rollouts through HF `generate` (`PPOTrainer.generate` without vLLM): left-padded chunks sampled with the
+engine's full parameters, responses cut after EOS, the sampler's log-probs and MoE routing (R3) recorded."""
 
 from __future__ import annotations
 
@@ -20,11 +19,8 @@ from trl_stable.trainers.prompt_checks import first_error, too_long_error
 def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """`response` cut after its first EOS (kept)."""
     eos = (response == eos_token_id).nonzero()
-    if len(eos):
-        return response[: int(eos[0]) + 1]
-    # without EOS there is no padding: generate pads only after a finished sequence, and a sampled pad token is a
-    # real action
-    return response
+    # without EOS there is no padding: generate pads only after a finished sequence (a sampled pad token is an action)
+    return response[: int(eos[0]) + 1] if len(eos) else response
 
 
 def hf_rollout(

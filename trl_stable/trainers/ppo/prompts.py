@@ -106,9 +106,8 @@ class PromptData:
         return prompts, ids
 
     def _check_prompts_at_start(self, train_dataset: Any) -> None:
-        """The generation length against each model's context, no missing or empty prompt and, with a learned
-        position table the config does not keep prompts within, every train prompt's length (each row tokenized once,
-        here, rather than failing at its batch)."""
+        """The generation length against each model's context, the prompt column and its token ids and, with a learned
+        position table the config does not keep prompts within, every train prompt's length (once, here)."""
         args = self.args
         generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
         for context in self.model_contexts:

@@ -1,5 +1,5 @@
-"""What `PPOTrainer.step` makes of its arguments: each checked against the batch, the sampler's record taken from the
-`Rollout`, and the samples padded into one batch dict (and trimmed per micro-batch in the update)."""
+"""What `PPOTrainer.step` makes of its arguments: each checked, the sampler's record taken from the `Rollout`, and the
+samples padded into one batch dict (trimmed per micro-batch in the update)."""
 
 from __future__ import annotations
 
@@ -133,12 +133,8 @@ def check_step_inputs(
     token_rewards = None if deferred else token_rewards
     n = len(queries)
     lengths = {"queries": n, "responses": len(responses)}
-    for name, value in (
-        ("token_rewards", token_rewards),
-        ("scores", scores),
-        ("turn_ids", turn_ids),
-        ("sampler_logprobs", sampler_logprobs),
-    ):
+    per_sample = dict(token_rewards=token_rewards, scores=scores, turn_ids=turn_ids, sampler_logprobs=sampler_logprobs)
+    for name, value in per_sample.items():
         if value is not None:
             if not is_sized(value):
                 raise RewardTypeError(
@@ -156,15 +152,11 @@ def check_step_inputs(
         check_token_ids(r, f"responses[{i}]", vocab_size)
         if len(q) == 0 or len(r) == 0:
             raise ValueError(f"Sample {i} has an empty query or response.")
-    for name, rows in (
-        ("token_rewards", token_rewards),
-        ("turn_ids", turn_ids),
-        ("sampler_logprobs", sampler_logprobs),
-    ):
-        if rows is not None:
-            check_per_token(name, rows, responses)
+    for name in ("token_rewards", "turn_ids", "sampler_logprobs"):
+        if per_sample[name] is not None:
+            check_per_token(name, per_sample[name], responses)
             if name != "token_rewards":
-                _check_values(name, rows)
+                _check_values(name, per_sample[name])
     return sampler_logprobs, routing, deferred
 
 
