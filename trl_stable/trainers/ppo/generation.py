@@ -56,15 +56,10 @@ def hf_rollout(
                 batch = [q.to(device).long() for q in queries[start : start + chunk]]
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = max(1, int(length_sampler()))
+                lengths, where = [len(q) for q in batch], lambda i, start=start: f"query {start + i}"
+                fix = "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens."
                 too_long = first_error(
-                    too_long_error(
-                        context,
-                        [len(q) for q in batch],
-                        kwargs["max_new_tokens"],
-                        lambda i, start=start: f"query {start + i}",
-                        "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens.",
-                    )
-                    for context in trainer.model_contexts
+                    too_long_error(c, lengths, kwargs["max_new_tokens"], where, fix) for c in trainer.model_contexts
                 )
                 if too_long is not None:
                     raise too_long

@@ -251,10 +251,8 @@ class PPOTrainer(
         kl = f"{args.kl_penalty}, {'adaptive' if args.adap_kl_ctrl else 'fixed'} coef {args.init_kl_coef}"
         loss = "decoupled" if args.use_decoupled_loss else "clip"
         if args.token_filter:
-            lower, upper = args.filter_bounds
-            loss += (
-                f", filter={args.token_filter}[{lower}, {upper}] {args.token_filter_level}/{args.token_filter_action}"
-            )
+            bounds, how = list(args.filter_bounds), f"{args.token_filter_level}/{args.token_filter_action}"
+            loss += f", filter={args.token_filter}{bounds} {how}"
         return (
             f"trl_stable PPO: advantages=gae ({lam}, gamma={args.gamma}, whiten={args.whiten_advantages}; "
             "turn_gae for steps with turn_ids), "

@@ -126,13 +126,8 @@ class PromptData:
         longest = context.limit - generation
         if args.max_prompt_length is not None and args.max_prompt_length <= longest:
             return  # train() cuts every prompt to a length that fits
-        logger.info(
-            "max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.",
-            args.max_prompt_length,
-            generation,
-            context.describe(),
-            len(train_dataset),
-        )
+        shown = (args.max_prompt_length, generation, context.describe(), len(train_dataset))
+        logger.info("max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.", *shown)
         lengths = []
         for chunk in range(0, len(train_dataset), 256):
             indices = range(chunk, min(chunk + 256, len(train_dataset)))
