@@ -218,8 +218,8 @@ def test_trainer_settings_the_loop_would_override_are_honoured_or_refused(load_s
 def test_secrets_are_redacted_from_run_args_and_argv(tmp_path):
     from run_saving import save_run_args
 
-    from trl_stable.redaction import redact_argv
     from trl_stable.rewards import CriticRewardConfig
+    from trl_stable.settings.secrets import redact_argv
 
     argv = ["script.py", "--perspective_api", "KEY-1", "--perspective_api=KEY-2", "--model_name", "gpt2"]
     redact_argv(argv)

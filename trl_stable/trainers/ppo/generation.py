@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from trl.trainer.utils import pad
 
-from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo.engines import generation_call
 from trl_stable.trainers.ppo.rollout import Rollout
 from trl_stable.trainers.prompt_checks import first_error, too_long_error
+from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 
 def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:

@@ -12,7 +12,10 @@ from accelerate.utils import get_int_from_env
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
 
-from trl_stable.config_checks import (
+from trl_stable.core.kl import kl_estimator_names
+from trl_stable.monitoring.integration import PPOHealthArguments
+from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.checks import (
     Bound,
     Dependent,
     check_all_finite,
@@ -23,10 +26,7 @@ from trl_stable.config_checks import (
     training_argument_bounds,
     training_argument_dependents,
 )
-from trl_stable.core.kl import kl_estimator_names
-from trl_stable.monitoring.integration import PPOHealthArguments
-from trl_stable.redaction import SecretsNotPickled
-from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.secrets import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
@@ -83,7 +83,7 @@ _FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
 _GRADIENT_ACCUMULATION_KWARGS = ("sync_each_batch",)
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
-# `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
+# `trl_stable.settings.checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
 PPO_BOUNDS: dict[str, Bound] = {
     "num_shared_layers": Bound(low=0, integer=True, optional=True, fix="None copies every layer."),
     "batch_size": Bound(low=1, integer=True),

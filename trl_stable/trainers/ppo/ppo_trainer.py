@@ -25,7 +25,6 @@ from transformers.optimization import GreedyLR
 from transformers.trainer_utils import TrainOutput
 from trl.trainer.base_trainer import _BaseTrainer
 
-from trl_stable.config_checks import field_default
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
 from trl_stable.core.kl import AdaptiveKLController, FixedKLController, full_kl, kl_estimate
@@ -40,6 +39,7 @@ from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 from trl_stable.rewards.dense import call_on_every_process
 from trl_stable.rewards.failure_guard import FailureGuard
+from trl_stable.settings.checks import field_default
 from trl_stable.trainers.checkpoints import MarkedCheckpoints, check_checkpoint_names
 from trl_stable.trainers.ppo.engines import (
     Engine,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trl_stable.config_checks import Dependent, check_dependents
+from trl_stable.settings.checks import Dependent, check_dependents
 
 _MODES = ("server", "colocate")
 

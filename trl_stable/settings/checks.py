@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trl_stable.redaction import redact
+from trl_stable.settings.secrets import redact
 
 __all__ = [
     "Bound",
