@@ -70,7 +70,7 @@ from text_metrics import distinct_n  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
 from trl_stable.rewards import CriticBackend, CriticIntrinsicReward, CriticRewardConfig  # noqa: E402
-from trl_stable.rewards.critic_backends import format_sentiment_answer  # noqa: E402
+from trl_stable.rewards.critic.lexicon import format_sentiment_answer  # noqa: E402
 
 SCRIPT = "sentiment/ppo_intrinsic.py"  # the README's main command, under examples/research_projects/
 BANNED = ("the", "and", "a")

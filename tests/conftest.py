@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 # No hub at test time: every model and tokenizer comes from trl_stable.testing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -7,6 +9,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The helpers every test folder shares (tiny configs, the two-process launcher), imported by module name.
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

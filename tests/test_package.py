@@ -1,6 +1,6 @@
 import pytest
 
-from trl_stable._compat import SUPPORTED_TRL_RANGE, check_trl_version
+from trl_stable.integration.version import SUPPORTED_TRL_RANGE, check_trl_version
 
 
 def test_public_imports():

@@ -12,6 +12,7 @@ import torch
 from trl_stable import GRPOConfig, PPOConfig
 from trl_stable.redaction import (
     REDACTED,
+    SecretsNotPickled,
     check_env_var_name,
     is_secret_name,
     looks_like_secret,
@@ -91,7 +92,18 @@ def test_redact_argv_in_place():
     assert argv == expected
 
 
-@pytest.mark.parametrize("value", ["OPENAI_API_KEY", "my_critic_key_2", "_K", "CriticKey", "ASIA_PACIFIC_KEY_2024"])
+REAL_NAMES = [
+    "OPENAI_API_KEY", "HF_TOKEN", "MY_CRITIC_KEY_2", "my_critic_key_2", "_K", "CriticKey", "ASIA_PACIFIC_KEY_2024",
+    "AZURE_OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "GOOGLE_APPLICATION_CREDENTIALS",
+    "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACEHUB_API_TOKEN", "ANTHROPIC_API_KEY", "GROQ_API_KEY", "FIREWORKS_API_KEY",
+    "REPLICATE_API_TOKEN", "XAI_API_KEY", "NVIDIA_API_KEY", "GITHUB_TOKEN", "WANDB_API_KEY", "OPENROUTER_API_KEY",
+    "VLLM_API_KEY", "OPENAI_API_KEY_V2", "GPT4_O1_KEY", "S3_BUCKET_V2", "X509_CERT", "PERSPECTIVE_API_KEY",
+    "MY_VLLM_SERVER_KEY_20240601", "OPENAI_KEY_PROD_EU_WEST_1", "hf_token", "hf_token_file_2", "ghp_token",
+    "MyCriticServerApiKey",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", REAL_NAMES)
 def test_variable_names_are_accepted(value):
     check_env_var_name("critic_api_key_env", value)
     assert not looks_like_secret(value)
@@ -99,7 +111,10 @@ def test_variable_names_are_accepted(value):
 
 @pytest.mark.parametrize(
     "value",
-    [KEY, "sk-1", "hf_aB3cD4eF5gH6iJ7kL8mN9oP0", "ghp_16C7e42F292c6912E7710c838347Ae178B4a", "AKIAIOSFODNN7EXAMPLE",
+    [KEY, "sk-1", "hf_aB3cD4eF5gH6iJ7kL8mN9oP0", "gsk_8f3kd92Lmq7ZxT1v0PwQ4nR6sY2bC5hJ",
+     "fw_3ZkXyQ8pL2mN7vB4cR9tW1aE", "r8_ABcd1234EFgh5678IJkl9012mnop", "sk_live_4ec39hqlyjwdarjtt1zdp7dc",
+     "key_a8f3k2m9x7q1z5b6", "a1b2c3d4_e5f6g7h8", "xai_Abc123Def456Ghi789", "aBcDeFgHiJkLmNoPqRsT",
+     "abcdefghijklmnopqrstuvwxyzabcd", "ghp_16C7e42F292c6912E7710c838347Ae178B4a", "AKIAIOSFODNN7EXAMPLE",
      "3f2a9c0b7d1e4f5a8b6c2d9e0f1a3b4c", "Zx81kQ7vLm20PqRt55WsYy", "OPENAI API KEY", "1ABC", "x=1", " "],
 )  # fmt: skip
 def test_keys_and_invalid_names_are_refused_without_echo(value):
@@ -112,7 +127,7 @@ def test_keys_and_invalid_names_are_refused_without_echo(value):
 
 
 def test_critic_config_and_openai_critic_refuse_a_key(monkeypatch):
-    from trl_stable.rewards.critic_backends import OpenAICritic
+    from trl_stable.rewards import OpenAICritic
 
     with pytest.raises(ValueError, match="critic_api_key_env takes the NAME") as err:
         CriticRewardConfig(critic_api_key_env=KEY)
@@ -148,3 +163,23 @@ def test_pickled_config_drops_secrets_copies_keep_them(config_class, tmp_path):
     for text in (str(args), f"{args}", args.to_json_string(), str(args.to_dict()), str(args.to_sanitized_dict())):
         assert "SECRET" not in text
     assert args.to_dict()["model_init_kwargs"] == {"token": REDACTED, "revision": "main"}
+
+
+@dataclass
+class JudgeConfig(SecretsNotPickled):
+    """A config of ours with a `*_env` field the critic knows nothing about."""
+
+    judge_key_env: str = "JUDGE_KEY"
+    judge_url: str = "http://judge:8000/v1"
+
+
+def test_every_env_field_of_a_config_is_checked_and_shown_redacted():
+    assert JudgeConfig().judge_key_env == "JUDGE_KEY"
+    with pytest.raises(ValueError, match="judge_key_env takes the NAME") as err:
+        JudgeConfig(judge_key_env="fw_3ZkXyQ8pL2mN7vB4cR9tW1aE")
+    assert "fw_3Zk" not in str(err.value)
+    late = JudgeConfig(judge_url="https://u:URLKEY9@judge/v1")
+    late.judge_key_env = "r8_ABcd1234EFgh5678IJkl9012mnop"  # set after the check: still never shown
+    for text in (repr(late), str(late), str(late.to_dict()), pickle.dumps(late).decode("latin-1")):
+        assert "r8_ABcd" not in text and "URLKEY9" not in text
+    assert repr(late) == "JudgeConfig(judge_key_env='<redacted>', judge_url='https://judge/v1')"

@@ -11,7 +11,7 @@ try:
 except ImportError as err:  # pragma: no cover - the dependency is declared in setup.cfg
     raise ImportError("trl_stable needs TRL. Fix: pip install 'trl>=1.16.0,<1.17'") from err
 
-from trl_stable._compat import check_trl_version
+from trl_stable.integration.version import check_trl_version
 
 check_trl_version(_trl.__version__)
 

@@ -6,8 +6,9 @@ Each config lists its numeric fields once, as a table of [`Bound`]s, and calls [
 `TrainingArguments` and TRL fields included). A setting that only acts together with another option is refused when
 it is set without that option ([`check_dependents`]): one rule for every such pair, so a value the run would ignore
 never passes silently. Where TRL accepts such a combination (a drop-in must take every `trl.GRPOConfig` TRL takes),
-the rule warns instead ([`IgnoredSettingWarning`], `warn=True`), as [`warn_ignored`] does for a setting the trainer
-has nothing to apply to. Every error and warning names the field, the value, what is valid and how to fix it.
+the rule warns instead (`warn=ignored_setting`: an [`IgnoredSettingWarning`]), as [`warn_ignored`] does for a
+setting the trainer has nothing to apply to. Every error and warning names the field, the value, what is valid and
+how to fix it.
 
 The module imports nothing heavy: the config modules stay import-light.
 """
@@ -19,9 +20,11 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from trl_stable.redaction import redact
 
 __all__ = [
     "Bound",
@@ -36,6 +39,7 @@ __all__ = [
     "check_reward_scale",
     "check_training_length",
     "field_default",
+    "ignored_setting",
     "training_argument_bounds",
     "training_argument_dependents",
     "warn_ignored",
@@ -167,14 +171,15 @@ class Dependent:
     needs: str
 
 
-def check_dependents(config: Any, dependents: Iterable[Dependent], warn: bool = False) -> None:
+def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callable[[str], None] | None = None) -> None:
     """Refuse a dependent field set while the option it needs is off: the run would ignore it, silently.
 
     Args:
-        warn: Warn ([`IgnoredSettingWarning`]) instead of raising, for a combination TRL accepts.
+        warn: Say it with this instead of refusing (e.g. ``logger.warning``), where callers set such fields on
+            purpose before they choose the option (a script's defaults for several backends).
 
     Raises:
-        ValueError: naming the fields set, the option they need, and both fixes (unless `warn`).
+        ValueError: naming the fields set, the option they need, and both fixes (without `warn`).
     """
     for dep in dependents:
         if dep.active:
@@ -185,16 +190,20 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: bool = 
             if getattr(config, name) is not None and getattr(config, name) != field_default(config, name)
         ]
         if set_fields:
-            shown = ", ".join(f"{name}={getattr(config, name)!r}" for name in set_fields)
+            shown = ", ".join(f"{name}={redact(getattr(config, name))!r}" for name in set_fields)  # no URL key
             one = len(set_fields) == 1
-            ignored = f"ignores {'it' if one else 'them'}" if warn else f"would ignore {'it' if one else 'them'}"
             message = (
-                f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run {ignored}. "
-                f"Set {dep.needs}, or unset {', '.join(set_fields)}."
+                f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run would ignore "
+                f"{'it' if one else 'them'}. Set {dep.needs}, or unset {', '.join(set_fields)}."
             )
-            if not warn:
+            if warn is None:
                 raise ValueError(message)
-            warnings.warn(message, IgnoredSettingWarning, stacklevel=3)
+            warn(message)
+
+
+def ignored_setting(message: str) -> None:
+    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`."""
+    warnings.warn(message, IgnoredSettingWarning, stacklevel=4)
 
 
 def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: str) -> None:

@@ -10,8 +10,10 @@
 - [`SecretsNotPickled`]: a config mixin: pickling (transformers' `Trainer` saves `torch.save(args)` as
   `training_args.bin` in every checkpoint and pushes it to the Hub) drops the secrets, and `to_dict` (logs, tracker
   configs) redacts them. Copies keep them.
-- [`check_env_var_name`]: for the fields that want an environment variable's *name* (`critic_api_key_env`): a value
-  that is no valid name or looks like a key is refused, and the error does not repeat it.
+- [`check_env_var_name`] / [`check_env_fields`]: for the fields that want an environment variable's *name* (every
+  `*_env` field, e.g. `critic_api_key_env`): a value that is no identifier or looks like a key ([`looks_like_secret`],
+  whatever the provider's key shape) is refused, and the error does not repeat it.
+- [`Secret`]: holds a key for the code that needs it; prints as `'***'`, refuses to pickle.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Any
 
 __all__ = [
     "REDACTED",
+    "Secret",
     "SecretsNotPickled",
+    "check_env_fields",
     "check_env_var_name",
+    "is_env_var_name",
     "is_secret_name",
     "looks_like_secret",
     "redact",
@@ -100,7 +105,7 @@ def _is_set(value: Any) -> bool:
 def _redact_field(name: str, value: Any, replacement: Any) -> Any:
     if is_secret_name(name) and _is_set(value):
         return replacement
-    if _normalize(name).endswith("_env") and isinstance(value, str) and looks_like_secret(value):
+    if _normalize(name).endswith("_env") and isinstance(value, str) and value and not is_env_var_name(value):
         return replacement  # a key typed where a variable name belongs (the config refuses it; belt and braces)
     return redact(value, replacement)
 
@@ -141,38 +146,88 @@ def redact_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+class Secret:
+    """Holds a key; prints as '***' so it cannot leak through repr, logs or saved configs, and refuses to pickle."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        raise TypeError("A key is not picklable; pass the name of the environment variable that holds it instead.")
+
+
 # ------------------------------------------------------------------------------------ environment-variable names
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Prefixes of common API keys and tokens (OpenAI, Stripe, Hugging Face, GitHub, GitLab, Slack, Google), followed by a
-# separator or not; AWS access key ids are AKIA/ASIA and 16 upper-case characters.
-_KEY_PREFIX = re.compile(r"(sk|pk|rk|hf|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abprs]|AIza|ya29)[-_.]?[A-Za-z0-9]")
-_AWS_KEY_ID = re.compile(r"(AKIA|ASIA)[A-Z0-9]{16}")
+# Prefixes of API keys and tokens (OpenAI, Stripe, Hugging Face, Groq, Fireworks, Replicate, xAI, Perplexity, NVIDIA,
+# Cerebras, GitHub, GitLab, Slack, Google), with or without a separator; AWS access key ids are AKIA/ASIA and 16
+# upper-case letters or digits.
+_KEY_PREFIX = re.compile(
+    r"(?:sk|pk|rk|hf|gsk|fw|r8|xai|pplx|nvapi|csk|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abprs]|AIza|ya29)"
+    r"[-_.]?(?P<rest>.*)",
+    re.DOTALL,
+)
+_AWS_KEY_ID = re.compile(r"(?:AKIA|ASIA)[A-Z0-9]{16}")
 
 
-def _char_class(char: str) -> str:
-    return "l" if char.islower() else "u" if char.isupper() else "d" if char.isdigit() else "o"
+def _digit_switches(text: str) -> int:
+    """Adjacent letter/digit pairs (``a1`` or ``1a``): a name has a few (``GPT4``, ``V2``), a random key many."""
+    return sum(a.isdigit() != b.isdigit() for a, b in zip(text, text[1:]) if a.isalnum() and b.isalnum())
+
+
+def _case_switches(text: str) -> int:
+    return sum(a.isupper() != b.isupper() for a, b in zip(text, text[1:]) if a.isalpha() and b.isalpha())
 
 
 def looks_like_secret(value: str) -> bool:
-    """Whether `value`, given where an environment variable's name belongs, looks like a key instead: a known key
-    prefix (``sk-``, ``hf_``, ``ghp_``, ``AKIA``, ...) on a long value with digits, a long hex string, or a long
-    value without underscores that switches between lower case, upper case and digits at every other character, as
-    random keys do. Variable names (``OPENAI_API_KEY``, ``my_critic_key_2``, ``CriticKey``) do not.
+    """Whether `value`, given where an environment variable's name belongs, looks like a key instead.
+
+    Names are made of words (``OPENAI``, ``API``, ``KEY``, ``CriticKey``) and short numbers (``2``, ``V2``,
+    ``2024``); keys are long random strings, whatever their provider's prefix and case. A value is a key when:
+
+    - it starts with a known key prefix (``sk``, ``hf``, ``gsk``, ``fw``, ``r8``, ``ghp``, ``xoxb``, ``AIza``, ...)
+      followed by at least 8 letters and digits that alternate at least twice (``hf_token_file_2`` does not);
+    - it is an AWS access key id (``AKIA`` / ``ASIA`` and 16 upper-case letters or digits);
+    - its letters and digits alternate at least 6 times in all (``a1b2c3d4``; ``GPT4_O1_KEY`` has 2);
+    - or one of its parts (split at underscores and other separators) has 24 or more characters, 16 or more mixing
+      letters and digits, or 16 or more switching case at every other letter.
+
+    No conventional name trips it: ``OPENAI_API_KEY``, ``HF_TOKEN``, ``MY_CRITIC_KEY_2``, ``AZURE_OPENAI_API_KEY``,
+    ``ASIA_PACIFIC_KEY_2024``, ``my_critic_key_2``, ``CriticKey`` (`tests/test_redaction.py` lists more).
 
     Example:
-        >>> [looks_like_secret(v) for v in ("OPENAI_API_KEY", "sk-proj-abc123DEF456ghi789", "hf_" + "aB3" * 10)]
-        [False, True, True]
+        >>> [looks_like_secret(v) for v in ("OPENAI_API_KEY", "gsk_" + "aB3" * 10, "r8_" + "x7Q" * 10, "fw_3Zk9Xq2")]
+        [False, True, True, True]
     """
     value = str(value)
-    if len(value) >= 20 and _KEY_PREFIX.match(value) and re.search(r"\d", value):
+    if _AWS_KEY_ID.fullmatch(value):
         return True
-    if _AWS_KEY_ID.fullmatch(value) or (len(value) >= 32 and re.fullmatch(r"[0-9a-fA-F-]+", value)):
+    prefixed = _KEY_PREFIX.match(value)
+    if prefixed and len(re.sub(r"[\W_]", "", prefixed["rest"])) >= 8 and _digit_switches(prefixed["rest"]) >= 2:
         return True
-    if len(value) < 20 or "_" in value or not all(re.search(c, value) for c in ("[a-z]", "[A-Z]", r"\d")):
-        return False
-    switches = sum(_char_class(a) != _char_class(b) for a, b in zip(value, value[1:]))
-    return switches >= 0.5 * len(value)
+    parts = [p for p in re.split(r"[\W_]+", value) if p]
+    if sum(_digit_switches(p) for p in parts) >= 6:
+        return True
+    for part in parts:
+        mixed = re.search(r"\d", part) and re.search(r"[A-Za-z]", part)
+        if len(part) >= 24 or (len(part) >= 16 and (mixed or _case_switches(part) >= len(part) // 2)):
+            return True
+    return False
+
+
+def is_env_var_name(value: Any) -> bool:
+    """Whether `value` can be an environment variable's name: an identifier that does not look like a key."""
+    return isinstance(value, str) and _ENV_NAME.fullmatch(value) is not None and not looks_like_secret(value)
 
 
 def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_KEY") -> None:
@@ -180,9 +235,9 @@ def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_K
     names `field_name` and never repeats `value` (it may be the key itself, and errors end up in logs)."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{field_name} must name an environment variable holding the key, e.g. {example!r}.")
-    valid = _ENV_NAME.fullmatch(value) is not None
-    if valid and not looks_like_secret(value):
+    if is_env_var_name(value):
         return
+    valid = _ENV_NAME.fullmatch(value) is not None
     what = (
         "looks like a key (a variable really named so needs a name like MY_API_KEY)"
         if valid
@@ -200,8 +255,11 @@ def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_K
 
 def _scrub(name: str, value: Any, replacement: Any) -> Any:
     """`value` with secrets replaced, keeping its type (a pickled config must load back as the same objects): plain
-    dicts are copied with their secret keys replaced, strings cleaned, anything else kept."""
+    dicts are copied with their secret keys replaced, strings cleaned, anything else kept. A `*_env` field that
+    holds no variable name (a key typed there after the config was built) is replaced too."""
     if is_secret_name(name) and _is_set(value):
+        return replacement
+    if _normalize(name).endswith("_env") and isinstance(value, str) and value and not is_env_var_name(value):
         return replacement
     if isinstance(value, dict) and type(value) is dict:
         return {key: _scrub(str(key), item, replacement) for key, item in value.items()}
@@ -210,15 +268,37 @@ def _scrub(name: str, value: Any, replacement: Any) -> Any:
     return value
 
 
-class SecretsNotPickled:
-    """Mixin for trainer configs (`TrainingArguments` subclasses; put it first among the bases).
+def check_env_fields(config: Any) -> None:
+    """`check_env_var_name` on every ``*_env`` field of a dataclass config that is set (one rule for every trl_stable
+    config: such a field names an environment variable, and a key typed there is refused without being shown)."""
+    for f in fields(config):
+        value = getattr(config, f.name, None)
+        if f.name.endswith("_env") and value is not None:
+            check_env_var_name(f.name, value)
 
-    transformers' `Trainer` saves `torch.save(self.args)` as `training_args.bin` next to the weights and in every
-    checkpoint, and uploads it with `push_to_hub`: pickling this config leaves its secret fields (`hub_token`,
-    `token` in `model_init_kwargs`, URL credentials, see [`is_secret_name`]) unset (None), so a loaded
-    `training_args.bin` falls back to the environment's credentials. `to_dict` (what `repr`, the logs and the
-    tracker configs show) redacts them too. `copy.copy` / `copy.deepcopy` keep them.
+
+class SecretsNotPickled:
+    """Mixin for configs (dataclasses; for `TrainingArguments` subclasses put it first among the bases).
+
+    - Pickling leaves its secret fields (`hub_token`, `token` in `model_init_kwargs`, URL credentials, see
+      [`is_secret_name`]) unset (None): transformers' `Trainer` saves `torch.save(self.args)` as
+      `training_args.bin` next to the weights and in every checkpoint and uploads it with `push_to_hub`, and a loaded
+      `training_args.bin` then falls back to the environment's credentials. `copy.copy` / `copy.deepcopy` keep them.
+    - `repr`, `str` and `to_dict` (what the logs and the tracker configs show) redact them. The `__repr__` is set on
+      every subclass as it is created, before `@dataclass` runs, which then keeps it instead of writing its own.
+    - `__post_init__` refuses a key typed into any ``*_env`` field (`check_env_fields`), then runs the next base's.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__repr__" not in cls.__dict__:
+            cls.__repr__ = SecretsNotPickled.__repr__
+
+    def __post_init__(self) -> None:
+        check_env_fields(self)
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: _scrub(name, value, None) for name, value in self.__dict__.items()}
@@ -238,9 +318,17 @@ class SecretsNotPickled:
         return new
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: _scrub(name, value, REDACTED) for name, value in super().to_dict().items()}
+        parent = getattr(super(), "to_dict", None)
+        values = parent() if parent is not None else asdict(self)
+        return {name: _scrub(name, value, REDACTED) for name, value in values.items()}
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={_scrub(f.name, getattr(self, f.name, None), REDACTED)!r}" for f in fields(self) if f.repr
+        )
+        return f"{type(self).__name__}({shown})"
 
     def __str__(self) -> str:
         # TrainingArguments.__str__'s layout; it hides `*_token` fields only, not a token inside a dict or a URL
-        shown = sorted((name, _scrub(name, value, REDACTED)) for name, value in asdict(self).items())
+        shown = sorted((f.name, _scrub(f.name, getattr(self, f.name, None), REDACTED)) for f in fields(self))
         return f"{type(self).__name__}(\n{''.join(f'{name}={value},{chr(10)}' for name, value in shown)})"

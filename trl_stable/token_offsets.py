@@ -1,7 +1,7 @@
 """Character offsets of tokens: where each token of a sequence sits in its text.
 
 One implementation for everything that maps between characters and tokens: critic spans onto response tokens
-(`trl_stable.rewards.span_alignment`), agent steps given in characters onto loss-mask tokens (`trl_stable.masking`).
+(`trl_stable.rewards.critic.alignment`), agent steps given in characters onto loss-mask tokens (`trl_stable.masking`).
 Two directions:
 
 - text known (SFT data): `encode_with_offsets` tokenizes it with the fast tokenizer's own offsets;

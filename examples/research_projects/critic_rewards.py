@@ -15,11 +15,7 @@ def build_intrinsic_reward(config, task: str, tokenizer, backend=None):
         return None
     from trl_stable.rewards import CriticIntrinsicReward
 
-    if backend is None and config.critic_backend == "lexicon" and task == "summarization":
-        raise ValueError("critic_backend='lexicon' for summarization needs the script's offline backend.")
-    # CriticRewardConfig has no summarization lexicon and rejects the pair; a backend passed in stands in for it
-    name = "openai" if backend is not None else config.critic_backend
-    config = replace(config, critic_task=task, critic_backend=name)
+    config = replace(config, critic_task=task)
     if task == "toxicity" and config.positive_reward_value != 0.0:
         config = relc_toxicity_values(config)
     return CriticIntrinsicReward(config, tokenizer, backend=backend)

@@ -79,8 +79,8 @@ def warn_ignored_relc_flags(args: Any) -> None:
 def relc_toxicity_values(config):
     """RELC's toxicity meaning of ``--positive_reward_value``: the toxicity critic names only toxic spans, so RELC's
     positive value is the reward of every token *outside* them (its `.sh`: +0.1), our `outside_span_reward_value`
-    (`trl_stable.rewards.intrinsic.relc_token_reward_values`)."""
-    from trl_stable.rewards.intrinsic import relc_token_reward_values
+    (`trl_stable.compat.relc_critic.relc_token_reward_values`)."""
+    from trl_stable.compat.relc_critic import relc_token_reward_values
 
     if config.outside_span_reward_value != 0.0:
         raise ValueError(

@@ -74,7 +74,7 @@ _AFINN_CRITIC = None
 def _afinn_critic():
     global _AFINN_CRITIC
     if _AFINN_CRITIC is None:
-        from trl_stable.rewards.critic_backends import LexiconCritic
+        from trl_stable.rewards import LexiconCritic
 
         _AFINN_CRITIC = LexiconCritic("sentiment", lexicon="afinn")
     return _AFINN_CRITIC
@@ -204,7 +204,7 @@ class PerspectiveScorer:
         self.backoff = backoff
         self.num_threads = num_threads
         # imported here so that the scorers stay import-light (trl_stable pulls in torch and TRL)
-        from trl_stable.rewards.critic_backends import RateLimiter
+        from trl_stable.rewards.critic.rate_limit import RateLimiter
 
         self.limiter = RateLimiter(rate)
         self.requests = 0

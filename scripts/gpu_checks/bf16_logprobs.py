@@ -27,7 +27,7 @@ responses = [torch.randint(10, len(tokenizer), (n,), generator=gen) for n in (12
 def logprobs(bf16: bool) -> torch.Tensor:
     args = PPOConfig(
         output_dir=path + "_out", batch_size=4, mini_batch_size=4, bf16=bf16, use_cpu=cpu, report_to="none",
-        disable_tqdm=True, save_strategy="no",
+        disable_tqdm=True, save_strategy="no", fused_lm_head=True,  # the path under test, also on CPU
     )  # fmt: skip
     trainer = PPOTrainer(path, args=args, processing_class=tokenizer)
     assert trainer.fused_policy, "PPO did not install the fused log-prob head"

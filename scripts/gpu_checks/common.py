@@ -56,6 +56,11 @@ def length_reward(completion_ids, **kwargs):
     return [min(len(c), 8) / 8 for c in completion_ids]
 
 
+def last_step(trainer) -> dict:
+    """The last PPO step's log entry (after `train()`, Trainer's run summary is the very last one)."""
+    return [entry for entry in trainer.state.log_history if "loss/total" in entry][-1]
+
+
 def finite(stats: dict, *keys: str) -> None:
     import math
 

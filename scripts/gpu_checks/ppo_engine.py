@@ -4,7 +4,7 @@ Run by `scripts/gpu_check.sh` as ``accelerate launch --config_file examples/acce
 --num_processes 1 scripts/gpu_checks/ppo_engine.py``; checks the step statistics are finite and a checkpoint saves.
 """
 
-from common import PROMPTS, finite, length_reward, need_cuda, scaled_model_dir
+from common import PROMPTS, finite, last_step, length_reward, need_cuda, scaled_model_dir
 
 need_cuda()
 
@@ -24,7 +24,7 @@ ppo = PPOTrainer(
     train_dataset=dataset,
 )
 ppo.train()
-finite(ppo.state.log_history[-1], "loss/total", "objective/kl")
+finite(last_step(ppo), "loss/total", "objective/kl")
 ppo.save_checkpoint()
 grpo = GRPOTrainer(
     path,

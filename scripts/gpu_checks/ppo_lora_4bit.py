@@ -1,6 +1,6 @@
 """PPO with a LoRA adapter on a 4-bit (bitsandbytes NF4) policy: two `train()` steps on the scaled-up tiny kit."""
 
-from common import PROMPTS, finite, length_reward, need, need_cuda, scaled_model_dir
+from common import PROMPTS, finite, last_step, length_reward, need, need_cuda, scaled_model_dir
 
 need_cuda()
 need("bitsandbytes", "peft")
@@ -40,6 +40,6 @@ assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.modules()), "the pol
 trainable = [n for n, p in trainer.unwrapped().named_parameters() if p.requires_grad]
 assert trainable and all("lora_" in n or "value_head" in n for n in trainable), trainable[:5]
 trainer.train()
-finite(trainer.state.log_history[-1], "loss/total", "objective/kl")
+finite(last_step(trainer), "loss/total", "objective/kl")
 peak = torch.cuda.max_memory_allocated() >> 20
 print(f"OK: 2 steps, {len(trainable)} trainable tensors (LoRA + value head), peak {peak} MiB")

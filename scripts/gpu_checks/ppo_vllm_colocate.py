@@ -1,7 +1,7 @@
 """PPO rollouts through vLLM colocate (`PPOConfig(use_vllm=True, vllm_mode="colocate")`): two `train()` steps with the
 decoupled loss fed by vLLM's sampler log-probs, and the mismatch monitor's statistics logged."""
 
-from common import PROMPTS, finite, length_reward, need, need_cuda, scaled_model_dir
+from common import PROMPTS, finite, last_step, length_reward, need, need_cuda, scaled_model_dir
 
 need_cuda()
 need("vllm")
@@ -31,7 +31,7 @@ args = PPOConfig(
 )
 trainer = PPOTrainer(path, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
 trainer.train()
-logs = trainer.state.log_history[-1]
+logs = last_step(trainer)
 finite(logs, "loss/total", "objective/kl")
 mismatch = [k for k in logs if k.startswith("mismatch/")]
 assert mismatch, f"no mismatch statistics logged: {sorted(logs)[:20]}"

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_stable.compat import relc
+from trl_stable.compat import relc, relc_critic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
 from fake_openai_server import FakeOpenAIServer, status  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
+from tiny_configs import tiny_ppo_args  # noqa: E402
 from two_processes import free_port  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("relc_shaped_script.py")
@@ -238,11 +237,10 @@ def test_relc_shaped_script_two_processes_saves_under_is_main_process(tmp_path, 
 def test_train_logs_a_completions_table(tmp_path, tokenizer):
     from datasets import Dataset
 
-    from trl_stable import PPOConfig, PPOTrainer
+    from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm
 
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3,
-                     max_steps=1, report_to="none", disable_tqdm=True, save_strategy="no")  # fmt: skip
+    args = tiny_ppo_args(tmp_path, batch_size=2, max_new_tokens=3, max_steps=1)
     ds = Dataset.from_dict({"prompt": ["The movie", "A story"]})
     trainer = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
@@ -255,3 +253,142 @@ def test_train_logs_a_completions_table(tmp_path, tokenizer):
     table = trainer.tables["completions"]
     assert sorted(table["prompt"]) == ["A story", "The movie"] and table["step"] == [1, 1]
     assert all(r in (1.0, 2.0, 3.0) for r in table["reward"]) and len(table["completion"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- score scaling
+def _relc_trainer(tokenizer, monkeypatch, tmp_path, **config):
+    """A RELC PPOTrainer whose trl_stable step only records the token rewards it is given."""
+    from trl_stable.testing import build_causal_lm
+    from trl_stable.trainers.ppo import PPOTrainer as StablePPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    model = relc.AutoModelForCausalLMWithValueHead.from_pretrained(build_causal_lm("qwen2", tokenizer, seed=0))
+    trainer = relc.PPOTrainer(relc.PPOConfig(batch_size=2, mini_batch_size=2, **config), model, None, tokenizer)
+    seen = {}
+    monkeypatch.setattr(StablePPOTrainer, "step", lambda self, q, r, **kw: seen.update(kw) or {})
+    return trainer, seen
+
+
+QUERIES = [torch.tensor([5, 6, 7]), torch.tensor([8])]
+RESPONSES = [torch.tensor([10, 11]), torch.tensor([12, 13])]
+ROWS_1 = [torch.tensor([0.5, 1.0, -2.0, 4.0]), torch.tensor([3.0, -1.0])]  # len(q) + len(r) - 1 entries each
+ROWS_2 = [torch.tensor([1.0, 1.0, 0.0, -3.0]), torch.tensor([2.0, 6.0])]
+
+
+def _stdev(values):
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5, mean
+
+
+def _padded_entries(rows):
+    """The fork's statistics run over the rows right-padded with zeros to the longest."""
+    width = max(len(r) for r in rows)
+    return [float(v) for r in rows for v in r.tolist() + [0.0] * (width - len(r))]
+
+
+def test_score_scaling_divides_relcs_token_rows_by_the_running_std(tokenizer, monkeypatch, tmp_path):
+    trainer, seen = _relc_trainer(tokenizer, monkeypatch, tmp_path, use_score_scaling=True)
+    trainer.step(QUERIES, RESPONSES, [r.clone() for r in ROWS_1])
+    std, _ = _stdev(_padded_entries(ROWS_1))  # 8 entries: 4 + 2, and 2 zeros of padding
+    expected = [[-2.0 / std, 4.0 / std], [3.0 / std, -1.0 / std]]  # the response part of each scaled row
+    assert [t.tolist() for t in seen["token_rewards"]] == [pytest.approx(e) for e in expected]
+    trainer.step(QUERIES, RESPONSES, [r.clone() for r in ROWS_2])  # the running std merges both steps' entries
+    std, _ = _stdev(_padded_entries(ROWS_1) + _padded_entries(ROWS_2))
+    assert [t.tolist() for t in seen["token_rewards"]] == [
+        pytest.approx([0.0, -3.0 / std]),
+        pytest.approx([2.0 / std, 6.0 / std]),
+    ]
+
+
+def test_score_norm_and_clip_on_token_rows(tokenizer, monkeypatch, tmp_path):
+    trainer, seen = _relc_trainer(
+        tokenizer, monkeypatch, tmp_path, use_score_scaling=True, use_score_norm=True, score_clip=1.0
+    )
+    trainer.step(QUERIES, RESPONSES, [r.clone() for r in ROWS_1])
+    std, mean = _stdev(_padded_entries(ROWS_1))
+    clip = lambda v: max(-1.0, min(1.0, v))  # noqa: E731
+    expected = [[clip((v - mean) / std) for v in (-2.0, 4.0)], [clip((v - mean) / std) for v in (3.0, -1.0)]]
+    assert [t.tolist() for t in seen["token_rewards"]] == [pytest.approx(e) for e in expected]
+    only_clip, seen = _relc_trainer(tokenizer, monkeypatch, tmp_path, score_clip=1.0)
+    only_clip.step(QUERIES, RESPONSES, [r.clone() for r in ROWS_1])
+    assert [t.tolist() for t in seen["token_rewards"]] == [[-1.0, 1.0], [1.0, -1.0]]
+
+
+def test_score_scaling_counts_the_entries_of_every_process(tokenizer, monkeypatch, tmp_path):
+    trainer, seen = _relc_trainer(tokenizer, monkeypatch, tmp_path, use_score_scaling=True)
+    other = torch.tensor([7.0, -5.0, 2.0])  # another process's padded entries (a different width)
+
+    class TwoProcesses:
+        """accelerate's gather over two processes: this one's tensor, then the other's (padded to one width)."""
+
+        device = torch.device("cpu")
+
+        def gather(self, tensor):
+            theirs = (
+                torch.tensor([len(other)])
+                if tensor.dim() == 1
+                else torch.nn.functional.pad(other, (0, tensor.shape[1] - len(other))).unsqueeze(0)
+            )
+            return torch.cat([tensor, theirs])
+
+    monkeypatch.setattr(trainer, "accelerator", TwoProcesses())
+    rows = trainer._scaled_rows([r.clone() for r in ROWS_1])
+    std, _ = _stdev(_padded_entries(ROWS_1) + other.tolist())
+    assert trainer.running.count == 8 + 3
+    assert [r.tolist() for r in rows] == [pytest.approx((r / std).tolist()) for r in ROWS_1]
+
+
+# ---------------------------------------------------------------------------------------------- failed calls
+TOXICITY_PROMPT = "Label the toxic spans.\nSentence to be Labeled:\n{}\n\nToxic Spans Identified in the Sentence:"
+
+
+def test_failed_calls_can_be_dropped_without_editing_the_script(tokenizer, monkeypatch, tmp_path):
+    trainer, seen = _relc_trainer(tokenizer, monkeypatch, tmp_path)
+    texts = [(" you are a total idiot", " nice weather today"), (" what a stupid fool", " we met at noon")]
+    queries = [torch.tensor(tokenizer(q)["input_ids"]) for q, _ in texts]
+    responses = [torch.tensor(tokenizer(r, add_special_tokens=False)["input_ids"]) for _, r in texts]
+    # RELC's toxicity script: prompt.format((query + response).replace("\n", " ")), one call per selected sample
+    prompts = [
+        TOXICITY_PROMPT.format((tokenizer.decode(q) + tokenizer.decode(r)).replace("\n", " "))
+        for q, r in zip(queries, responses)
+    ]
+    monkeypatch.setenv("OPENAI_API_KEY", "test-key")
+    monkeypatch.setenv(relc_critic.FAILED_CALLS_ENV, "drop")
+    with FakeOpenAIServer(answer=lambda prompt: "Toxic Span 1: idiot") as server:
+        monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+        server.script(status(400, match="stupid fool"))  # the second sample's call fails
+        answers = relc.query_batch_span(prompts, max_workers=2)
+    assert answers == ["Toxic Span 1: idiot", None]
+    rows = [torch.full((len(q) + len(r) - 1,), 0.1) for q, r in zip(queries, responses)]  # whatever the script made
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failed call's sample is found: no "matched no single sample" warning
+        trainer.step(queries, responses, rows)
+    first, second = seen["token_rewards"]
+    assert first.tolist() == pytest.approx([0.1] * len(responses[0]))
+    assert torch.isnan(second).all()  # trl_stable's step drops a NaN sample (ppo/dropped_samples)
+    trainer.step(queries, responses, [r.clone() for r in rows])  # consumed: the next step drops nothing
+    assert not any(torch.isnan(t).any() for t in seen["token_rewards"])
+    with pytest.raises(ValueError, match="'keep' or 'drop'"):
+        relc.query_batch_span(prompts, failed_calls="zero")
+
+
+def test_every_failed_call_of_a_step_is_a_clear_error_in_drop_mode(tokenizer, monkeypatch, tmp_path):
+    trainer, _ = _relc_trainer(tokenizer, monkeypatch, tmp_path)
+    responses = [
+        torch.tensor(tokenizer(r, add_special_tokens=False)["input_ids"])
+        for r in (" a long answer", " another long answer")
+    ]
+    relc_critic._failed_prompts.extend([f"Sentence: q{tokenizer.decode(r)}" for r in responses])
+    with pytest.raises(RuntimeError, match="Every critic call of this step failed"):
+        trainer.step(QUERIES, responses, [torch.tensor(1.0), torch.tensor(2.0)])
+
+
+def test_relc_summarization_extra_and_its_install_line():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    extra = cfg["options.extras_require"]["relc"].split()
+    assert any(p.startswith("evaluate") for p in extra) and any(p.startswith("nltk") for p in extra)
+    doc = (REPO / "docs" / "coming_from_relc.md").read_text()
+    assert "pip install 'trl_stable[relc]'" in doc and "python -m nltk.downloader punkt punkt_tab" in doc

@@ -42,11 +42,12 @@ def test_run_summary_without_trouble_has_no_caution():
 
 def test_sample_preview_leaves_the_run_rng_alone(tmp_path, tokenizer):
     from run_summary import sample_preview
+    from tiny_configs import tiny_ppo_args
 
-    from trl_stable import PPOConfig, PPOTrainer
+    from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm
 
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=1, max_new_tokens=4, report_to="none")
+    args = tiny_ppo_args(tmp_path, batch_size=2, mini_batch_size=1, max_new_tokens=4)
     trainer = PPOTrainer(build_causal_lm("gpt2", tokenizer, seed=0), args=args, processing_class=tokenizer)
     torch.manual_seed(123)
     random.seed(5)

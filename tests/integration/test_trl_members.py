@@ -20,8 +20,10 @@ import torch
 import transformers
 import trl
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
+from tiny_data import length_reward
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.integration.mirrored import LOGPS_FORWARD_SNIPPETS, MIRRORED
 from trl_stable.integration.patching import wrapped_method
 from trl_stable.integration.trl_members import (
@@ -185,10 +187,6 @@ def test_with_mask_position_ids_adds_them_only_where_the_forward_takes_them(trai
     assert wrapped.config == "cfg" and wrapped.training  # attribute reads reach the model
 
 
-def _reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
-
-
 class _Recorder(GRPOTrainer):
     """Records what TRL's members returned, through trl_stable's overrides."""
 
@@ -224,15 +222,13 @@ def trained(tmp_path_factory):
     from trl_stable.testing import build_tokenizer, save_tiny
 
     tokenizer = build_tokenizer()
-    args = GRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("internals")), per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=4, num_iterations=2, max_steps=1, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, seed=0,
+    args = tiny_grpo_args(
+        tmp_path_factory.mktemp("internals"), max_completion_length=4, num_iterations=2, seed=0,
         beta=0.1, capture_sampler_logps=True,  # TRL's reference pass and the sampler's log-probs in the batch
     )  # fmt: skip
     path = save_tiny(tmp_path_factory.mktemp("policy"), build_causal_lm("qwen2", tokenizer, seed=0), tokenizer)
     trainer = _Recorder(
-        model=path, reward_funcs=_reward, args=args,  # TRL loads the KL reference (beta=0.1) from the path
+        model=path, reward_funcs=length_reward, args=args,  # TRL loads the KL reference (beta=0.1) from the path
         train_dataset=Dataset.from_dict({"prompt": ["the cat sat", "hello there"]}), processing_class=tokenizer,
     )  # fmt: skip
     batch = trainer._generate_and_score_completions([{"prompt": "the cat sat"}] * 2 + [{"prompt": "hello"}] * 2)

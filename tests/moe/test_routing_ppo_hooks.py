@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_configs import tiny_ppo_args
 
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.ppo import PPOTrainer
-from trl_stable.trainers.ppo.ppo_config import PPOConfig
 
 
 def _trainer(tmp_path, tokenizer, mode, learning_rate):
-    args = PPOConfig(
-        output_dir=str(tmp_path),
-        routing_replay=mode,
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=2,
-        max_new_tokens=5,
-        learning_rate=learning_rate,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        seed=0,
-    )
+    args = tiny_ppo_args(tmp_path, routing_replay=mode, ppo_epochs=2, learning_rate=learning_rate, seed=0)
     return PPOTrainer(build_causal_lm("qwen2_moe", tokenizer, seed=0), args=args, processing_class=tokenizer)
 
 
@@ -104,11 +92,9 @@ def test_ppo_off_and_r2_agree_on_frozen_weights(tmp_path, tokenizer):
 def test_ppo_train_with_r3_logs_agreement(tmp_path, tokenizer):
     from datasets import Dataset
 
-    args = PPOConfig(
-        output_dir=str(tmp_path), routing_replay="R3", batch_size=4, mini_batch_size=2, ppo_epochs=2,
-        max_new_tokens=5, max_steps=2, logging_steps=1, learning_rate=1e-2, report_to="none", disable_tqdm=True,
-        save_strategy="no", seed=0,
-    )  # fmt: skip
+    args = tiny_ppo_args(
+        tmp_path, routing_replay="R3", ppo_epochs=2, max_steps=2, logging_steps=1, learning_rate=1e-2, seed=0
+    )
     dataset = Dataset.from_dict({"prompt": ["The movie was", "I think that the", "A story", "We saw"]})
     trainer = PPOTrainer(
         build_causal_lm("olmoe", tokenizer, seed=0), reward_funcs=lambda completions, **kw: [1.0] * len(completions),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
+from tiny_data import length_reward
 
-from trl_stable import GRPOConfig as _Config
 from trl_stable import GRPOTrainer
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing, check_routing_replay_mode
 from trl_stable.testing import build_causal_lm
@@ -21,32 +22,22 @@ class _Trainer(GRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-def _reward_len(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
-
-
 def _run(tmp_path, tokenizer, mode, max_steps=2, gradient_checkpointing=False, pad_to_multiple_of=None):
     dataset = Dataset.from_dict({"prompt": ["the cat sat", "hello there my friend", "a quiet day", "one"]})
-    args = _Config(
-        output_dir=str(tmp_path),
+    args = tiny_grpo_args(
+        tmp_path,
         routing_replay=mode,
-        per_device_train_batch_size=4,
-        num_generations=2,
         max_completion_length=6,
         num_iterations=2,  # makes TRL run the old-logprob pass
         max_steps=max_steps,
         learning_rate=5e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         seed=0,
         gradient_checkpointing=gradient_checkpointing,
         pad_to_multiple_of=pad_to_multiple_of,
     )
     model = build_causal_lm("qwen3_moe", tokenizer)
     trainer = _Trainer(
-        model=model, reward_funcs=_reward_len, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     trainer.train()
     return trainer
@@ -152,13 +143,9 @@ def test_grpo_r3_accepts_routed_experts_from_a_rollout_func(tmp_path, tokenizer)
         }
 
     dataset = Dataset.from_dict({"prompt": ["the cat sat", "hello there my friend"]})
-    args = _Config(
-        output_dir=str(tmp_path), routing_replay="R3", per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=4, num_iterations=2, max_steps=1, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, seed=0,
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, routing_replay="R3", max_completion_length=4, num_iterations=2, seed=0)
     trainer = _Trainer(
-        model=build_causal_lm("olmoe", tokenizer), reward_funcs=_reward_len, args=args, train_dataset=dataset,
+        model=build_causal_lm("olmoe", tokenizer), reward_funcs=length_reward, args=args, train_dataset=dataset,
         processing_class=tokenizer, rollout_func=rollout_func,
     )  # fmt: skip
     trainer.train()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
 
 from trl_stable import GRPOConfig, GRPOTrainer
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
@@ -18,10 +19,7 @@ class _Spy(GRPOTrainer):
 
 
 def _grpo(tmp_path, tokenizer, reward, **config):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=5,
-        max_steps=1, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0, **config,
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, max_completion_length=5, seed=0, **config)
     dataset = Dataset.from_dict({"prompt": ["the cat sat", "hello there my friend", "a quiet day", "one"]})
     trainer = _Spy(
         model=build_causal_lm("qwen3_moe", tokenizer), reward_funcs=reward, args=args, train_dataset=dataset,
@@ -72,10 +70,7 @@ def test_ppo_config_field(tmp_path, tokenizer):
 
     with pytest.raises(ValueError, match="routing_replay must be one of"):
         PPOConfig(output_dir=str(tmp_path), routing_replay="on")
-    args = PPOConfig(
-        output_dir=str(tmp_path), routing_replay="R2", batch_size=4, mini_batch_size=2, ppo_epochs=2,
-        max_new_tokens=4, report_to="none", disable_tqdm=True, save_strategy="no",
-    )  # fmt: skip
+    args = tiny_ppo_args(tmp_path, routing_replay="R2", ppo_epochs=2, max_new_tokens=4)
     trainer = PPOTrainer(build_causal_lm("deepseek_v3", tokenizer), args=args, processing_class=tokenizer)
     queries = [torch.tensor(tokenizer(t)["input_ids"]) for t in ["The movie was", "I think", "A story", "We saw"]]
     responses = trainer.generate(queries, return_prompt=False)

@@ -5,6 +5,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from tiny_configs import tiny_grpo_args
 from transformers import TrainerControl, TrainerState
 
 from trl_stable.monitoring import HealthConfig, HealthMonitor, health_config_from_args
@@ -257,17 +258,7 @@ def test_plain_trl_grpo_trainer(tokenizer, tmp_path):
     def constant_reward(completions, **kwargs):
         return [1.0 for _ in completions]  # every group has zero std: the zero-std alarm must fire
 
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=4,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
+    args = tiny_grpo_args(tmp_path, config_class=trl.GRPOConfig, max_completion_length=6, max_steps=4)
     trainer = trl.GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=constant_reward,

@@ -6,13 +6,13 @@ import re
 
 import pytest
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
 import trl_stable
 from trl_stable.monitoring import HealthMonitor
 from trl_stable.monitoring.dashboard import main as dashboard_main
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def read_health(output_dir):
@@ -24,20 +24,7 @@ def steps_of(trainer):
 
 
 def grpo(tokenizer, tmp_path, reward, max_steps=3, **extra):
-    args = trl_stable.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=max_steps,
-        learning_rate=1e-2,
-        logging_steps=1,
-        seed=0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        **extra,
-    )
+    args = tiny_grpo_args(tmp_path, max_completion_length=6, max_steps=max_steps, learning_rate=1e-2, seed=0, **extra)
     return trl_stable.GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward,
@@ -53,18 +40,7 @@ def length_reward(completions, **kwargs):
 
 def ppo(tokenizer, tmp_path, max_steps, **extra):
     """A tiny gpt2 PPO run of `max_steps` steps (one pass over PROMPTS each) rewarded by `length_reward`."""
-    args = trl_stable.PPOConfig(
-        output_dir=str(tmp_path),
-        batch_size=4,
-        mini_batch_size=2,
-        ppo_epochs=1,
-        max_new_tokens=6,
-        max_steps=max_steps,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        **extra,
-    )
+    args = tiny_ppo_args(tmp_path, max_new_tokens=6, max_steps=max_steps, **extra)
     return trl_stable.PPOTrainer(
         build_causal_lm("gpt2", tokenizer, seed=0),
         args=args,
@@ -118,7 +94,7 @@ def test_grpo_monitor_off_with_one_flag(tokenizer, tmp_path):
 )
 def test_grpo_config_errors(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
-        trl_stable.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+        tiny_grpo_args(tmp_path, **kwargs)
 
 
 def test_grpo_virtual_samples_remedy_switches_on_and_off(tokenizer, tmp_path):
@@ -205,16 +181,10 @@ def test_grpo_mismatch_alarm_on_injected_sampler_offset(tokenizer, tmp_path):
             completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
             return completion_ids, [[lp - 0.05 for lp in row] for row in logprobs]
 
-    args = trl_stable.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
+    args = tiny_grpo_args(
+        tmp_path,
         max_completion_length=6,
         max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         capture_sampler_logps=True,
         health_mismatch_monitor=True,
         health_monitor_kwargs={"patience": 1},
@@ -265,4 +235,4 @@ def test_ppo_decoupled_loss_logs_full_mismatch_stats(tokenizer, tmp_path):
 
 def test_ppo_config_rejects_grpo_remedy(tmp_path):
     with pytest.raises(ValueError, match="GRPO remedy"):
-        trl_stable.PPOConfig(output_dir=str(tmp_path), report_to="none", health_remedy_virtual_samples=True)
+        tiny_ppo_args(tmp_path, health_remedy_virtual_samples=True)

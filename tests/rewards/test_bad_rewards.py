@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.rewards.dense import RewardContractError, RewardTypeError
 from trl_stable.testing import build_causal_lm
 
 NAN, INF = math.nan, math.inf
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 IDS = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]  # completion lengths 3, 2, 3, 1
 FINE = [0.0, 1.0, 0.5, -2.0]
 
@@ -116,26 +117,18 @@ def dense_probe(completion_ids, **kwargs):
 def trainers(tokenizer, tmp_path_factory):
     """A GRPO and a PPO trainer on the same two reward functions, built once; `ANSWER` says what they return."""
     out = tmp_path_factory.mktemp("bad_rewards")
-    common = dict(report_to="none", save_strategy="no")
     grpo = GRPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         [probe, dense_probe],
         # "zero": the contract's reading of the rewards is under test here, not what GRPO does with unscorable rows
-        args=GRPOConfig(
-            output_dir=str(out / "grpo"),
-            per_device_train_batch_size=4,
-            num_generations=2,
-            nan_reward_action="zero",
-            use_cpu=True,
-            **common,
-        ),
+        args=tiny_grpo_args(out / "grpo", nan_reward_action="zero"),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
     )
     ppo = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         [probe, dense_probe],
-        args=PPOConfig(output_dir=str(out / "ppo"), batch_size=4, mini_batch_size=4, disable_tqdm=True, **common),
+        args=tiny_ppo_args(out / "ppo", mini_batch_size=4),
         processing_class=tokenizer,
     )
     return grpo, ppo
@@ -225,10 +218,7 @@ def test_async_reward_functions_get_the_same_contract(tokenizer, tmp_path):
     grpo = GRPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         async_probe,
-        args=GRPOConfig(
-            output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, nan_reward_action="zero",
-            use_cpu=True, report_to="none", save_strategy="no",
-        ),
+        args=tiny_grpo_args(tmp_path, nan_reward_action="zero"),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
     )  # fmt: skip

@@ -1,16 +1,17 @@
-"""The standard-library chat-completions client against a real HTTP server on 127.0.0.1: keep-alive, reconnects,
-typed errors, proxies from the environment, and a key that never appears in an error."""
+"""The httpx chat-completions client against a real HTTP server on 127.0.0.1: keep-alive, reconnects, typed errors,
+proxies and TLS from the environment, and a key that never appears in an error."""
 
 import socket
+import threading
 
 import pytest
 
-from trl_stable.rewards.chat_http import (
+from trl_stable.rewards.critic.transport import (
     ChatBadResponse,
     ChatConnectionError,
-    ChatHTTPClient,
     ChatStatusError,
     ChatTimeout,
+    HTTPXChatClient,
 )
 
 try:
@@ -20,6 +21,14 @@ except ImportError:  # tests/rewards became a package
 
 KEY = "sk-chat-http-secret-91c"
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0.0, "max_tokens": 8}
+
+
+def create(client, timeout=5.0):
+    return client.create(PAYLOAD, timeout)
+
+
+def close(client):
+    client.close()
 
 
 @pytest.fixture
@@ -35,60 +44,71 @@ def no_proxies(monkeypatch):
 
 
 def test_answer_usage_body_and_bearer_key(server):
-    client = ChatHTTPClient(server.base_url, KEY)
-    answer, usage = client.create(PAYLOAD, timeout=5)
+    client = HTTPXChatClient(server.base_url, KEY)
+    answer, usage = create(client)
     assert answer == "echo hello"
     assert usage == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
     (got,) = server.received
     assert got.body == PAYLOAD
     assert got.headers["Authorization"] == f"Bearer {KEY}"
-    client.close()
+    close(client)
 
 
 def test_one_keep_alive_connection_per_thread(server):
-    client = ChatHTTPClient(server.base_url, KEY)
+    client = HTTPXChatClient(server.base_url, KEY)
     for _ in range(3):
-        client.create(PAYLOAD, timeout=5)
+        create(client)
     assert len(client._open) == 1  # three requests, one connection
-    client.close()
+    other = threading.Thread(target=create, args=(client,))
+    other.start()
+    other.join()
+    assert len(client._open) == 2  # another thread, its own connection
+    close(client)
     assert not client._open
 
 
+def test_url_credentials_are_not_sent(server):
+    client = HTTPXChatClient(server.base_url.replace("//", "//user:pw-in-url@"), KEY)
+    assert create(client)[0] == "echo hello"
+    assert server.received[0].headers["Authorization"] == f"Bearer {KEY}"  # the key, not basic auth from the URL
+    close(client)
+
+
 def test_dropped_connection_is_an_error_and_the_next_request_reconnects(server):
-    client = ChatHTTPClient(server.base_url, KEY)
-    client.create(PAYLOAD, timeout=5)
+    client = HTTPXChatClient(server.base_url, KEY)
+    create(client)
     server.script(drop())
     with pytest.raises(ChatConnectionError):
-        client.create(PAYLOAD, timeout=5)
-    assert client.create(PAYLOAD, timeout=5)[0] == "echo hello"
-    client.close()
+        create(client)
+    assert create(client)[0] == "echo hello"
+    close(client)
 
 
 def test_typed_errors_with_headers_and_no_key_in_messages(server):
-    client = ChatHTTPClient(server.base_url, KEY)
+    client = HTTPXChatClient(server.base_url, KEY)
     server.script(status(429, retry_after=7), malformed(), reply(None), hang(2.0))
     with pytest.raises(ChatStatusError) as err:
-        client.create(PAYLOAD, timeout=5)
+        create(client)
     assert err.value.status_code == 429 and err.value.headers.get("retry-after") == "7"
     with pytest.raises(ChatBadResponse):
-        client.create(PAYLOAD, timeout=5)
+        create(client)
     with pytest.raises(ChatBadResponse, match="without text"):
-        client.create(PAYLOAD, timeout=5)
+        create(client)
     with pytest.raises(ChatTimeout):
-        client.create(PAYLOAD, timeout=0.3)
-    assert client.create(PAYLOAD, timeout=5)[0] == "echo hello"  # reconnected after the timeout
+        create(client, timeout=0.3)
+    assert create(client)[0] == "echo hello"  # reconnected after the timeout
     assert KEY not in str(err.value) and KEY not in repr(err.value)
-    client.close()
+    close(client)
 
 
 def test_http_proxy_from_the_environment_is_used(server, monkeypatch):
     # The loopback server plays the proxy: a request for an unresolvable host arrives there with its absolute URL.
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.port}")
     monkeypatch.setenv("NO_PROXY", "")
-    client = ChatHTTPClient("http://critic.invalid:9/v1", KEY)
-    assert client.create(PAYLOAD, timeout=5)[0] == "echo hello"
+    client = HTTPXChatClient("http://critic.invalid:9/v1", KEY)
+    assert create(client)[0] == "echo hello"
     assert len(server.received) == 1
-    client.close()
+    close(client)
 
 
 def test_no_proxy_bypasses_the_proxy(server, monkeypatch):
@@ -97,21 +117,36 @@ def test_no_proxy_bypasses_the_proxy(server, monkeypatch):
         dead = s.getsockname()[1]
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead}")  # nothing listens there
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    client = ChatHTTPClient(server.base_url, KEY)
-    assert client.create(PAYLOAD, timeout=5)[0] == "echo hello"
-    client.close()
+    client = HTTPXChatClient(server.base_url, KEY)
+    assert create(client)[0] == "echo hello"
+    close(client)
+
+
+def test_tls_trust_store_from_the_environment(monkeypatch, tmp_path):
+    # SSL_CERT_FILE names the bundle the one shared TLS context is built from
+    import ssl
+
+    seen = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("")
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    with pytest.raises(ssl.SSLError):  # an empty bundle: nothing to trust, and the client says so at once
+        HTTPXChatClient("https://127.0.0.1:9/v1", KEY)
+    assert seen == [{"cafile": str(bundle)}]
 
 
 def test_unreachable_server_is_a_connection_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = ChatHTTPClient(f"http://127.0.0.1:{port}/v1", KEY)
+    client = HTTPXChatClient(f"http://127.0.0.1:{port}/v1", KEY)
     with pytest.raises(ChatConnectionError):
-        client.create(PAYLOAD, timeout=2)
+        create(client, timeout=2)
 
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1/v1", "127.0.0.1:8000/v1", "http:///v1"])
 def test_bad_base_url_is_refused(url):
     with pytest.raises(ValueError, match="base_url"):
-        ChatHTTPClient(url, KEY)
+        HTTPXChatClient(url, KEY)

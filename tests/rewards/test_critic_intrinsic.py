@@ -19,7 +19,7 @@ from trl_stable.rewards import (
     parse_critic_answer,
     validate_dense_rewards,
 )
-from trl_stable.rewards.intrinsic import default_prompt_file, fill_critic_template, load_critic_template
+from trl_stable.rewards.critic.templates import default_prompt_file, fill_critic_template, load_critic_template
 from trl_stable.testing import build_causal_lm
 
 try:
@@ -112,9 +112,13 @@ def test_threshold_selection_and_nan_env_reward(tokenizer):
 def test_disabled_returns_none_and_alias(tokenizer):
     fn = CriticIntrinsicReward(CriticRewardConfig(), tokenizer)
     assert fn(["p"], [" great"], encode(tokenizer, [" great"]), env_rewards=[0.0]) == [None]
-    assert CriticRewardConfig(use_instric_reward=True).use_intrinsic_reward is True
-    assert CriticRewardConfig(use_intrinsic_reward=True, use_instric_reward=False).use_intrinsic_reward is True
-    assert CriticRewardConfig(use_instric_reward=False).use_intrinsic_reward is False
+    from trl_stable.compat.relc_critic import RelcCriticRewardConfig  # RELC's spelling lives in the compat layer
+
+    assert RelcCriticRewardConfig(use_instric_reward=True).use_intrinsic_reward is True
+    assert RelcCriticRewardConfig(use_intrinsic_reward=True, use_instric_reward=False).use_intrinsic_reward is True
+    assert RelcCriticRewardConfig(use_instric_reward=False).use_intrinsic_reward is False
+    with pytest.raises(TypeError, match="use_instric_reward"):
+        CriticRewardConfig(use_instric_reward=True)
 
 
 def test_critic_prompt_uses_template_prompt_and_true_scale_score(tokenizer):
@@ -327,7 +331,6 @@ def test_lexicon_critic_answers_parse_back():
     [
         ({"critic_task": "qa"}, "critic_task"),
         ({"critic_backend": "claude"}, "critic_backend"),
-        ({"critic_task": "summarization"}, "lexicon"),
         ({"positive_reward_value": math.inf}, "positive_reward_value"),
         ({"intrinsic_reward_threshold": math.nan}, "intrinsic_reward_threshold"),
         ({"critic_concurrency": 0}, "critic_concurrency"),
@@ -342,6 +345,18 @@ def test_lexicon_critic_answers_parse_back():
 def test_config_validation(kw, field):
     with pytest.raises(ValueError, match=field):
         CriticRewardConfig(**kw)
+
+
+def test_summarization_needs_an_llm_backend_or_a_backend_object(tokenizer):
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_task="summarization")  # the lexicon critic by default
+    with pytest.raises(ValueError, match="critic_backend='lexicon' has no summarization lexicon"):
+        CriticIntrinsicReward(cfg, tokenizer)
+    # any backend object answers for any task, whatever critic_backend says
+    critic = ScriptedCritic(lambda p: "Span 1: cat sat (Label: good)")
+    fn = CriticIntrinsicReward(cfg, tokenizer, backend=critic)
+    ids = encode(tokenizer, [" the cat sat"])
+    (row,) = fn(["Post: a cat."], None, ids, env_rewards=[0.0])
+    assert rewarded_text(tokenizer, ids[0], row, +1) == "catsat"
 
 
 def test_config_fields_have_help():
@@ -394,7 +409,9 @@ def test_script_flags_with_relc_names():
     flags = ["--use_instric_reward", "--critic_task", "toxicity", "--positive_reward_value", "0.0",
              "--negative_reward_value", "-0.5", "--intrinsic_reward_threshold", "1.0",
              "--prompt_file", default_prompt_file("toxicity")]  # fmt: skip
-    (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(flags)
+    from trl_stable.compat.relc_critic import RelcCriticRewardConfig
+
+    (cfg,) = HfArgumentParser(RelcCriticRewardConfig).parse_args_into_dataclasses(flags)
     assert cfg.use_intrinsic_reward and cfg.critic_task == "toxicity"
     assert (cfg.positive_reward_value, cfg.negative_reward_value, cfg.intrinsic_reward_threshold) == (0.0, -0.5, 1.0)
     (cfg,) = HfArgumentParser(CriticRewardConfig).parse_args_into_dataclasses(["--use_intrinsic_reward"])
@@ -476,7 +493,7 @@ def openai_reward(tokenizer, server, **kw):
 
 
 def test_every_backend_counter_is_logged_per_step_with_real_values(tokenizer, monkeypatch):
-    from trl_stable.rewards.critic_backends import COUNTER_NAMES
+    from trl_stable.rewards.critic.counters import COUNTER_NAMES
 
     monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
     with FakeOpenAIServer(answer=lambda p: "Identified Positive Text Span:\n[Span 1]: great") as server:
@@ -563,3 +580,53 @@ def test_checkpoint_state_continues_the_counters(tokenizer):
     assert resumed.consecutive_failing_steps == 2  # the third failing step in a row raises, resumed or not
     with pytest.raises(CriticFailureError, match="3 consecutive steps"):
         resumed(["p"], completions[:1], ids[:1], env_rewards=[0.1])
+
+
+@pytest.mark.parametrize(
+    "fields, named, needs",
+    [
+        ({"critic_base_url": "https://user:URLKEY-77@h/v1"}, "critic_base_url", "critic_backend='openai'"),
+        ({"critic_timeout": 5.0, "critic_rate_limit": 2.0}, "critic_timeout", "critic_backend='openai'"),
+        ({"critic_model": "gpt-4o"}, "critic_model", "an LLM critic_backend"),
+        ({"critic_backend": "openai", "critic_lexicon": "afinn"}, "critic_lexicon", "critic_backend='lexicon'"),
+        (
+            {"critic_backend": "transformers", "critic_model": "m", "critic_base_url": "http://h"},
+            "critic_base_url",
+            "",
+        ),
+        ({"critic_backend": "openai", "critic_batch_size": 4}, "critic_batch_size", "critic_backend='transformers'"),
+    ],
+)
+def test_backend_fields_the_backend_ignores_are_named(tokenizer, monkeypatch, caplog, fields, named, needs):
+    from trl_stable.config_checks import check_dependents
+
+    monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
+    if fields.get("critic_backend") == "transformers":
+        monkeypatch.setattr("trl_stable.rewards.critic.factory.TransformersCritic", lambda *a, **kw: None)
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, **fields)  # the config alone: scripts pick the backend late
+    with caplog.at_level(logging.WARNING):
+        CriticIntrinsicReward(cfg, tokenizer)  # building the backend names what it ignores
+    (warned,) = [r.getMessage() for r in caplog.records if "without it the run would ignore" in r.getMessage()]
+    assert named in warned and needs in warned and "URLKEY-77" not in warned
+    with pytest.raises(ValueError, match=named) as err:  # the shared rule, refusing
+        check_dependents(cfg, cfg.backend_dependents())
+    assert "URLKEY-77" not in str(err.value)
+
+
+def test_a_backend_object_makes_the_backend_fields_moot_and_says_so(tokenizer, caplog):
+    cfg = CriticRewardConfig(use_intrinsic_reward=True, critic_model="gpt-4o", critic_timeout=3.0)
+    with caplog.at_level(logging.WARNING):
+        CriticIntrinsicReward(cfg, tokenizer, backend=ScriptedCritic(lambda p: "None identified"))
+    (record,) = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert "critic_model='gpt-4o'" in record.getMessage() and "critic_timeout=3.0" in record.getMessage()
+    assert "ScriptedCritic" in record.getMessage()
+
+
+def test_a_disabled_critic_says_so_at_its_first_call(tokenizer, caplog):
+    fn = CriticIntrinsicReward(CriticRewardConfig(), tokenizer)  # use_intrinsic_reward=False: no backend is built
+    ids = encode(tokenizer, [" great"])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert fn(["p"], [" great"], ids, env_rewards=[0.0]) == [None]
+    warned = [r for r in caplog.records if "use_intrinsic_reward=False" in r.getMessage()]
+    assert len(warned) == 1 and "critic_sentiment" in warned[0].getMessage()

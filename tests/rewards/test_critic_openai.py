@@ -242,7 +242,8 @@ def test_api_key_never_leaks(server, caplog, tmp_path):
 def test_repr_masks_credentials_in_base_url(server):
     critic = make(server)
     critic.base_url = f"http://user:{DUMMY_KEY}@127.0.0.1:1/v1"
-    assert DUMMY_KEY not in repr(critic) and "//***@127.0.0.1:1/v1" in repr(critic)
+    # the one URL rule of trl_stable.redaction: the credentials go, the server stays
+    assert DUMMY_KEY not in repr(critic) and "user" not in repr(critic) and "'http://127.0.0.1:1/v1'" in repr(critic)
 
 
 def test_missing_key_for_openai_is_a_clear_error(monkeypatch):
@@ -274,7 +275,7 @@ def test_job_deadline_abandons_stuck_requests():
     import threading
 
     from trl_stable.rewards import CriticJob
-    from trl_stable.rewards.critic_backends import CriticCounters
+    from trl_stable.rewards.critic.counters import CriticCounters
 
     release = threading.Event()
     counters = CriticCounters()
@@ -308,7 +309,7 @@ def test_memory_cache_is_bounded_lru(server):
     critic.generate(["m a", "m b"])
     critic.generate(["m a"])  # a hit: "m a" is now the most recent
     critic.generate(["m c"])  # evicts "m b"
-    assert len(critic._memory) == 2
+    assert len(critic.cache.memory) == 2
     critic.generate(["m a", "m b"])
     assert critic.metrics()["critic/cache_hits"] == 2  # "m a" twice; "m b" was asked again
     assert [r.prompt for r in server.received].count("m b") == 2
@@ -331,7 +332,7 @@ def test_default_batch_deadline_grows_with_queueing_and_rate_limit(server):
 def test_disk_cache_concurrent_writers_never_tear(tmp_path):
     import threading
 
-    from trl_stable.rewards.critic_backends import DiskCache
+    from trl_stable.rewards.critic.cache import DiskCache
 
     caches = [DiskCache(tmp_path) for _ in range(4)]  # four "processes" sharing one directory
     key = DiskCache.key("m", "p", {"t": 0})
@@ -404,11 +405,10 @@ def parses(answer):
 
 
 def test_garbage_and_empty_answers_are_not_cached_in_memory(server):
-    critic = make(server)
-    critic.set_answer_validator(parses, "v1")
+    critic = make(server, answer_validator=parses, validator_version="v1")
     server.script(reply("lorem ipsum dolor", match="first"), reply("", match="second"))
     assert critic.generate(["first x", "second y"]) == ["lorem ipsum dolor", ""]  # returned, counted, not kept
-    assert critic.metrics()["critic/cache_refused"] == 2 and len(critic._memory) == 0
+    assert critic.metrics()["critic/cache_refused"] == 2 and len(critic.cache.memory) == 0
     assert critic.generate(["first x", "second y"]) == ["Toxic Span 1: x", "Toxic Span 1: y"]  # asked again
     assert len(server.received) == 4 and critic.metrics()["critic/cache_hits"] == 0
     assert critic.generate(["first x", "second y"]) == ["Toxic Span 1: x", "Toxic Span 1: y"]
@@ -420,18 +420,17 @@ def test_default_validator_refuses_blank_answers(server):
     critic = make(server)  # no parser installed (e.g. a judge): only blank answers are refused
     server.script(reply("   ", match="blank"), reply("[[A]]", match="judge"))
     critic.generate(["blank one", "judge two"])
-    assert critic.metrics()["critic/cache_refused"] == 1 and len(critic._memory) == 1
+    assert critic.metrics()["critic/cache_refused"] == 1 and len(critic.cache.memory) == 1
 
 
 def test_garbage_is_not_cached_on_disk_and_a_restart_asks_again(server, tmp_path):
-    critic = make(server, cache_dir=str(tmp_path))
-    critic.set_answer_validator(parses, "v1")
+    critic = make(server, cache_dir=str(tmp_path), answer_validator=parses, validator_version="v1")
     server.script(reply("<html>502 Bad Gateway</html>"))
     assert critic.generate(["page a"]) == ["<html>502 Bad Gateway</html>"]
     assert not list(tmp_path.rglob("*.json"))
     critic.close()
-    restarted = make(server, cache_dir=str(tmp_path))  # the server is healthy again
-    restarted.set_answer_validator(parses, "v1")
+    # the server is healthy again
+    restarted = make(server, cache_dir=str(tmp_path), answer_validator=parses, validator_version="v1")
     assert restarted.generate(["page a"]) == ["Toxic Span 1: a"]
     assert len(server.received) == 2 and restarted.metrics()["critic/cache_hits"] == 0
     (entry,) = tmp_path.rglob("*.json")
@@ -439,10 +438,9 @@ def test_garbage_is_not_cached_on_disk_and_a_restart_asks_again(server, tmp_path
 
 
 def test_disk_entries_of_another_parser_version_are_revalidated(server, tmp_path):
-    from trl_stable.rewards.critic_backends import DiskCache
+    from trl_stable.rewards.critic.cache import DiskCache
 
-    critic = make(server, cache_dir=str(tmp_path))
-    critic.set_answer_validator(parses, "v2")
+    critic = make(server, cache_dir=str(tmp_path), answer_validator=parses, validator_version="v2")
     disk = DiskCache(tmp_path)
     key = lambda prompt: DiskCache.key(critic.model, prompt, critic.params)  # noqa: E731
     disk.put(key("still good"), "Toxic Span 1: good", critic.model, parser_version="v1")
@@ -468,7 +466,7 @@ def test_disk_entries_of_another_parser_version_are_revalidated(server, tmp_path
 
 
 def test_parse_retry_after_forms():
-    from trl_stable.rewards.critic_backends import _utc_http_date, parse_retry_after
+    from trl_stable.rewards.critic.transport import _utc_http_date, parse_retry_after
 
     now = 1_700_000_000.0
     assert parse_retry_after({"Retry-After": "20"}) == 20.0
@@ -482,24 +480,16 @@ def test_parse_retry_after_forms():
         assert parse_retry_after(bad) is None
 
 
-class RecordingStop:
-    """Stands in for the critic's stop event: records each backoff wait instead of sleeping it."""
+def record_waits(critic):
+    """Replace the critic's backoff wait with a recorder: each wait is kept instead of slept."""
+    waits = []
 
-    def __init__(self):
-        self.waits = []
-
-    def wait(self, timeout=None):
-        self.waits.append(timeout)
+    def sleep(seconds):
+        waits.append(seconds)
         return False
 
-    def is_set(self):
-        return False
-
-    def set(self):
-        pass
-
-    def clear(self):
-        pass
+    critic._sleep = sleep
+    return waits
 
 
 @pytest.mark.parametrize(
@@ -512,23 +502,23 @@ class RecordingStop:
 )
 def test_retry_after_is_waited_up_to_its_ceiling(server, headers, expected, caplog):
     critic = make(server, backoff_base=0.01, backoff_max=8.0, retry_after_max=60.0, timeout=2.0)
-    critic._stop = RecordingStop()
+    waits = record_waits(critic)
     server.script(status(429, headers=headers))
     with caplog.at_level(logging.WARNING):
         assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
-    assert critic._stop.waits == [pytest.approx(expected)]
+    assert waits == [pytest.approx(expected)]
     assert ("retry after" in caplog.text) == (expected > 8.0)  # a long wait is logged
     assert ("retry_after_max=60" in caplog.text) == (expected == 60.0)
 
 
 def test_retry_after_http_date_and_on_503(server):
-    from trl_stable.rewards.critic_backends import _utc_http_date
+    from trl_stable.rewards.critic.transport import _utc_http_date
 
     critic = make(server, backoff_base=0.01, timeout=2.0)
-    critic._stop = RecordingStop()
+    waits = record_waits(critic)
     server.script(status(503, headers={"Retry-After": _utc_http_date(time.time() + 30)}))
     assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
-    (wait,) = critic._stop.waits
+    (wait,) = waits
     assert 28.0 <= wait <= 30.0  # an HTTP-date has whole seconds
     assert critic.metrics()["critic/server_errors"] == 1
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import env_reward
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
 from trl_stable.rewards.dense import RewardContractError, has_prefetch
 from trl_stable.testing import build_causal_lm
@@ -21,10 +23,6 @@ except ImportError:
     from tests.rewards.fake_openai_server import FakeOpenAIServer
 
 PROMPTS = ["The movie was", "I think the", "A great story", "We saw a"]
-
-
-def env_reward(completions, **kwargs):
-    return [min(len(c), 40) / 41 for c in completions]
 
 
 class DenseFn:
@@ -51,10 +49,7 @@ class PrefetchingDenseFn(DenseFn):
 
 
 def ppo_trainer(tokenizer, tmp_path, fn, max_steps=2):
-    args = PPOConfig(
-        output_dir=str(tmp_path), batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, min_new_tokens=2,
-        max_steps=max_steps, report_to="none", disable_tqdm=True, save_strategy="no", seed=1,
-    )  # fmt: skip
+    args = tiny_ppo_args(tmp_path, max_new_tokens=6, min_new_tokens=2, max_steps=max_steps, seed=1)
     return PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=[env_reward, fn],
@@ -72,6 +67,18 @@ def spy_rollout_pass(trainer, events):
         return real(batch)
 
     trainer.rollout_pass = rollout_pass
+
+
+NO_SPAN = "Identified Positive Text Span:\n[Span 1]: None identified"
+
+
+def loopback_critic(server, tokenizer):
+    """The critic's intrinsic reward on every sample, asking the loopback `server`."""
+    cfg = CriticRewardConfig(
+        use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
+        critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
+    )  # fmt: skip
+    return CriticIntrinsicReward(cfg, tokenizer)
 
 
 def numeric_logs(history):
@@ -147,13 +154,8 @@ def test_ppo_critic_requests_are_sent_once_and_joined(tokenizer, tmp_path, monke
     """With the loopback critic, the prefetched requests are the only ones the server sees: the later call joins them
     (in flight or answered) instead of asking again."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-DUMMY-overlap-11bb")
-    answer = "Identified Positive Text Span:\n[Span 1]: None identified"
-    with FakeOpenAIServer(answer=lambda prompt: answer) as server:
-        cfg = CriticRewardConfig(
-            use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
-            critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
-        )  # fmt: skip
-        fn = CriticIntrinsicReward(cfg, tokenizer)
+    with FakeOpenAIServer(answer=lambda prompt: NO_SPAN) as server:
+        fn = loopback_critic(server, tokenizer)
         events = []
         real_prefetch = fn.prefetch
         fn.prefetch = lambda **kw: (events.append("prefetch"), real_prefetch(**kw))[1]
@@ -173,9 +175,8 @@ def test_ppo_critic_requests_are_sent_once_and_joined(tokenizer, tmp_path, monke
 
 # ---------------------------------------------------------------------------------------------------------- GRPO
 def grpo_trainer(tokenizer, tmp_path, fn, events=None):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-        max_steps=2, learning_rate=1e-3, logging_steps=1, seed=0, report_to="none", save_strategy="no", use_cpu=True,
+    args = tiny_grpo_args(
+        tmp_path, max_steps=2, learning_rate=1e-3, seed=0,
         num_iterations=2,  # TRL then runs its no-grad old-logprob pass inside _generate_and_score_completions
     )  # fmt: skip
 
@@ -260,13 +261,8 @@ def test_the_prefetch_handle_reaches_the_call(tokenizer, tmp_path, trainer_kind)
 
 def test_grpo_critic_requests_are_sent_and_counted_once(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-DUMMY-overlap-22cc")
-    answer = "Identified Positive Text Span:\n[Span 1]: None identified"
-    with FakeOpenAIServer(answer=lambda prompt: answer) as server:
-        cfg = CriticRewardConfig(
-            use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf, critic_backend="openai",
-            critic_base_url=server.base_url, critic_model="tiny", critic_timeout=5.0,
-        )  # fmt: skip
-        fn = CriticIntrinsicReward(cfg, tokenizer)
+    with FakeOpenAIServer(answer=lambda prompt: NO_SPAN) as server:
+        fn = loopback_critic(server, tokenizer)
         grpo_trainer(tokenizer, tmp_path, fn).train()
         fn.close()
         sent = len(server.received)

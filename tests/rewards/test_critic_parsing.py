@@ -3,8 +3,8 @@
 import pytest
 
 from trl_stable.rewards import parse_critic_answer
-from trl_stable.rewards.critic_backends import format_sentiment_answer, format_toxicity_answer
-from trl_stable.rewards.critic_parsing import clean_span, label_polarity
+from trl_stable.rewards.critic.lexicon import format_sentiment_answer, format_toxicity_answer
+from trl_stable.rewards.critic.parsing import clean_span, label_polarity
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_label_polarity_negators(label, polarity):
 def test_parser_is_linear_in_the_number_of_span_lines(monkeypatch):
     """Count span comparisons instead of timing: deduplicating by list membership compared each new span with every
     earlier one (n**2 / 2 comparisons, 1.8 s for 10,000 lines); a set compares only on equal hashes."""
-    from trl_stable.rewards import critic_parsing
+    from trl_stable.rewards.critic import parsing as critic_parsing
 
     comparisons = [0]
 
@@ -186,5 +186,7 @@ def test_parser_is_linear_in_the_number_of_span_lines(monkeypatch):
 def test_parser_keeps_first_occurrence_order_and_drops_duplicates():
     parsed = parse_critic_answer("Toxic Span 1: idiot\nToxic Span 2: moron\nToxic Span 3: idiot")
     assert parsed.negative == ["idiot", "moron"]
-    words = parse_critic_answer("1. a: -1\n2. b: 1\n3. a: -1\n4. c: 0", continues="Rewards assigned:")
+    from trl_stable.compat.relc_critic import parse_relc_answer
+
+    words = parse_relc_answer("1. a: -1\n2. b: 1\n3. a: -1\n4. c: 0", continues="Rewards assigned:")
     assert words.negative == ["a"] and words.positive == ["b"]

@@ -8,10 +8,15 @@ import logging
 
 import pytest
 
+from trl_stable.compat.relc_critic import (
+    RelcCriticRewardConfig,
+    parse_relc_answer,
+    relc_continuation_header,
+    relc_token_reward_values,
+)
 from trl_stable.rewards import CriticBackend, CriticIntrinsicReward, CriticRewardConfig, parse_critic_answer
-from trl_stable.rewards.critic_parsing import continuation_header
-from trl_stable.rewards.intrinsic import relc_token_reward_values
-from trl_stable.rewards.span_alignment import align_span, span_token_rewards
+from trl_stable.rewards.critic.alignment import align_span, span_token_rewards
+from trl_stable.rewards.critic.parsing import continuation_header
 
 SENT_V2 = "Identified Positive Text Span:"
 SENT_V1 = "Identified Text Span:"
@@ -97,9 +102,14 @@ def test_without_the_continued_header_leading_spans_are_reported_not_silently_lo
 @pytest.mark.parametrize("name", sorted(RELC_WORD_PROMPTS))
 def test_per_word_score_answers(name):
     answer, positive, negative = RELC_WORD_PROMPTS[name]
-    assert continuation_header(f"=== Task ===\nSentence: x\n\nWords:\n1. x\n\n{WORDS}") == WORDS
-    parsed = parse_critic_answer(answer, continues=WORDS)
+    prompt = f"=== Task ===\nSentence: x\n\nWords:\n1. x\n\n{WORDS}"
+    assert relc_continuation_header(prompt) == WORDS and continuation_header(prompt) is None  # RELC's format only
+    parsed = parse_relc_answer(answer, continues=WORDS)
     assert parsed.ok and (parsed.positive, parsed.negative) == (positive, negative)
+    # without the header the per-word lines are still read, where the answer has no span structure
+    again = parse_relc_answer(answer)
+    assert again.ok and (again.positive, again.negative) == (positive, negative)
+    assert not parse_critic_answer(answer).ok  # the core parser speaks no per-word format
 
 
 @pytest.mark.parametrize("name", sorted(RELC_POLICY_PROMPTS))
@@ -108,7 +118,7 @@ def test_policy_prompts_have_no_critic_header(name):
 
 
 def test_bundled_prompts_expect_headed_answers():
-    from trl_stable.rewards.intrinsic import default_prompt_file, load_critic_template
+    from trl_stable.rewards.critic.templates import default_prompt_file, load_critic_template
 
     for task, first_header in (("sentiment", SENT_V2), ("toxicity", "Toxic Span"), ("summarization", "Span 1:")):
         template = load_critic_template(default_prompt_file(task))
@@ -157,7 +167,7 @@ def test_relc_toxicity_token_rewards_by_hand():
     # "total idiot" and "shut up"; RELC's --positive_reward_value 0.1 --negative_reward_value -0.5 gives
     # [-0.5, -0.5, 0.1, -0.5, -0.5, 0.1] (each of these tokens is or is not a substring of its joined spans).
     assert relc_token_reward_values("toxicity", 0.1, -0.5) == (0.0, -0.5, 0.1)
-    cfg = CriticRewardConfig.from_relc(task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5)
+    cfg = RelcCriticRewardConfig.from_relc(task="toxicity", positive_reward_value=0.1, negative_reward_value=-0.5)
     text, offsets = "total idiot, shut up now", [(0, 5), (5, 11), (11, 12), (12, 17), (17, 20), (20, 24)]
     spans = parse_critic_answer("\nToxic Span 1: total idiot\nToxic Span 2: shut up", continues=TOXIC)
     row = span_token_rewards(
@@ -179,7 +189,7 @@ def test_relc_toxicity_token_rewards_by_hand():
 def test_relc_mapping_per_task_and_warning(caplog):
     assert relc_token_reward_values("sentiment", 0.5, -0.5) == (0.5, -0.5, 0.0)
     assert relc_token_reward_values("summarization", 1.0, -1.0) == (0.0, -1.0, 1.0)
-    cfg = CriticRewardConfig.from_relc(
+    cfg = RelcCriticRewardConfig.from_relc(
         "summarization", 1.0, -1.0, intrinsic_reward_threshold=100.0, critic_backend="openai"
     )
     assert (cfg.critic_task, cfg.outside_span_reward_value, cfg.intrinsic_reward_threshold) == (
@@ -189,7 +199,7 @@ def test_relc_mapping_per_task_and_warning(caplog):
     )
     with pytest.raises(ValueError, match="task"):
         relc_token_reward_values("qa", 1.0, -1.0)
-    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.intrinsic"):
+    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.critic"):
         CriticRewardConfig(critic_task="toxicity", positive_reward_value=0.1)
     assert "outside_span_reward_value" in caplog.text
 
@@ -226,7 +236,7 @@ def test_end_to_end_relc_prompt_continuation_and_step_metrics(tokenizer, tmp_pat
     completions = [" wonderful cast", " ok"]
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
     logged = {}
-    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.intrinsic"):
+    with caplog.at_level(logging.WARNING, logger="trl_stable.rewards.critic"):
         rows = fn(["It was truly", "Meh"], completions, ids, log_metric=logged.__setitem__)
     decoded = [tokenizer.decode([t]) for t in ids[0]]
     assert [d for d, v in zip(decoded, rows[0]) if v == 0.5] == [" wonderful"]  # the response part of the span
@@ -236,3 +246,23 @@ def test_end_to_end_relc_prompt_continuation_and_step_metrics(tokenizer, tmp_pat
     assert "no recognisable span format" in caplog.text
     m = fn.metrics()
     assert m["critic/unparseable"] == 1 and m["critic/spans_partial"] == 1 and m["critic/spans_unlocated"] == 0
+
+
+def test_relc_config_reads_per_word_answers_end_to_end(tokenizer, tmp_path):
+    prompt_file = tmp_path / "relc_words.txt"
+    prompt_file.write_text(f"Score each word of the sentence.\nSentence: {{}}\n\n{WORDS}")
+    answer = "1. It: 0\n2.  was: 0\n3.  dull: -1"
+    completion = " It was dull"
+    ids = [tokenizer(completion, add_special_tokens=False)["input_ids"]]
+    relc = RelcCriticRewardConfig(use_instric_reward=True, prompt_file=str(prompt_file))
+    fn = CriticIntrinsicReward(relc, tokenizer, backend=Scripted([answer]))
+    assert fn.answer_header == WORDS
+    (row,) = fn([""], [completion], ids)
+    assert [tokenizer.decode([t]) for t, v in zip(ids[0], row) if v == -0.5] == [" dull"]
+    # our own config reads our formats only: the template's last line is no header it knows, the answer no span
+    plain = CriticIntrinsicReward(
+        CriticRewardConfig(use_intrinsic_reward=True, prompt_file=str(prompt_file)),
+        tokenizer,
+        backend=Scripted([answer]),
+    )
+    assert plain.answer_header is None and plain([""], [completion], ids) == [None]

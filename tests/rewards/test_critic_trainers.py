@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import env_reward
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig
 from trl_stable.testing import build_causal_lm
 
@@ -18,11 +20,6 @@ except ImportError:
 
 PROMPTS = ["The movie was", "I think the", "A great story", "We saw a"]
 DUMMY_KEY = "sk-test-DUMMY-trainers-77aa"
-
-
-def env_reward(completions, **kwargs):
-    """A sequence-level environment reward in [0, 1): longer completions score higher."""
-    return [min(len(c), 40) / 41 for c in completions]
 
 
 class Recording(CriticIntrinsicReward):
@@ -105,10 +102,7 @@ def test_grpo_trains_with_intrinsic_reward(backend_env, tokenizer, tmp_path):
                 self.dense_seen.append(record.dense_rewards.clone())
             return out
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-        max_steps=2, learning_rate=1e-3, logging_steps=1, seed=0, report_to="none", save_strategy="no", use_cpu=True,
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, max_steps=2, learning_rate=1e-3, seed=0)
     trainer = Spy(
         model=policy(fn, tokenizer),
         reward_funcs=[env_reward, fn],
@@ -137,10 +131,9 @@ def test_grpo_trains_with_intrinsic_reward(backend_env, tokenizer, tmp_path):
 def test_ppo_trains_with_intrinsic_reward(backend_env, tokenizer, tmp_path):
     fn, server = backend_env
     backend = fn.backend.name
-    args = PPOConfig(
-        output_dir=str(tmp_path), batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6, min_new_tokens=2,
-        max_steps=2, report_to="none", disable_tqdm=True, save_strategy="no", init_kl_coef=0.0, adap_kl_ctrl=False,
-    )  # fmt: skip
+    args = tiny_ppo_args(
+        tmp_path, max_new_tokens=6, min_new_tokens=2, max_steps=2, init_kl_coef=0.0, adap_kl_ctrl=False
+    )
     trainer = PPOTrainer(
         policy(fn, tokenizer),
         reward_funcs=[env_reward, fn],

@@ -9,13 +9,13 @@ import pytest
 import torch
 from datasets import Dataset
 from fake_openai_server import FakeOpenAIServer, status
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards.arena import ArenaReward, LLMJudge
 from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 from trl_stable.testing import build_causal_lm, build_reward_model
-
-PROMPTS = ["The movie", "A story", "I think", "We saw"]
 
 
 def test_the_guard_counts_consecutive_failures_warns_and_stops(caplog):
@@ -41,15 +41,12 @@ def test_the_guard_counts_consecutive_failures_warns_and_stops(caplog):
 
 
 def _grpo(tmp_path, tokenizer, reward_funcs, max_steps=4, reward_processing_classes=None, **overrides):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-        max_steps=max_steps, report_to="none", save_strategy="no", use_cpu=True, logging_steps=1, **overrides,
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, num_generations=4, max_completion_length=4, max_steps=max_steps, **overrides)
     return GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward_funcs,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 4}),
         processing_class=tokenizer,
         reward_processing_classes=reward_processing_classes,
     )
@@ -134,9 +131,8 @@ def test_a_reward_function_that_keeps_raising_stops_both_trainers(tmp_path, toke
     assert "raised KeyError: 'topic'" in str(err.value)
     assert trainer.state.global_step == 1
 
-    args = PPOConfig(
-        output_dir=str(tmp_path / "ppo"), batch_size=4, mini_batch_size=4, ppo_epochs=1, max_new_tokens=4,
-        max_steps=4, report_to="none", disable_tqdm=True, save_strategy="no", reward_max_failing_steps=2,
+    args = tiny_ppo_args(
+        tmp_path / "ppo", mini_batch_size=4, max_new_tokens=4, max_steps=4, reward_max_failing_steps=2,
         nan_reward_action="zero",
     )  # fmt: skip
     ppo = PPOTrainer(
@@ -144,7 +140,7 @@ def test_a_reward_function_that_keeps_raising_stops_both_trainers(tmp_path, toke
         reward_funcs=broken,
         args=args,
         processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 4}),
     )
     with pytest.raises(RewardComponentFailure, match=r"'broken' failed on every completion for 2.*KeyError"):
         ppo.train()

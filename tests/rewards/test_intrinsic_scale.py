@@ -14,7 +14,7 @@ from trl_stable.rewards import (
     parse_critic_answer,
     scale_intrinsic_rewards,
 )
-from trl_stable.rewards.critic_backends import afinn_lexicon, format_sentiment_answer
+from trl_stable.rewards.critic.lexicon import afinn_lexicon, format_sentiment_answer
 
 
 class FixedCritic(CriticBackend):

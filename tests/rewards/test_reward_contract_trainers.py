@@ -5,14 +5,15 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import PROMPTS
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.rewards.dense import RewardTypeError
 from trl_stable.testing import build_causal_lm
 
 NAN, INF = float("nan"), float("inf")
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def make_funcs(sequence_values, dense_first_token=NAN, seen=None):
@@ -35,15 +36,13 @@ def make_funcs(sequence_values, dense_first_token=NAN, seen=None):
 def train(kind, tokenizer, tmp_path, funcs, max_steps=1, **grpo_options):
     """One short `train()`; GRPO with `nan_reward_action="drop"` (PPO always drops unscorable samples)."""
     model = build_causal_lm("qwen2", tokenizer, seed=0)
-    common = dict(output_dir=str(tmp_path), max_steps=max_steps, logging_steps=1, report_to="none", save_strategy="no")
     if kind == "ppo":
-        args = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=5, disable_tqdm=True, **common)
+        args = tiny_ppo_args(tmp_path, max_steps=max_steps, logging_steps=1)
         trainer = PPOTrainer(model, funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                              processing_class=tokenizer)  # fmt: skip
     else:
         grpo_options = {"nan_reward_action": "drop", **grpo_options}
-        args = GRPOConfig(per_device_train_batch_size=4, num_generations=2, max_completion_length=5, use_cpu=True,
-                          **common, **grpo_options)  # fmt: skip
+        args = tiny_grpo_args(tmp_path, max_completion_length=5, max_steps=max_steps, **grpo_options)
         trainer = GRPOTrainer(model, funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2] * 2}),
                               processing_class=tokenizer)  # fmt: skip
     trainer.train()
@@ -110,8 +109,7 @@ def test_grpo_infinite_rewards_with_a_trl_stable_estimator_train_on(tokenizer, t
 def test_the_step_api_takes_final_rewards(tokenizer, tmp_path):
     """`PPOTrainer.step` gets final per-token rewards and scores (RELC puts the score inside them): a NaN or infinite
     value marks a sample without a reward and drops it; a value that is not a number raises, naming the sample."""
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=2, mini_batch_size=2, ppo_epochs=1, report_to="none",
-                     disable_tqdm=True, save_strategy="no")  # fmt: skip
+    args = tiny_ppo_args(tmp_path, batch_size=2, mini_batch_size=2)
     trainer = PPOTrainer(build_causal_lm("qwen2", tokenizer, seed=0), args=args, processing_class=tokenizer)
     queries = [torch.tensor([5, 6]), torch.tensor([7])]
     responses = [torch.tensor([8, 9]), torch.tensor([10, 11, 12])]

@@ -7,13 +7,14 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD, bound_rewards
 from trl_stable.testing import build_causal_lm
 
-PROMPTS = ["The movie", "A story", "I think", "We saw"]
 F32_MAX = float(torch.finfo(torch.float32).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 HUGE = [1e20, 1e30, 3e38, -F32_MAX, BF16_MAX, DEFAULT_MAX_ABS_REWARD * (1 + 1e-6)]
@@ -35,31 +36,26 @@ def _params_finite(model):
 
 
 def _ppo(tmp_path, tokenizer, reward, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path), batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=4, max_steps=2,
-        learning_rate=1e-2, report_to="none", disable_tqdm=True, save_strategy="no",
-    )  # fmt: skip
-    args = PPOConfig(**{**settings, **overrides})
+    args = tiny_ppo_args(tmp_path, **{"max_new_tokens": 4, "max_steps": 2, "learning_rate": 1e-2, **overrides})
     return PPOTrainer(
         build_causal_lm("gpt2", tokenizer, seed=0),
         reward_funcs=reward,
         args=args,
         processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 2}),
     )
 
 
 def _grpo(tmp_path, tokenizer, reward, estimator):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-        max_steps=2, learning_rate=1e-2, report_to="none", save_strategy="no", use_cpu=True, logging_steps=1,
+    args = tiny_grpo_args(
+        tmp_path, num_generations=4, max_completion_length=4, max_steps=2, learning_rate=1e-2,
         advantage_estimator=estimator,
     )  # fmt: skip
     return GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 2}),
         processing_class=tokenizer,
     )
 
@@ -126,16 +122,12 @@ def test_large_weights_at_the_edge_keep_the_weighted_sum_finite(tmp_path, tokeni
     def at_bound(completion_ids, **kwargs):
         return [DEFAULT_MAX_ABS_REWARD * (-1) ** i for i in range(len(completion_ids))]
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, logging_steps=1,
-        reward_weights=[5e8, 5e8],
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, num_generations=4, max_completion_length=4, reward_weights=[5e8, 5e8])
     trainer = GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=[at_bound, at_bound],
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS}),
         processing_class=tokenizer,
     )
     trainer.train()

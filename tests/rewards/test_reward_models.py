@@ -4,8 +4,9 @@ prompts and completions (plain text and chat), and an independent forward of the
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 from trl_stable.testing import build_causal_lm, build_reward_model
 
@@ -18,10 +19,7 @@ CHAT = (
 
 def _grpo_scores(tmp_path, tokenizer, reward_model, prompts, completions):
     """TRL's own `_calculate_rewards` (through trl_stable's GRPOTrainer, which leaves reward models to TRL)."""
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-        report_to="none", use_cpu=True, save_strategy="no",
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path / "grpo", per_device_train_batch_size=2, max_completion_length=4)
     trainer = GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward_model,
@@ -37,13 +35,7 @@ def _grpo_scores(tmp_path, tokenizer, reward_model, prompts, completions):
 
 def _ppo_scores(tmp_path, tokenizer, reward_model, prompts, completions):
     """PPO's reward calling (`PPOTrainer.rewards`), given the completions as token ids, as `train()` gives them."""
-    args = PPOConfig(
-        output_dir=str(tmp_path / "ppo"),
-        batch_size=2,
-        per_device_train_batch_size=2,
-        report_to="none",
-        save_strategy="no",
-    )
+    args = tiny_ppo_args(tmp_path / "ppo", batch_size=2)  # mini_batch_size 2: per_device_train_batch_size 2
     trainer = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward_model,

@@ -322,7 +322,7 @@ def test_sentencepiece_style_tokenizer_with_byte_fallback():
 def test_overlap_mask_matches_brute_force():
     import random
 
-    from trl_stable.rewards.span_alignment import _overlap_mask
+    from trl_stable.rewards.critic.alignment import _overlap_mask
 
     rng = random.Random(3)
     for _ in range(300):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
 
 import trl_stable
 from trl_stable.rewards import ArenaReward, StepReward, tool_overuse_penalty
@@ -16,12 +17,7 @@ PROMPTS = ["Tell me about the weather", "Call a tool for Paris", "What should we
 
 
 def _args(tmp_path, **extra):
-    kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=1, learning_rate=1e-2, logging_steps=1, seed=0, report_to="none", save_strategy="no",
-        use_cpu=True,
-    )  # fmt: skip
-    return trl_stable.GRPOConfig(**{**kwargs, **extra})
+    return tiny_grpo_args(tmp_path, **{"num_generations": 4, "learning_rate": 1e-2, "seed": 0, **extra})
 
 
 def by_length(prompt, a, b):

@@ -10,7 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 from kill_points import fail_torch_save_on
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 from transformers import TrainerCallback
 
 from trl_stable import PPOTrainer
@@ -121,7 +122,6 @@ def test_no_resume_requested(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- PPO
-PROMPTS = ["The movie", "A story", "I think", "We saw"]
 
 
 def length_score(completion_ids, **kwargs):
@@ -162,7 +162,7 @@ def ppo(tokenizer, out, callbacks=(), **overrides):
         reward_funcs=[length_score, critic],
         args=args,
         processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS * 4}),
         callbacks=list(callbacks),
     )
     return trainer, critic
@@ -285,17 +285,15 @@ def test_a_file_or_foreign_folder_named_like_a_checkpoint_is_refused_at_start_up
     with pytest.raises(ValueError, match=r"checkpoint-3 \(a folder no trainer wrote\)"):
         ppo(tokenizer, tmp_path)
     assert (tmp_path / "checkpoint-3" / "data.csv").read_text() == "1,2"  # never renamed or deleted
-    from trl_stable import GRPOConfig, GRPOTrainer
+    from trl_stable import GRPOTrainer
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none", use_cpu=True
-    )
+    args = tiny_grpo_args(tmp_path, per_device_train_batch_size=2, save_strategy="steps")
     with pytest.raises(ValueError, match=r"checkpoint-3 \(a folder no trainer wrote\)"):
         GRPOTrainer(
             build_causal_lm("qwen2", tokenizer, seed=0),
             reward_funcs=length_score,
             args=args,
-            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            train_dataset=Dataset.from_dict({"prompt": SHORT_PROMPTS}),
             processing_class=tokenizer,
         )
 

@@ -12,17 +12,19 @@ SCRIPT = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from trl_stable import PPOConfig, PPOTrainer
+    from tiny_configs import tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
+    from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     out = sys.argv[1]
     tok = build_tokenizer()
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 4})
 
     def make(folder):
-        args = PPOConfig(output_dir=os.path.join(out, folder), batch_size=2, mini_batch_size=1, ppo_epochs=2,
-                         max_new_tokens=4, learning_rate=1e-3, max_steps=3, report_to="none", disable_tqdm=True,
-                         save_strategy="steps", save_steps=2, logging_steps=1)
+        args = tiny_ppo_args(os.path.join(out, folder), batch_size=2, mini_batch_size=1, ppo_epochs=2,
+                             max_new_tokens=4, learning_rate=1e-3, max_steps=3, save_strategy="steps", save_steps=2,
+                             logging_steps=1)
         return PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=lambda completion_ids, **kw: [
             len(c) / 5 for c in completion_ids], args=args, processing_class=tok, train_dataset=ds)
 

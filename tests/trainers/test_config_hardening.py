@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from tiny_configs import tiny_grpo_args
 
-from trl_stable import GRPOConfig, PPOConfig
+from trl_stable import PPOConfig
 from trl_stable.config_checks import Bound
 from trl_stable.rewards import CriticRewardConfig
 
@@ -158,11 +159,6 @@ def _ppo(tmp_path, **kwargs):
     return PPOConfig(output_dir=str(tmp_path), report_to="none", **kwargs)
 
 
-def _grpo(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8)
-    return GRPOConfig(**{**base, "report_to": "none", "use_cpu": True, **kwargs})
-
-
 def _check(build, kwargs, error, field):
     with pytest.raises(error) as info:
         build(**kwargs)
@@ -177,7 +173,7 @@ def test_ppo_config_refuses(tmp_path, kwargs, error, field):
 
 @pytest.mark.parametrize("kwargs, error, field", GRPO_CASES, ids=[repr(case[0]) for case in GRPO_CASES])
 def test_grpo_config_refuses(tmp_path, kwargs, error, field):
-    _check(lambda **kw: _grpo(tmp_path, **kw), kwargs, error, field)
+    _check(lambda **kw: tiny_grpo_args(tmp_path, **kw), kwargs, error, field)
 
 
 @pytest.mark.parametrize("kwargs, error, field", CRITIC_CASES, ids=[repr(case[0]) for case in CRITIC_CASES])
@@ -200,12 +196,14 @@ def test_messages_say_what_is_valid_and_how_to_fix_it(tmp_path):
     with pytest.raises(ValueError, match="step_mask_tools is invalid: Tools must be a list .* got int 42"):
         _ppo(tmp_path, step_loss_mask=True, step_mask_tools=42)
     with pytest.raises(ValueError, match="A tool spec needs a non-empty 'name'"):
-        _grpo(tmp_path, step_loss_mask=True, step_mask_tools=[{"type": "function", "function": {"parameters": {}}}])
+        tiny_grpo_args(
+            tmp_path, step_loss_mask=True, step_mask_tools=[{"type": "function", "function": {"parameters": {}}}]
+        )
 
 
 def test_defaults_and_valid_edges_are_accepted(tmp_path):
     _ppo(tmp_path)
-    _grpo(tmp_path)
+    tiny_grpo_args(tmp_path)
     CriticRewardConfig()
     edges = _ppo(
         tmp_path,
@@ -226,10 +224,10 @@ def test_defaults_and_valid_edges_are_accepted(tmp_path):
         step_mask_tools='["search", {"type": "function", "function": {"name": "calc"}}]',
     )
     assert edges.step_mask_tools == ["search", {"type": "function", "function": {"name": "calc"}}]  # parsed JSON
-    _grpo(tmp_path, advantage_estimator="ngrpo", ngrpo_r_max=-0.5, ngrpo_num_virtual=2)
-    _grpo(tmp_path, health_remedy_virtual_samples=True, ngrpo_r_max=2.0)  # the remedy switches to 'ngrpo'
-    _grpo(tmp_path, dense_reward_coef=-0.5, top_k=None, min_p=0.0, delta=1.5, epsilon_high=0.28)
-    _grpo(tmp_path, overlong_penalty_tokens=4, overlong_penalty_factor=0.5)
+    tiny_grpo_args(tmp_path, advantage_estimator="ngrpo", ngrpo_r_max=-0.5, ngrpo_num_virtual=2)
+    tiny_grpo_args(tmp_path, health_remedy_virtual_samples=True, ngrpo_r_max=2.0)  # the remedy switches to 'ngrpo'
+    tiny_grpo_args(tmp_path, dense_reward_coef=-0.5, top_k=None, min_p=0.0, delta=1.5, epsilon_high=0.28)
+    tiny_grpo_args(tmp_path, overlong_penalty_tokens=4, overlong_penalty_factor=0.5)
     CriticRewardConfig(intrinsic_reward_threshold=INF, critic_temperature=0.0, critic_rate_limit=None)
     CriticRewardConfig(intrinsic_reward_threshold=-INF)
 
@@ -252,9 +250,13 @@ def test_grpo_dense_settings_need_a_dense_reward_function(tmp_path, tokenizer):
     model = build_causal_lm("qwen2", tokenizer)
     with pytest.raises(ValueError, match="dense_reward_coef=0.3 only applies with a dense reward function"):
         GRPOTrainer(
-            model, length, _grpo(tmp_path, dense_reward_coef=0.3), train_dataset=data, processing_class=tokenizer
+            model,
+            length,
+            tiny_grpo_args(tmp_path, dense_reward_coef=0.3),
+            train_dataset=data,
+            processing_class=tokenizer,
         )
-    args = _grpo(tmp_path, dense_reward_coef=0.3, dense_reward_gamma=0.9)
+    args = tiny_grpo_args(tmp_path, dense_reward_coef=0.3, dense_reward_gamma=0.9)
     GRPOTrainer(model, [length, first_token], args, train_dataset=data, processing_class=tokenizer)
 
 

@@ -6,15 +6,13 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS, length_reward
 
 import trl_stable
 from trl_stable.testing import build_causal_lm
 
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to", "The report says", "We met at"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
+TRAIN = [*PROMPTS, "The report says", "We met at"]
 
 
 def great_reward(completions, **kwargs):
@@ -32,26 +30,14 @@ def nan_reward(completions, **kwargs):
 
 
 def _train(trainer_cls, config_cls, tokenizer, tmp_path, reward_funcs=(length_reward, great_reward), **extra):
-    settings = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        seed=123,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
-    args = config_cls(**{**settings, **extra})
+    settings = dict(max_completion_length=6, max_steps=3, learning_rate=1e-2, seed=123)
+    args = tiny_grpo_args(tmp_path, config_class=config_cls, **{**settings, **extra})
     model = build_causal_lm("qwen2", tokenizer, seed=0)
     trainer = trainer_cls(
         model=model,
         reward_funcs=list(reward_funcs),
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": TRAIN * 2}),
         processing_class=tokenizer,
     )
     trainer.train()

@@ -9,7 +9,6 @@ under DeepSpeed on a machine without GPUs, and sends FSDP to plain CPU data para
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from two_processes import HELPERS, free_port
 
 from trl_stable import PPOConfig
 from trl_stable.trainers.ppo import engines
@@ -148,15 +148,9 @@ def test_deepspeed_gets_ppo_batch_sizes_and_clipping_through_trainer():
 
 
 # ------------------------------------------------------------------ launched runs
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), HELPERS, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("ACCELERATE_USE_CPU", None)
     return env
 
@@ -177,16 +171,16 @@ ZERO_SCRIPT = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from safetensors import safe_open
-    from trl_stable import PPOConfig, PPOTrainer
+    from tiny_configs import tiny_ppo_args
+    from trl_stable import PPOTrainer
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     out = sys.argv[1]
     tok = build_tokenizer()
 
     def make():
-        args = PPOConfig(output_dir=out, batch_size=2, mini_batch_size=1, gradient_accumulation_steps=2,
-                         max_new_tokens=4, report_to="none", disable_tqdm=True, save_strategy="no",
-                         early_stopping=False, seed=1)
+        args = tiny_ppo_args(out, batch_size=2, mini_batch_size=1, gradient_accumulation_steps=2, ppo_epochs=4,
+                             max_new_tokens=4, early_stopping=False, seed=1)
         # under ZeRO-3 both models are partitioned as they are built: the reference is passed, not deep-copied
         return PPOTrainer(build_causal_lm("qwen2", tok, seed=0), args=args, processing_class=tok,
                           ref_model=build_causal_lm("qwen2", tok, seed=0))
@@ -234,7 +228,7 @@ def test_deepspeed_zero_generate_step_checkpoint_resume(tmp_path, stage):
     script.write_text(ZERO_SCRIPT)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml")]
-    _run([*cmd, "--main_process_port", str(_free_port()), str(script), str(out)], f"ZeRO-{stage}")
+    _run([*cmd, "--main_process_port", str(free_port()), str(script), str(out)], f"ZeRO-{stage}")
     record = json.loads((out / "record.json").read_text())
     assert record["engine"] == f"deepspeed_zero{stage}"
     assert record["wrapped"] == "DeepSpeedEngine" and record["ref"] == "DeepSpeedEngine"
@@ -299,7 +293,7 @@ def test_fsdp2_generation_runs_through_the_root(tmp_path):
     # by hand (torch's fully_shard over gloo), as accelerate does it
     script = tmp_path / "run_fsdp2.py"
     script.write_text(FSDP2_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     _run([*cmd, str(script), str(tmp_path)], "the FSDP2 generation run")
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -10,12 +10,12 @@ import pytest
 import torch
 from datasets import Dataset
 from kill_points import fail_torch_save_on
+from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.checkpoints import MARKER_FILE, checkpoint_problem
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
 
 
 def reward(prompts, completions, **kwargs):
@@ -34,18 +34,12 @@ def reward(prompts, completions, **kwargs):
 
 def make(tokenizer, out, max_steps=3, **overrides):
     config = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=2,
         max_completion_length=6,
         max_steps=max_steps,
         learning_rate=1e-2,
-        logging_steps=1,
         seed=0,
-        report_to="none",
         save_strategy="steps",
         save_steps=1,
-        use_cpu=True,
         dynamic_sampling=True,
         dynamic_sampling_max_refills=2,
         nan_reward_action="drop",  # the NaN-drop count is part of the state resume restores
@@ -56,7 +50,7 @@ def make(tokenizer, out, max_steps=3, **overrides):
     return GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=reward,
-        args=GRPOConfig(**config),
+        args=tiny_grpo_args(out, **config),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
         processing_class=tokenizer,
     )
@@ -178,13 +172,12 @@ def test_checkpoints_hold_what_trl_writes_and_the_arguments_stay_put(tokenizer, 
         return files, json.loads((out / folders[-1] / "trainer_state.json").read_text()), limits, trainer
 
     config = dict(
-        per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, learning_rate=1e-2,
-        logging_steps=1, seed=0, report_to="none", save_strategy="steps", save_steps=1, save_total_limit=1,
-        use_cpu=True,
+        max_completion_length=6, max_steps=2, learning_rate=1e-2, seed=0, save_strategy="steps", save_steps=1,
+        save_total_limit=1,
     )  # fmt: skip
-    ref_args = trl.GRPOConfig(output_dir=str(tmp_path / "ref"), **config)
+    ref_args = tiny_grpo_args(tmp_path / "ref", config_class=trl.GRPOConfig, **config)
     ref_files, ref_state, ref_limits, _ = run(trl.GRPOTrainer, ref_args, tmp_path / "ref")
-    ours_args = GRPOConfig(output_dir=str(tmp_path / "ours"), health_monitor=False, **config)
+    ours_args = tiny_grpo_args(tmp_path / "ours", health_monitor=False, **config)
     ours_files, ours_state, ours_limits, ours = run(GRPOTrainer, ours_args, tmp_path / "ours")
     assert list(ours_files) == list(ref_files) == ["checkpoint-2"]
     extra = {MARKER_FILE, "trl_stable_state_0.pt"}

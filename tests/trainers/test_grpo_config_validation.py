@@ -3,21 +3,10 @@
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
-
-
-def config(tmp_path, **kwargs):
-    return GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        report_to="none",
-        use_cpu=True,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize(
@@ -69,30 +58,30 @@ def config(tmp_path, **kwargs):
 )
 def test_bad_settings_raise(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        config(tmp_path, **kwargs)
+        tiny_grpo_args(tmp_path, **kwargs)
 
 
 def test_presets_set_trl_fields_and_defaults_leave_them(tmp_path):
-    assert config(tmp_path).advantage_settings is None
-    dr = config(tmp_path, advantage_estimator="dr_grpo")
+    assert tiny_grpo_args(tmp_path).advantage_settings is None
+    dr = tiny_grpo_args(tmp_path, advantage_estimator="dr_grpo")
     assert (dr.scale_rewards, dr.loss_type, dr.advantage_settings) == ("none", "dr_grpo", None)
-    assert config(tmp_path, advantage_estimator="dr_grpo", loss_type="bnpo").loss_type == "bnpo"
-    gdpo = config(tmp_path, advantage_estimator="gdpo")
+    assert tiny_grpo_args(tmp_path, advantage_estimator="dr_grpo", loss_type="bnpo").loss_type == "bnpo"
+    gdpo = tiny_grpo_args(tmp_path, advantage_estimator="gdpo")
     assert gdpo.multi_objective_aggregation == "normalize_then_sum"
-    rloo = config(tmp_path, advantage_estimator="rloo").advantage_settings
+    rloo = tiny_grpo_args(tmp_path, advantage_estimator="rloo").advantage_settings
     assert (rloo["mean_level"], rloo["std_level"], rloo["leave_one_out"]) == ("group", None, True)
-    custom = config(tmp_path, advantage_estimator="liteppo", advantage_std_level="none").advantage_settings
+    custom = tiny_grpo_args(tmp_path, advantage_estimator="liteppo", advantage_std_level="none").advantage_settings
     assert custom["std_level"] is None and custom["eps"] == 1e-4
-    ngrpo = config(tmp_path, advantage_estimator="ngrpo").advantage_settings
+    ngrpo = tiny_grpo_args(tmp_path, advantage_estimator="ngrpo").advantage_settings
     assert ngrpo == {"estimator": "ngrpo", "r_max": 1.0, "num_virtual": 1, "eps": 1e-6}
-    assert config(tmp_path, advantage_estimator="gdpo").advantage_settings is None  # TRL's normalize_then_sum
+    assert tiny_grpo_args(tmp_path, advantage_estimator="gdpo").advantage_settings is None  # TRL's normalize_then_sum
     # TRL's scaling choice stays TRL's; an eps or a biased std makes trl_stable compute the same preset itself
-    assert config(tmp_path, scale_rewards="batch").advantage_settings is None
-    grpo_eps = config(tmp_path, advantage_eps=1e-6).advantage_settings
+    assert tiny_grpo_args(tmp_path, scale_rewards="batch").advantage_settings is None
+    grpo_eps = tiny_grpo_args(tmp_path, advantage_eps=1e-6).advantage_settings
     assert (grpo_eps["mean_level"], grpo_eps["std_level"], grpo_eps["eps"]) == ("group", "group", 1e-6)
-    assert config(tmp_path, advantage_std_unbiased=False).advantage_settings["unbiased"] is False
-    assert config(tmp_path, token_filter="kpop", use_decoupled_loss=True).filter_bounds == (None, 2.0)
-    assert config(tmp_path, token_filter="icepop", use_decoupled_loss=True).filter_bounds == (0.5, 5.0)
+    assert tiny_grpo_args(tmp_path, advantage_std_unbiased=False).advantage_settings["unbiased"] is False
+    assert tiny_grpo_args(tmp_path, token_filter="kpop", use_decoupled_loss=True).filter_bounds == (None, 2.0)
+    assert tiny_grpo_args(tmp_path, token_filter="icepop", use_decoupled_loss=True).filter_bounds == (0.5, 5.0)
 
 
 def test_reward_weights_of_wrong_length(tokenizer, tmp_path):
@@ -103,7 +92,7 @@ def test_reward_weights_of_wrong_length(tokenizer, tmp_path):
         GRPOTrainer(
             model=build_causal_lm("qwen2", tokenizer),
             reward_funcs=[r, r],
-            args=config(tmp_path, reward_weights=[1.0, 1.0, 1.0]),
+            args=tiny_grpo_args(tmp_path, reward_weights=[1.0, 1.0, 1.0]),
             train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
             processing_class=tokenizer,
         )
@@ -115,17 +104,7 @@ def test_plain_trl_config_works_with_options_off(tokenizer, tmp_path):
     def r(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
+    args = tiny_grpo_args(tmp_path, config_class=trl.GRPOConfig, max_completion_length=4)
     trainer = GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer),
         reward_funcs=r,
@@ -143,7 +122,7 @@ def test_with_changes_revalidates_and_changes_only_what_it_is_asked(tmp_path):
     original is untouched, a combination the config refuses raises, and TRL's fields are left to a new config."""
     import dataclasses
 
-    original = config(tmp_path)
+    original = tiny_grpo_args(tmp_path)
     changed = original.with_changes(advantage_estimator="rloo")
     diff = {
         f.name: (getattr(original, f.name), getattr(changed, f.name))
@@ -162,8 +141,8 @@ def test_with_changes_revalidates_and_changes_only_what_it_is_asked(tmp_path):
 
 
 def test_virtual_samples_config_is_the_ngrpo_copy(tmp_path):
-    original = config(tmp_path, health_remedy_virtual_samples=True, ngrpo_r_max=2.0)
+    original = tiny_grpo_args(tmp_path, health_remedy_virtual_samples=True, ngrpo_r_max=2.0)
     remedy = original.virtual_samples_config()
     assert remedy.advantage_settings == {"estimator": "ngrpo", "r_max": 2.0, "num_virtual": 1, "eps": 1e-6}
     assert original.advantage_estimator == "grpo" and not remedy.health_remedy_virtual_samples
-    assert config(tmp_path).virtual_samples_config() is None
+    assert tiny_grpo_args(tmp_path).virtual_samples_config() is None

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
 
 PROX = [-1.0, -1.0]  # the proximal (rollout-weight) log-probs
@@ -26,10 +27,9 @@ def _zero(completions, **kwargs):
 
 
 def _trainer(tokenizer, tmp_path, **config):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=2,
-        report_to="none", save_strategy="no", use_cpu=True, use_decoupled_loss=True, **config,
-    )  # fmt: skip
+    args = tiny_grpo_args(
+        tmp_path, per_device_train_batch_size=2, max_completion_length=2, use_decoupled_loss=True, **config
+    )
     return GRPOTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0), reward_funcs=_zero, args=args,
         train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tokenizer,

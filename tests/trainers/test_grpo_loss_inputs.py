@@ -10,11 +10,11 @@ from collections import defaultdict
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS  # 3 tokens each: no padding
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]  # 3 tokens each: no padding
 
 
 def token_reward(completion_ids, **kwargs):
@@ -30,24 +30,17 @@ class LossInputSpy(GRPOTrainer):
 
 def make_trainer(tokenizer, tmp_path, rollout_func=None, **config):
     defaults = dict(
-        output_dir=str(tmp_path),
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,  # a 16-row generation batch, shuffled by TRL and split over two loss calls
         num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
         learning_rate=0.0,  # the policy stays the rollout policy, so log-probs can be recomputed afterwards
-        logging_steps=1,
         seed=0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
     )
     defaults.update(config)
     trainer = LossInputSpy(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=[token_reward],
-        args=GRPOConfig(**defaults),
+        args=tiny_grpo_args(tmp_path, **defaults),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
         rollout_func=rollout_func,

@@ -17,20 +17,21 @@ from two_processes import check_returncode, launch_two_processes
 
 SCRIPT = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from trl_stable import GRPOConfig, GRPOTrainer
+    from two_process_kit import DenseRecorder, RecordingCritic, uneven_lm
+    from tiny_configs import tiny_grpo_args
+    from trl_stable import GRPOTrainer
     from trl_stable.core import overlong_penalty
     from trl_stable.masking.completion_steps import CompletionStepMasker
-    from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig, dense_reward
-    from trl_stable.testing import build_causal_lm, build_tokenizer
+    from trl_stable.testing import build_tokenizer
 
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
     G = 2  # num_generations
-    seen = {"dense": [], "critic": [], "step_mask": [], "rounds": []}
+    seen = {"step_mask": [], "rounds": []}
 
     first_round, constant = {}, []
 
@@ -49,21 +50,9 @@ SCRIPT = textwrap.dedent(
         return [0.0 if c else None if i % 3 == 0 else len(ids) / 8
                 for i, (c, ids) in enumerate(zip(constant, completion_ids))]
 
-    @dense_reward
-    def first_tokens(completion_ids, trainer_state, **kw):
-        rows = [[(0.5 if t == 0 else 0.1 * (ids[t] % 3)) if t != 1 else float("nan") for t in range(len(ids))]
+    def first_tokens(completion_ids):
+        return [[(0.5 if t == 0 else 0.1 * (ids[t] % 3)) if t != 1 else float("nan") for t in range(len(ids))]
                 for ids in completion_ids]
-        seen["dense"].append({"step": trainer_state.global_step,
-                              "sum": sum(v for r in rows for v in r if not math.isnan(v)),
-                              "tokens": sum(len(r) for r in rows), "rows": len(rows),
-                              "nan": sum(math.isnan(v) for r in rows for v in r)})
-        return rows
-
-    class Critic(CriticIntrinsicReward):
-        def __call__(self, *a, trainer_state=None, **kw):
-            rows = super().__call__(*a, trainer_state=trainer_state, **kw)
-            seen["critic"].append({"step": trainer_state.global_step, **self._last})
-            return rows
 
     class Masker(CompletionStepMasker):
         def keep_mask(self, *a, **kw):
@@ -87,25 +76,23 @@ SCRIPT = textwrap.dedent(
             return output, keep
 
     tok = build_tokenizer()
-    model = build_causal_lm("qwen3_moe", tok, seed=0)
-    bias = torch.zeros(len(tok))
-    bias[tok.eos_token_id] = 5.0  # EOS about every 7th token: completions of different lengths on each process
-    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
-    critic = Critic(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tok)
-    args = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=4, num_generations=G, max_completion_length=8, max_steps=2,
-        learning_rate=1e-3, logging_steps=1, seed=0, report_to="none", save_strategy="no", disable_tqdm=True,
-        use_cpu=True, advantage_estimator="rloo", use_decoupled_loss=True, token_filter="icepop",
-        dynamic_sampling=True, dynamic_sampling_max_refills=2, overlong_penalty_tokens=4, dense_reward_coef=0.5,
-        nan_reward_action="drop", step_loss_mask=True, health_mismatch_monitor=True, routing_replay="R3",
+    model = uneven_lm("qwen3_moe", tok)
+    dense = DenseRecorder(first_tokens)
+    critic = RecordingCritic(tok)
+    args = tiny_grpo_args(
+        out, num_generations=G, max_steps=2, learning_rate=1e-3, seed=0, advantage_estimator="rloo",
+        use_decoupled_loss=True, token_filter="icepop", dynamic_sampling=True, dynamic_sampling_max_refills=2,
+        overlong_penalty_tokens=4, dense_reward_coef=0.5, nan_reward_action="drop", step_loss_mask=True,
+        health_mismatch_monitor=True, routing_replay="R3",
     )
     prompts = ["The movie", "A story", "I think", "We saw", "She said", "It was", "They went", "He is"]
-    trainer = Trainer(model=model, reward_funcs=[token_sum, sometimes_none, first_tokens, critic], args=args,
+    trainer = Trainer(model=model, reward_funcs=[token_sum, sometimes_none, dense, critic], args=args,
                       processing_class=tok, train_dataset=Dataset.from_dict({"prompt": prompts}))
     trainer.step_masker = Masker(extra_steps=reported_steps)
     trainer.train()
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "steps": trainer.state.global_step,
-              "logs": [h for h in trainer.state.log_history if "loss" in h], "seen": seen}
+              "logs": [h for h in trainer.state.log_history if "loss" in h],
+              "seen": {**seen, "dense": dense.seen, "critic": critic.seen}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     trainer.accelerator.wait_for_everyone()

@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny_configs import tiny_grpo_args
+from tiny_data import PROMPTS, length_reward
 
-from trl_stable import GRPOConfig, GRPOTrainer
+from trl_stable import GRPOTrainer
 from trl_stable.core import (
     behaviour_weight,
     decoupled_ppo_loss,
@@ -16,12 +18,6 @@ from trl_stable.core import (
 )
 from trl_stable.rewards.dense import dense_reward
 from trl_stable.testing import build_causal_lm
-
-PROMPTS = ["The movie was", "I think the", "The weather today", "She walked to"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
 
 
 def vowel_reward(completions, **kwargs):
@@ -46,21 +42,7 @@ class SpyTrainer(GRPOTrainer):
 
 
 def make_trainer(tokenizer, tmp_path, reward_funcs=(length_reward,), eval_dataset=None, **config):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        max_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        seed=0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-    )
-    defaults.update(config)
-    args = GRPOConfig(**defaults)
+    args = tiny_grpo_args(tmp_path, **{"learning_rate": 1e-3, "seed": 0, **config})
     return SpyTrainer(
         model=build_causal_lm("qwen2", tokenizer, seed=0),
         reward_funcs=list(reward_funcs),

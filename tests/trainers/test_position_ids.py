@@ -10,17 +10,14 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
+from tiny_data import length_reward
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
 
 # 1, 3 and 7 tokens: every batch of 4 rows (2 prompts x 2 generations) mixes lengths, so some rows are left-padded
 PROMPTS = ["Hi", "The movie was", "She walked to the store and then", "I think"]
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) / 10.0 for c in completions]
 
 
 def _model(family, tokenizer):
@@ -37,19 +34,12 @@ class _Spy(GRPOTrainer):
 
 
 def _grpo(tokenizer, tmp_path, family="gpt2", model=None, **config):
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
+    args = tiny_grpo_args(
+        tmp_path,
         max_completion_length=6,
-        max_steps=1,
         learning_rate=0.0,  # the policy after the step is the rollout policy: both sides can be recomputed
         disable_dropout=True,  # GPT-2's dropout would make every recomputation differ from the sampler
-        logging_steps=1,
         seed=0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         **config,
     )
     return _Spy(

@@ -7,14 +7,15 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import step_logs, tiny_ppo_args
 from safetensors.torch import load_file
+from tiny_configs import step_logs, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward
 from trl_stable.testing import build_causal_lm
 
-TRAIN = ["The movie", "A story", "I think", "We saw"] * 2
+TRAIN = SHORT_PROMPTS * 2
 EVAL = ["Great acting", "The plot", "Nobody", "Once upon", "It was"]
 
 

@@ -22,7 +22,6 @@ import pytest
 import torch
 from accelerate.utils import DynamoBackend, set_seed
 from datasets import Dataset
-from ppo_test_args import step_logs
 from setting_table import (
     PROMPTS,
     TMP,
@@ -48,12 +47,14 @@ from setting_table import check as _assert
 from setting_table import dependent as _dependent
 from setting_table import stat as _stat
 from test_ppo_vllm import FakeGeneration
+from tiny_configs import step_logs
 
-import trl_stable.trainers.ppo.ppo_trainer as ppo_trainer_module
+import trl_stable.trainers.ppo.loop_events as ppo_loop_events
 import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.testing import MOE_FAMILIES, build_causal_lm, save_tiny
+from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 # Every probe's config: 4 prompts per step in one micro-batch, one PPO epoch, 4 new tokens, one step.
@@ -95,7 +96,7 @@ KIT = Kit(
     model=lambda trainer: trainer.policy,
     trained=lambda trainer: trainer.unwrapped(),
     train_loader=lambda trainer: trainer.train_dataloader,
-    clear_cache_module=ppo_trainer_module,
+    clear_cache_module=ppo_loop_events,
     refusal_build=_refusal_build,
 )
 PROBES = training_argument_probes()
@@ -567,7 +568,7 @@ def _(ctx, fields):
             input_ids=q.unsqueeze(0), attention_mask=torch.ones(1, len(q), dtype=torch.long), do_sample=False,
             max_new_tokens=trainer.args.max_new_tokens, pad_token_id=trainer.pad_token_id,
         )  # fmt: skip
-        greedy.append(trainer._trim_response(out[0, len(q) :]).tolist())
+        greedy.append(trim_response(out[0, len(q) :], trainer.eos_token_id).tolist())
     return Run(trainer.args, trainer, seen={"sampled": [[r.tolist() for r in s] for s in sampled], "greedy": greedy})
 
 
@@ -930,7 +931,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         "<policy>",
         "by_name",
         lambda run: _assert(
-            run.seen["model_arg"] is None and run.trainer.policy.config._name_or_path == run.seen["path"]
+            run.seen["model_arg"] is None and run.trainer.policy.config.name_or_path == run.seen["path"]
         ),
     ),
     "model_init_kwargs": Effect(

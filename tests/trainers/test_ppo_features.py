@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
 
 import trl_stable.core.estimators as estimators_mod
 from trl_stable import PPOConfig, PPOTrainer

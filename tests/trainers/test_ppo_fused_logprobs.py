@@ -4,7 +4,7 @@ for full KL, which needs the whole distributions."""
 
 import pytest
 import torch
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
 
 from trl_stable import PPOTrainer
 from trl_stable.testing import build_causal_lm

@@ -3,7 +3,8 @@
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.core import gdpo_scores
@@ -19,7 +20,7 @@ def _first_id(completion_ids, **kwargs):
 
 
 def _scores_seen(tmp_path, tokenizer, aggregation):
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS})
     args = tiny_ppo_args(tmp_path, max_steps=1, reward_weights=[1.0, 0.5], multi_objective_aggregation=aggregation)
     trainer = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),

@@ -3,7 +3,7 @@ trainer's reward uses."""
 
 import pytest
 import torch
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
 
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.core.kl import KL_ESTIMATORS, register_kl_estimator

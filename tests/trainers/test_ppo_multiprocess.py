@@ -14,72 +14,61 @@ import textwrap
 
 import pytest
 import torch
+from tiny_configs import tiny_ppo_args
 from two_processes import check_returncode, launch_two_processes
 
-from trl_stable import PPOConfig, PPOTrainer
+from trl_stable import PPOTrainer
 from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.testing import build_causal_lm
 
 SCRIPT = textwrap.dedent(
     """
-    import json, math, os, sys
+    import json, os, sys
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from trl_stable import PPOConfig, PPOTrainer
+    from two_process_kit import DenseRecorder, RecordingCritic, uneven_lm
+    from tiny_configs import tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
+    from trl_stable import PPOTrainer
     from trl_stable.masking.completion_steps import CompletionStepMasker
-    from trl_stable.rewards import CriticIntrinsicReward, CriticRewardConfig, dense_reward
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
-    seen = {"length": [], "dense": [], "critic": []}
+    lengths = []
 
     def length(completion_ids, trainer_state, **kw):  # rank 1's first sample of each step has no score: dropped
         values = [None if rank == 1 and i == 0 else len(c) / 5 for i, c in enumerate(completion_ids)]
-        seen["length"].append({"step": trainer_state.global_step, "values": values})
+        lengths.append({"step": trainer_state.global_step, "values": values})
         return values
 
-    @dense_reward
-    def low_ids(prompts, completions, completion_ids, trainer_state, **kw):
-        rows = [[1.0 if t < 300 else float("nan") if t > 800 else 0.0 for t in ids] for ids in completion_ids]
-        seen["dense"].append({"step": trainer_state.global_step,
-                              "sum": sum(v for r in rows for v in r if not math.isnan(v)),
-                              "tokens": sum(len(r) for r in rows), "rows": len(rows),
-                              "nan": sum(math.isnan(v) for r in rows for v in r)})
-        return rows
-
-    class Critic(CriticIntrinsicReward):
-        def __call__(self, *a, trainer_state=None, **kw):
-            rows = super().__call__(*a, trainer_state=trainer_state, **kw)
-            seen["critic"].append({"step": trainer_state.global_step, **self._last})
-            return rows
+    def low_ids(completion_ids):
+        return [[1.0 if t < 300 else float("nan") if t > 800 else 0.0 for t in ids] for ids in completion_ids]
 
     tok = build_tokenizer()
-    model = build_causal_lm("qwen2", tok, seed=0)
-    bias = torch.zeros(len(tok))
-    bias[tok.eos_token_id] = 5.0  # EOS about every 7th token: responses of different lengths on each process
-    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
-    critic = Critic(CriticRewardConfig(use_intrinsic_reward=True, intrinsic_reward_threshold=math.inf), tok)
-    args = PPOConfig(output_dir=out, batch_size=4, mini_batch_size=1, gradient_accumulation_steps=2, ppo_epochs=2,
-                     max_new_tokens=5, min_new_tokens=2, learning_rate=1e-3, max_steps=2, report_to="none",
-                     disable_tqdm=True, save_strategy="no", use_score_scaling=True,
-                     use_decoupled_loss=True, token_filter="icepop", step_loss_mask=True)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
-    trainer = PPOTrainer(model, reward_funcs=[length, low_ids, critic], args=args, processing_class=tok,
+    model = uneven_lm("qwen2", tok)
+    dense = DenseRecorder(low_ids)
+    critic = RecordingCritic(tok)
+    args = tiny_ppo_args(out, mini_batch_size=1, gradient_accumulation_steps=2, ppo_epochs=2, min_new_tokens=2,
+                         learning_rate=1e-3, max_steps=2, use_score_scaling=True, use_decoupled_loss=True,
+                         token_filter="icepop", step_loss_mask=True)
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 4})
+    trainer = PPOTrainer(model, reward_funcs=[length, dense, critic], args=args, processing_class=tok,
                          train_dataset=ds)
     trainer.train()
     weights = trainer.unwrapped().state_dict()
     checksum = float(sum(v.double().sum() for v in weights.values()))
     record = {"rank": rank, "world": trainer.accelerator.num_processes, "checksum": checksum,
               "steps": trainer.state.global_step, "kl_coef": trainer.kl_ctl.value, "count": trainer.running.count,
-              "train_logs": trainer.state.log_history, "seen": seen}
+              "train_logs": trainer.state.log_history,
+              "seen": {"length": lengths, "dense": dense.seen, "critic": critic.seen}}
 
     # step() on this process's half of a fixed global batch
     with open(os.path.join(out, "batch.json")) as f:
         batch = json.load(f)
     half = slice(rank * 4, rank * 4 + 4)
-    stepper = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), args=PPOConfig(output_dir=out, **batch["config"]),
+    stepper = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), args=tiny_ppo_args(out, **batch["config"]),
                          processing_class=tok)
     stepper.step_masker = CompletionStepMasker(extra_steps=lambda text, i: [
         {"start": 0, "end": 1, "unit": "char", "type": "code",
@@ -100,9 +89,8 @@ SCRIPT = textwrap.dedent(
 
 # The step() comparison: the global batch and the per-process config; one process steps it with batch_size 8.
 STEP_CONFIG = dict(batch_size=4, mini_batch_size=1, gradient_accumulation_steps=4, ppo_epochs=2, learning_rate=1e-3,
-                   report_to="none", disable_tqdm=True, save_strategy="no", use_score_scaling=True,
-                   use_score_norm=True, whiten_rewards=True, use_decoupled_loss=True, token_filter="icepop",
-                   step_loss_mask=True)  # fmt: skip
+                   use_score_scaling=True, use_score_norm=True, whiten_rewards=True, use_decoupled_loss=True,
+                   token_filter="icepop", step_loss_mask=True)  # fmt: skip
 
 
 def _global_batch() -> dict:
@@ -129,7 +117,7 @@ def _mask_steps(text, i):
 def _one_process_step(tokenizer, tmp_path, batch) -> dict:
     config = {**batch["config"], "batch_size": 8, "gradient_accumulation_steps": 8}
     trainer = PPOTrainer(
-        build_causal_lm("qwen2", tokenizer, seed=0), args=PPOConfig(output_dir=str(tmp_path), **config),
+        build_causal_lm("qwen2", tokenizer, seed=0), args=tiny_ppo_args(tmp_path, **config),
         processing_class=tokenizer,
     )  # fmt: skip
     trainer.step_masker = CompletionStepMasker(extra_steps=_mask_steps)
@@ -229,7 +217,9 @@ BROKEN_ON_ONE_RANK = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from datasets import Dataset
-    from trl_stable import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+    from tiny_configs import tiny_grpo_args, tiny_ppo_args
+    from tiny_data import SHORT_PROMPTS
+    from trl_stable import GRPOTrainer, PPOTrainer
     from trl_stable.rewards.dense import RewardContractError
     from trl_stable.testing import build_causal_lm, build_tokenizer
 
@@ -240,15 +230,13 @@ BROKEN_ON_ONE_RANK = textwrap.dedent(
         return ["0.5" if rank == 1 and i == 1 else float("inf") if i == 0 else 0.5 for i in range(len(completion_ids))]
 
     tok = build_tokenizer()
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
-    common = dict(output_dir=out, max_steps=1, report_to="none", save_strategy="no")
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS})
     if kind == "ppo":
-        args = PPOConfig(batch_size=2, mini_batch_size=2, ppo_epochs=1, max_new_tokens=3, disable_tqdm=True, **common)
+        args = tiny_ppo_args(out, batch_size=2, max_new_tokens=3, max_steps=1)
         trainer = PPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args,
                              processing_class=tok, train_dataset=ds)
     else:
-        args = GRPOConfig(per_device_train_batch_size=2, num_generations=2, max_completion_length=3, use_cpu=True,
-                          **common)
+        args = tiny_grpo_args(out, per_device_train_batch_size=2, max_completion_length=3)
         trainer = GRPOTrainer(build_causal_lm("qwen2", tok, seed=0), reward_funcs=reward, args=args,
                               processing_class=tok, train_dataset=ds)
     try:

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import step_logs, tiny_ppo_args
+from tiny_configs import step_logs, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 
 from trl_stable import PPOTrainer
 from trl_stable.rewards import dense_reward
@@ -24,7 +25,7 @@ def _args(tmp_path, **kw):
 
 
 def _dataset():
-    return Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 4})
+    return Dataset.from_dict({"prompt": SHORT_PROMPTS * 4})
 
 
 def test_lora_trains_only_adapter_and_value_head(tmp_path, tokenizer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers.trainer
 from huggingface_hub.utils import filter_repo_objects
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_ppo_args
 
 from trl_stable import PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny

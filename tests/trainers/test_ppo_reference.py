@@ -9,8 +9,9 @@ without padding, from the models themselves.
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_configs import tiny_ppo_args
 
-from trl_stable import PPOConfig, PPOTrainer
+from trl_stable import PPOTrainer
 from trl_stable.core.masked_stats import masked_whiten
 from trl_stable.core.policy_loss import decoupled_ppo_loss, policy_clip_fraction, ppo_clip_term, pre_mask_token_mean
 from trl_stable.core.value_loss import clipped_value_loss
@@ -70,11 +71,10 @@ def _reference(trainer, queries, responses, dense, scores, kl_coef, gamma, lam, 
     [("kl", 1.0, False), ("abs", 0.7, True), ("mse", 1.0, True), ("full", 0.7, False)],
 )
 def test_step_matches_independent_reference(tmp_path, tokenizer, kl_penalty, temperature, bootstrap):
-    args = PPOConfig(
-        output_dir=str(tmp_path),
+    args = tiny_ppo_args(
+        tmp_path,
         batch_size=3,
         mini_batch_size=3,
-        ppo_epochs=1,
         kl_penalty=kl_penalty,
         temperature=temperature,
         init_kl_coef=0.3,
@@ -84,9 +84,6 @@ def test_step_matches_independent_reference(tmp_path, tokenizer, kl_penalty, tem
         lam=0.8,
         whiten_advantages=False,
         bootstrap_truncated=bootstrap,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
     )
     trainer = PPOTrainer(
         build_causal_lm("qwen2", tokenizer, seed=0),

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import step_logs, tiny_ppo_args
+from tiny_configs import step_logs, tiny_ppo_args
+from tiny_data import SHORT_PROMPTS
 from transformers import TrainerCallback
 
 from trl_stable import PPOConfig, PPOTrainer
@@ -216,7 +217,7 @@ def test_train_drops_nan_none_and_inf_rewards_and_refuses_strings(tmp_path, toke
         return [float("nan"), 1.0, None, 0.5] if len(calls) == 1 else [float("nan")] * len(completion_ids)
 
     model = build_causal_lm("qwen2", tokenizer, seed=0)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 2})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 2})
     trainer = PPOTrainer(
         model, reward_funcs=flaky, args=_args(tmp_path, max_steps=2), processing_class=tokenizer, train_dataset=ds
     )
@@ -271,7 +272,7 @@ def test_tqdm_progress_bar(tmp_path, tokenizer, capsys):
     from transformers.trainer_callback import ProgressCallback
 
     model = build_causal_lm("gpt2", tokenizer, seed=0)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"]})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS})
     args = _args(tmp_path, disable_tqdm=False, max_steps=1)
     trainer = PPOTrainer(
         model,
@@ -330,7 +331,7 @@ def test_train_with_reward_functions(tmp_path, tokenizer):
 
     model = build_causal_lm("qwen2", tokenizer, seed=0)
     rm = build_reward_model("gpt2", tokenizer, seed=3)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 2, "topic": list("abcdabcd")})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 2, "topic": list("abcdabcd")})
     args = _args(tmp_path, max_steps=2, reward_weights=[2.0, 1.0, 1.0], min_new_tokens=2, max_new_tokens=5)
     trainer = PPOTrainer(
         model, reward_funcs=[length_reward, rm, dense], args=args, processing_class=tokenizer, train_dataset=ds
@@ -354,7 +355,7 @@ def test_reward_rises_on_toy_task(tmp_path, tokenizer):
         return [[1.0 if t < 300 else 0.0 for t in ids] for ids in completion_ids]
 
     model = build_causal_lm("qwen2", tokenizer, seed=0)
-    ds = Dataset.from_dict({"prompt": ["The movie", "A story", "I think", "We saw"] * 8})
+    ds = Dataset.from_dict({"prompt": SHORT_PROMPTS * 8})
     args = _args(
         tmp_path,
         batch_size=8,

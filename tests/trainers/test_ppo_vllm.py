@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_configs import tiny_ppo_args
 
-import trl_stable.trainers.ppo.ppo_trainer as ppo_mod
+import trl_stable.trainers.ppo.loss_weights as ppo_loss_weights
 import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
@@ -72,11 +73,7 @@ def fake_vllm(monkeypatch):
 
 def _trainer(tmp_path, tokenizer, family="qwen2", **kw):
     path = save_tiny(tmp_path / "policy", build_causal_lm(family, tokenizer, seed=0), tokenizer)
-    fields = dict(
-        output_dir=str(tmp_path / "out"), batch_size=4, mini_batch_size=2, ppo_epochs=1, max_new_tokens=6,
-        report_to="none", disable_tqdm=True, save_strategy="no", use_vllm=True,
-    )  # fmt: skip
-    args = PPOConfig(**{**fields, **kw})
+    args = tiny_ppo_args(tmp_path / "out", **{"max_new_tokens": 6, "use_vllm": True, **kw})
     return PPOTrainer(path, args=args, processing_class=tokenizer)
 
 
@@ -104,13 +101,13 @@ def test_vllm_rollout_carries_responses_and_sampler_logprobs(tmp_path, tokenizer
 
 def test_vllm_logprobs_feed_the_decoupled_loss_and_the_mismatch_monitor(tmp_path, tokenizer, fake_vllm, monkeypatch):
     seen = {}
-    real = ppo_mod.mismatch_stats
+    real = ppo_loss_weights.mismatch_stats
 
     def spy(behav, prox, mask, gather=None):
         seen["behav"], seen["prox"] = behav.clone(), prox.clone()
         return real(behav, prox, mask, gather=gather)
 
-    monkeypatch.setattr(ppo_mod, "mismatch_stats", spy)
+    monkeypatch.setattr(ppo_loss_weights, "mismatch_stats", spy)
     trainer = _trainer(tmp_path, tokenizer, use_decoupled_loss=True, token_filter="icepop")
     rollout = trainer.generate(QUERIES, return_prompt=False)
     stats = trainer.step(QUERIES, rollout, scores=[1.0, 0.0, 1.0, 0.0])
@@ -131,7 +128,7 @@ def test_length_sampler_sets_vllms_cap(tmp_path, tokenizer, fake_vllm):
 
 
 def test_colocate_needs_a_named_policy(tmp_path, tokenizer, fake_vllm):
-    args = PPOConfig(output_dir=str(tmp_path), batch_size=4, mini_batch_size=4, use_vllm=True, report_to="none")
+    args = tiny_ppo_args(tmp_path, mini_batch_size=4, use_vllm=True)
     with pytest.raises(ValueError, match="starts vLLM from the policy's name or path"):
         PPOTrainer(build_causal_lm("qwen2", tokenizer), args=args, processing_class=tokenizer)
 

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
-from ppo_test_args import tiny_ppo_args
+from tiny_configs import tiny_grpo_args, tiny_ppo_args
 from transformers import AutoModelForCausalLM
 
-from trl_stable import GRPOConfig, GRPOTrainer, PPOTrainer
+from trl_stable import GRPOTrainer, PPOTrainer
 from trl_stable.testing import build_causal_lm
 from trl_stable.trainers.prompt_checks import ModelContext, model_context
 
@@ -34,10 +34,7 @@ def _ppo(tmp_path, tokenizer, family="gpt2", train_dataset=None, **kw):
 
 
 def _grpo(tmp_path, tokenizer, prompts, family="gpt2", **kw):
-    args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, **{"max_completion_length": 4, **kw},
-    )  # fmt: skip
+    args = tiny_grpo_args(tmp_path, **{"per_device_train_batch_size": 2, "max_completion_length": 4, **kw})
     return GRPOTrainer(
         build_causal_lm(family, tokenizer, seed=0),
         reward_funcs=_length,
@@ -139,3 +136,18 @@ def test_grpo_per_batch_check_names_the_prompt(tmp_path, tokenizer):
         trainer._tokenize_prompts([[], [{"role": "user", "content": "hi"}]])
     prompt_ids, _, _ = trainer._tokenize_prompts(["a b", LONG])  # a rotary model: TRL's behaviour, no refusal
     assert len(prompt_ids[1]) == 601
+
+
+def test_a_dataset_without_a_prompt_column_is_refused_at_start_up_naming_its_columns(tmp_path, tokenizer):
+    """GRPO needs a 'prompt' column (TRL raised KeyError: 'prompt' inside its first step), PPO a 'prompt' or an
+    'input_ids' one: both refuse the dataset when the trainer is built, naming the columns it has and the fix."""
+    texts = Dataset.from_dict({"text": ["The movie was", "A story"]})
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column \(its columns: text\).*rename_column"):
+        GRPOTrainer(
+            build_causal_lm("gpt2", tokenizer, seed=0), reward_funcs=_length, processing_class=tokenizer,
+            args=tiny_grpo_args(tmp_path, per_device_train_batch_size=2), train_dataset=texts,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' or 'input_ids' column \(its columns: text\)"):
+        _ppo(tmp_path, tokenizer, train_dataset=texts)
+    ids = Dataset.from_dict({"input_ids": [[5, 6], [7, 8]]})
+    assert _ppo(tmp_path, tokenizer, train_dataset=ids).train_dataset is not None  # PPO's other prompt column

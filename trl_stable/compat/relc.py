@@ -13,9 +13,11 @@ from trl_stable.compat.relc import (
 ```
 
 Where the fork's behaviour was a bug, the script keeps running and a warning (once) says what trl_stable does and
-how to switch: a failed critic call is None instead of a crash (`query_batch_span(failed_as=...)`), and the
-scripts' substring matching of decoded tokens against critic spans is pointed at
-`trl_stable.rewards.span_token_rewards` (character-offset alignment).
+how to switch: a failed critic call is None, as in the fork (see `trl_stable.compat.relc_critic.query_batch_span`
+for what each RELC parser makes of it, and ``TRL_STABLE_RELC_FAILED_CALLS=drop`` to make a failed call contribute
+nothing), and the scripts' substring matching of decoded tokens against critic spans is pointed at
+`trl_stable.rewards.span_token_rewards` (character-offset alignment). `PPOTrainer.step` scales RELC's per-token
+rows as the fork did with ``use_score_scaling`` / ``use_score_norm`` / ``score_clip``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from accelerate.utils import set_seed as _accelerate_set_seed
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from trl_stable.rewards import OpenAICritic
+from trl_stable.compat.relc_critic import _warn_once, _warned, query_batch_span, take_failed_prompts  # noqa: F401
+from trl_stable.core.score_scaling import scale_scores
 from trl_stable.trainers.ppo import PPOTrainer as _StablePPOTrainer
 from trl_stable.trainers.ppo import models as ppo_models
 from trl_stable.trainers.ppo.ppo_config import PPOConfig as _StablePPOConfig
@@ -53,14 +56,6 @@ __all__ = [
     "query_batch_span",
     "set_seed",
 ]
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------------- trl.core
@@ -448,25 +443,78 @@ class PPOTrainer(_StablePPOTrainer):
                     f"scores[{i}] has shape {tuple(s.shape)}: give a scalar or one reward per predicted token of "
                     f"query + response, len(query) + len(response) - 1 = {expected} entries."
                 )
-            rows.append(s[len(q) - 1 :])
+            rows.append(s)
             scalars.append(None)
         self.current_step += 1
+        dropped = self._samples_of_failed_calls(responses, take_failed_prompts())
         if all(row is None for row in rows):
+            scalars = [float("nan") if i in dropped else v for i, v in enumerate(scalars)]
             return super().step(queries, responses, scores=scalars)
-        if self.args.use_score_scaling:
-            _warn_once(
-                "score_scaling",
-                "use_score_scaling with per-token rewards: trl_stable scales sequence-level scores only (the fork "
-                "divided padded per-token rows by the std of all their entries, padding included). Pass scalar "
-                "rewards to step() to have them scaled.",
-            )
-        token_rewards = []
-        for r, row, scalar in zip(responses, rows, scalars):
-            if row is None:  # a scalar among per-token rows: it goes on the last response token
-                row = torch.zeros(len(r))
+        full_rows = []
+        for q, r, row, scalar in zip(queries, responses, rows, scalars):
+            if row is None:  # a scalar among per-token rows: it goes on the last token, as a row would hold it
+                row = torch.zeros(len(q) + len(r) - 1)
                 row[-1] = scalar
-            token_rewards.append(row)
+            full_rows.append(row)
+        full_rows = self._scaled_rows(full_rows)
+        # only the response tokens reach PPO: the fork masked the query positions out as well
+        token_rewards = [row[len(q) - 1 :] for q, row in zip(queries, full_rows)]
+        for i in dropped:  # NaN: PPO drops the sample (counted in ppo/dropped_samples)
+            token_rewards[i] = torch.full_like(token_rewards[i], float("nan"))
         return super().step(queries, responses, token_rewards=token_rewards)
+
+    def _scaled_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: the rows of every
+        process, right-padded with zeros to the longest on their process, update the running mean and std (every
+        entry counts, query positions and padding included, as in the fork); each row is divided by the running std
+        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``.
+
+        Differences: a running std of (nearly) 0 leaves the rows unscaled (the fork divided by float32's eps, 1e7
+        times), and the std's floor is 1e-8 instead of float32's eps (1.2e-7): the same numbers to ~1e-7 relative.
+        """
+        args = self.args
+        if not args.use_score_scaling and args.score_clip is None:
+            return rows
+        padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, longest row of this process]
+        running = None
+        if args.use_score_scaling:
+            device = self.accelerator.device
+            flat = padded.flatten().float().to(device)
+            counts = self.accelerator.gather(torch.tensor([flat.numel()], device=device))
+            width = int(counts.max())
+            every = self.accelerator.gather(torch.nn.functional.pad(flat, (0, width - flat.numel())).unsqueeze(0))
+            self.running.update(torch.cat([every[k, : int(n)] for k, n in enumerate(counts.tolist())]).cpu())
+            running = self.running
+        scaled = scale_scores(padded, running, normalize=args.use_score_norm, clip=args.score_clip)
+        return [scaled[i, : len(row)] for i, row in enumerate(rows)]
+
+    def _samples_of_failed_calls(self, responses: list[torch.Tensor], failed_prompts: list[str]) -> set[int]:
+        """The samples whose critic call failed (``TRL_STABLE_RELC_FAILED_CALLS=drop``): the one whose decoded
+        response (8 characters or more, whitespace ignored) occurs in the failed call's prompt. A prompt that no
+        single sample matches drops nothing, with a warning."""
+        if not failed_prompts:
+            return set()
+        squash = lambda text: "".join(text.split())  # noqa: E731 - RELC's scripts flatten newlines one way or another
+        texts = [squash(self.tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
+        dropped, unmatched = set(), 0
+        for prompt in map(squash, failed_prompts):
+            hits = [i for i, text in enumerate(texts) if len(text) >= 8 and text in prompt]
+            if len(hits) == 1:
+                dropped.add(hits[0])
+            else:
+                unmatched += 1
+        if unmatched:
+            warnings.warn(
+                f"{unmatched} failed critic calls matched no single sample of this step (their response is shorter "
+                "than 8 characters or occurs in several samples): those samples are kept.",
+                stacklevel=3,
+            )
+        if len(dropped) == len(responses):
+            raise RuntimeError(
+                "Every critic call of this step failed (TRL_STABLE_RELC_FAILED_CALLS=drop leaves no sample to train "
+                "on): check the critic server (OPENAI_BASE_URL) and its key."
+            )
+        return dropped
 
     def save_pretrained(self, save_directory: str) -> None:
         """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`.
@@ -475,67 +523,6 @@ class PPOTrainer(_StablePPOTrainer):
         works with several processes; called on every process, only the main one writes."""
         if self.accelerator.is_main_process:
             self._save(save_directory)
-
-
-# ---------------------------------------------------------------------------------------------------- critic
-def query_batch_span(
-    queries: Sequence[str],
-    max_workers: int = 2,
-    max_tokens: int = 600,
-    api_key: str | None = None,
-    *,
-    model: str = "gpt-3.5-turbo",
-    base_url: str | None = None,
-    timeout: float = 30.0,
-    failed_as: str | None = None,
-) -> list[str | None]:
-    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
-    (temperature 0) and return its answer text, in order; a call that failed after its retries is `failed_as`
-    (None, as in the fork).
-
-    The call goes through trl_stable's `OpenAICritic` (retries with backoff, per-request timeout, a deadline per
-    batch), so a failed call never raises.
-
-    Args:
-        queries: The full critic prompts.
-        max_workers: Requests in flight at once.
-        max_tokens: Answer length limit.
-        api_key: The key; default the environment variable OPENAI_API_KEY.
-        model: The critic model (the fork hard-coded gpt-3.5-turbo).
-        base_url: An OpenAI-compatible server (vLLM, ...); default the environment variable OPENAI_BASE_URL, else
-            OpenAI.
-        timeout: Seconds per HTTP request.
-        failed_as: What a failed call returns. None (the fork's value) crashes parsers that do
-            ``"None identified" in span``; pass "" for an empty critique (no intrinsic reward) instead.
-    """
-    _warn_once(
-        "substring",
-        "RELC's scripts turn critic spans into token rewards by substring matching decoded tokens (`token in "
-        "span`), which also marks short tokens that merely occur inside a span (e.g. 'a', ','). trl_stable keeps "
-        "your script's rewards as they are; for character-offset alignment use "
-        "trl_stable.rewards.span_token_rewards, or trl_stable.rewards.make_intrinsic_reward with PPOTrainer.train().",
-    )
-    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
-    critic = OpenAICritic(
-        model=model,
-        base_url=base_url,
-        api_key=api_key,
-        max_tokens=max_tokens,
-        concurrency=max_workers,
-        timeout=timeout,
-        temperature=0.0,
-    )
-    with critic:
-        answers = critic.generate(list(queries))
-    failed = sum(a is None for a in answers)
-    if failed:
-        _warn_once(
-            "failed_call",
-            f"query_batch_span: {failed} of {len(answers)} critic calls failed after retries; they are returned as "
-            f"{failed_as!r} instead of stopping the run. Scripts that test `'None identified' in span` need "
-            "failed_as='' (an empty critique: no intrinsic reward for that sample).",
-        )
-    return [failed_as if a is None else a for a in answers]
 
 
 # ---------------------------------------------------------------------------------------------------- toxicity

@@ -1,21 +1,6 @@
-r"""The math of trl_stable: pure torch, no TRL import; each function carries its formula and its paper.
-
-| module | what |
-|---|---|
-| `normalization` | the mean/std family of GRPO, Dr.GRPO, LitePPO, RLOO (`normalize`) and GDPO's per-reward form |
-| `advantages` | NGRPO, DAPO's overlong penalty and dynamic-sampling test, dense reward-to-go |
-| `estimators` | the advantage-estimator registry both trainers select from |
-| `gae` | GAE over tokens and turns, per-sequence lambda schedules |
-| `kl` | the KL-estimator registry and the KL-coefficient controllers |
-| `behaviour_weights` | the decoupled loss's behaviour weight and its IcePop / KPop filters |
-| `policy_loss` | the clipped and decoupled PPO terms and their normalisation |
-| `token_rewards` | PPO's per-token reward (KL penalty, dense rewards, score) |
-| `value_loss` | PPO's clipped value loss |
-| `masked_stats` | masked mean, moments and whitening, over every process if asked |
-| `score_scaling` | running moments of PPO's scores and old TRL's score scaling |
-| `positions` | position ids of padded rows, as the samplers number them |
-
-Every public name of these modules (their `__all__`) is importable from `trl_stable.core`, as asyncio does it.
+"""The math of trl_stable: pure torch, no TRL import; each function carries its formula and its paper (the modules:
+docs/development.md). Every public name of these modules (their `__all__`) is importable from `trl_stable.core`, as
+asyncio does it.
 """
 
 from trl_stable.core import (

@@ -69,20 +69,11 @@ def icepop_mask(
     upper: float = 5.0,
     level: str = "token",
 ) -> torch.Tensor:
-    r"""IcePop (Ring-1T, arXiv 2510.18855): keep a token iff $\text{lower} \le w \le \text{upper}$ (inclusive).
+    r"""IcePop (Ring-1T, arXiv 2510.18855): keep a token iff $\text{lower} \le w \le \text{upper}$ (inclusive,
+    0 < lower < upper), with $w$ as in `behaviour_weight`.
 
-    $w = \exp(\log\pi_{prox} - \log\pi_{behav})$ as in `behaviour_weight` (a non-finite log-ratio counts as 0, i.e.
-    $w = 1$). At level "sequence" the sequence weight is the geometric mean
-    $w_{seq} = \exp(\text{mean}_t \log w_t)$ over the masked tokens, and the whole sequence is kept or dropped.
-
-    Args:
-        prox_logps, behav_logps: [B, T] log-probs.
-        mask: [B, T] completion mask.
-        lower, upper: The band, 0 < lower < upper.
-        level: "token" or "sequence".
-
-    Returns:
-        Bool [B, T], True = keep; False where `mask` is 0.
+    At `level` "sequence" the sequence weight is the geometric mean $w_{seq} = \exp(\text{mean}_t \log w_t)$ over the
+    masked tokens, and the whole sequence is kept or dropped.
     """
     _check_level(level)
     lo, hi = _log_band(lower, upper, "IcePop")
@@ -113,16 +104,7 @@ def kpop_mask(
     $p = \text{clamp}(e^{\log\pi_{prox}}, 10^{-8}, 1 - 10^{-8})$, $q$ likewise from $\log\pi_{behav}$;
     keep iff $\max(KL_B(p\|q), KL_B(q\|p)) \le \text{upper}$. A token's probability is treated as a coin, so the
     test sees both a collapse and an explosion of the probability, unlike a ratio band. At level "sequence" the
-    per-token maximum KL is averaged over the masked tokens and the whole sequence is kept or dropped.
-
-    Args:
-        prox_logps, behav_logps: [B, T] log-probs.
-        mask: [B, T] completion mask.
-        upper: KL threshold, > 0.
-        level: "token" or "sequence".
-
-    Returns:
-        Bool [B, T], True = keep; False where `mask` is 0.
+    per-token maximum KL is averaged over the masked tokens and the whole sequence is kept or dropped. `upper` > 0.
     """
     _check_level(level)
     if not upper > 0:

@@ -1,21 +1,7 @@
-r"""Advantage estimators behind one registry and one signature (the `core_algos.py` pattern of verl).
+r"""Advantage estimators behind one registry and one signature (the `core_algos.py` pattern of verl; docs/grpo.md).
 
 Every estimator is ``fn(inputs: AdvantageInputs, **params) -> AdvantageOutputs``: the data of a batch travels in
-[`AdvantageInputs`], the estimator's hyper-parameters (eps, gamma, lam, ...) are keyword arguments. A trainer picks
-one by name:
-
-```python
->>> from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
->>> rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
->>> out = get_advantage_estimator("rloo")(AdvantageInputs(rewards, group_ids=torch.tensor([0, 0, 1, 1])))
->>> out.advantages
-tensor([1., -1., 0., 0.])
-```
-
-Sequence-level estimators (``sequence_level=True`` at registration: grpo, dr_grpo, liteppo, rloo, gdpo, ngrpo) take
-[N] sequence rewards and group ids and return [N] advantages; token-level ones (gae, turn_gae) take [B, T] token
-rewards and values and also return the returns. Register your own with [`register_advantage_estimator`]. Pure torch,
-no TRL import.
+[`AdvantageInputs`], the estimator's hyper-parameters (eps, gamma, lam, ...) are keyword arguments.
 """
 
 from __future__ import annotations
@@ -181,12 +167,9 @@ def rloo_estimator(inputs: AdvantageInputs, **params: Any) -> AdvantageOutputs:
 
 @register_advantage_estimator("gdpo")
 def gdpo_estimator(inputs: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutputs:
-    r"""GDPO (arXiv 2601.05242): per-reward group z-scores, weighted sum, then a batch z-score.
-
-    $z_{ij} = (r_{ij} - \mu_{g(i),j}) / (\sigma_{g(i),j} + \epsilon)$, $s_i = \sum_j w_j z_{ij}$,
-    $A_i = (s_i - \mu_s) / (\sigma_s + \epsilon)$; TRL's ``multi_objective_aggregation="normalize_then_sum"``.
-    Needs `rewards_per_func` [N, K] and `group_ids`; `reward_weights` [K] (default ones). See
-    `trl_stable.core.gdpo_advantages` for the NaN rules.
+    r"""GDPO (arXiv 2601.05242), `trl_stable.core.gdpo_advantages`: $A_i$ = the batch z-score of
+    $\sum_j w_j z_{ij}$, the per-reward group z-scores. Needs `rewards_per_func` [N, K] and `group_ids`;
+    `reward_weights` [K] (default ones).
     """
     if inputs.rewards_per_func is None:
         raise ValueError("The 'gdpo' estimator needs AdvantageInputs.rewards_per_func ([N, K], a column per reward).")
@@ -197,10 +180,8 @@ def gdpo_estimator(inputs: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutpu
 def ngrpo_estimator(
     inputs: AdvantageInputs, r_max: float = 1.0, num_virtual: int = 1, eps: float = 1e-6
 ) -> AdvantageOutputs:
-    r"""NGRPO (arXiv 2509.18851): group mean and std taken with `num_virtual` extra samples of reward `r_max`.
-
-    $\mu = (\sum_i r_i + K r_{max}) / (n + K)$, $\sigma^2 = (\sum_i (r_i - \mu)^2 + K (r_{max} - \mu)^2)/(n + K - 1)$,
-    $A_i = (r_i - \mu)/(\sigma + \epsilon)$: an all-wrong group still gets a signal. Needs `rewards` [N] and
+    r"""NGRPO (arXiv 2509.18851), `trl_stable.core.ngrpo_advantages`: $A_i = (r_i - \mu)/(\sigma + \epsilon)$ with
+    the group's $\mu$, $\sigma$ taken with `num_virtual` extra samples of reward `r_max`. Needs `rewards` [N] and
     `group_ids`.
     """
     return AdvantageOutputs(ngrpo_advantages(_sequence_rewards(inputs), inputs.group_ids, r_max, num_virtual, eps))

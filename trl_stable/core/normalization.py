@@ -1,19 +1,6 @@
-"""Reward and advantage normalization: the mean/std family behind GRPO, Dr.GRPO, LitePPO and RLOO.
-
-One function, `normalize`, covers the family by choosing where the mean and the standard deviation are taken
-(over the whole batch, within each prompt group, or not at all) and whether the mean leaves the sample itself out.
-The presets below name the combinations that have papers:
-
-| preset    | mean   | std   | leave-one-out | paper                                   |
-|-----------|--------|-------|---------------|-----------------------------------------|
-| `grpo`    | group  | group | no            | DeepSeekMath, arXiv 2402.03300          |
-| `dr_grpo` | group  | None  | no            | Dr.GRPO, arXiv 2503.20783               |
-| `liteppo` | group  | batch | no            | LitePPO ("Tricks or Traps"), 2508.08221 |
-| `rloo`    | group  | None  | yes           | RLOO, Ahmadian et al., arXiv 2402.14740 |
-
-(AReaL's GRPO recipe normalizes rewards group/group and then advantages batch/batch; the table is the single-stage
-form TRL uses.)
-"""
+"""Reward and advantage normalization: `normalize`, one function for the mean/std family of GRPO, Dr.GRPO, LitePPO
+and RLOO (where the mean and the std are taken, and whether the mean leaves the sample out), and GDPO's per-reward
+form."""
 
 from __future__ import annotations
 
@@ -27,11 +14,12 @@ __all__ = ["NORMALIZATION_LEVELS", "NORMALIZATION_PRESETS", "gdpo_advantages", "
 
 NORMALIZATION_LEVELS = ("batch", "group", None)
 
+# The combinations that have papers (TRL's single-stage form).
 NORMALIZATION_PRESETS: dict[str, dict[str, object]] = {
-    "grpo": {"mean_level": "group", "std_level": "group", "leave_one_out": False},
-    "dr_grpo": {"mean_level": "group", "std_level": None, "leave_one_out": False},
-    "liteppo": {"mean_level": "group", "std_level": "batch", "leave_one_out": False},
-    "rloo": {"mean_level": "group", "std_level": None, "leave_one_out": True},
+    "grpo": {"mean_level": "group", "std_level": "group", "leave_one_out": False},  # DeepSeekMath, arXiv 2402.03300
+    "dr_grpo": {"mean_level": "group", "std_level": None, "leave_one_out": False},  # Dr.GRPO, arXiv 2503.20783
+    "liteppo": {"mean_level": "group", "std_level": "batch", "leave_one_out": False},  # LitePPO, arXiv 2508.08221
+    "rloo": {"mean_level": "group", "std_level": None, "leave_one_out": True},  # RLOO, arXiv 2402.14740
 }
 
 
@@ -194,22 +182,9 @@ def gdpo_advantages(
     weights: torch.Tensor | list[float] | None = None,
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    r"""GDPO: group-decoupled normalization of several rewards (arXiv 2601.05242).
-
-    $s_i = \sum_j w_j z_{ij}$ with $z_{ij} = (r_{ij} - \mu_{g(i),j}) / (\sigma_{g(i),j} + \epsilon)$, the group mean
-    and unbiased group std of each reward (`gdpo_scores`), then $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$ over the
-    batch (`normalize`); TRL's ``multi_objective_aggregation="normalize_then_sum"``. NaN rewards (a reward function
-    that does not apply to a sample) are left out of their column's statistics and contribute 0 to the sum; a row
-    that is NaN in every column stays NaN.
-
-    Args:
-        rewards: [N, K] rewards, one column per reward function.
-        group_ids: [N] integer group ids.
-        weights: [K] weights; None means all ones.
-        eps: Added to every std (TRL's 1e-4).
-
-    Returns:
-        Advantages [N].
+    r"""GDPO (arXiv 2601.05242): $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$ over the batch, with $s$ the per-reward
+    group z-scores summed by weight (`gdpo_scores`, whose NaN rules apply); TRL's
+    ``multi_objective_aggregation="normalize_then_sum"``. Arguments as for `gdpo_scores`; returns advantages [N].
     """
     summed = gdpo_scores(rewards, weights, eps, group_ids=group_ids)
     return normalize(summed, mean_level="batch", std_level="batch", eps=eps)

@@ -6,6 +6,7 @@
 - `patching`: [`wrapped_method`], a method replaced on one instance for the duration of a call.
 - `reward_calls`: calling a reward function as TRL does ([`call_reward_func`], [`reward_event_loop`]).
 - `hf_names`: names transformers gives things ([`model_name_of`], [`rng_state_file`]).
+- `version`: the version gate, one clear ImportError at import time for a TRL release trl_stable does not support.
 
 What reads or writes `trl.GRPOTrainer`'s own state lives with the GRPO trainer (`trl_stable.trainers.grpo`), PPO's
 with PPO. Nothing here imports another trl_stable package but this one.

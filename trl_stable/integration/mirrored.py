@@ -169,7 +169,7 @@ MIRRORED: tuple[Mirrored, ...] = (
         relation="relies on",
     ),
     Mirrored(
-        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._maybe_evaluate_and_save",
+        "trl_stable.trainers.ppo.loop_events.LoopEvents._maybe_evaluate_and_save",
         "transformers.Trainer._maybe_log_save_evaluate",
         (
             "if self.control.should_evaluate:",
@@ -207,7 +207,19 @@ MIRRORED: tuple[Mirrored, ...] = (
         relation="relies on",
     ),
     Mirrored(
-        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.get_train_dataloader",
+        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer.step",
+        "transformers.Trainer._track_num_input_tokens",
+        (
+            'main_input_name = getattr(self.model, "main_input_name", "input_ids")',
+            'if self.args.include_num_input_tokens_seen == "non_padding":',
+            'if "attention_mask" in inputs:',
+            'input_tokens = inputs["attention_mask"].sum()',
+            "input_tokens = inputs[main_input_name].numel()",
+        ),
+        relation="relies on",
+    ),
+    Mirrored(
+        "trl_stable.trainers.ppo.prompts.PromptData.get_train_dataloader",
         "transformers.Trainer._get_dataloader",
         (
             '"num_workers": self.args.dataloader_num_workers,',
@@ -221,7 +233,7 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
-        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._begin",
+        "trl_stable.trainers.ppo.loop_events.LoopEvents._begin",
         "transformers.Trainer._init_training_state",
         (
             "self.state.compute_steps(self.args, max_steps)",
@@ -229,7 +241,7 @@ MIRRORED: tuple[Mirrored, ...] = (
         ),
     ),
     Mirrored(
-        "trl_stable.trainers.ppo.ppo_trainer.PPOTrainer._load_checkpoint",
+        "trl_stable.trainers.ppo.saving.SaveAndResume._load_checkpoint",
         "transformers.Trainer._prepare_for_training",
         (
             "deepspeed_load_checkpoint(",

@@ -15,7 +15,8 @@ it returns has no rewards, no sampler routing). trl_stable's override therefore 
 (`trl_stable.trainers.grpo.RolloutRecord`, a context manager, reset when the call ends, also on error) that those
 hooks fill; nothing else carries one batch's values between methods.
 
-The version gate (`trl_stable._compat`) stays: it turns an unsupported TRL into one clear ImportError at import time.
+The version gate (`trl_stable.integration.version`) stays: it turns an unsupported TRL into one clear ImportError at
+import time.
 """
 
 from __future__ import annotations
@@ -339,6 +340,9 @@ _PPO = (
     "trl_stable/trainers/ppo/rewards.py",
 )
 _PPO_TRAINER = _PPO[1:2]
+_PPO_LOOP = ("trl_stable/trainers/ppo/loop_events.py",)
+_PPO_PROMPTS = ("trl_stable/trainers/ppo/prompts.py",)
+_PPO_SAVING = ("trl_stable/trainers/ppo/saving.py",)
 _T = "transformers.Trainer"
 PPO_MEMBERS: tuple[Member, ...] = (
     Member(
@@ -360,7 +364,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "override",
         ("model_name", "dataset_name", "tags"),
         "None; writes README.md in output_dir from `_name`, `_paper`, `_tag_names` and `model.config`",
-        _PPO_TRAINER,
+        _PPO_SAVING,
     ),
     Member(
         _T,
@@ -378,7 +382,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         ("train_dataset",),
         "the sampler of `train_sampling_strategy`; for group_by_length a `LengthGroupedSampler` whose `lengths` and "
         "`generator` PPO reuses",
-        _PPO_TRAINER,
+        _PPO_PROMPTS,
     ),
     Member(
         "transformers.trainer_pt_utils.LengthGroupedSampler",
@@ -386,7 +390,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "call",
         ("batch_size", "dataset", "lengths", "model_input_name", "generator"),
         "a sampler grouping rows of similar `lengths` into batches of `batch_size`",
-        _PPO_TRAINER,
+        _PPO_PROMPTS,
     ),
     Member(
         _T,
@@ -397,10 +401,23 @@ PPO_MEMBERS: tuple[Member, ...] = (
         _PPO_TRAINER,
     ),
     Member(
-        _T, "_evaluate", "call", ("trial", "ignore_keys_for_eval", "skip_scheduler"), "the eval metrics", _PPO_TRAINER
+        _T,
+        "_track_num_input_tokens",
+        "call",
+        ("inputs",),
+        "None; adds the batch's tokens over every process to `state.num_input_tokens_seen` (MIRRORED)",
+        _PPO_TRAINER,
     ),
-    Member(_T, "_determine_best_metric", "call", ("metrics", "trial"), "whether a new best was reached", _PPO_TRAINER),
-    Member(_T, "_save", "override", ("output_dir", "state_dict"), "None; what save_model writes", _PPO_TRAINER),
+    Member(
+        _T,
+        "_evaluate",
+        "call",
+        ("trial", "ignore_keys_for_eval", "skip_scheduler"),
+        "the eval metrics",
+        _PPO_TRAINER + _PPO_LOOP,
+    ),
+    Member(_T, "_determine_best_metric", "call", ("metrics", "trial"), "whether a new best was reached", _PPO_LOOP),
+    Member(_T, "_save", "override", ("output_dir", "state_dict"), "None; what save_model writes", _PPO_SAVING),
     Member(
         _T,
         "_load_from_checkpoint",
@@ -408,15 +425,15 @@ PPO_MEMBERS: tuple[Member, ...] = (
         ("resume_from_checkpoint", "model"),
         "None; loads full weights, shards or the adapter into `model` (PPO passes its policy, then loads its value "
         "head)",
-        _PPO_TRAINER,
+        _PPO_SAVING,
     ),
-    Member(_T, "_load_best_model", "override", (), "None", _PPO_TRAINER),
-    Member(_T, "_load_optimizer_and_scheduler", "call", ("checkpoint",), "None", _PPO_TRAINER),
-    Member(_T, "_load_scaler", "call", ("checkpoint",), "None", _PPO_TRAINER),
+    Member(_T, "_load_best_model", "override", (), "None", _PPO_SAVING),
+    Member(_T, "_load_optimizer_and_scheduler", "call", ("checkpoint",), "None", _PPO_SAVING),
+    Member(_T, "_load_scaler", "call", ("checkpoint",), "None", _PPO_SAVING),
     Member(
-        _T, "_load_callback_state", "call", (), "None (honours restore_callback_states_from_checkpoint)", _PPO_TRAINER
+        _T, "_load_callback_state", "call", (), "None (honours restore_callback_states_from_checkpoint)", _PPO_SAVING
     ),
-    Member(_T, "_load_rng_state", "call", ("checkpoint",), "None", _PPO_TRAINER),
+    Member(_T, "_load_rng_state", "call", ("checkpoint",), "None", _PPO_SAVING),
     Member(
         _T,
         "_finalize_training",
@@ -432,7 +449,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "call",
         ("trainer", "max_steps", "num_train_epochs", "trial"),
         "None; sets max_steps, num_train_epochs and the process flags on the state",
-        _PPO_TRAINER,
+        _PPO_LOOP + _PPO_SAVING,
     ),
     Member(
         "transformers.trainer_callback.TrainerState",
@@ -440,7 +457,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "call",
         ("args", "max_steps"),
         "sets logging_steps / save_steps / eval_steps from `args` (fractions of max_steps resolved)",
-        _PPO_TRAINER,
+        _PPO_LOOP,
     ),
     Member(
         "transformers.integrations.deepspeed",
@@ -448,7 +465,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "call",
         ("deepspeed_engine", "checkpoint_path", "load_module_strict"),
         "None; loads the engine's checkpoint (weights, optimizer) written by `_save_optimizer_and_scheduler`",
-        _PPO_TRAINER,
+        _PPO_SAVING,
     ),
     Member(
         "transformers.trainer_utils",
@@ -456,7 +473,7 @@ PPO_MEMBERS: tuple[Member, ...] = (
         "call",
         ("worker_id", "num_workers", "rank"),
         "None; Trainer's dataloader worker_init_fn",
-        _PPO_TRAINER,
+        _PPO_PROMPTS,
     ),
 )
 # TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo/vllm.py`).

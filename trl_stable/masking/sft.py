@@ -1,19 +1,5 @@
-"""Step-masked SFT: fine-tune on agent traces in one call, training only on valid steps.
-
-`StepMaskedSFTTrainer` is TRL's `SFTTrainer`; before TRL prepares the datasets, each row is turned into
-``input_ids`` and ``labels`` where the tokens of invalid steps (broken JSON, unknown tools, wrongly typed arguments,
-crashed / timed-out / out-of-memory code) are -100. TRL's loss then is exactly `masked_cross_entropy`: the sum of
-the valid tokens' cross-entropy over the number of valid tokens (at least 1).
-
-Accepted row formats:
-
-- ``messages`` (chat with tool calls, optional per-row ``tools``): steps are found with `find_transcript_steps`;
-  with ``step_assistant_only`` only assistant turns train.
-- ``text`` + ``steps``: steps with character (``"unit": "char"``) or token boundaries into the tokenized text.
-- ``input_ids`` + ``steps`` (+ optional ``labels``): token-index steps on pre-tokenized rows.
-
-`StepMaskCollator` is the collator-side alternative for pipelines that keep a per-token ``step_mask`` column.
-"""
+"""Step-masked SFT (docs/agent_steps.md): TRL's `SFTTrainer` on rows whose invalid steps' labels are -100, so TRL's
+loss is exactly `masked_cross_entropy`."""
 
 from __future__ import annotations
 
@@ -27,7 +13,7 @@ import trl
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from trl_stable.integration.hf_names import model_name_of
-from trl_stable.masking.mask import build_step_loss_mask
+from trl_stable.masking.mask import StepSpanError, build_step_loss_mask
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
 from trl_stable.token_offsets import encode_with_offsets
@@ -48,8 +34,8 @@ def step_mask_example(
 ) -> dict[str, Any]:
     """Turn one row into ``input_ids``, ``labels`` (-100 on masked tokens) and step counts.
 
-    A row's own ``tools`` column (valid tool names or signatures) overrides `tools`. See the module docstring for
-    the accepted row formats.
+    Rows are ``messages`` (steps found by `find_transcript_steps`), ``text`` + ``steps`` (character or token
+    boundaries) or ``input_ids`` + ``steps`` (+ ``labels``). A row's own ``tools`` column overrides `tools`.
     """
     tools = example.get("tools") or tools
     tag_kwargs = {"open_tag": open_tag, "close_tag": close_tag}
@@ -95,25 +81,19 @@ def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> An
     dropped (TRL's SFTTrainer then only truncates / packs it).
     """
     columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
-    return dataset.map(step_mask_example, fn_kwargs={"tokenizer": tokenizer, **kwargs}, remove_columns=columns or None)
+
+    def one_row(example: Mapping[str, Any], index: int) -> dict[str, Any]:
+        try:
+            return step_mask_example(example, tokenizer, **kwargs)
+        except StepSpanError as err:  # the dataset row, too: the error alone names only the step
+            raise StepSpanError(f"dataset row {index}: {err}") from err
+
+    return dataset.map(one_row, with_indices=True, remove_columns=columns or None)
 
 
 @dataclass
 class StepMaskedSFTConfig(trl.SFTConfig):
-    """Configuration for [`StepMaskedSFTTrainer`]: every field of `trl.SFTConfig`, plus the step-mask options.
-
-    Args:
-        step_tools: Valid tools: a list of names, ``{name: JSON-schema-like signature}``, a list of OpenAI tool
-            specs, or a JSON string / path of a JSON file holding one of these. None: no name or argument check
-            (tool calls must still be valid JSON with a name).
-        step_assistant_only: For ``messages`` rows, train only the assistant turns (tool outputs and user turns
-            are never targets).
-        step_outside_value: Mask value of tokens covered by no step (1 trains them; 0 trains valid steps only).
-        step_tool_call_open / step_tool_call_close: Delimiters of a tool-call block in assistant text.
-        step_code_tools: Tool names whose calls execute code (their reply decides crash / timeout / oom).
-        step_infer_exec_status: Read crash / timeout / oom from a code tool's output when the tool message has no
-            ``exec_status``.
-    """
+    """Configuration for [`StepMaskedSFTTrainer`]: every field of `trl.SFTConfig`, plus the step-mask options."""
 
     step_tools: dict[str, Any] | str | None = field(
         default=None,
@@ -152,7 +132,7 @@ class StepMaskedSFTConfig(trl.SFTConfig):
 
 
 class StepMaskedSFTTrainer(trl.SFTTrainer):
-    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces.
+    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces (example: docs/agent_steps.md).
 
     Args:
         Same as `trl.SFTTrainer`. `args` may be a [`StepMaskedSFTConfig`] (a plain `SFTConfig` uses the step-mask
@@ -160,15 +140,6 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
 
     After construction, ``trainer.step_mask_stats`` holds, per dataset name, the number of rows, steps and invalid
     steps found.
-
-    Example:
-        ```python
-        trainer = StepMaskedSFTTrainer(
-            model, args=StepMaskedSFTConfig(output_dir="out", step_tools={"get_weather": {"city": "string"}}),
-            train_dataset=Dataset.from_list([{"messages": [...]}]), processing_class=tokenizer,
-        )
-        trainer.train()
-        ```
     """
 
     _tag_names = ["trl", "sft", "trl_stable", "step-mask"]
@@ -223,10 +194,9 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
                     "invalid_steps": int(sum(out["num_invalid_steps"])),
                 }
             except TypeError:  # IterableDataset: no column access
-                stats = {}
-            if stats:
-                self.step_mask_stats[name] = stats
-                logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
+                return out
+            self.step_mask_stats[name] = stats
+            logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
         return out
 
 

@@ -1,15 +1,6 @@
-"""Find the steps of a chat transcript with tool calls automatically.
-
-The transcript is rendered with the tokenizer's chat template; each message's character span comes from
-rendering growing prefixes of the conversation (falling back to locating the content when a template is not
-prefix-stable). Inside each assistant turn, tool-call blocks (``<tool_call>...</tool_call>`` by default, the
-Hermes/Qwen format) and fenced code blocks become steps; the rest of the turn is a ``text`` step. The outcome of a
-call (a following ``tool`` message) is attached to it: an explicit ``exec_status`` / ``status`` key on the tool
-message, or, with ``infer_exec_status``, a crash / timeout / oom read from the tool output.
-
-Structured ``tool_calls`` (OpenAI message format) that the template does not render are appended to the
-assistant content as tool-call blocks first, so the model is trained on the calls it is asked to make.
-"""
+"""Find the steps of a chat transcript with tool calls (docs/agent_steps.md): tool-call blocks and fenced code blocks
+of each assistant turn, located by rendering growing prefixes with the chat template, with the outcome a following
+tool message reports (``exec_status`` / ``status``, or read from its output)."""
 
 from __future__ import annotations
 
@@ -238,19 +229,15 @@ def _assistant_steps(
         step = _step(body_start + a, body_start + b, kind, message_index=index)
         if kind == "tool_call":
             step["metadata"]["tool_call_id"] = call_ids.pop(0) if call_ids else None
-            step["metadata"]["tool_name"] = _tool_name(body[a:b], open_tag, close_tag)
+            try:
+                step["metadata"]["tool_name"] = parse_tool_call(body[a:b], open_tag, close_tag).name
+            except ValueError:
+                step["metadata"]["tool_name"] = None
         steps.append(step)
         cursor = b
     if cursor < len(body):
         steps.append(_step(body_start + cursor, body_end, "text", message_index=index))
     return steps
-
-
-def _tool_name(block: str, open_tag: str, close_tag: str) -> str | None:
-    try:
-        return parse_tool_call(block, open_tag, close_tag).name
-    except ValueError:
-        return None
 
 
 def _attach_outcome(

@@ -1,15 +1,7 @@
-"""Step validation: decide whether one step of an agent trace may train (docs/agent_steps.md).
-
-A step is invalid (its tokens get loss mask 0) when
-
-- it is a tool call whose payload does not parse as JSON (``invalid_json``),
-- it names a tool that is not in the valid list (``unknown_tool``),
-- its arguments do not match the tool's JSON-schema-like signature (``bad_arguments``),
-- it is a code step whose execution ended in a crash, a timeout or out of memory (``exec_crash`` /
-  ``exec_timeout`` / ``exec_oom``; common spellings such as "error", "timed_out", "OOMKilled" are aliases).
-
-Everything else is valid. The checks are plain functions over text and dicts so that SFT (masks baked into the
-labels), GRPO and PPO (masks multiplied into the completion mask) share them.
+"""Step validation: whether one step of an agent trace may train (docs/agent_steps.md). A step is invalid when it is
+a tool call that is not JSON (``invalid_json``), names an unknown tool (``unknown_tool``) or passes arguments its
+signature refuses (``bad_arguments``), or a code step that crashed, timed out or ran out of memory (``exec_crash`` /
+``exec_timeout`` / ``exec_oom``). Plain functions over text and dicts, so SFT, GRPO and PPO share them.
 """
 
 from __future__ import annotations
@@ -17,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -356,7 +349,4 @@ def find_tool_call_spans(
 
 def count_reasons(verdicts: Iterable[StepVerdict]) -> dict[str, int]:
     """How many steps failed for each reason (valid steps under "ok")."""
-    counts: dict[str, int] = {}
-    for verdict in verdicts:
-        counts[verdict.reason] = counts.get(verdict.reason, 0) + 1
-    return counts
+    return dict(Counter(verdict.reason for verdict in verdicts))

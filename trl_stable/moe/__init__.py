@@ -1,16 +1,5 @@
-"""Routing replay for HuggingFace MoE models (R2 / R3): record each router's experts, replay them in training passes.
-
-```python
-from trl_stable.moe import RoutingReplay
-
-replay = RoutingReplay(model)
-with replay.record():
-    old = model(input_ids, attention_mask=attention_mask)
-with replay.replay():
-    new = model(input_ids, attention_mask=attention_mask)
-replay.clear()
-```
-"""
+"""Routing replay for HuggingFace MoE models (R2 / R3): record each router's experts, replay them in training passes
+(docs/routing_replay.md)."""
 
 from trl_stable.moe.adapters import ADAPTERS, SUPPORTED_ROUTERS, RouterAdapter
 from trl_stable.moe.generation import generate_with_routing

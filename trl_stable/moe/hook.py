@@ -1,17 +1,8 @@
-"""Routing replay as a hook object the trainers call at named points of their step.
-
-A trainer owns one `RoutingHook` (``routing_replay`` on GRPOConfig / PPOConfig) and calls it where its algorithm
-says so; nothing is wrapped behind the trainer's back and nothing is inferred from the order of calls:
-
-- ``with hook.sampling() as sampled:`` around one HF ``generate`` call: R3 records the sampler's routing.
-- ``with hook.rollout_pass(attention_mask, routing) as rollout:`` around the old-logprob (proximal) pass: R2 records
-  the routing this pass takes, R3 replays ``routing`` (the sampler's).
-- ``with hook.update_pass(routing):`` around each update forward: both replay.
-- ``hook.take_metrics(prefix)`` after a pass: the agreement of the replayed passes since the last call.
+"""Routing replay as a hook object the trainers call at named points of their step (the table of
+docs/routing_replay.md): nothing is wrapped behind the trainer's back and nothing is inferred from the order of calls.
 
 The routing tensor travels in the trainer's batch under ``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on
-padding), so shuffling and mini-batch splitting keep it aligned with its tokens. With ``mode="off"`` every context is
-a no-op yielding an empty record, so a trainer calls the hook unconditionally.
+padding), so shuffling and mini-batch splitting keep it aligned with its tokens.
 """
 
 from __future__ import annotations
@@ -92,7 +83,7 @@ class RolloutRouting:
 
 
 class RoutingHook:
-    """The routing-replay points of a trainer's step (see the module docstring for the table).
+    """The routing-replay points of a trainer's step; with `mode` "off" each is a no-op, so a trainer calls them all.
 
     Args:
         model: The policy (a transformers MoE model, or a wrapper such as a PEFT model); unused when `mode` is "off".

@@ -1,19 +1,12 @@
-"""Routing replay for HuggingFace MoE models: record each router's top-k experts, force them in later passes.
+"""Routing replay for HuggingFace MoE models (R2/R3, arXiv 2510.11370; docs/routing_replay.md): record each
+router's top-k experts, force them in later passes, with the gates recomputed from the current router.
 
-On an MoE policy the RL ratio pi_theta / pi_old is only meaningful if both passes send each token through the same
-experts; a router that flips between two near-tied experts changes the token's log-prob by far more than the update
-did. Routing replay (R2/R3, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers",
-arXiv 2510.11370) records the experts chosen in the reference pass and replays them in the training passes, while the
-gating weights are recomputed from the current router probabilities so that the router still learns.
-
-Mechanics: a forward hook on every supported router (see `adapters.py`) sees the router's own output
-``(logits, weights, index)``. Recording stores ``index``; replaying swaps ``index`` for the recorded rows and
-recomputes ``weights`` from ``logits`` with the family's normalisation. A pre-hook on the MoE block gives the
-``[B, S]`` shape of each call, so rows are stored per sequence and consumed batch-row by batch-row: a batch recorded
-in one pass and replayed in chunks or shuffled mini-batches stays aligned with its tokens as long as the routing
-tensor travels with the batch (see `export` / `replay(routing)`). A pre-hook on the decoder layer tells whether
-gradient checkpointing will recompute the call in backward; the experts it used then wait, per router, for that
-recomputation (told from a forward by autograd's graph-task id) and are matched to it by the router logits.
+Mechanics: a forward hook on every supported router (`adapters.py`) sees its output ``(logits, weights, index)``;
+recording stores ``index``, replaying swaps it for the recorded rows and recomputes ``weights`` with the family's
+normalisation. A pre-hook on the MoE block gives each call's ``[B, S]``, so rows are consumed batch-row by batch-row
+(chunked or shuffled passes stay aligned). A pre-hook on the decoder layer tells whether gradient checkpointing will
+recompute the call in backward; its experts then wait for that recomputation (told from a forward by autograd's
+graph-task id) and are matched to it by the router logits.
 """
 
 from __future__ import annotations
@@ -47,11 +40,6 @@ def _owner(module: nn.Module) -> RoutingReplay | None:
 # forward, so replay refuses gradient checkpointing instead of letting the recomputation route freely (silently wrong
 # gradients).
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass, i.e. when a gradient-checkpointed layer is being recomputed."""
-    return _current_graph_task_id is not None and _current_graph_task_id() != -1
 
 
 def _fingerprint(router_logits: torch.Tensor) -> torch.Tensor:
@@ -147,9 +135,9 @@ class _RouterState:
     record: list[torch.Tensor] = field(default_factory=list)
     queue: _RowQueue | None = None
     recompute_fifo: deque = field(default_factory=deque)
-    agree: torch.Tensor | None = None
-    replayed: torch.Tensor | None = None
-    seen: torch.Tensor | None = None
+    agree: torch.Tensor | int = 0
+    replayed: torch.Tensor | int = 0
+    seen: int = 0
 
 
 def _checkpoint_layer(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
@@ -192,27 +180,11 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
     return states
 
 
-def _same_topk_set(forced: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-    """[N] bool: the replayed experts are the router's own top-k set (indices within a row are distinct)."""
-    return (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
-
-
 class RoutingReplay:
-    """Record and replay the expert choices of every router of a HuggingFace MoE model.
+    """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
 
-    Example:
-        ```python
-        replay = RoutingReplay(model)
-        with replay.record():
-            old = model(input_ids, attention_mask=attention_mask)
-        routing = replay.export()  # [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`
-        with replay.replay(routing):
-            new = model(input_ids, attention_mask=attention_mask)  # same experts, gradients reach the routers
-        print(replay.metrics())  # {"routing/agreement": ..., "routing/replayed_frac": ...}
-        replay.clear()
-        ```
-
-    Rows equal to -1 in a routing tensor (padding, tokens the sampler never fed) fall back to the router's own choice.
+    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows equal to -1 (padding,
+    tokens the sampler never fed) fall back to the router's own choice.
 
     Args:
         model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model). Every router of a supported
@@ -234,17 +206,16 @@ class RoutingReplay:
         top_ks = {s.top_k for s in self._states}
         if len(top_ks) != 1:
             raise ValueError(f"RoutingReplay needs one top-k for all routers, found {sorted(top_ks)}.")
-        for index, state in enumerate(self._states):
+        for state in self._states:
             # a weak reference: a deep copy of the model (e.g. a reference model) shares it and is not "owned"
             setattr(state.module, _OWNER_ATTRIBUTE, weakref.ref(self))
-            self._handles.append(state.block.register_forward_pre_hook(self._block_pre_hook(index), with_kwargs=True))
+            self._handles.append(state.block.register_forward_pre_hook(self._block_pre_hook(state), with_kwargs=True))
             if state.layer is not None:
-                self._handles.append(state.layer.register_forward_pre_hook(self._layer_pre_hook(index)))
-            self._handles.append(state.module.register_forward_hook(self._router_hook(index)))
+                self._handles.append(state.layer.register_forward_pre_hook(self._layer_pre_hook(state)))
+            self._handles.append(state.module.register_forward_hook(self._router_hook(state)))
         max_experts = max(s.num_experts for s in self._states)
         self.storage_dtype = torch.int16 if max_experts <= torch.iinfo(torch.int16).max else torch.int32
 
-    # ------------------------------------------------------------------ properties
     @property
     def num_layers(self) -> int:
         """Number of hooked routers (MoE layers), the third dimension of the routing tensor."""
@@ -280,7 +251,6 @@ class RoutingReplay:
         """Whether routing was recorded or loaded (and not cleared)."""
         return any(s.record for s in self._states)
 
-    # ------------------------------------------------------------------ contexts
     @contextlib.contextmanager
     def record(self, *, append: bool = False) -> Iterator[RoutingReplay]:
         """Forward passes inside store each router's top-k experts (previous routing is dropped unless `append`)."""
@@ -322,12 +292,8 @@ class RoutingReplay:
         if not self._handles:
             raise RuntimeError("This RoutingReplay was removed; create a new one.")
         self._mode = mode
-        if self.disable_router_jitter:
-            self._disable_jitter()
-
-    def _disable_jitter(self) -> None:
-        """Switch off each MoE block's router jitter, remembering its value (once, while already off)."""
-        for state in self._states:
+        for state in self._states if self.disable_router_jitter else ():
+            # switch off each MoE block's router jitter, remembering its value (once, while already off)
             block, attribute = state.block, state.adapter.jitter_attribute
             if attribute is not None and hasattr(block, attribute) and id(block) not in self._jitter_off:
                 self._jitter_off[id(block)] = (block, attribute, getattr(block, attribute))
@@ -351,7 +317,6 @@ class RoutingReplay:
             block, attribute, value = self._jitter_off.pop(key)
             setattr(block, attribute, value)
 
-    # ------------------------------------------------------------------ import / export
     def export(self, dim: str = "batch") -> torch.Tensor:
         """The recorded routing as a [B, S, num_layers, k] tensor (dtype int16, or int32 beyond 32767 experts).
 
@@ -423,7 +388,6 @@ class RoutingReplay:
                 delattr(state.module, _OWNER_ATTRIBUTE)
         self.clear()
 
-    # ------------------------------------------------------------------ metrics
     def metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:
         """Agreement metrics accumulated over replayed passes since the last `reset_metrics`.
 
@@ -436,7 +400,7 @@ class RoutingReplay:
         calls it) the counts of every process's tokens are summed first, so the shares are those of the global batch.
         """
         counts = {
-            f"{i}/{what}": Stat.total(0 if getattr(state, what) is None else getattr(state, what))
+            f"{i}/{what}": Stat.total(getattr(state, what))
             for i, state in enumerate(self._states)
             for what in ("seen", "replayed", "agree")
         }
@@ -445,27 +409,22 @@ class RoutingReplay:
         replayed = [totals[f"{i}/replayed"] for i in range(len(self._states))]
         if not any(n > 0 for n in seen):
             return {}
-        out: dict[str, float] = {}
-        agreements = []
-        for i in range(len(self._states)):
-            if seen[i] > 0 and replayed[i] > 0:
-                value = totals[f"{i}/agree"] / replayed[i]
-                agreements.append(value)
-                out[f"{prefix}agreement/layer_{i}"] = value
-        if agreements:
-            out[f"{prefix}agreement"] = sum(agreements) / len(agreements)
+        out = {
+            f"{prefix}agreement/layer_{i}": totals[f"{i}/agree"] / replayed[i]
+            for i in range(len(self._states))
+            if seen[i] > 0 and replayed[i] > 0
+        }
+        if out:
+            out[f"{prefix}agreement"] = sum(out.values()) / len(out)
         out[f"{prefix}replayed_frac"] = sum(replayed) / sum(seen)
         return out
 
     def reset_metrics(self) -> None:
         """Zero the agreement counters."""
         for state in self._states:
-            state.agree = state.replayed = state.seen = None
+            state.agree = state.replayed = state.seen = 0
 
-    # ------------------------------------------------------------------ hooks
-    def _block_pre_hook(self, index: int):
-        state = self._states[index]
-
+    def _block_pre_hook(self, state: _RouterState):
         def hook(module, args, kwargs):
             if module is not state.block:  # a deep copy of the model carries the hook along
                 return None
@@ -477,9 +436,7 @@ class RoutingReplay:
 
         return hook
 
-    def _layer_pre_hook(self, index: int):
-        state = self._states[index]
-
+    def _layer_pre_hook(self, state: _RouterState):
         def hook(module, args):
             if module is not state.layer:
                 return None
@@ -491,9 +448,7 @@ class RoutingReplay:
 
         return hook
 
-    def _router_hook(self, index: int):
-        state = self._states[index]
-
+    def _router_hook(self, state: _RouterState):
         def hook(module, args, output):
             if not (isinstance(output, tuple) and len(output) == 3):
                 raise RuntimeError(
@@ -504,8 +459,8 @@ class RoutingReplay:
             if module is not state.module:
                 return None
             router_logits, _, current = output
-            if _in_backward():
-                # Recomputation of a checkpointed layer: reuse what its forward used.
+            if _current_graph_task_id is not None and _current_graph_task_id() != -1:
+                # Inside backward: the recomputation of a checkpointed layer reuses what its forward used.
                 if not state.recompute_fifo:
                     return None
                 forced = _pop_matching(state.recompute_fifo, router_logits, state.name)
@@ -517,20 +472,14 @@ class RoutingReplay:
             if self._mode == "off":
                 return None
             batch, seq_len = shape if shape is not None and shape[0] * shape[1] == current.shape[0] else (1, -1)
-            if self._mode == "record":
-                self._record_call(state, router_logits, current, batch, will_recompute)
+            if self._mode == "record":  # the router's own experts as [batch, seq, k] rows
+                state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
+                if will_recompute:
+                    state.recompute_fifo.append(_Pending(current.detach(), _fingerprint(router_logits)))
                 return None
             return self._replay_call(state, router_logits, current, batch, seq_len, will_recompute)
 
         return hook
-
-    def _record_call(
-        self, state: _RouterState, router_logits: torch.Tensor, current: torch.Tensor, batch: int, will_recompute: bool
-    ) -> None:
-        """Store the router's own experts as [batch, seq, k] rows (and for the recomputation, if checkpointed)."""
-        state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
-        if will_recompute:
-            state.recompute_fifo.append(_Pending(current.detach(), _fingerprint(router_logits)))
 
     def _replay_call(
         self,
@@ -554,20 +503,12 @@ class RoutingReplay:
         rows = rows.to(device=current.device, dtype=current.dtype)
         valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
         forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
-        self._count_agreement(state, forced, current, valid)
+        with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
+            # the replayed experts are the router's own top-k set (indices within a row are distinct)
+            same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
+            state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
+            state.replayed = state.replayed + (tokens if valid is None else valid.sum())
+            state.seen += tokens
         if will_recompute:
             state.recompute_fifo.append(_Pending(forced, _fingerprint(router_logits)))
         return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
-
-    @staticmethod
-    @torch.no_grad()
-    def _count_agreement(
-        state: _RouterState, forced: torch.Tensor, current: torch.Tensor, valid: torch.Tensor | None
-    ) -> None:
-        """Add this call's agreeing / replayed / seen token counts to the router's counters (kept on device)."""
-        same = _same_topk_set(forced, current)
-        agree = same.sum() if valid is None else (same & valid).sum()
-        replayed = current.shape[0] if valid is None else valid.sum()
-        state.agree = agree if state.agree is None else state.agree + agree
-        state.replayed = replayed if state.replayed is None else state.replayed + replayed
-        state.seen = current.shape[0] if state.seen is None else state.seen + current.shape[0]

@@ -1,14 +1,5 @@
-"""Training-health monitoring: the four-gauge dashboard (reward, zero-variance share, grad norm, completion length),
-the sampler/trainer mismatch monitor, debounced alarms with their remedies, and the dashboard PNG
-(docs/health_monitoring.md).
-
-- [`HealthMonitor`]: a `transformers.TrainerCallback` (on by default in trl_stable's trainers, usable with any TRL
-  trainer) that reads the logs and raises alarms.
-- [`HealthTracker`] / [`HealthConfig`]: the rules themselves, framework-free.
-- [`mismatch_stats`]: sampler vs trainer log-prob statistics (pure torch).
-- [`check_retokenization`] / [`drop_mismatched`]: re-tokenization check for multi-turn runs.
-- [`render_dashboard`]: the PNG; `trl-stable-dashboard OUTPUT_DIR` on the command line.
-"""
+"""Training-health monitoring: debounced alarms with their remedies, the sampler/trainer mismatch and
+re-tokenization checks, and the dashboard PNG (docs/health_monitoring.md)."""
 
 from trl_stable.monitoring.alarms import ALARMS, AlarmSpec
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args

@@ -1,15 +1,4 @@
-"""`HealthMonitor`: the health rules as a `transformers.TrainerCallback`.
-
-It only reads the logs the trainer already produces (no extra forward pass, no random numbers), so switching it on
-changes no trained number. Works with trl_stable's trainers (on by default) and with plain TRL trainers:
-
-```python
-from trl_stable.monitoring import HealthMonitor
-
-HealthMonitor().attach(trainer)  # or trainer.add_callback(HealthMonitor())
-trainer.train()
-```
-"""
+"""`HealthMonitor`: the health rules as a `transformers.TrainerCallback` (docs/health_monitoring.md)."""
 
 from __future__ import annotations
 
@@ -44,10 +33,9 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     """
     if not getattr(args, "health_monitor", True):
         return None
-    kwargs = {}
-    for arg_name, field_name in _ARG_FIELDS.items():
-        if hasattr(args, arg_name):
-            kwargs[field_name] = getattr(args, arg_name)
+    kwargs = {
+        field_name: getattr(args, arg_name) for arg_name, field_name in _ARG_FIELDS.items() if hasattr(args, arg_name)
+    }
     extra = getattr(args, "health_monitor_kwargs", None) or {}
     if not isinstance(extra, dict):
         raise ValueError(f"health_monitor_kwargs must be a dict of HealthConfig fields, got {type(extra).__name__}.")
@@ -79,21 +67,16 @@ def _kl_target(args: Any) -> float | None:
 class HealthMonitor(TrainerCallback):
     """Watches the training logs and raises debounced alarms with symptom, likely cause and remedy.
 
-    Alarms go to the `trl_stable.monitoring` logger, into the logs (`health/active_alarms` and one 0/1
-    `health/alarm/<name>` flag each, so the log history, wandb and tensorboard see them) and to the JSON Lines file
-    `output_dir/health.jsonl`, which also records the gauges of every log record. Optional remedies: NGRPO virtual
-    samples while the zero-std alarm holds (`remedy_active`; the monitor changes no trainer argument: it records the
-    configuration change, ``virtual_samples_attr`` from its value to ``virtual_samples_value``, and
-    `trl_stable.GRPOTrainer` trains with that configuration, validated when the trainer was built, while the flag is
-    on); save and stop after a critical alarm held `stop_after_critical_steps`.
+    It only reads the logs the trainer writes, so it changes no trained number. Alarms go to the
+    `trl_stable.monitoring` logger, into the logs (`health/*` flags) and to `output_dir/health.jsonl`. The
+    virtual-samples remedy changes no trainer argument: it sets `remedy_active`, which `trl_stable.GRPOTrainer` reads.
 
     Args:
         config ([`HealthConfig`], *optional*): thresholds, debouncing and remedies.
         **kwargs: [`HealthConfig`] fields, when `config` is not given.
 
-    For the `health/*` flags to reach reporting integrations (wandb, tensorboard) in the same step, the monitor must
-    run before them: [`~HealthMonitor.attach`] puts it first; `trainer.add_callback` appends it last, which still
-    updates the log history and the health file.
+    For the `health/*` flags to reach the reporters (wandb, tensorboard) in the same step, the monitor must run
+    before them: [`~HealthMonitor.attach`] puts it first; `trainer.add_callback` appends it last.
     """
 
     def __init__(self, config: HealthConfig | None = None, **kwargs):
@@ -113,7 +96,6 @@ class HealthMonitor(TrainerCallback):
             callbacks.insert(0, self)
         return self
 
-    # ---- checkpoints --------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """The monitor's state for a checkpoint: the tracker's (alarm debouncing, reward window and ceiling,
         references), the events so far, and the remedy and stop flags. trl_stable's trainers save it with every
@@ -142,7 +124,6 @@ class HealthMonitor(TrainerCallback):
                 attr,
             )
 
-    # ---- file -----------------------------------------------------------------------------------------------
     def _drop_records_after(self, step: int) -> None:
         """Remove the records of steps after `step` from the health file: a run resumed from the checkpoint of
         `step` redoes them, and a killed run may have logged them (or half a line) after that checkpoint."""
@@ -187,7 +168,6 @@ class HealthMonitor(TrainerCallback):
             logger.warning("[health] cannot write %s (%s); the health file is switched off.", self.health_path, err)
             self.health_path = None
 
-    # ---- callback events --------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         if self.tracker.max_completion_length is None:
             self.tracker.max_completion_length = _max_completion_length(args)
@@ -213,9 +193,8 @@ class HealthMonitor(TrainerCallback):
             return control
         self.events.extend(events)
         for event in events:
-            level = logging.INFO if event.kind == "cleared" else logging.WARNING
-            if event.severity == "critical" and event.kind != "cleared":
-                level = logging.ERROR
+            critical = event.severity == "critical"
+            level = logging.INFO if event.kind == "cleared" else logging.ERROR if critical else logging.WARNING
             if state.is_world_process_zero:
                 logger.log(level, event.message())
             self._write(event.to_record())
@@ -252,7 +231,6 @@ class HealthMonitor(TrainerCallback):
             render_dashboard(args.output_dir, os.path.join(args.output_dir, "health_dashboard.png"))
         return control
 
-    # ---- helpers -----------------------------------------------------------------------------------------------
     def _apply_virtual_samples(self, args, state, events: list[HealthEvent]) -> None:
         """Switch the virtual-samples remedy with the zero-std alarm, and record each switch as a configuration change
         (``{attr: {"before": ..., "after": ...}}``) in the health file and the log. The arguments are left alone: the
@@ -277,14 +255,8 @@ class HealthMonitor(TrainerCallback):
             configured = getattr(args, attr)
             before, after = (configured, value) if on else (value, configured)
             if state.is_world_process_zero:
-                logger.warning(
-                    "[health] step %d: virtual samples switched %s: configuration change %s %r -> %r",
-                    state.global_step,
-                    "ON" if on else "OFF",
-                    attr,
-                    before,
-                    after,
-                )
+                switched = f"switched {'ON' if on else 'OFF'}: configuration change {attr} {before!r} -> {after!r}"
+                logger.warning("[health] step %d: virtual samples %s", state.global_step, switched)
             self._write(
                 {
                     "type": "remedy",

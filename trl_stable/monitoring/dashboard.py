@@ -1,14 +1,4 @@
-"""The training-health dashboard: one PNG with the four gauges (reward, zero-variance share, grad norm, completion
-length vs cap) plus entropy, the sampler/trainer mismatch and, for PPO, the KL to the reference and the value loss;
-healthy bands shaded, alarms marked and named, panels without data left out.
-
-From the command line::
-
-    trl-stable-dashboard OUTPUT_DIR            # or: python -m trl_stable.monitoring.dashboard OUTPUT_DIR
-
-reads `OUTPUT_DIR/health.jsonl` (written by [`HealthMonitor`]) or, failing that, the log history in
-`trainer_state.json` (of OUTPUT_DIR or its latest checkpoint), and writes `OUTPUT_DIR/health_dashboard.png`.
-"""
+"""The training-health dashboard PNG and the `trl-stable-dashboard OUTPUT_DIR` command (docs/health_monitoring.md)."""
 
 from __future__ import annotations
 
@@ -32,21 +22,6 @@ __all__ = ["RunHealth", "load_run", "main", "render_dashboard"]
 
 HEALTH_FILE = "health.jsonl"
 DASHBOARD_FILE = "health_dashboard.png"
-
-# alarm -> panel it is marked on
-_ALARM_PANEL = {
-    "reward_plateau": "reward",
-    "reward_above_max": "reward",
-    "zero_std": "frac_reward_zero_std",
-    "grad_norm_vanishing": "grad_norm",
-    "nonfinite": "grad_norm",
-    "length_near_cap": "completion_length",
-    "entropy_collapse": "entropy",
-    "mismatch": "mismatch",
-    "token_filter_masked": "mismatch",
-    "retokenization": "mismatch",
-    "kl_above_target": "kl",
-}
 
 
 @dataclass
@@ -85,10 +60,10 @@ def _from_log_history(history: Sequence[Mapping[str, Any]], config: HealthConfig
     return run
 
 
-def _health_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON records of a health file. A line that is not a JSON object (the last line of a run killed while
-    writing, or read while it writes) is skipped with a warning naming it; a file with no record at all is an error."""
-    records, bad = [], []
+def _from_health_file(path: Path) -> RunHealth:
+    """The run a health file records. A line that is not a JSON object (the last line of a run killed while writing,
+    or read while it writes) is skipped with a warning naming it; a file with no record at all is an error."""
+    run, bad, records = RunHealth(), [], 0
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -97,28 +72,22 @@ def _health_records(path: Path) -> list[dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 record = None
-            if isinstance(record, dict):
-                records.append(record)
-            else:
+            if not isinstance(record, dict):
                 bad.append(number)
+                continue
+            records += 1
+            kind = record.get("type")
+            if kind == "meta":
+                run.meta.update({k: v for k, v in record.items() if k not in ("type", "step")})
+            elif kind == "metrics":
+                gauges = {k: v for k, v in record.items() if k not in ("type", "step", "active")}
+                run.add(int(record.get("step", 0)), gauges)
+            elif kind in ("alarm", "remedy", "stop"):
+                run.events.append(record)
     if bad and not records:
         raise ValueError(f"{path} is not a health file: no line is a JSON record (written by HealthMonitor).")
     if bad:
-        warnings.warn(f"{path}: skipped {len(bad)} malformed line(s): {bad[:5]}", stacklevel=3)
-    return records
-
-
-def _from_health_file(path: Path) -> RunHealth:
-    run = RunHealth()
-    for record in _health_records(path):
-        kind = record.get("type")
-        if kind == "meta":
-            run.meta.update({k: v for k, v in record.items() if k not in ("type", "step")})
-        elif kind == "metrics":
-            gauges = {k: v for k, v in record.items() if k not in ("type", "step", "active")}
-            run.add(int(record.get("step", 0)), gauges)
-        elif kind in ("alarm", "remedy", "stop"):
-            run.events.append(record)
+        warnings.warn(f"{path}: skipped {len(bad)} malformed line(s): {bad[:5]}", stacklevel=2)
     return run
 
 
@@ -184,34 +153,6 @@ def load_run(
     return _from_log_history(_log_history(path), config, max_completion_length)
 
 
-_PANELS = (
-    "reward",
-    "frac_reward_zero_std",
-    "grad_norm",
-    "completion_length",
-    "entropy",
-    "mismatch",
-    "kl",
-    "value_loss",
-)
-# panel -> the gauges it draws: a panel none of whose gauges was recorded is left out of the figure
-_PANEL_GAUGES = {
-    "reward": ("reward",),
-    "frac_reward_zero_std": ("frac_reward_zero_std",),
-    "grad_norm": ("grad_norm",),
-    "completion_length": ("completion_length", "clipped_ratio"),
-    "entropy": ("entropy",),
-    "mismatch": ("mismatch", "mismatch_max", "masked_fraction"),
-    "kl": ("kl",),
-    "value_loss": ("value_loss",),
-}
-# why a panel can be missing, for the figure's footnote
-_MISSING_WHY = {
-    "frac_reward_zero_std": "no groups (PPO)",
-    "mismatch": "no sampler log-probs recorded: vLLM, the decoupled loss or health_mismatch_monitor record them",
-    "kl": "no KL logged (GRPO with beta=0)",
-    "value_loss": "no value model (GRPO)",
-}
 _GREEN, _AMBER, _RED = "tab:green", "tab:orange", "tab:red"
 _LABEL_FONT = 7
 
@@ -282,17 +223,21 @@ def _draw_length(ax, run: RunHealth, cfg: HealthConfig):
         ax.axhline(cap, color=_RED, ls="--", lw=1, label=f"cap {cap}")
         ax.set_ylim(0, cap * 1.05)
     ax.set_title("completion length vs cap (healthy: steady)")
-    return _draw_share(ax, run, "clipped_ratio", "truncated share (right)", ":")
+    return _draw_twin(ax, run, "clipped_ratio", "truncated share (right)", ":", top=1.0)
 
 
-def _draw_share(ax, run: RunHealth, name: str, label: str, ls: str):
-    """A share in [0, 1] on a right-hand axis of `ax`; returns that axis (None without data)."""
+def _draw_twin(ax, run: RunHealth, name: str, label: str, ls: str, top: float | None = None):
+    """Gauge `name` on a right-hand axis of `ax` from 0 to `top` (1 for a share; None: half again its maximum);
+    returns that axis (None without data)."""
     x, y = run.series(name)
     if not x:
         return None
     twin = ax.twinx()
     twin.plot(x, y, color="tab:purple", ls=ls, lw=1, label=label)
-    twin.set_ylim(0, 1)
+    if top is None:
+        highest = max(_finite(y) or [0.0])
+        top = highest * 1.5 if highest > 0 else 1.0
+    twin.set_ylim(0, top)
     twin.set_ylabel(label.replace(" (right)", ""), fontsize=8)
     return twin
 
@@ -318,7 +263,7 @@ def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig):
         _shade(ax, threshold, high, _RED)
         ax.set_ylim(low, high)
     ax.set_title(f"sampler vs trainer mismatch (alarm > {threshold:g})")
-    return _draw_share(ax, run, "masked_fraction", "IcePop/KPop masked (right)", "--")
+    return _draw_twin(ax, run, "masked_fraction", "IcePop/KPop masked (right)", "--", top=1.0)
 
 
 def _draw_kl(ax, run: RunHealth, cfg: HealthConfig):
@@ -336,15 +281,7 @@ def _draw_kl(ax, run: RunHealth, cfg: HealthConfig):
         ax.set_title(f"KL to reference (healthy: near the target {target:g})")
     else:
         ax.set_title("KL to reference (no target declared)")
-    x, coef = run.series("kl_coef")
-    if not x:
-        return None
-    twin = ax.twinx()
-    twin.plot(x, coef, color="tab:purple", ls="--", lw=1, label="kl_coef (right)")
-    top = max(_finite(coef) or [0.0])
-    twin.set_ylim(0, top * 1.5 if top > 0 else 1.0)
-    twin.set_ylabel("kl_coef", fontsize=8)
-    return twin
+    return _draw_twin(ax, run, "kl_coef", "kl_coef (right)", "--")
 
 
 def _draw_value_loss(ax, run: RunHealth, cfg: HealthConfig):
@@ -355,20 +292,23 @@ def _draw_value_loss(ax, run: RunHealth, cfg: HealthConfig):
     ax.set_title("value loss (healthy: falling, then steady)")
 
 
-_DRAW = {
-    "reward": _draw_reward,
-    "frac_reward_zero_std": _draw_zero_std,
-    "grad_norm": _draw_grad_norm,
-    "completion_length": _draw_length,
-    "entropy": _draw_entropy,
-    "mismatch": _draw_mismatch,
-    "kl": _draw_kl,
-    "value_loss": _draw_value_loss,
+# panel -> (the gauges it draws: without any the panel is left out; how; the alarms marked on it; why it can be
+# missing, for the footnote)
+_PANELS = {
+    "reward": (("reward",), _draw_reward, ("reward_plateau", "reward_above_max"), None),
+    "frac_reward_zero_std": (("frac_reward_zero_std",), _draw_zero_std, ("zero_std",), "no groups (PPO)"),
+    "grad_norm": (("grad_norm",), _draw_grad_norm, ("grad_norm_vanishing", "nonfinite"), None),
+    "completion_length": (("completion_length", "clipped_ratio"), _draw_length, ("length_near_cap",), None),
+    "entropy": (("entropy",), _draw_entropy, ("entropy_collapse",), None),
+    "mismatch": (
+        ("mismatch", "mismatch_max", "masked_fraction"),
+        _draw_mismatch,
+        ("mismatch", "token_filter_masked", "retokenization"),
+        "no sampler log-probs recorded: vLLM, the decoupled loss or health_mismatch_monitor record them",
+    ),
+    "kl": (("kl",), _draw_kl, ("kl_above_target",), "no KL logged (GRPO with beta=0)"),
+    "value_loss": (("value_loss",), _draw_value_loss, (), "no value model (GRPO)"),
 }
-
-
-def _has_data(run: RunHealth, panel: str) -> bool:
-    return any(run.steps.get(gauge) for gauge in _PANEL_GAUGES[panel])
 
 
 def _alarm_marks(panels: dict, events: list[dict[str, Any]]) -> tuple[dict, list[str]]:
@@ -384,7 +324,7 @@ def _alarm_marks(panels: dict, events: list[dict[str, Any]]) -> tuple[dict, list
         if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
             continue
         name = event.get("alarm")
-        ax = panels.get(_ALARM_PANEL.get(name, ""))
+        ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
         color = _RED if event.get("severity") == "critical" else _AMBER
         if event["kind"] == "cleared":
             if ax is not None:
@@ -468,10 +408,7 @@ def render_dashboard(
     max_completion_length: int | None = None,
     title: str | None = None,
 ) -> Path:
-    """Render the health dashboard of a run into one PNG: a panel per gauge the run recorded (reward, zero-std
-    share, grad norm, completion length, entropy, mismatch; for PPO also the KL to the reference with its target
-    and the value loss), healthy bands shaded, alarms marked and named. Panels without data are left out and named
-    in a footnote.
+    """Render a run's health dashboard into one PNG: a panel per recorded gauge, healthy bands shaded, alarms marked.
 
     Args:
         source: an output dir, a `health.jsonl`, a `trainer_state.json`, a log-history list, or a [`RunHealth`].
@@ -509,7 +446,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    shown = [name for name in _PANELS if _has_data(run, name)]
+    shown = [name for name, (gauges, *_) in _PANELS.items() if any(run.steps.get(g) for g in gauges)]
     ncols = max(1, min(len(shown), 3 if len(shown) <= 6 else 4))
     nrows = max(1, math.ceil(len(shown) / ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4.2 * nrows), layout="constrained", squeeze=False)
@@ -519,7 +456,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     panels = dict(zip(shown, axes.flat))
     tops = {}
     for name, ax in panels.items():
-        top = _DRAW[name](ax, run, cfg)
+        top = _PANELS[name][1](ax, run, cfg)
         tops[ax] = top if top is not None else ax
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
@@ -532,7 +469,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         axes.flat[0].text(0.5, 0.5, "no health gauges recorded yet", ha="center", va="center", color="grey")
     missing = [name for name in _PANELS if name not in shown]
     if shown and missing:
-        notes = "; ".join(f"{name} ({_MISSING_WHY[name]})" if name in _MISSING_WHY else name for name in missing)
+        notes = "; ".join(f"{name} ({_PANELS[name][3]})" if _PANELS[name][3] else name for name in missing)
         # wrapped to the figure's width (about 17 characters of 8-point text per inch)
         fig.supxlabel(textwrap.fill(f"not shown, no data: {notes}", 17 * 5 * ncols), fontsize=8, color="grey")
     summary = ", ".join(sorted(set(raised))) or "none"

@@ -1,9 +1,4 @@
-"""The health rules of the four-gauge dashboard (docs/health_monitoring.md) plus the mismatch gauges, as a
-framework-free tracker: feed it one log record at a time, get alarm events back.
-
-[`HealthMonitor`](callback) wraps it as a `transformers.TrainerCallback`; tests and the dashboard replay log
-histories through it directly.
-"""
+"""The health rules (docs/health_monitoring.md) as a framework-free tracker: one log record in, alarm events out."""
 
 from __future__ import annotations
 
@@ -59,24 +54,15 @@ _REFERENCE_GAUGES = ("grad_norm", "entropy", "completion_length", "clipped_ratio
 
 @dataclass
 class HealthConfig:
-    """Thresholds, debouncing and remedies of the health monitor.
+    """Thresholds, debouncing and remedies of the health monitor (the alarm table of docs/health_monitoring.md).
 
-    Windows and patience count log records (one per `logging_steps`). The defaults are those of the alarm table in
-    docs/health_monitoring.md.
+    Windows and patience count log records (one per `logging_steps`).
     """
 
-    zero_std_healthy: float = field(
-        default=0.3, metadata={"help": "frac_reward_zero_std below this is healthy (shaded green on the dashboard)."}
-    )
-    zero_std_alarm: float = field(
-        default=0.5, metadata={"help": "Alarm when frac_reward_zero_std exceeds this: no learning signal."}
-    )
+    zero_std_healthy: float = field(default=0.3, metadata={"help": "frac_reward_zero_std below this is healthy."})
+    zero_std_alarm: float = field(default=0.5, metadata={"help": "Alarm when frac_reward_zero_std exceeds this."})
     reward_max: float | None = field(
-        default=1.0,
-        metadata={
-            "help": "Declared maximum of the total reward (what a perfect answer scores). None disables the "
-            "plateau-below-maximum and above-maximum alarms."
-        },
+        default=1.0, metadata={"help": "Declared maximum reward; None disables the plateau and above-max alarms."}
     )
     plateau_window: int = field(
         # A noisy reward (std ~0.06 per record) that rises ~0.08 per 25 records is told apart from a flat one
@@ -85,64 +71,37 @@ class HealthConfig:
         metadata={"help": "Log records over which the reward trend is measured for plateau detection."},
     )
     plateau_min_rise: float = field(
-        default=0.01,
-        metadata={
-            "help": "Plateau when the mean reward of the window's second half exceeds its first half by less "
-            "than this (reward units)."
-        },
+        default=0.01, metadata={"help": "Plateau when the window's second half rises less than this over its first."}
     )
     ceiling_margin: float = field(
-        default=0.05,
-        metadata={"help": "A flat reward within this distance of reward_max is converged, not a plateau."},
+        default=0.05, metadata={"help": "A flat reward this close to reward_max is converged, not a plateau."}
     )
     reference_window: int = field(
-        default=5,
-        metadata={
-            "help": "The first this-many finite values of grad_norm, entropy, the completion length and the "
-            "truncated share are the run's reference (their median): for the relative floors, and for the length "
-            "alarm, which judges a run against where it started."
-        },
+        default=5, metadata={"help": "First finite values of a relative gauge whose median is its reference."}
     )
     grad_norm_floor: float = field(default=1e-6, metadata={"help": "grad_norm below this is 'near zero'."})
     grad_norm_relative_floor: float = field(
-        default=0.01,
-        metadata={"help": "grad_norm below this fraction of its reference (median of the first values) is near zero."},
+        default=0.01, metadata={"help": "grad_norm below this fraction of its reference is near zero."}
     )
     max_completion_length: int | None = field(
         default=None,
-        metadata={
-            "help": "Completion cap; None takes `max_completion_length` (or `response_length`) from the "
-            "trainer arguments."
-        },
+        metadata={"help": "Completion cap; None: from the trainer arguments (max_completion_length, ...)."},
     )
     length_cap_ratio: float = field(
-        default=0.9,
-        metadata={
-            "help": "Alarm when the mean completion length reaches this fraction of the cap, having started below "
-            "it (completions that start at the cap do so by design: a fixed length, a cap below the answers)."
-        },
+        default=0.9, metadata={"help": "Alarm when the mean length reaches this fraction of the cap from below."}
     )
     clipped_ratio_alarm: float = field(
-        default=0.3,
-        metadata={
-            "help": "Alarm when the share of completions truncated at the cap rises this much above where the run "
-            "started (its reference): a share that is high from the start is the run's design (a length drawn "
-            "per batch, as RELC's length sampler does), a rise is completions running longer (loops)."
-        },
+        default=0.3, metadata={"help": "Alarm when the truncated share rises this much above its reference."}
     )
     entropy_floor: float = field(
         default=0.05,
-        metadata={
-            "help": "Entropy (nats/token) below this has collapsed, unless the run started below twice this: then "
-            "half its reference is the floor."
-        },
+        metadata={"help": "Entropy (nats/token) below this (or half its reference, if lower) has collapsed."},
     )
     entropy_relative_floor: float = field(
         default=0.1, metadata={"help": "Entropy below this fraction of its reference has collapsed."}
     )
     mismatch_threshold: float = field(
-        default=0.01,
-        metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this (default 0.01)."},
+        default=0.01, metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this."}
     )
     mismatch_band: tuple[float, float] = field(
         default=(0.9, 1.1), metadata={"help": "Healthy band of the token ratio pi_trainer / pi_sampler."}
@@ -152,26 +111,13 @@ class HealthConfig:
     )
     kl_target: float | None = field(
         default=None,
-        metadata={
-            "help": "The KL to the reference the run aims at, in the unit of the KL gauge (PPO: `objective/kl`, "
-            "summed over a response). None takes the trainer arguments' `target` (PPOConfig: the adaptive KL "
-            "controller's target, default 6; with a fixed kl coefficient still the budget the alarm holds the run "
-            "to); without one (GRPO) the KL alarm is off unless this is set (in the unit of TRL's per-token `kl`)."
-        },
+        metadata={"help": "KL target in the KL gauge's unit; None: PPOConfig's `target`, else the alarm is off."},
     )
     kl_alarm_ratio: float = field(
-        default=2.0,
-        metadata={
-            "help": "Alarm when the KL to the reference stays above this multiple of kl_target (the adaptive "
-            "controller's own error clip is +-20%, so 2x is far out of its control)."
-        },
+        default=2.0, metadata={"help": "Alarm when the KL to the reference stays above this multiple of kl_target."}
     )
     kl_patience: int = field(
-        default=5,
-        metadata={
-            "help": "Consecutive log records the KL must stay above kl_alarm_ratio x kl_target before the alarm is "
-            "raised: one noisy batch is no drift."
-        },
+        default=5, metadata={"help": "Consecutive log records above kl_alarm_ratio x kl_target to raise the alarm."}
     )
     patience: int = field(
         default=3, metadata={"help": "Consecutive log records a condition must hold before its alarm is raised."}
@@ -180,47 +126,29 @@ class HealthConfig:
         default=3, metadata={"help": "Consecutive healthy log records before a raised alarm is cleared."}
     )
     repeat_every: int = field(
-        default=50,
-        metadata={"help": "While an alarm holds, repeat it every this-many log records (0: never repeat)."},
+        default=50, metadata={"help": "While an alarm holds, repeat it every this-many log records (0: never)."}
     )
     disabled_alarms: list[str] = field(
         default_factory=list, metadata={"help": f"Alarms to switch off, among {sorted(ALARMS)}."}
     )
     critical_alarms: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Alarms that count as critical for `stop_after_critical_steps`; None: the catalogue's "
-            "critical ones (grad_norm_vanishing, entropy_collapse, nonfinite)."
-        },
+        default=None, metadata={"help": "Alarms critical for stop_after_critical_steps; None: the catalogue's."}
     )
     metric_keys: dict[str, list[str]] | None = field(
-        default=None,
-        metadata={
-            "help": f"Override the log keys read for a gauge, e.g. {{'reward': ['my/reward']}}. Gauges: "
-            f"{', '.join(GAUGES)}."
-        },
+        default=None, metadata={"help": f"Log keys of a gauge among {GAUGES}, e.g. {{'reward': ['my/reward']}}."}
     )
     remedy_virtual_samples: bool = field(
-        default=False,
-        metadata={
-            "help": "While the zero_std alarm holds, switch on NGRPO virtual samples (set "
-            "`virtual_samples_attr` "
-            "of the trainer arguments to `virtual_samples_value`), and restore it when the alarm clears."
-        },
+        default=False, metadata={"help": "While the zero_std alarm holds, train with NGRPO virtual samples."}
     )
     virtual_samples_attr: str = field(
-        default="advantage_estimator",
-        metadata={"help": "Trainer-argument attribute the virtual-samples remedy sets."},
+        default="advantage_estimator", metadata={"help": "Trainer-argument attribute the virtual-samples remedy sets."}
     )
     virtual_samples_value: Any = field(
         default="ngrpo", metadata={"help": "Value that switches NGRPO virtual samples on."}
     )
     stop_after_critical_steps: int | None = field(
         default=None,
-        metadata={
-            "help": "Save a checkpoint and stop training once a critical alarm has held for this many steps. "
-            "None: never stop."
-        },
+        metadata={"help": "Save and stop once a critical alarm has held this many steps; None: never stop."},
     )
     health_file: str | None = field(
         default="health.jsonl",
@@ -427,19 +355,15 @@ class HealthTracker:
         steps = [s for s in steps if s is not None]
         return min(steps) if steps else None
 
-    def _reference(self, gauge: str, value: float) -> float | None:
-        """The run's reference of `gauge` (the median of its first `reference_window` values), None while `value`
-        is still one of them."""
+    def _reference(self, gauge: str, value: float | None = None) -> float | None:
+        """The run's reference of `gauge` (the median of its first `reference_window` finite values), None while
+        they are being taken; `value`, given, is one more of them."""
         values = self._references[gauge]
         if len(values) < self.config.reference_window:
-            if math.isfinite(value):
+            if value is not None and math.isfinite(value):
                 values.append(value)
             return None
         return statistics.median(values)
-
-    def _started_at(self, gauge: str) -> float | None:
-        values = self._references[gauge]
-        return statistics.median(values) if len(values) >= self.config.reference_window else None
 
     def _conditions(self, gauges: dict[str, float]) -> dict[str, tuple[bool, float | None, float | None]]:
         """alarm -> (holds, value, threshold) for the alarms this record has data for."""
@@ -488,16 +412,15 @@ class HealthTracker:
         if length_condition is not None:
             out["length_near_cap"] = length_condition
 
-        if "mismatch" in finite:
-            out["mismatch"] = (finite["mismatch"] > cfg.mismatch_threshold, finite["mismatch"], cfg.mismatch_threshold)
-        if "masked_fraction" in finite:
-            value = finite["masked_fraction"]
-            out["token_filter_masked"] = (value > cfg.masked_fraction_alarm, value, cfg.masked_fraction_alarm)
-        if "retokenization" in finite:
-            out["retokenization"] = (finite["retokenization"] > 0, finite["retokenization"], 0.0)
-        if "kl" in finite and self.kl_target:
-            threshold = cfg.kl_alarm_ratio * self.kl_target
-            out["kl_above_target"] = (finite["kl"] > threshold, finite["kl"], threshold)
+        thresholds = {
+            "mismatch": ("mismatch", cfg.mismatch_threshold),
+            "token_filter_masked": ("masked_fraction", cfg.masked_fraction_alarm),
+            "retokenization": ("retokenization", 0.0),
+            "kl_above_target": ("kl", cfg.kl_alarm_ratio * self.kl_target if self.kl_target else None),
+        }
+        for alarm, (gauge, threshold) in thresholds.items():
+            if gauge in finite and threshold is not None:
+                out[alarm] = (finite[gauge] > threshold, finite[gauge], threshold)
         return out
 
     def _length_condition(self, finite: dict[str, float]) -> tuple[bool, float | None, float | None] | None:
@@ -584,45 +507,34 @@ class HealthTracker:
         """The catalogue's symptom filled with the measured values, plus what the other gauges add to it."""
         if name == "length_near_cap":
             return self._length_symptom(value, threshold)
-        spec = ALARMS[name]
+        spec, gauges = ALARMS[name], self.last_gauges
         try:
             symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
         except (TypeError, ValueError):
             symptom = f"{spec.metric} = {value} (threshold {threshold})"
         if name == "reward_plateau" and self.reward_ceiling is not None:
             symptom += f"; best reward reached {self.reward_ceiling:.3f}"
-        if name == "mismatch":
-            symptom += self._mismatch_detail()
-        if name == "kl_above_target":
-            symptom += self._kl_detail(value)
+        if name == "mismatch":  # the spread behind the mean |diff|
+            extra = [f"max {gauges['mismatch_max']:.3f}"] if "mismatch_max" in gauges else []
+            if "mismatch_outside_band" in gauges:
+                low, high = self.config.mismatch_band
+                extra.append(f"{gauges['mismatch_outside_band']:.1%} of token ratios outside [{low}, {high}]")
+            symptom += f" ({', '.join(extra)})" if extra else ""
+        if name == "kl_above_target":  # how far above the target, and the coefficient that failed to hold it
+            symptom += f" ({value / self.kl_target:.1f}x the target {self.kl_target:g}"
+            symptom += f"; kl_coef {gauges['kl_coef']:.3g})" if "kl_coef" in gauges else ")"
         return symptom
-
-    def _kl_detail(self, kl: float) -> str:
-        """How far above the target the KL is, and the coefficient that failed to hold it."""
-        extra = f" ({kl / self.kl_target:.1f}x the target {self.kl_target:g}"
-        if "kl_coef" in self.last_gauges:
-            extra += f"; kl_coef {self.last_gauges['kl_coef']:.3g}"
-        return extra + ")"
-
-    def _mismatch_detail(self) -> str:
-        """The spread behind the mean |diff|: its max and the share of token ratios outside the band."""
-        gauges = self.last_gauges
-        extra = [f"max {gauges['mismatch_max']:.3f}"] if "mismatch_max" in gauges else []
-        if "mismatch_outside_band" in gauges:
-            low, high = self.config.mismatch_band
-            extra.append(f"{gauges['mismatch_outside_band']:.1%} of token ratios outside [{low}, {high}]")
-        return f" ({', '.join(extra)})" if extra else ""
 
     def _length_symptom(self, length: float | None, cap: float | None) -> str:
         parts = []
         if length is not None and cap:
             part = f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}"
-            start = self._started_at("completion_length")
+            start = self._reference("completion_length")
             parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
         clipped = self.last_gauges.get("clipped_ratio")
         if clipped is not None:
             part = f"{clipped:.0%} of completions truncated at the cap"
-            start = self._started_at("clipped_ratio")
+            start = self._reference("clipped_ratio")
             if start is not None:
                 rise = 100 * self.config.clipped_ratio_alarm
                 part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"

@@ -1,9 +1,5 @@
-"""How trl_stable's trainers switch the health monitor on: config fields (a dataclass mixin) and attaching the
-callback. (The mismatch of a GRPO generation batch is logged next to GRPO: `trl_stable.trainers.grpo.trl_logs`.)
-
-The trainers stay thin: their config classes inherit [`HealthArguments`] (GRPO) or [`PPOHealthArguments`] (PPO),
-call `validate_health_arguments()` in `__post_init__`, and call [`attach_health_monitor`] at the end of `__init__`.
-"""
+"""How trl_stable's trainers switch the health monitor on: config fields (a dataclass mixin the configs inherit and
+validate in `__post_init__`) and [`attach_health_monitor`], called at the end of the trainer's `__init__`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Names of the metrics that both trainers log and the health monitor reads: defined once, imported everywhere.
-
-TRL's naming style (``group/name``). A trainer that logs one of these concepts uses these names, so the monitor
-reads PPO and GRPO alike without guessing from patterns.
-"""
+"""Names of the metrics that both trainers log and the health monitor reads (TRL's ``group/name`` style), defined
+once so the monitor reads PPO and GRPO alike without guessing from patterns."""
 
 from __future__ import annotations
 

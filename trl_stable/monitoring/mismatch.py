@@ -1,10 +1,7 @@
 """Training-inference mismatch statistics: the sampler's log-probs against the trainer's, on the same tokens.
 
-Pure torch (no TRL import), so the same functions serve GRPO (vLLM or HF generation), PPO and custom loops.
-
-The health monitor alarms on the mean absolute log-prob difference above 0.01 (docs/health_monitoring.md);
-a mean hides the spread, so the ratio's extremes, the share of tokens outside a band and the sequence-level
-perplexity ratio are reported next to it.
+Pure torch, for GRPO, PPO and custom loops. A mean |diff| hides the spread, so the ratio's extremes, the share of
+tokens outside a band and the sequence perplexity ratio are reported next to it.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """Logged metrics reduced across processes: with P processes, every process logs what one process holding the global
-batch would log.
+batch would log (docs/grpo.md, docs/ppo.md).
 
 A metric is a [`Stat`]: this process's share of it, as sufficient statistics, and the kind of reduction that
-combines the shares. [`reduce_metrics`] combines the shares of every process with one `gather` and returns plain
-floats, identical on every process. The kinds, and the metrics of trl_stable's trainers that use them:
+combines the shares; [`reduce_metrics`] combines every process's shares with one `gather`. The kinds:
 
-- ``"mean"``: (sum of the items, number of items) -> Σ sums / Σ counts, a mean over every process's items weighted
-  by their number, never a mean of per-process means. Sample means count samples (PPO ``objective/*``,
-  ``env/reward_mean``, ``rewards/<f>/mean``, ``rewards/<dense>/sum_mean``), token means count tokens (PPO
-  ``val/mean``, ``returns/mean``, ``advantages/mean``, ``dense/token_reward_mean``; ``rewards/<dense>/token_mean``),
-  update statistics count micro-batches (PPO ``loss/*``, ``policy/*``, ``val/*``). Fractions are ratios of counts
-  (`Stat.ratio`), recomputed from the global counts: ``tokens/truncated_frac``,
-  ``dynamic_sampling/frac_batch_filled``, ``step_mask/frac_invalid_steps``, ``routing/*``, and the critic's
-  per-step fractions (`critic_step_ratios`, after its counts are summed).
-- ``"sum"``: counts, added up: ``ppo/dropped_samples``, ``rewards/<dense>/nan_tokens``, ``step_mask/steps`` and its
-  per-reason counts, the critic's ``critic/step_*`` and the arena's ``arena/*judge_calls``.
-- ``"max"`` / ``"min"``: the extreme over the processes that have an item: ``critic/stage_seconds``,
-  ``critic/wait_seconds`` and PPO's ``time/ppo_step`` (the slowest process sets the pace).
+- ``"mean"``: Σ sums / Σ counts, a mean over every process's items weighted by their number, never a mean of
+  per-process means; a fraction is a ratio of global counts (`Stat.ratio`).
+- ``"sum"``: counts, added up.
+- ``"max"`` / ``"min"``: the extreme over the processes that have an item (the slowest process sets the pace).
 - ``"std"``: (count, mean, sum of squared deviations), combined exactly (Chan et al., 1979) into the unbiased
-  standard deviation of every process's items: PPO ``env/reward_std``.
+  standard deviation of every process's items.
 
-A value every process already holds (a config value, the KL coefficient, a statistic the trainer computed from
-gathered data, such as GRPO's advantages or the behaviour-weight and mismatch statistics of
-`trl_stable.monitoring.mismatch`) is logged as a plain float and passes through unchanged. A metric a reward function
-logs through TRL's ``log_metric`` hook is a plain float per call: `logged_metric_stat` gives it its kind by name
-(TRL's own rule, the mean over calls, for names trl_stable does not know).
+A value every process already holds (a config value, a statistic of gathered data) is a plain float and passes
+through unchanged; a metric a reward function logs through TRL's ``log_metric`` hook gets its kind by name
+(`logged_metric_stat`).
 """
 
 from __future__ import annotations
@@ -158,10 +147,6 @@ def _combine(stat: Stat, rows: torch.Tensor) -> float:
     return math.sqrt(max(total_m2.item(), 0.0) / (n - 1))
 
 
-def _checksum(names: Sequence[str]) -> float:
-    return float(zlib.crc32("\0".join(names).encode()))
-
-
 def reduce_metrics(
     metrics: Mapping[str, Stat | float], accelerator: Any | None = None, names_may_differ: bool = False
 ) -> dict[str, float]:
@@ -200,7 +185,8 @@ def reduce_metrics(
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     rows = torch.stack([_row(stats[name], device) for name in names])
     if multi:
-        check = torch.tensor([[_checksum(names), len(names), 0.0]], dtype=torch.float64, device=device)
+        checksum = float(zlib.crc32("\0".join(names).encode()))
+        check = torch.tensor([[checksum, len(names), 0.0]], dtype=torch.float64, device=device)
         gathered = accelerator.gather(torch.cat([rows, check]).unsqueeze(0)).reshape(-1, len(names) + 1, 3).cpu()
         if not bool((gathered[:, -1] == gathered[0, -1]).all()):
             raise ValueError(

@@ -1,10 +1,5 @@
-"""Re-tokenization check for multi-turn and agent runs.
-
-When the trainer re-encodes a conversation (prompt, tool outputs, earlier turns) to score it, the token ids must be
-the ones the sampler produced; otherwise the log-probs the loss uses belong to a different sequence (the
-`retokenization` alarm of docs/health_monitoring.md). This module compares the two id sequences per sample, reports
-where they first differ, and gives a keep-mask to drop the mismatching samples from the loss.
-"""
+"""Re-tokenization check for multi-turn and agent runs: when the trainer re-encodes a conversation, its token ids
+must be the sampler's, or the loss scores a different sequence (the `retokenization` alarm)."""
 
 from __future__ import annotations
 
@@ -124,15 +119,8 @@ def check_retokenization(
 
 
 def drop_mismatched(completion_mask: torch.Tensor, report: RetokenizationReport) -> torch.Tensor:
-    """Zero the loss mask of the samples whose re-encoding differs, so they leave the loss.
-
-    Args:
-        completion_mask (`torch.Tensor` of shape `(B, T)`): the loss mask.
-        report ([`RetokenizationReport`]): from [`check_retokenization`] on the same batch.
-
-    Returns:
-        `torch.Tensor`: a new mask of the same dtype and shape.
-    """
+    """A new `completion_mask` (B, T), same dtype, with the rows of the samples whose re-encoding differs (`report`, of
+    the same batch) zeroed, so they leave the loss."""
     if completion_mask.shape[0] != report.num_samples:
         raise ValueError(
             f"completion_mask has {completion_mask.shape[0]} rows but the report covers {report.num_samples} samples."

@@ -9,14 +9,25 @@ from trl_stable.rewards.arena import (
     run_arena,
     run_arenas,
 )
-from trl_stable.rewards.critic_backends import (
+from trl_stable.rewards.critic import (
     CriticBackend,
+    CriticBackendConfig,
+    CriticFailureError,
+    CriticIntrinsicReward,
     CriticJob,
+    CriticRewardConfig,
     LexiconCritic,
     OpenAICritic,
+    ParsedCritique,
     TransformersCritic,
+    build_critic_backend,
+    locate_span,
+    make_intrinsic_reward,
+    parse_critic_answer,
+    scale_intrinsic_rewards,
+    span_token_rewards,
+    token_char_offsets,
 )
-from trl_stable.rewards.critic_parsing import ParsedCritique, parse_critic_answer
 from trl_stable.rewards.dense import (
     RewardContractError,
     RewardTypeError,
@@ -24,15 +35,6 @@ from trl_stable.rewards.dense import (
     is_dense_reward,
     validate_dense_rewards,
 )
-from trl_stable.rewards.intrinsic import (
-    CriticFailureError,
-    CriticIntrinsicReward,
-    CriticRewardConfig,
-    build_critic_backend,
-    make_intrinsic_reward,
-    scale_intrinsic_rewards,
-)
-from trl_stable.rewards.span_alignment import locate_span, span_token_rewards, token_char_offsets
 from trl_stable.rewards.step_rewards import (
     PenaltyRule,
     StepReward,
@@ -50,6 +52,7 @@ __all__ = [
     "validate_dense_rewards",
     # critic intrinsic rewards (Drlc / RELC)
     "CriticBackend",
+    "CriticBackendConfig",
     "CriticFailureError",
     "CriticIntrinsicReward",
     "CriticJob",

@@ -421,7 +421,7 @@ class LLMJudge:
     """A pairwise judge over an LLM: fills a template, asks a backend, parses the "[[A]]/[[B]]/[[C]]" verdict.
 
     Args:
-        backend: A critic backend (``trl_stable.rewards.critic_backends``: a list of prompts in, a list of answers
+        backend: A critic backend (``trl_stable.rewards.critic``: a list of prompts in, a list of answers
             or None out), or any callable with that signature.
         template: Template text with ``{prompt}``, ``{response_a}``, ``{response_b}``; default
             ``prompts/arena_judge.txt``.

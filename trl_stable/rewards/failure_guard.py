@@ -4,8 +4,8 @@ value for any completion, an arena judge whose every call fails.
 A component that fails for one step costs that step its reward (the completions are unscored, `nan_reward_action`
 decides), with a warning naming the component and the cause; one that keeps failing would train on nothing (or on
 constant draws) for ever, so after `max_failing_steps` consecutive failing steps the guard raises
-`RewardComponentFailure`, naming the component, the cause and the fix. The critic's own guard
-(`CriticRewardConfig.max_consecutive_failing_steps`) is the same rule for the LLM critic.
+`RewardComponentFailure`, naming the component, the cause and the fix. The LLM critic stops by the same guard
+(`CriticRewardConfig.max_consecutive_failing_steps`, raising its `CriticFailureError`).
 """
 
 from __future__ import annotations
@@ -36,20 +36,28 @@ class FailureGuard:
         failed_steps: Failing steps in all (a checkpoint keeps both).
     """
 
-    def __init__(self, component: str, max_failing_steps: int | None = 5, setting: str = "max_failing_steps"):
+    def __init__(
+        self,
+        component: str,
+        max_failing_steps: int | None = 5,
+        setting: str = "max_failing_steps",
+        error: type[RewardComponentFailure] = RewardComponentFailure,
+    ):
         if max_failing_steps is not None and max_failing_steps < 1:
             raise ValueError(f"{setting}={max_failing_steps} must be >= 1, or None to never stop.")
         self.component = component
         self.max_failing_steps = max_failing_steps
         self.setting = setting
+        self.error = error
         self.consecutive = 0
         self.failed_steps = 0
 
-    def record(self, failed: bool, cause: str | None = None) -> None:
-        """One step's outcome: `failed` when the component gave nothing usable for the whole step, and why.
+    def record(self, failed: bool, cause: str | None = None, fix: str | None = None) -> None:
+        """One step's outcome: `failed` when the component gave nothing usable for the whole step, why, and what to
+        check (`fix`, for the error; default: the component's service, key, parser or code).
 
         Raises:
-            RewardComponentFailure: on the `max_failing_steps`-th failing step in a row.
+            RewardComponentFailure: (or the guard's `error` class) on the `max_failing_steps`-th failing step in a row.
         """
         if not failed:
             self.consecutive = 0
@@ -59,10 +67,11 @@ class FailureGuard:
         cause = cause or "no usable value"
         limit = self.max_failing_steps
         if limit is not None and self.consecutive >= limit:
-            raise RewardComponentFailure(
+            fix = fix or "Fix the component (its service, key, parser or code)"
+            raise self.error(
                 f"{self.component} failed on every completion for {self.consecutive} consecutive steps (last cause: "
-                f"{cause}). Training on it would learn from nothing. Fix the component (its service, key, parser or "
-                f"code), or raise {self.setting} (None never stops)."
+                f"{cause}). Training on it would learn from nothing. {fix}, or raise {self.setting} (None never "
+                "stops)."
             )
         left = "" if limit is None else f"; the run stops after {limit} in a row"
         logger.warning(

@@ -44,8 +44,8 @@ from script_args import parse_script_args, pop_config_flag, read_config  # noqa:
 from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer  # noqa: E402
 
 from trl_stable import GRPOConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
 from trl_stable.redaction import redact_argv  # noqa: E402
-from trl_stable.rewards import CriticRewardConfig  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PPO_SCRIPT = Path(__file__).resolve().parent / "ppo_intrinsic.py"

@@ -62,7 +62,7 @@ from script_args import parse_script_args  # noqa: E402
 from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
-from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
 
 # The embedded critic: a lexicon built apart from VADER (the embedded reward), its per-sample absolute intrinsic sum
 # bounded by 0.5 against a reward in [-1, 1]. docs/results_relc.md measures why: unbounded (RELC's +-0.5 per token)

@@ -53,7 +53,8 @@ from script_args import parse_script_args  # noqa: E402
 from summarization_sft import SFTArguments, train_sft  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
-from trl_stable.rewards import CriticBackend, CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
+from trl_stable.rewards import CriticBackend  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OFFLINE_TEMPLATE = HERE / "critic_offline_template.txt"

@@ -53,7 +53,7 @@ from scorers import LOCAL_TOXICITY, build_toxicity_scorer  # noqa: E402
 from script_args import parse_script_args  # noqa: E402
 
 from trl_stable import PPOTrainer  # noqa: E402
-from trl_stable.rewards import CriticRewardConfig  # noqa: E402
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
 
 PAPER_DATASET = "allenai/real-toxicity-prompts"
 PAPER_TOXICITY_MODEL = "facebook/roberta-hate-speech-dynabench-r4-target"

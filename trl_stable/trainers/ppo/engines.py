@@ -1,22 +1,10 @@
-"""PPOTrainer under accelerate's engines: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2.
+"""PPOTrainer under accelerate's engines: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 (set up by `Trainer`).
 
-What each engine changes for PPO, and where it is handled:
-
-- **generation** (`generation_call`): ZeRO-3 and FSDP2 keep only a shard of each parameter on a process. Under ZeRO-3
-  the full parameters are gathered for `generate` with TRL's `unwrap_model_for_generation` (as TRL's GRPO does).
-  Under FSDP2 the policy is not the FSDP root (the root is `PolicyAndValue`, which also holds the value head), so
-  calling ``policy.generate`` directly would bypass the root's all-gather; generation therefore runs *through* the
-  root's forward (`PolicyAndValue.forward(generation_kwargs=...)`), with ``synced_gpus=True`` because every decoding
-  step all-gathers the layers and every process has to take part in each one.
-- **reference model** (`prepare_reference`): TRL's `prepare_deepspeed` (ZeRO-3 shards it too; ZeRO-1/2 keep a full
-  copy per process, ZeRO stage 0) and `prepare_fsdp`, as TRL's GRPO prepares its reference.
-- **DeepSpeed's own loop** (`sync_gradients`): the engine owns gradient accumulation and clipping; `Trainer` fills its
-  micro-batch size (`per_device_train_batch_size`), accumulation steps and clipping from `PPOConfig`, and each
-  backward tells it whether the micro-batch closes an optimizer step. Under ZeRO-3 the model is saved from the
-  gathered 16-bit weights (`configure_deepspeed`).
-- **engine set-up and checkpoints** are `Trainer`'s: the accelerator, `deepspeed_init`, `accelerator.prepare`, and
-  the engines' own checkpoint files (DeepSpeed's shards, FSDP's state dicts) inside the marked checkpoint.
-- **what is refused** (`check_engine`): combinations that cannot work, with the fix.
+What each engine changes for PPO: generation needs the full parameters (`generation_call`: TRL's
+`unwrap_model_for_generation` under ZeRO-3; under FSDP2 through the root's forward, `PolicyAndValue` holding the value
+head too, with ``synced_gpus``); the reference is placed as TRL's GRPO places it (`prepare_reference`); DeepSpeed owns
+accumulation and clipping and steps inside the backward that closes an optimizer step (`sync_gradients`); and what
+cannot work is refused with the fix (`check_engine`).
 """
 
 from __future__ import annotations
@@ -45,13 +33,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Engine:
-    """The distributed engine accelerate runs the trainer under.
-
-    Attributes:
-        zero_stage: DeepSpeed's ZeRO stage (0-3); None when DeepSpeed is not used.
-        fsdp_version: 1 or 2 under FSDP; None otherwise.
-        num_processes: The number of processes.
-    """
+    """The distributed engine accelerate runs the trainer under: DeepSpeed's ZeRO stage (None without DeepSpeed), the
+    FSDP version (None without FSDP) and the number of processes."""
 
     zero_stage: int | None = None
     fsdp_version: int | None = None
@@ -95,8 +78,7 @@ class Engine:
 
 
 def require_deepspeed_if_asked() -> None:
-    """Raise a clear ImportError when accelerate was asked for DeepSpeed (``accelerate launch --config_file
-    deepspeed_zero*.yaml`` sets ``ACCELERATE_USE_DEEPSPEED``) but deepspeed is not installed."""
+    """Raise a clear ImportError when accelerate was asked for DeepSpeed but deepspeed is not installed."""
     asked = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
     if asked and importlib.util.find_spec("deepspeed") is None:
         raise ImportError(
@@ -107,6 +89,12 @@ def require_deepspeed_if_asked() -> None:
 
 def check_engine(engine: Engine, args: Any, *, quantized: bool) -> None:
     """Refuse, naming the fix, what PPOTrainer cannot run under `engine`."""
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"PPOTrainer does not run under nn.DataParallel ({args.n_gpu} GPUs in one process): launch one process "
+            "per GPU with `accelerate launch` (examples/accelerate_configs/multi_gpu.yaml), or make one GPU visible "
+            "(CUDA_VISIBLE_DEVICES)."
+        )
     if engine.fsdp_version == 1:
         raise ValueError(
             "PPOTrainer supports FSDP2 only: set `fsdp_version: 2` in the accelerate config "
@@ -134,17 +122,15 @@ def check_engine(engine: Engine, args: Any, *, quantized: bool) -> None:
 
 
 def configure_deepspeed(accelerator: Any) -> None:
-    """Under ZeRO-3, gather the 16-bit weights when the model is saved: `save_model` and checkpoints write the full
-    policy and value head (Trainer fills the batch sizes, accumulation and clipping from the config itself)."""
+    """Under ZeRO-3, gather the 16-bit weights when the model is saved (the full policy and value head are written)."""
     if accelerator.state.deepspeed_plugin.zero_stage == 3:
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
 
 
 def sync_gradients(accelerator: Any, engine: Engine, last_micro_batch: bool) -> None:
-    """Under DeepSpeed, tell `accelerator.backward` whether this micro-batch closes an optimizer step (the engine
-    steps inside backward at that boundary). PPO does not use `accelerator.accumulate`: it counts micro-batches
-    itself, per mini-batch group."""
+    """Under DeepSpeed, tell `accelerator.backward` whether this micro-batch closes an optimizer step (PPO counts its
+    micro-batches itself, without `accelerator.accumulate`)."""
     if engine.is_deepspeed:
         accelerator.gradient_state._set_sync_gradients(last_micro_batch)
 
@@ -166,8 +152,8 @@ def prepare_reference(ref_model: nn.Module, accelerator: Any, engine: Engine) ->
 def generation_call(
     model_wrapped: nn.Module, policy: nn.Module, accelerator: Any, engine: Engine
 ) -> Iterator[Callable[..., torch.Tensor]]:
-    """A callable ``sample(input_ids=..., attention_mask=..., **generate_kwargs)`` that runs the policy's
-    `generate` with the full parameters available, for the life of the context (see the module docstring)."""
+    """A callable ``sample(input_ids=..., attention_mask=..., **generate_kwargs)`` running the policy's `generate`
+    with the full parameters available, for the life of the context."""
     if engine.is_zero3:
         from trl.models import unwrap_model_for_generation
 

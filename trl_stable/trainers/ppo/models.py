@@ -1,8 +1,5 @@
-"""PPO's model wiring: the policy, its value model, the frozen reference, and their log-prob forward.
-
-Kept apart from `trl_stable.trainers.ppo` so that the trainer reads as the PPO iteration; everything here is built
-once in `PPOTrainer.__init__`.
-"""
+"""PPO's model wiring, built once in `PPOTrainer.__init__`: the policy, its tokenizer, the value model, the frozen
+reference, and their log-prob forward."""
 
 from __future__ import annotations
 
@@ -13,21 +10,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
+from trl_stable.integration.hf_names import model_name_of
+from trl_stable.trainers.ppo.engines import is_zero3_partitioned
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 __all__ = [
+    "PPOModels",
     "PolicyAndValue",
+    "ResponseForwards",
     "ResponseScores",
     "add_fused_logprob_head",
     "enable_activation_checkpointing",
     "fused_logprob_labels",
     "fused_scores",
     "backbone",
+    "build_models",
     "build_value_head",
+    "check_model_arguments",
     "create_reference_model",
     "hidden_size",
     "load_policy",
@@ -58,6 +62,24 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
+def check_model_arguments(args: Any, model: Any, ref_model: Any) -> None:
+    """Refuse a `PPOConfig` model setting that the `PPOTrainer` arguments make the trainer ignore, naming both."""
+    if args.model_init_kwargs is not None and not isinstance(model, str):
+        raise ValueError(
+            f"model_init_kwargs={args.model_init_kwargs!r} are keyword arguments for loading the policy by name, but "
+            f"`model` is a {type(model).__name__} object, which is used as is: pass the model's name or path, or "
+            "leave model_init_kwargs=None."
+        )
+    if args.num_shared_layers is not None and ref_model is not None:
+        raise ValueError(
+            f"num_shared_layers={args.num_shared_layers} shares layers of the reference the trainer copies from the "
+            "policy, but `ref_model` was given and is used as is: leave num_shared_layers=None, or drop ref_model "
+            "(trl_stable.trainers.ppo.models.create_reference_model builds a sharing one)."
+        )
+    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
+        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
+
+
 def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(name)` with `args.model_init_kwargs`, 4/8-bit when asked."""
     kwargs = dict(args.model_init_kwargs or {})
@@ -68,7 +90,7 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
                 "(pip install 'trl_stable[quantization]') or turn the option off."
             )
         if peft_config is None:
-            raise ValueError("A quantised policy can only be trained through an adapter: pass `peft_config`.")
+            raise ValueError("A quantized policy can only be trained through an adapter: pass `peft_config`.")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -82,7 +104,7 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
 
 
 def prepare_policy(model: nn.Module, peft_config: Any | None, args: Any) -> tuple[nn.Module, bool]:
-    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantised models) and
+    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantized models) and
     switch dropout off when asked; returns (model, is_peft)."""
     is_peft = is_peft_model(model)
     if peft_config is not None and not is_peft:
@@ -136,7 +158,13 @@ def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: boo
     else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
     if ref_model is not None:
         ref = ref_model.eval().requires_grad_(False)
-    elif is_peft:  # the adapter-free policy (PPOTrainer refuses num_shared_layers here)
+    elif is_peft and args.num_shared_layers is not None:
+        raise ValueError(
+            f"num_shared_layers={args.num_shared_layers} would share layers between the policy and a copy of it, "
+            "but with a PEFT policy the reference is the policy itself with its adapter disabled (nothing is "
+            "copied): leave num_shared_layers=None."
+        )
+    elif is_peft:  # the adapter-free policy
         return None
     else:
         ref = create_reference_model(policy, args.num_shared_layers)
@@ -147,11 +175,8 @@ def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: boo
 def build_value_head(
     policy: nn.Module, value_model: nn.Module | None, disable_dropout: bool
 ) -> tuple[ValueHead, nn.Module | None]:
-    """The value head and, for a separate critic, its backbone (None: the head reads the policy's hidden states).
-
-    `value_model` None: a new head on the policy's last hidden state (RELC style). A `ValueHead`: that head on the
-    policy (its width must match). A transformers model: a separate critic; a 1-output `score` head is reused.
-    """
+    """The value head and, for a separate critic, its backbone (None: the head reads the policy's hidden states);
+    `value_model` as in `PPOTrainer`."""
     if value_model is None:
         return ValueHead(hidden_size(policy)), None
     if isinstance(value_model, ValueHead):
@@ -197,13 +222,9 @@ def enable_activation_checkpointing(model: nn.Module, value_backbone: nn.Module 
 
 def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
     """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`): called with ``fused_lm_head=True``
-    and labels it returns the labels' log-probs and the entropies, projecting through the LM head in tiles, so the
-    [B, R, V] logits never exist (at batch 64, 1,024 response tokens and a 152k vocabulary they would be ~20 GB in
-    bf16, ~40 GB as fp32 log-softmax). Generation and plain calls keep the original forward.
-
-    Returns whether the head was added (models without output embeddings keep the logits path). Patching a model
-    again (a second trainer on the same model) is safe: the newest patch, with its temperature, serves fused calls.
-    """
+    and labels it returns their log-probs and the entropies without building the [B, R, V] logits; other calls keep
+    the original forward. Returns whether it was added (a model without output embeddings keeps the logits path); a
+    second patch (a second trainer on the same model) serves fused calls with its own temperature."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         return False
@@ -212,9 +233,8 @@ def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
 
 
 def fused_logprob_labels(input_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
-    """Labels for the fused head: the response block (the last R columns of `input_ids`) scored, the rest -100.
-
-    Every response column is scored, padding included, as the logits path does; the trainer masks padding later."""
+    """Labels for the fused head: the response block (the last R columns of `input_ids`, padding included, as the
+    logits path scores it) scored, the rest -100."""
     labels = torch.full_like(input_ids, -100)
     labels[:, -response_ids.shape[1] :] = response_ids
     return labels
@@ -240,7 +260,7 @@ def fused_scores(out: Any, response_width: int) -> ResponseScores:
 
 
 class PolicyAndValue(nn.Module):
-    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronises them together.
+    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronizes them together.
 
     forward returns the logits and values of the last `logits_to_keep` positions; with `labels` (a policy given the
     fused head, `add_fused_logprob_head`) the fused output (``log_probs`` / ``entropy`` per position) instead of
@@ -336,12 +356,9 @@ class PolicyAndValue(nn.Module):
 def response_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`.
-
-    TRL's `selective_log_softmax_and_entropy` (fused kernel where available, chunked otherwise). Half-precision
-    logits are upcast one sequence at a time: PPO's ratio needs fp32 log-probs, but the fp32 log-softmax of the whole
-    [B, T, V] batch is never built at once.
-    """
+    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`, by
+    TRL's `selective_log_softmax_and_entropy`. Half-precision logits are upcast one sequence at a time: PPO's ratio
+    needs fp32 log-probs, but the fp32 log-softmax of the whole [B, T, V] batch is never built at once."""
     if logits.dtype in (torch.float32, torch.float64):
         rows = [(logits, tokens)]
     else:
@@ -353,3 +370,95 @@ def response_logprobs(
         for row, row_tokens in rows
     ]
     return torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
+
+
+def logits_scores(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> ResponseScores:
+    """`ResponseScores` from the logits of the response positions (and any after them, dropped)."""
+    logits = logits[:, : response_ids.shape[1]]
+    logprobs, entropy = response_logprobs(logits, response_ids, temperature)
+    return ResponseScores(logprobs, entropy, logits)
+
+
+class ResponseForwards:
+    """The policy's and the reference's passes over a batch's response tokens (a `PPOTrainer` mixin); reads
+    `model_wrapped`, `ref_model`, `fused_policy`, `fused_ref`, `engine` and `args.temperature`."""
+
+    def _forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], need_logits: bool = False
+    ) -> tuple[ResponseScores, torch.Tensor]:
+        """The response tokens' log-probs and entropies, and values [B, R + 1] (V(s_t) for each token, then the value
+        after the last position). Through the fused LM head unless `need_logits` (then also the raw [B, R, V])."""
+        ids, response_ids = batch["input_ids"], batch["response_ids"]
+        keep = response_ids.shape[1] + 1
+        inputs = (ids, batch["attention_mask"], batch["position_ids"])
+        if self.fused_policy and not need_logits:
+            out, values = model(*inputs, logits_to_keep=keep, labels=fused_logprob_labels(ids, response_ids))
+            return fused_scores(out, keep - 1), values
+        logits, values = model(*inputs, logits_to_keep=keep)
+        return logits_scores(logits, response_ids, self.args.temperature), values
+
+    def _ref_scores(self, batch: dict[str, torch.Tensor], need_logits: bool = False) -> ResponseScores:
+        """The reference model's view of the response tokens (the policy without its adapter under PEFT)."""
+        ids, response_ids = batch["input_ids"], batch["response_ids"]
+        kwargs = dict(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        fused = (self.fused_ref if self.ref_model is not None else self.fused_policy) and not need_logits
+        if fused:
+            kwargs.update(labels=fused_logprob_labels(ids, response_ids), fused_lm_head=True)
+        else:
+            kwargs.update(logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
+        if self.ref_model is not None:
+            out = self.ref_model(**kwargs)
+        elif self.engine.is_fsdp:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
+            ids, mask, positions = (kwargs.pop(k) for k in ("input_ids", "attention_mask", "position_ids"))
+            out = self.model_wrapped(ids, mask, positions, reference_kwargs=kwargs)
+        else:
+            policy = self.unwrapped().policy
+            with policy.disable_adapter():
+                out = policy(**kwargs)
+        if fused:
+            return fused_scores(out, response_ids.shape[1])
+        return logits_scores(out.logits, response_ids, self.args.temperature)
+
+
+@dataclass
+class PPOModels:
+    """What `build_models` wires up: the trainable `PolicyAndValue`, the reference (None: the adapter-free policy),
+    the tokenizer, the policy's name (None: unknown) and whether the policy is a PEFT model."""
+
+    wrapper: PolicyAndValue
+    ref_model: nn.Module | None
+    tokenizer: Any
+    model_id: str | None
+    is_peft: bool
+
+
+def build_models(
+    model: str | nn.Module, args: Any, tokenizer: Any, ref_model: Any, value_model: Any, peft_config: Any
+) -> PPOModels:
+    """`PPOTrainer`'s models from its arguments (see its Args): the policy loaded by name and wrapped in its
+    adapter, the tokenizer (loaded by the policy's name when None; pad = EOS when it has none), the reference and the
+    value head."""
+    model_id = model if isinstance(model, str) else model_name_of(model)
+    check_model_arguments(args, model, ref_model)
+    if isinstance(model, str):
+        model = load_policy(model, args, peft_config, PartialState().local_process_index)
+    if tokenizer is None:
+        if not model_id:
+            raise ValueError("Pass `processing_class` (a tokenizer): it cannot be loaded for an unnamed model.")
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model, is_peft = prepare_policy(model, peft_config, args)
+    if ref_model is None and not is_peft and is_zero3_partitioned(model):
+        # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
+        if not model_id:
+            raise ValueError("Under DeepSpeed ZeRO-3 pass `ref_model` (or the policy by name) for the reference.")
+        ref_model = load_policy(model_id, args, None, PartialState().local_process_index)
+    ref_model = reference_model(model, ref_model, is_peft, args)
+    value_head, value_backbone = build_value_head(model, value_model, args.disable_dropout)
+    if args.activation_checkpointing:
+        enable_activation_checkpointing(model, value_backbone, is_peft, args)
+    if is_quantized(model):
+        # accelerate does not move quantized (device-mapped) models: put the head where the policy lives
+        value_head.to(next(model.parameters()).device)
+    return PPOModels(PolicyAndValue(model, value_head, value_backbone), ref_model, tokenizer, model_id, is_peft)

@@ -1,19 +1,14 @@
 """Configuration of trl_stable's PPOTrainer: the RELC-era PPO fields next to the usual `TrainingArguments`.
 
-Every inherited `TrainingArguments` field is honoured the way `transformers.Trainer` honours it (PPOTrainer is a
-`Trainer`), or, where PPO has nothing it could mean, refused by name with the reason (`PPO_UNSUPPORTED`); a field
-that only acts with another option is refused without it (`trl_stable.config_checks.training_argument_dependents`).
-`docs/ppo.md` lists every field, and `tests/trainers/test_ppo_every_setting.py` shows each one acting. The batch
-fields map onto PPO's batch structure as TRL's own PPOTrainer mapped them: `per_device_train_batch_size` is the
-micro-batch (one forward/backward), `gradient_accumulation_steps` micro-batches make one optimizer step, and
-`batch_size` (rollout samples per process) is split into such mini-batches, `ppo_epochs` times over.
+Every inherited field is honored as `transformers.Trainer` honors it, or refused by name with the reason
+(`PPO_UNSUPPORTED`, and fields that only act with another option); `docs/ppo.md` lists every field.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from accelerate.utils import get_int_from_env
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
 
@@ -41,30 +36,25 @@ _AGGREGATIONS = ("sum", "normalize_then_sum")
 _NAN_REWARD_ACTIONS = ("drop", "zero")
 # The rollout batch size PPO used before `per_device_train_batch_size` took the micro-batch's role (RELC's 16).
 _DEFAULT_MICRO_BATCH = 16
+_SAME_PRECISION = "PPO evaluates by generating with the training policy, in its training precision."
 
-# `TrainingArguments` fields PPO has nothing to apply to: (the value that is accepted, why another one is refused).
-# PPO's own loop has no labels, no prediction loop and no loss over a dataloader's batches, so the settings of those
-# would be ignored; each is refused by name instead.
+# `TrainingArguments` fields PPO has nothing to apply to (no labels, no prediction loop, no loss over a dataloader's
+# batches): (the value that is accepted, why another one is refused).
 PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "label_smoothing_factor": (0.0, "PPO's policy loss has no labels to smooth."),
     "neftune_noise_alpha": (
         None,
-        "NEFTune adds noise to the embeddings in training passes only, so the update passes would score other "
-        "inputs than the rollout pass did and the PPO ratio would not start at 1.",
+        "NEFTune noises the embeddings in training passes only, so the PPO ratio would not start at 1.",
     ),
-    "use_liger_kernel": (
-        False,
-        "PPO takes its log-probs from TRL's fused LM head (`fused_lm_head`) or the logits, not from Liger's "
-        "patched cross-entropy.",
-    ),
+    "use_liger_kernel": (False, "PPO takes its log-probs from TRL's fused LM head or the logits, not from Liger."),
     "liger_kernel_config": (None, "it configures `use_liger_kernel`, which PPO does not use."),
     "auto_find_batch_size": (
         False,
         "PPO's batches are set by batch_size, per_device_train_batch_size and gradient_accumulation_steps; lower "
         "per_device_train_batch_size yourself to fit memory.",
     ),
-    "bf16_full_eval": (False, "PPO evaluates by generating with the training policy, in its training precision."),
-    "fp16_full_eval": (False, "PPO evaluates by generating with the training policy, in its training precision."),
+    "bf16_full_eval": (False, _SAME_PRECISION),
+    "fp16_full_eval": (False, _SAME_PRECISION),
     "prediction_loss_only": (False, "PPO's evaluation generates and scores completions; it predicts no loss."),
     "eval_do_concat_batches": (True, "PPO's evaluation gathers rewards, not predictions to concatenate."),
     "eval_use_gather_object": (False, "PPO's evaluation gathers rewards, not prediction objects."),
@@ -79,27 +69,17 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     ),
     "average_tokens_across_devices": (
         False,
-        "PPO averages each micro-batch's loss over that micro-batch's own tokens (as RELC's PPO did), so its "
-        "normaliser never spans devices.",
+        "PPO averages each micro-batch's loss over its own tokens (as RELC's PPO did), never across devices.",
     ),
-    "remove_unused_columns": (
-        False,
-        "every column of train_dataset is passed to the reward functions, so none may be removed.",
-    ),
-    # transformers documents these as flags for your own script, not read by Trainer; PPOTrainer reads none of them
-    "do_train": (
-        False,
-        "it is not read by the trainer (transformers' own Trainer does not read it either): "
-        "training runs when your script calls trainer.train().",
-    ),
+    "remove_unused_columns": (False, "every column of train_dataset is passed to the reward functions."),
+    # flags for your own script, which transformers' Trainer does not read either
+    "do_train": (False, "no trainer reads it: training runs when your script calls trainer.train()."),
     "do_predict": (False, "PPOTrainer has no prediction loop: generate and score with trainer.evaluate(dataset)."),
 }
-# The optimizers that update the weights inside the backward pass (transformers runs them through
-# `accelerator.backward(loss, learning_rate=...)`): PPO's early stop and loss-spike guard decide after the backward
-# passes of a mini-batch whether its optimizer step happens.
+# Optimizers that update the weights inside the backward pass: PPO's early stop and loss-spike guard decide after a
+# mini-batch's backward passes whether its optimizer step happens.
 _FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
-# `accelerator_config.gradient_accumulation_kwargs` keys PPO reads; the others configure accelerate's
-# `accumulate()`, which PPO (like transformers' Trainer) does not use.
+# `accelerator_config.gradient_accumulation_kwargs` PPO reads (the others configure `accumulate()`, unused here)
 _GRADIENT_ACCUMULATION_KWARGS = ("sync_each_batch",)
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
@@ -117,12 +97,8 @@ PPO_BOUNDS: dict[str, Bound] = {
     "cliprange": Bound(low=0.0, low_open=True),
     "cliprange_value": Bound(low=0.0, low_open=True),
     "vf_coef": Bound(low=0.0, fix="A negative coefficient would ascend the value error."),
-    "ratio_threshold": Bound(
-        low=1.0,
-        low_open=True,
-        fix="The first mini-batch of every step has mean ratio 1, so a threshold <= 1 zeroes (nearly) every loss; "
-        "RELC uses 10.",
-    ),
+    # the first mini-batch of every step has mean ratio 1
+    "ratio_threshold": Bound(low=1.0, low_open=True, fix="A threshold <= 1 zeroes (nearly) every loss; RELC uses 10."),
     "gamma": Bound(low=0.0, high=1.0),
     "lam": Bound(low=0.0, high=1.0),
     "lam_alpha": Bound(low=0.0, low_open=True),
@@ -138,15 +114,9 @@ PPO_BOUNDS: dict[str, Bound] = {
     "top_p": Bound(low=0.0, high=1.0, low_open=True, fix="1.0 turns nucleus sampling off."),
     "generation_batch_size": Bound(low=1, integer=True, optional=True, fix="None generates the whole batch at once."),
     "health_reward_max": Bound(optional=True, fix="None declares no maximum."),
+    "vllm_gpu_memory_utilization": Bound(low=0.0, high=1.0, low_open=True),
+    "vllm_tensor_parallel_size": Bound(low=1, integer=True),
 }
-
-
-def _world_size() -> int:
-    """The number of processes the launcher started (accelerate's environment variables; 1 without a launcher)."""
-    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
-        if os.environ.get(key):
-            return int(os.environ[key])
-    return 1
 
 
 @dataclass
@@ -160,32 +130,16 @@ class PPOConfig(
 ):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
-    Every field of [`~transformers.TrainingArguments`] is available (output_dir, logging_steps, save_steps,
-    report_to, bf16, gradient_checkpointing, max_grad_norm, lr_scheduler_type, ...), plus the fields of the
-    RELC-era `trl.PPOConfig` with their meanings and defaults. One "step" (`state.global_step`) is one PPO
-    iteration: a rollout of `batch_size` samples per process, then `ppo_epochs` passes over it in mini-batches.
+    Every field of [`~transformers.TrainingArguments`] plus the fields of the RELC-era `trl.PPOConfig`, with their
+    meanings and defaults. One step (`state.global_step`) is one PPO iteration: a rollout of `batch_size` samples per
+    process, then `ppo_epochs` shuffled passes over it in mini-batches of `per_device_train_batch_size *
+    gradient_accumulation_steps` samples (one optimizer step each), computed in micro-batches of
+    `per_device_train_batch_size` (RELC's `mini_batch_size`). The per-token reward is
+    ``r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score``, the advantages GAE's (`docs/ppo.md`).
 
-    The per-token reward of response token t is
-
-        r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score,
-
-    where `score` is the weighted sum of the sequence-level rewards (after optional scaling and clipping), and the
-    advantages come from GAE (`gamma`, `lam`). See `docs/ppo.md` for the full description.
-
-    Parameters differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
-    `lr_scheduler_type` "constant" (a PPO run's length in optimizer steps is rarely known up front),
-    `per_device_train_batch_size` 16 (the micro-batch, see below), `average_tokens_across_devices` False and
-    `remove_unused_columns` False (what PPO's loop needs; the other values are refused, as are the
-    `TrainingArguments` fields PPO has no use for: `PPO_UNSUPPORTED`). Training batches are always full (a step takes
-    `batch_size` prompts); `dataloader_drop_last` applies to the evaluation batches, as in Trainer.
-
-    Batches, as in TRL's PPO: a step generates `batch_size` samples per process; `ppo_epochs` times they are
-    shuffled and cut into mini-batches of `per_device_train_batch_size * gradient_accumulation_steps` samples, one
-    optimizer step each, computed in micro-batches of `per_device_train_batch_size` (`mini_batch_size` is RELC's
-    name of the micro-batch).
-
-    The health monitor (`health_*` fields, from `trl_stable.monitoring.PPOHealthArguments`) is on by default and
-    only reads the logs.
+    Defaults differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
+    `lr_scheduler_type` "constant", `per_device_train_batch_size` 16, `average_tokens_across_devices` and
+    `remove_unused_columns` False.
     """
 
     # --- overridden TrainingArguments defaults ---
@@ -198,8 +152,7 @@ class PPOConfig(
         default="constant", metadata={"help": "Learning-rate schedule over optimizer steps (transformers names)."}
     )
     average_tokens_across_devices: bool = field(
-        default=False,
-        metadata={"help": "False: each micro-batch's loss is averaged over its own tokens (PPO's normaliser)."},
+        default=False, metadata={"help": "False: each micro-batch's loss is averaged over its own tokens."}
     )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "False: every train_dataset column reaches the reward functions."}
@@ -207,73 +160,44 @@ class PPOConfig(
 
     # --- model / run identity ---
     model_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Name or path of the policy model. Used when `PPOTrainer(model=None)` and recorded in the "
-            "model card (RELC scripts pass `--ppo_config.model_name`)."
-        },
+        default=None, metadata={"help": "Name or path of the policy, used when `PPOTrainer(model=None)`."}
     )
     model_init_kwargs: dict | None = field(
-        default=None,
-        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a str."},
+        default=None, metadata={"help": "Keyword arguments of `from_pretrained` for a policy given by name."}
     )
     load_in_4bit: bool = field(
-        default=False,
-        metadata={"help": "Load a policy given by name in 4-bit with bitsandbytes (needs CUDA and `peft_config`)."},
+        default=False, metadata={"help": "Load a policy given by name in 4-bit (bitsandbytes, CUDA, `peft_config`)."}
     )
     load_in_8bit: bool = field(
-        default=False,
-        metadata={"help": "Load a policy given by name in 8-bit with bitsandbytes (needs CUDA and `peft_config`)."},
+        default=False, metadata={"help": "Load a policy given by name in 8-bit (bitsandbytes, CUDA, `peft_config`)."}
     )
     num_shared_layers: int | None = field(
         default=None,
         metadata={
-            "help": "When the reference model is created from the policy, share (and freeze in the policy) its "
-            "embeddings and first `num_shared_layers` decoder layers instead of copying them. None: copy all."
+            "help": "First layers (and embeddings) the reference copy shares with the policy, frozen. None: copy all."
         },
     )
     disable_dropout: bool = field(
-        default=True,
-        metadata={
-            "help": "Turn dropout off in the policy, reference and value models, so rollout and update passes "
-            "agree (ratio 1 at the first update)."
-        },
+        default=True, metadata={"help": "Turn dropout off in every model, so the first update's ratio is 1."}
     )
-    log_with: str | None = field(
-        default=None,
-        metadata={"help": "RELC-era alias of `report_to` ('wandb', 'tensorboard', ...). Overrides `report_to`."},
-    )
+    log_with: str | None = field(default=None, metadata={"help": "RELC-era alias of `report_to`; overrides it."})
 
     # --- batch geometry ---
-    batch_size: int = field(
-        default=16,
-        metadata={"help": "Rollout samples per process per PPO step (the prompts per step in `train()`)."},
-    )
+    batch_size: int = field(default=16, metadata={"help": "Rollout samples (prompts) per process per PPO step."})
     per_device_train_batch_size: int = field(
         default=_DEFAULT_MICRO_BATCH,
-        metadata={
-            "help": "The micro-batch: samples per forward/backward pass (TRL's PPO meaning). One optimizer step "
-            "covers `per_device_train_batch_size * gradient_accumulation_steps` samples, which must divide "
-            "`batch_size`."
-        },
+        metadata={"help": "The micro-batch: samples per forward/backward (x gradient_accumulation_steps: one step)."},
     )
     mini_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "RELC's name of the micro-batch: when set, it is `per_device_train_batch_size` (which is set to "
-            "it). None: `per_device_train_batch_size`."
-        },
+        default=None, metadata={"help": "RELC's name of the micro-batch: when set, `per_device_train_batch_size`."}
     )
-    ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
+    ppo_epochs: int = field(default=4, metadata={"help": "Optimization passes over each rollout batch."})
 
     # --- KL penalty and controller ---
     kl_penalty: str = field(
         default="kl",
         metadata={
-            "help": "Per-token KL estimator (trl_stable.core.kl): 'kl' (logp - ref_logp), 'abs' (|logp - ref_logp|), "
-            "'mse' (0.5 (logp - ref_logp)^2), 'k3' (exp(ref_logp - logp) - (ref_logp - logp) - 1, unbiased and >= 0), "
-            "'low_var_kl' (k3 clamped to [-10, 10], verl), 'full' (exact KL over the vocabulary) or a name registered "
-            "with `trl_stable.core.register_kl_estimator`."
+            "help": "Per-token KL estimator ('kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' or a registered one)."
         },
     )
     adap_kl_ctrl: bool = field(
@@ -283,11 +207,7 @@ class PPOConfig(
     target: float = field(default=6.0, metadata={"help": "Target sequence KL of the adaptive controller."})
     horizon: float = field(default=10000.0, metadata={"help": "Horizon (in samples) of the adaptive controller."})
     target_kl: float | None = field(
-        default=6.0,
-        metadata={
-            "help": "Stop the PPO epochs of a step early when the policy KL to the rollout policy exceeds "
-            "1.5 x target_kl (with `early_stopping`). None disables."
-        },
+        default=6.0, metadata={"help": "Stop a step's epochs when the policy KL exceeds 1.5 x target_kl."}
     )
     early_stopping: bool = field(default=True, metadata={"help": "Enable the `target_kl` early stop."})
 
@@ -298,14 +218,9 @@ class PPOConfig(
     ratio_threshold: float = field(
         default=10.0, metadata={"help": "Zero a mini-batch's loss when its mean ratio exceeds this (loss spikes)."}
     )
-
     use_decoupled_loss: bool = field(
         default=False,
-        metadata={
-            "help": "Decoupled PPO loss (AReaL): the clipped term against the rollout-pass log-probs, times the "
-            "behaviour weight exp(logp_rollout_pass - logp_sampler); the sampler's log-probs are recorded by "
-            "`generate` (or passed to `step(sampler_logprobs=...)`)."
-        },
+        metadata={"help": "Decoupled PPO loss (AReaL): the clipped term times the sampler's behavior weight."},
     )
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 
@@ -314,81 +229,46 @@ class PPOConfig(
     lam: float = field(default=0.95, metadata={"help": "GAE lambda (used when `lam_schedule` is None)."})
     lam_schedule: str | None = field(
         default=None,
-        metadata={
-            "help": "Per-sequence lambda from the effective length L (the number of action tokens): 'vapo' "
-            "(max(0, 1 - 1/(lam_alpha L)), VAPO) or 'relative_position' (lam_q^(1/(L-1))). A callable can be passed "
-            "as `PPOTrainer(lam_fn=...)`."
-        },
+        metadata={"help": "Per-sequence GAE lambda from the sequence's length: 'vapo' or 'relative_position'."},
     )
     lam_alpha: float = field(default=0.05, metadata={"help": "alpha of the VAPO length-adaptive lambda."})
     lam_q: float = field(
         default=0.5, metadata={"help": "q of the relative-position lambda: weight of the last token's TD error."}
     )
     whiten_rewards: bool = field(
-        default=False,
-        metadata={
-            "help": "Whiten the per-token rewards over the batch before GAE, keeping their mean: "
-            "(r - mean) / std + mean (old TRL's `whiten(shift_mean=False)`)."
-        },
+        default=False, metadata={"help": "Whiten the per-token rewards over the batch before GAE, keeping their mean."}
     )
     whiten_advantages: bool = field(default=True, metadata={"help": "Whiten the advantages over the batch."})
     bootstrap_truncated: bool = field(
         default=False,
-        metadata={
-            "help": "Bootstrap responses that did not end with EOS from the value after their last token "
-            "(partial-episode bootstrapping, Pardo et al. 2018, arXiv 1712.00378). Off by default: with a sequence "
-            "score on the last token (RELC), the cut is the episode's end."
-        },
+        metadata={"help": "Bootstrap responses cut before EOS from the value after their last token (Pardo 2018)."},
     )
 
     # --- scores ---
     reward_weights: list[float] | None = field(
-        default=None,
-        metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."},
+        default=None, metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."}
     )
     multi_objective_aggregation: str = field(
         default="sum",
-        metadata={
-            "help": "How `train()` combines several sequence-level reward functions into the score: 'sum' (the "
-            "weighted sum of the raw rewards) or 'normalize_then_sum' (GDPO, arXiv 2601.05242: each reward "
-            "z-scored over the batch of every process, then the weighted sum; `trl_stable.core.gdpo_scores`). "
-            "Dense reward functions are added per token either way. TRL's GRPOConfig field of the same name."
-        },
+        metadata={"help": "'sum' (weighted) or 'normalize_then_sum' (GDPO) of the sequence-level rewards."},
     )
     use_score_scaling: bool = field(
         default=False, metadata={"help": "Divide the sequence scores by their running std."}
     )
     use_score_norm: bool = field(
-        default=False,
-        metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."},
+        default=False, metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."}
     )
     score_clip: float | None = field(default=None, metadata={"help": "Clip the sequence scores to +-score_clip."})
     reward_max_failing_steps: int | None = field(
-        default=5,
-        metadata={
-            "help": "Stop training when a reward function fails on every completion (it raises, or gives None/NaN or "
-            "an out-of-range value for all of them) this many steps in a row, as GRPO does; each such step warns, "
-            "naming the function and the cause, and its samples are unscored (nan_reward_action). None: never stop."
-        },
+        default=5, metadata={"help": "Stop after a reward function failed wholesale this many steps in a row."}
     )
     max_abs_reward: float | None = field(
         default=DEFAULT_MAX_ABS_REWARD,
-        metadata={
-            "help": "The largest reward magnitude taken (the reward contract's bound, as in GRPO): a sequence reward, "
-            "reward-model logit, dense token reward or `step()` score beyond +-max_abs_reward counts as NaN (a "
-            "sample without a reward: nan_reward_action), with a warning and `rewards/<name>/out_of_range`, so "
-            "the float32 arithmetic stays finite. None: only +-inf."
-        },
+        metadata={"help": "Rewards beyond +-max_abs_reward count as NaN, with a warning (None: only +-inf)."},
     )
     nan_reward_action: str = field(
         default="drop",
-        metadata={
-            "help": "A sample without a reward (every sequence-level function returned None/NaN/inf, or a NaN/inf "
-            "`step()` score or token reward): 'drop' (default) takes it out of the step (no policy or value loss, "
-            "not in the statistics; all of them dropped raises); 'zero' keeps it in the policy loss's token count "
-            "with advantage 0 and no value loss, GRPO's 'zero' (TRL's behaviour: advantage 0, still in the loss's "
-            "normaliser)."
-        },
+        metadata={"help": "A sample without a reward: 'drop' it, or keep it with advantage 0 ('zero')."},
     )
 
     # --- generation ---
@@ -396,11 +276,7 @@ class PPOConfig(
         default=512, metadata={"help": "Keep at most this many (rightmost) prompt tokens in `train()`."}
     )
     min_new_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "With `max_new_tokens`, each generation batch draws its length cap uniformly from "
-            "[min_new_tokens, max_new_tokens] (RELC's LengthSampler). None: always `max_new_tokens`."
-        },
+        default=None, metadata={"help": "Draw each generation cap from [min_new_tokens, max_new_tokens] (RELC)."}
     )
     max_new_tokens: int = field(default=20, metadata={"help": "Maximum number of generated tokens."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (log-probs use it too)."})
@@ -411,37 +287,20 @@ class PPOConfig(
     )
     fused_lm_head: bool | None = field(
         default=None,
-        metadata={
-            "help": "Compute the response tokens' log-probs through TRL's fused LM head (tiles over the vocabulary, "
-            "no [B, R, V] logits) instead of the logits of the response positions (`logits_to_keep`). The fused "
-            "head saves memory on CUDA; its CPU fallback scores every position and costs about twice the logits "
-            "path's memory and time there (benchmarks/bench_ppo_memory.py). None: fused on CUDA, logits elsewhere."
-        },
+        metadata={"help": "Log-probs through TRL's fused LM head (no [B, R, V] logits). None: on CUDA only."},
     )
     generation_kwargs: dict | None = field(
         default=None,
-        metadata={
-            "help": "Extra keyword arguments for `generate` (override the fields above); with `use_vllm`, for vLLM's "
-            "`SamplingParams`."
-        },
+        metadata={"help": "Extra `generate` arguments (override the fields above); with `use_vllm`, SamplingParams."},
     )
     step_loss_mask: bool = field(
         default=False,
-        metadata={
-            "help": "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
-            "have wrongly typed arguments) from the policy loss (the value loss keeps them)."
-        },
+        metadata={"help": "Remove the tokens of invalid agent steps (malformed tool calls) from the policy loss."},
     )
     # step_mask_tools: from StepMaskArguments
     routing_replay: str = field(
         default="off",
-        metadata={
-            "help": "MoE routing replay: 'off'; 'R2' records each router's top-k experts in the rollout pass and "
-            "replays them in every PPO epoch; 'R3' records them while generate() samples and replays them in the "
-            "rollout pass and the epochs (also removes the sampler/trainer routing mismatch). Gates are recomputed "
-            "from the current router, so routers keep training. Logs routing/agreement and routing/replayed_frac. "
-            "See trl_stable.moe."
-        },
+        metadata={"help": "MoE routing replay: 'off', 'R2' (the rollout pass's) or 'R3' (the sampler's)."},
     )
 
     def __post_init__(self):
@@ -452,7 +311,10 @@ class PPOConfig(
                     "choose the trackers, and log_with would win: set one of them."
                 )
             self.report_to = self.log_with
-        self._resolve_micro_batch()
+        # RELC's name of the micro-batch wins rather than conflicting: `dataclasses.replace(config, mini_batch_size=)`
+        # carries the micro-batch an earlier validation wrote into `per_device_train_batch_size`
+        if self.mini_batch_size is not None:
+            self.per_device_train_batch_size = self.mini_batch_size
         if self.max_grad_norm is None:  # PPO's spelling of "no clipping", transformers' is 0
             self.max_grad_norm = 0.0
         # Before TrainingArguments' own checks, which divide by some of these (a zero accumulation would be a
@@ -475,27 +337,24 @@ class PPOConfig(
                 f" = {backward}); change one of them."
             )
         check_reward_scale(self)
-        if self.nan_reward_action not in _NAN_REWARD_ACTIONS:
-            raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
         if self.kl_penalty not in kl_estimator_names():
             raise ValueError(
                 f"kl_penalty must be one of {kl_estimator_names()} or a name registered with "
                 f"`trl_stable.core.register_kl_estimator`, got {self.kl_penalty!r}."
             )
-        if self.lam_schedule is not None and self.lam_schedule not in _LAM_SCHEDULES:
-            raise ValueError(f"lam_schedule must be None or one of {_LAM_SCHEDULES}, got {self.lam_schedule!r}.")
+        for name, allowed in (
+            ("nan_reward_action", _NAN_REWARD_ACTIONS),
+            ("lam_schedule", (None, *_LAM_SCHEDULES)),
+            ("multi_objective_aggregation", _AGGREGATIONS),  # 'normalize_then_sum' is GDPO
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if self.adap_kl_ctrl and (self.target is None or self.horizon is None):
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
         if self.adap_kl_ctrl and self.init_kl_coef == 0:
             raise ValueError(
                 "adap_kl_ctrl=True with init_kl_coef=0: the adaptive controller multiplies the coefficient, so it "
-                "would stay 0 for ever (target and horizon ignored). Set init_kl_coef > 0, or adap_kl_ctrl=False for "
-                "no KL penalty."
-            )
-        if self.multi_objective_aggregation not in _AGGREGATIONS:
-            raise ValueError(
-                f"multi_objective_aggregation must be one of {_AGGREGATIONS}, got "
-                f"{self.multi_objective_aggregation!r}; 'normalize_then_sum' is GDPO."
+                "would stay 0. Set init_kl_coef > 0, or adap_kl_ctrl=False for no KL penalty."
             )
         if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -519,17 +378,9 @@ class PPOConfig(
         self.validate_step_mask_arguments()
         self.validate_vllm_arguments()
 
-    def _resolve_micro_batch(self) -> None:
-        """`mini_batch_size` is RELC's name of `per_device_train_batch_size`: when it is set it is the micro-batch.
-        (It wins rather than conflicting: `dataclasses.replace(config, mini_batch_size=...)` carries the micro-batch
-        an earlier validation wrote into `per_device_train_batch_size`.)"""
-        if self.mini_batch_size is not None:
-            self.per_device_train_batch_size = self.mini_batch_size
-
     def _refuse_before_device_setup(self) -> None:
-        """Refuse what `TrainingArguments.__post_init__` would fail on with a message that does not say the fix (the
-        `PPO_UNSUPPORTED` fields among them: bf16_full_eval fails there on a CPU), or would fill in so that PPO's
-        evaluation cannot answer it."""
+        """Refuse what `TrainingArguments.__post_init__` would fail on without saying the fix (bf16_full_eval on a
+        CPU among them), or would fill in so that PPO's evaluation cannot answer it."""
         for name, (accepted, why) in PPO_UNSUPPORTED.items():
             value = getattr(self, name)
             if value != accepted and not (accepted == [] and not value):
@@ -539,11 +390,11 @@ class PPOConfig(
                 "tf32=True needs an NVIDIA GPU of the Ampere generation or newer (TF32 matrix multiplications), which "
                 "this machine does not have: leave tf32=None (or False)."
             )
-        if self.ddp_backend is not None and _world_size() <= 1:
+        world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+        if self.ddp_backend is not None and world_size <= 1:
             raise ValueError(
                 f"ddp_backend={self.ddp_backend!r} sets the backend of a multi-process run, but this process was "
-                "started alone (WORLD_SIZE unset): launch with `accelerate launch` / `torchrun`, or leave "
-                "ddp_backend=None."
+                "started alone: launch with `accelerate launch` / `torchrun`, or leave ddp_backend=None."
             )
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if self.metric_for_best_model is None and (
@@ -552,13 +403,11 @@ class PPOConfig(
             what = "load_best_model_at_end=True" if self.load_best_model_at_end else f"lr_scheduler_type={schedule!r}"
             raise ValueError(
                 f"{what} compares evaluations by metric_for_best_model, which transformers would set to 'loss', but "
-                "PPO's evaluation has no loss: set metric_for_best_model='reward' (eval_reward, the mean reward of "
-                "the eval completions) or another eval_* metric PPOTrainer.evaluate logs."
+                "PPO's evaluation has no loss: set metric_for_best_model='reward' or another metric `evaluate` logs."
             )
 
     def _refuse_unsupported(self) -> None:
-        """Refuse, by name, a `TrainingArguments` setting PPO would have to ignore once transformers resolved it (the
-        plain `PPO_UNSUPPORTED` fields are refused before)."""
+        """Refuse a `TrainingArguments` setting PPO would have to ignore once transformers resolved it."""
         if self.debug:
             raise ValueError(
                 f"debug={self.debug!r} is not supported by PPOTrainer: its options watch transformers' own training "
@@ -566,9 +415,8 @@ class PPOConfig(
             )
         if self.train_sampling_strategy == "batch_rebalance":
             raise ValueError(
-                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: it balances token counts "
-                "over micro-batches of a dataloader batch, but a PPO batch is generated, not read. Use 'random', "
-                "'sequential' or 'group_by_length'."
+                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: a PPO batch is generated, "
+                "not read from the dataloader. Use 'random', 'sequential' or 'group_by_length'."
             )
         if self.accelerator_config.split_batches:
             raise ValueError(
@@ -580,33 +428,27 @@ class PPOConfig(
         )
         if unread:
             raise ValueError(
-                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer: they "
-                "configure accelerate's `accumulate()`, which PPO does not use (it counts its micro-batches itself). "
-                "Set the accumulation with gradient_accumulation_steps; only 'sync_each_batch' is read."
+                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer (it does "
+                "not use `accumulate()`): set gradient_accumulation_steps; only 'sync_each_batch' is read."
             )
         optim = str(getattr(self.optim, "value", self.optim))
         if optim in _FUSED_BACKWARD_OPTIMIZERS:
             raise ValueError(
-                f"optim={optim!r} is not supported by PPOTrainer: LOMO updates "
-                "the weights inside the backward pass, but PPO decides after a mini-batch's backward passes whether "
-                "its optimizer step happens (early_stopping, ratio_threshold). Use another optim, e.g. 'adamw_torch' "
-                "or 'adafactor' to save memory."
+                f"optim={optim!r} is not supported by PPOTrainer: LOMO steps inside the backward pass, but PPO "
+                "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
             )
         if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
             raise ValueError(
-                "do_eval=True is not read by the trainer (transformers documents it as a flag for your own script; "
-                "it sets it itself when eval_strategy is not 'no'): set eval_strategy='steps' or 'epoch' to evaluate "
-                "during train(), or call trainer.evaluate(). Leave do_eval=False."
+                "do_eval=True is not read by any trainer (a flag for your own script): set eval_strategy='steps' or "
+                "'epoch' to evaluate during train(), or call trainer.evaluate(). Leave do_eval=False."
             )
         if self.fp16 and self.device.type == "cpu":
             raise ValueError(
-                "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "
-                "loss scaler only on an accelerator (CUDA, XPU, ...). Use bf16=True (with use_cpu=True) on a CPU, or "
-                "run on a GPU."
+                "fp16=True on a CPU would train in float32 without a word (accelerate's float16 autocast needs an "
+                "accelerator). Use bf16=True (with use_cpu=True) on a CPU, or run on a GPU."
             )
         if self.local_rank != -1 and self.local_rank != self.local_process_index:
             raise ValueError(
                 f"local_rank={self.local_rank} but this process's local rank is {self.local_process_index} (from the "
-                "launcher's environment, which accelerate reads): the field is only there for the deprecated "
-                "torch.distributed.launch to pass it. Leave local_rank=-1."
+                "launcher's environment); the field is for torch.distributed.launch (deprecated). Leave local_rank=-1."
             )

@@ -1,10 +1,6 @@
-"""PPO's reward functions for `train()` and `evaluate()`: set up once, called on each batch under
-`trl_stable.rewards.dense`'s contract.
-
-GRPO gets the same contract through TRL's own reward calling plus `trl_stable.rewards.dense`; PPO has no TRL trainer
-to inherit that from, so this module calls the functions itself, with TRL's signature, and scores reward models with
-TRL's tokenization (`trl_stable.rewards.reward_models`).
-"""
+"""PPO's reward functions for `train()` and `evaluate()`, called with TRL's signature under the reward contract of
+`trl_stable.rewards.dense` (GRPO gets it through TRL's own reward calling); reward models are scored with TRL's
+tokenization (`trl_stable.rewards.reward_models`)."""
 
 from __future__ import annotations
 
@@ -31,25 +27,24 @@ from trl_stable.rewards.dense import (
     bound_rewards,
     failure_cause,
     is_dense_reward,
+    record_reward_failures,
     sequence_reward_values,
     start_dense_rewards,
     weighted_reward_sum,
 )
-from trl_stable.rewards.failure_guard import RewardComponentFailure
+from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 
-__all__ = ["BatchRewards", "PendingRewards", "RewardFunctions"]
+__all__ = ["BatchRewards", "PendingRewards", "RewardFunctions", "guard_reward_failures"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class BatchRewards:
-    """A batch's rewards: `scores` [N] float64 (weighted sum of the sequence-level functions, NaN where none
-    applies; None without sequence-level functions), `dense` (None without dense functions), and their metrics:
-    `metrics` this process's values, `stats` the same as this process's shares for the reduction over processes
-    (`trl_stable.monitoring.reduction.Stat`s, what `PPOTrainer.train` logs); `per_func` each sequence-level
-    function's [N] values by name (NaN where it does not apply)."""
+    """A batch's rewards: `scores` [N] float64 (the weighted sequence-level sum, NaN where none applies; None without
+    sequence-level functions), `dense` (None without dense functions), their `metrics` (this process's values) and
+    `stats` (as this process's `Stat` shares), and `per_func`, each sequence-level function's [N] values by name."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
@@ -58,65 +53,44 @@ class BatchRewards:
     per_func: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
 class PendingRewards:
-    """A batch's rewards with the sequence-level part computed and the dense functions prefetched, not yet called.
+    """A batch's rewards with the sequence-level part computed and the dense functions prefetched, called by `result`
+    (`train()` hands `token_rewards` to `step` as deferred rewards, so a critic's latency hides behind the forwards).
+    `metrics` and `stats` are completed in place when the dense rewards are collected."""
 
-    `PPOTrainer.train` hands `token_rewards` to `step` as its deferred token rewards, so the dense functions are
-    called after the rollout pass and the critic's latency hides behind the policy / value / reference forwards.
-
-    Attributes:
-        scores: As in `BatchRewards`.
-        metrics: The batch's reward metrics on this process; the dense metrics are added to this same dict when
-            the dense rewards are collected.
-        stats: The same metrics as this process's shares (`trl_stable.monitoring.reduction.Stat`s), completed in
-            place when the dense rewards are collected, so a `step(extra_logs=pending.stats)` logs them reduced over
-            processes.
-    """
-
-    def __init__(
-        self,
-        scores: torch.Tensor | None,
-        dense: PendingDenseRewards | None,
-        metrics: dict[str, float],
-        stats: dict[str, Stat] | None = None,
-        rewards_per_func: torch.Tensor | None = None,
-        weights: Sequence[float] = (),
-        names: Sequence[str] = (),
-        failures: dict[str, str] | None = None,
-    ):
-        self.scores = scores
-        self.metrics = metrics
-        self.stats = {} if stats is None else stats
-        self.rewards_per_func = rewards_per_func  # [N, K] sequence-level rewards, NaN where one does not apply
-        self.weights = list(weights)
-        self.names = list(names)  # of the K sequence-level functions
-        self.failures = {} if failures is None else failures  # functions whose call raised, and why
-        self._dense = dense
-        self._result: BatchRewards | None = None
+    scores: torch.Tensor | None
+    pending_dense: PendingDenseRewards | None
+    metrics: dict[str, float]
+    stats: dict[str, Stat] = field(default_factory=dict)
+    rewards_per_func: torch.Tensor | None = None  # [N, K] sequence-level rewards, NaN where one does not apply
+    weights: list[float] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # of the K sequence-level functions
+    failures: dict[str, str] = field(default_factory=dict)  # the functions whose call raised, and why
+    _result: BatchRewards | None = field(default=None, init=False, repr=False)
 
     def normalize_then_sum(self, reduce_sum: Reduce | None = None) -> None:
-        """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`: each sequence-level reward z-scored over the
-        batch, then weighted); a collective with `reduce_sum`, so every process calls it. The dense functions, whose
-        requests are already out, keep the raw weighted sum as their ``env_rewards``."""
+        """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`), a collective with `reduce_sum`; the dense
+        functions, whose requests are already out, keep the raw weighted sum as their ``env_rewards``."""
         if self.rewards_per_func is None:
             return
         self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
 
     @property
     def has_dense(self) -> bool:
-        return self._dense is not None
+        return self.pending_dense is not None
 
     def result(self) -> BatchRewards:
         """Collect the dense rewards (once) and return the batch's rewards."""
         if self._result is None:
             dense = None
-            if self._dense is not None:
-                dense = self._dense.collect()
+            if self.pending_dense is not None:
+                dense = self.pending_dense.collect()
                 # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
                 self.stats.update(
                     {name: logged_metric_stat(name, [v]) for name, v in self.metrics.items() if name not in self.stats}
                 )
-                self.stats.update(dense_reward_stats(dense.metrics, self._dense.completion_lengths))
+                self.stats.update(dense_reward_stats(dense.metrics, self.pending_dense.completion_lengths))
                 self.metrics.update(dense.metrics)
             per_func = {}
             if self.rewards_per_func is not None:
@@ -137,8 +111,8 @@ class RewardFunctions:
         reward_funcs: A callable with TRL's reward signature, a sequence-classification model (or its name), a dense
             callable (`trl_stable.rewards.dense_reward`), or a list of these.
         weights: One weight per function (None: all 1).
-        processing_classes: Tokenizers of the reward models (None entries: loaded from the model's name, as TRL's
-            GRPO does; the policy tokenizer for a nameless model with the policy's vocabulary).
+        processing_classes: Tokenizers of the reward models (None entries: loaded by the model's name, as TRL's GRPO
+            does).
         policy_tokenizer: The policy's tokenizer.
         limit: The largest reward magnitude taken (`max_abs_reward`); beyond it a value counts as NaN.
     """
@@ -163,9 +137,9 @@ class RewardFunctions:
             if not (isinstance(func, nn.Module) or callable(func)):
                 raise ValueError(f"A reward function must be a callable, an nn.Module or a model name; got {func!r}.")
         if weights is not None and len(weights) != len(funcs):
+            n = len(funcs)
             raise ValueError(
-                f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; "
-                "give one weight per reward function."
+                f"reward_weights has {len(weights)} entries for {n} reward functions; give one per function."
             )
         self.funcs = funcs
         self.names = [self._name(f) for f in funcs]
@@ -228,6 +202,7 @@ class RewardFunctions:
         n = len(responses)
 
         sequence = [i for i, f in enumerate(self.funcs) if not is_dense_reward(f)]
+        names, weights = [self.names[i] for i in sequence], [self.weights[i] for i in sequence]
         scores = rewards_per_func = None
         failures: dict[str, str] = {}  # the functions whose call raised here, and why: their completions unscored
         if sequence:
@@ -248,7 +223,6 @@ class RewardFunctions:
                     logger.warning(f"Reward function '{name}' {failures[name]}; its completions are unscored.")
                     values = torch.full((n,), float("nan"), dtype=torch.float64)
                 columns_out.append(values)
-            names = [self.names[i] for i in sequence]
             # the contract's bound on every function's values (reward models' logits included), before the sum
             rewards_per_func, out_of_range = bound_rewards(torch.stack(columns_out, dim=1), names, self.limit)
             for name, values, count in zip(names, rewards_per_func.unbind(1), out_of_range):
@@ -257,7 +231,7 @@ class RewardFunctions:
                 # over the samples it scored on every process, when `PPOTrainer.step` logs it
                 stats[f"rewards/{name}/mean"] = Stat.mean(values, ~torch.isnan(values), empty=float("nan"))
                 stats[f"rewards/{name}/out_of_range"] = Stat.total(count)
-            scores = weighted_reward_sum(rewards_per_func, [self.weights[i] for i in sequence])
+            scores = weighted_reward_sum(rewards_per_func, weights)
 
         dense_idx = [i for i, f in enumerate(self.funcs) if is_dense_reward(f)]
         dense = None
@@ -279,13 +253,26 @@ class RewardFunctions:
                 prefetch=lambda func: call_reward_func(func.prefetch, self.loop, **dense_kwargs),
                 limit=self.limit,
             )
-        return PendingRewards(
-            scores,
-            dense,
-            metrics,
-            stats,
-            rewards_per_func,
-            [self.weights[i] for i in sequence],
-            [self.names[i] for i in sequence],
-            failures,
-        )
+        return PendingRewards(scores, dense, metrics, stats, rewards_per_func, weights, names, failures)
+
+
+def guard_reward_failures(
+    accelerator: Any,
+    guards: dict[str, FailureGuard],
+    names: Sequence[str],
+    values: torch.Tensor | None,
+    failures: dict[str, str],
+    everywhere: bool = True,
+) -> None:
+    """Count a step in which a reward function failed wholesale (`reward_max_failing_steps`): with `values` [N, K],
+    when it gave no usable value for any completion (of every process, with `everywhere`); otherwise when its call
+    raised on some process. Decided on every process's outcome, so every process stops at the same step."""
+    if not names:
+        return
+    if values is not None:
+        local = torch.isnan(values).all(dim=0).float()
+    else:
+        local = torch.tensor([float(name in failures) for name in names])
+    counts = accelerator.reduce(local.to(accelerator.device), reduction="sum")
+    failed = counts >= accelerator.num_processes if everywhere else counts > 0
+    record_reward_failures(guards, dict(zip(names, failed.tolist())), failures)

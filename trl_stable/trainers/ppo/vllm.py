@@ -1,15 +1,10 @@
 """PPO rollouts through TRL's own vLLM integration (`trl.generation.vllm_generation.VLLMGeneration`, GRPO's helper).
 
-`PPOConfig(use_vllm=True)` builds the helper with GRPO's arguments (colocate: an engine per process; server: a
-`trl vllm-serve` server), syncs the policy's weights into it once per PPO step (the helper gathers ZeRO-3 / FSDP
-shards and merges LoRA adapters itself), and turns its output into the `Rollout` HF generation gives: responses cut
-after EOS, and vLLM's per-token log-probs as the sampler log-probs (the decoupled loss and the mismatch monitor read
-them). TRL's colocate engine returns log-probs after temperature / top-k / top-p (``logprobs_mode=
-"processed_logprobs"``), the distribution the tokens were drawn from, as `trl_stable.sampler_logprobs` records for HF.
-
-Routing replay R3 takes vLLM's ``routed_experts`` ([prompt + completion tokens, layers, k] per sequence) in colocate
-mode when the installed vLLM can return them (`vllm_routed_experts_support`); otherwise PPOTrainer refuses R3 at init
-with the vLLM version in the message.
+`PPOConfig(use_vllm=True)` builds the helper with GRPO's arguments (colocate or `trl vllm-serve`), syncs the policy's
+weights into it once per PPO step (the helper gathers shards and merges LoRA itself), and makes the `Rollout` HF
+generation makes: responses cut after EOS, vLLM's per-token log-probs (after temperature / top-k / top-p, TRL's
+``processed_logprobs``) as the sampler's. Routing replay R3 takes vLLM's ``routed_experts`` in colocate mode, where the
+installed vLLM can return them (`vllm_routed_experts_support`).
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_stable.integration.patching import wrapped_method
+from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.rollout import Rollout
 
 __all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
@@ -45,10 +41,8 @@ def _field_names(cls: Any) -> set[str]:
 
 
 def vllm_routed_experts_support() -> str | None:
-    """None when the installed vLLM can return the routed experts of each sequence; else why not, naming the version.
-
-    Needs the engine argument ``enable_return_routed_experts`` and the ``routed_experts`` field of vLLM's
-    `CompletionOutput`."""
+    """None when the installed vLLM can return each sequence's routed experts (the engine argument
+    ``enable_return_routed_experts`` and `CompletionOutput.routed_experts`); else why not, naming the version."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed"
     import vllm
@@ -80,8 +74,8 @@ def check_vllm_routing(args: Any) -> None:
 
 @contextmanager
 def _engine_returns_routed_experts(enabled: bool) -> Iterator[None]:
-    """While TRL's helper builds its colocate engine, build it with ``enable_return_routed_experts=True`` (TRL's
-    `LLM(...)` call takes no extra engine arguments); a module-level patch, undone on exit."""
+    """Build TRL's colocate engine with ``enable_return_routed_experts=True`` (TRL's `LLM(...)` call takes no extra
+    engine arguments); a module-level patch, undone on exit."""
     if not enabled:
         yield
         return
@@ -95,8 +89,8 @@ def _engine_returns_routed_experts(enabled: bool) -> Iterator[None]:
 
 @contextmanager
 def _request_outputs(generation: Any) -> Iterator[list[Any]]:
-    """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` during one helper call (TRL keeps only
-    ids and log-probs of them); an instance-level patch, undone on exit."""
+    """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` in one helper call (TRL keeps only their
+    ids and log-probs); an instance-level patch, undone on exit."""
     outputs: list[Any] = []
 
     def recording(original):
@@ -112,15 +106,8 @@ def _request_outputs(generation: Any) -> Iterator[list[Any]]:
 
 
 class VLLMRollouts:
-    """TRL's vLLM helper built from a `PPOConfig`, with the PPO step its weights were last synced at.
-
-    Args:
-        policy: The policy module (unwrapped; a PEFT model is merged into vLLM's copy at each sync).
-        accelerator: The trainer's accelerator.
-        processing_class: The policy tokenizer.
-        args: The `PPOConfig` (`vllm_*` fields, sampling fields, `batch_size` / `generation_batch_size`).
-        model_id: The name or path the policy was loaded from; colocate engines load it from there.
-    """
+    """TRL's vLLM helper built from a `PPOConfig` for the (unwrapped) `policy` loaded from `model_id`, with the PPO
+    step its weights were last synced at."""
 
     def __init__(self, policy: torch.nn.Module, accelerator: Any, processing_class: Any, args: Any, model_id: Any):
         if args.vllm_mode == "colocate" and not model_id:
@@ -128,9 +115,7 @@ class VLLMRollouts:
                 "use_vllm with vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` as a "
                 "name or path (or a model loaded from one), or use vllm_mode='server'."
             )
-        self.return_routing = args.routing_replay == "R3"
-        if self.return_routing and args.vllm_mode != "colocate":
-            raise ValueError("routing_replay='R3' with use_vllm needs vllm_mode='colocate'.")  # the config checks it
+        self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
         with _engine_returns_routed_experts(self.return_routing):
             self.generation = VLLMGeneration(
@@ -162,8 +147,7 @@ class VLLMRollouts:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, step: int
     ) -> tuple[list[list[int]], list[list[float]] | None, list[Any] | None]:
         """Completion ids, their sampler log-probs (NaN where vLLM gave none) and, for R3, vLLM's routed experts, of
-        one chunk of prompts; syncs the policy's weights first when a PPO step has run since the last sync. A
-        collective (weight gathering, server-mode gathers): every process calls it."""
+        one chunk of prompts, after syncing the weights if a PPO step ran since. A collective."""
         if step != self.synced_step:
             self.generation.sync_weights()
             self.synced_step = step
@@ -192,8 +176,7 @@ def vllm_rollout(
     length_sampler: Callable[[], int] | None,
     return_prompt: bool,
 ) -> Rollout:
-    """`PPOTrainer.generate` through vLLM: the same `Rollout` as HF generation (responses cut after EOS, on the
-    trainer's device), with vLLM's log-probs as the sampler log-probs and, for R3, its routing."""
+    """`PPOTrainer.generate` through vLLM: the `Rollout` HF generation makes, with vLLM's log-probs and routing."""
     device = trainer.accelerator.device
     rollouts: VLLMRollouts = trainer.vllm_rollouts
     sequences, sampler_logps, routing = [], [], []
@@ -201,7 +184,9 @@ def vllm_rollout(
         batch = [q.to(device).long() for q in queries[start : start + chunk]]
         max_new = max(1, int(length_sampler())) if length_sampler is not None else trainer.args.max_new_tokens
         ids, logps, routes = rollouts.sample([q.tolist() for q in batch], max_new, trainer.state.global_step)
-        responses = [trainer._trim_response(torch.tensor(c, dtype=torch.long, device=device)) for c in ids]
+        responses = [
+            trim_response(torch.tensor(c, dtype=torch.long, device=device), trainer.eos_token_id) for c in ids
+        ]
         if any(len(r) == 0 for r in responses):
             raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
         if logps is not None:

@@ -88,13 +88,7 @@ class VLLMArguments:
             ),
         )
         if not self.use_vllm:
-            return
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"vllm_gpu_memory_utilization must lie in (0, 1], got {self.vllm_gpu_memory_utilization}."
-            )
-        if self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be >= 1, got {self.vllm_tensor_parallel_size}.")
+            return  # the ranges of the numeric fields are `PPO_BOUNDS`'
         if getattr(self, "routing_replay", "off") == "R3" and self.vllm_mode == "server":
             raise ValueError(
                 "routing_replay='R3' with vllm_mode='server': TRL's vLLM client returns no routed experts. Fix: "

@@ -5,6 +5,9 @@ need `--multi_gpu --num_processes 2` with `ACCELERATE_USE_CPU=true` (torchrun un
 runs as ``python -m accelerate.commands.launch`` from this interpreter, so nothing has to be on PATH and the tests
 cannot skip.
 
+The scripts import the shared test helpers by name (`tiny_configs`, `tiny_data`, `two_process_kit`): this folder is
+on their ``PYTHONPATH``.
+
 Scripts end with ``accelerator.wait_for_everyone()`` and ``os._exit(0)``: gloo's destructors race with the peer's exit
 at interpreter teardown and can abort ("terminate called ...", SIGABRT) depending on timing.
 """
@@ -16,8 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+HELPERS = str(Path(__file__).resolve().parent)
 
 # A normal run takes 20-60 s on a loaded 2-core machine; the limit only turns a deadlock (a process left waiting in
 # a collective) into a failure with the output, instead of a hung test session.
@@ -44,6 +50,7 @@ def launch_two_processes(
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p),
     }
     cmd = [
         sys.executable,

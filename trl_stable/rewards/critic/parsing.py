@@ -10,16 +10,16 @@ The critic formats (Drlc/RELC, Cao et al., EMNLP 2024, arXiv 2401.07382; our tem
       Identified Negative Text Span: None identified
 
 - toxicity: ``Toxic Span 1: <span>`` lines (``Toxic Span: None identified`` when there is none);
-- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity (under RELC's
-  "Problematic Spans Identified in the Summary:" header every span is a flaw, whatever its label);
-- per-word scores (RELC's ``prompt_*shot*.txt``): ``3.  idiot: -1`` lines; runs of words scored below zero are
-  negative spans, above zero positive ones.
+- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity (under a
+  "Problematic Spans Identified in the Summary:" header every span is a flaw, whatever its label).
 
-Continuation: RELC's prompt files end with the header the critic is to continue (``Identified Positive Text Span:``,
-``Toxic Spans Identified in the Sentence:``, ``Problematic Spans Identified in the Summary:``, or the
-``Rewards assigned:`` its code appends), so the answer starts with that section's spans and carries no header for
-them. `continuation_header` reads that header from the prompt; `parse_critic_answer(answer, continues=header)`
-reads the answer as if it started with it.
+Headers without a polarity name bad spans ("Identified Text Span:", "Toxic Spans Identified in the Sentence:").
+
+Continuation: a prompt may end with the header the critic is to continue (``Identified Positive Text Span:``,
+``Toxic Spans Identified in the Sentence:``, ``Problematic Spans Identified in the Summary:``, as RELC's prompt files
+do), so the answer starts with that section's spans and carries no header for them. `continuation_header` reads
+that header from the prompt; `parse_critic_answer(answer, continues=header)` reads the answer as if it started with
+it. (RELC's per-word score format is read by `trl_stable.compat.relc_critic`.)
 
 LLMs wrap these in prose, number spans as ``1.``/``-``/``[Span 1]:``, quote them and end them with punctuation. The
 parser accepts all of that; an answer without any recognisable structure yields no spans and ``ok=False`` (the caller
@@ -84,11 +84,6 @@ _PROSE_STOP_RE = re.compile(
     r"|(?:is|are|does|do|did|was|were)\s+the\s+(?:summary|text|sentence|review)\b[^\n]*\?\s*$)",
     re.IGNORECASE,
 )
-# RELC's per-word format: "12.  masturb: -1" (number, the word as the prompt listed it, its score).
-_WORD_SCORE_RE = re.compile(
-    r"(?m)^[ \t]*\d+\.[ \t](?P<word>[^\n]*?):[ \t]*(?P<score>[-+]?(?:\d+(?:\.\d*)?|\.\d+))[ \t]*$"
-)
-_WORD_SCORE_HEADER_RE = re.compile(r"^\s*rewards\s+assigned\s*:\s*$", re.IGNORECASE)
 _PROBLEM_HEADER_RE = re.compile(r"(?<!\w)(?:problematic|flawed)\s+spans?\b", re.IGNORECASE)
 _QUOTED_RE = re.compile(r"\"([^\"]+)\"|\u201c([^\u201d]+)\u201d|'([^']+)'|\u2018([^\u2019]+)\u2019")
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019\u00ab\u00bb"
@@ -200,12 +195,11 @@ def label_polarity(label: str) -> int:
 def continuation_header(prompt: str | None) -> str | None:
     """The answer header `prompt` ends with, which the critic's answer continues; None when it ends otherwise.
 
-    RELC's prompt files end with the header of the first section the critic is to fill (``Identified Positive Text
-    Span:``; ``Toxic Spans Identified in the Sentence:``; ``Problematic Spans Identified in the Summary:``; for the
-    per-word files, the ``Rewards assigned:`` RELC's code appends), so the answer holds that section's spans without
-    it. Only headers the parser reads count: a prompt ending with ``[Continuation]:`` (RELC's llama2 files, which
-    prompt the policy, not a critic) or with the text under critique gives None, and the answer must then carry its
-    own headers (the format of the prompts in ``trl_stable/prompts/``).
+    A prompt may end with the header of the first section the critic is to fill (``Identified Positive Text Span:``;
+    ``Toxic Spans Identified in the Sentence:``; ``Problematic Spans Identified in the Summary:``, as RELC's prompt
+    files do), so the answer holds that section's spans without it. Only headers the parser reads count: a prompt
+    ending with ``[Continuation]:`` (a prompt for the policy, not a critic) or with the text under critique gives
+    None, and the answer must then carry its own headers (the format of the prompts in ``trl_stable/prompts/``).
 
     Example:
         >>> continuation_header("Sentence to be Labeled:\\nIt was fine.\\n\\nIdentified Positive Text Span:\\n")
@@ -216,34 +210,9 @@ def continuation_header(prompt: str | None) -> str | None:
     last = prompt.rstrip().splitlines()[-1].strip()
     if not last.endswith(":") or len(last) > 120:
         return None
-    if _WORD_SCORE_HEADER_RE.match(last):
-        return last
     m = _HEADER_RE.search(last)
     # The whole line must be the header: "Review: a wonderful film, a Positive:" is text, not a header.
     return last if m is not None and m.start() == 0 and not last[m.end() :].strip() else None
-
-
-def _word_score_spans(text: str) -> tuple[list[str], list[str]] | None:
-    """Spans of a per-word answer: each run of consecutive words scored above (below) zero is one positive
-    (negative) span, the words joined as listed (RELC lists tokens: " masturb" + "ating" -> "masturbating")."""
-    rows = [(m.group("word"), float(m.group("score"))) for m in _WORD_SCORE_RE.finditer(text)]
-    if not rows:
-        return None
-    positive: dict[str, None] = {}  # ordered sets: first occurrence kept, O(1) membership
-    negative: dict[str, None] = {}
-    run: list[str] = []
-    sign = 0
-    for word, score in [*rows, ("", 0.0)]:  # the sentinel closes the last run
-        now = (score > 0) - (score < 0)
-        if now != sign and run:
-            span = "".join(run).strip()
-            if span:
-                (positive if sign > 0 else negative).setdefault(span)
-            run = []
-        sign = now
-        if now:
-            run.append(word)
-    return list(positive), list(negative)
 
 
 def _continued(text: str, header: str | None) -> str:
@@ -277,7 +246,7 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
 
     Returns:
         A `ParsedCritique`; spans keep their original wording (locating them in the response is case- and
-        whitespace-insensitive, see `trl_stable.rewards.span_alignment.locate_span`).
+        whitespace-insensitive, see `trl_stable.rewards.critic.alignment.locate_span`).
     """
     if answer is None:
         return ParsedCritique(ok=False, reason="no answer")
@@ -286,11 +255,6 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     text = answer.replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
         return ParsedCritique(ok=False, reason="empty answer")
-    if continues and _WORD_SCORE_HEADER_RE.match(continues):
-        spans = _word_score_spans(text)
-        if spans is None:
-            return ParsedCritique(ok=False, reason="no per-word scores after 'Rewards assigned:'")
-        return ParsedCritique(positive=spans[0], negative=spans[1])
     text = _ONE_LINE_LABELS_RE.sub("\\1\n", _continued(text, continues))
 
     result = ParsedCritique()
@@ -336,9 +300,6 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
             result.ignored_text = lead.strip()
 
     if not found:
-        word_spans = _word_score_spans(text)
-        if word_spans is not None and (word_spans[0] or word_spans[1] or len(_WORD_SCORE_RE.findall(text)) >= 2):
-            return ParsedCritique(positive=word_spans[0], negative=word_spans[1])
         if _NONE_RE.match(text.strip().splitlines()[0]) or _NONE_ANYWHERE_RE.search(text):
             return result  # "None identified", "No toxic spans.": valid and empty
         return ParsedCritique(ok=False, reason="no span format recognised")

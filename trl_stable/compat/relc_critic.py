@@ -1,0 +1,258 @@
+"""RELC's critic on trl_stable: `query_batch_span` (the fork's critic call) with its failure semantics, and RELC's
+settings for trl_stable's own critic reward: its flag spelling, the meaning its scripts give their two reward flags
+per task, and its per-word answer format.
+
+RELC (Cao et al., "Enhancing Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024;
+google-research/relc) names the flag ``--use_instric_reward``; its toxicity and summarization scripts give
+``--positive_reward_value`` to every token *outside* a bad span; its per-word prompt files (``prompt_[123]shot*.txt``,
+``prompt_toxicity_3shot.txt``, which its code ends with ``Rewards assigned:``) are answered with ``3.  idiot: -1``
+lines. `RelcCriticRewardConfig` is `trl_stable.rewards.CriticRewardConfig` with all three:
+
+```python
+from trl_stable.compat.relc_critic import RelcCriticRewardConfig
+
+config = RelcCriticRewardConfig.from_relc("toxicity", 0.1, -0.5, use_instric_reward=True)
+```
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl_stable.rewards.critic.config import CRITIC_TASKS, CriticRewardConfig
+from trl_stable.rewards.critic.openai_critic import OpenAICritic
+from trl_stable.rewards.critic.parsing import ParsedCritique, continuation_header, parse_critic_answer
+
+__all__ = [
+    "FAILED_CALLS_ENV",
+    "WORD_SCORE_HEADER",
+    "RelcCriticRewardConfig",
+    "parse_relc_answer",
+    "query_batch_span",
+    "relc_continuation_header",
+    "relc_token_reward_values",
+    "word_score_spans",
+]
+
+FAILED_CALLS_ENV = "TRL_STABLE_RELC_FAILED_CALLS"
+WORD_SCORE_HEADER = "Rewards assigned:"
+_WORD_SCORE_HEADER_RE = re.compile(r"^\s*rewards\s+assigned\s*:\s*$", re.IGNORECASE)
+# "12.  masturb: -1": a number, the word as the prompt listed it, its score
+_WORD_SCORE_RE = re.compile(
+    r"(?m)^[ \t]*\d+\.[ \t](?P<word>[^\n]*?):[ \t]*(?P<score>[-+]?(?:\d+(?:\.\d*)?|\.\d+))[ \t]*$"
+)
+
+
+def relc_token_reward_values(
+    task: str, positive_reward_value: float, negative_reward_value: float
+) -> tuple[float, float, float]:
+    """RELC's ``--positive_reward_value`` / ``--negative_reward_value`` of `task` as our three per-token values
+    ``(positive_reward_value, negative_reward_value, outside_span_reward_value)``.
+
+    - sentiment: a token in a positive span gets ``positive``, in a negative span ``negative``, elsewhere 0, so
+      ``(positive, negative, 0.0)``;
+    - toxicity and summarization: the critic names only bad spans (toxic / problematic); a token in one gets
+      ``negative`` and every other token ``positive`` (toxicity script: +0.1 outside, -0.5 inside), so
+      ``(0.0, negative, positive)``.
+    """
+    if task not in CRITIC_TASKS:
+        raise ValueError(f"task must be one of {CRITIC_TASKS}, got {task!r}.")
+    if task == "sentiment":
+        return float(positive_reward_value), float(negative_reward_value), 0.0
+    return 0.0, float(negative_reward_value), float(positive_reward_value)
+
+
+def word_score_spans(text: str) -> tuple[list[str], list[str]] | None:
+    """Spans of a per-word answer: each run of consecutive words scored above (below) zero is one positive
+    (negative) span, the words joined as listed (RELC lists tokens: " masturb" + "ating" -> "masturbating");
+    None when `text` has no ``N. word: score`` line."""
+    rows = [(m.group("word"), float(m.group("score"))) for m in _WORD_SCORE_RE.finditer(text)]
+    if not rows:
+        return None
+    positive: dict[str, None] = {}  # ordered sets: first occurrence kept, O(1) membership
+    negative: dict[str, None] = {}
+    run: list[str] = []
+    sign = 0
+    for word, score in [*rows, ("", 0.0)]:  # the sentinel closes the last run
+        now = (score > 0) - (score < 0)
+        if now != sign and run:
+            span = "".join(run).strip()
+            if span:
+                (positive if sign > 0 else negative).setdefault(span)
+            run = []
+        sign = now
+        if now:
+            run.append(word)
+    return list(positive), list(negative)
+
+
+def relc_continuation_header(prompt: str | None) -> str | None:
+    """`trl_stable.rewards.critic.parsing.continuation_header`, plus RELC's ``Rewards assigned:``."""
+    last = prompt.rstrip().splitlines()[-1] if prompt and prompt.strip() else ""
+    return last.strip() if _WORD_SCORE_HEADER_RE.match(last) else continuation_header(prompt)
+
+
+def parse_relc_answer(answer: str | None, continues: str | None = None) -> ParsedCritique:
+    """`parse_critic_answer`, plus RELC's per-word format: after ``Rewards assigned:``, or when an answer has no
+    span structure but ``N. word: score`` lines."""
+    if not isinstance(answer, str):
+        return parse_critic_answer(answer, continues)
+    text = answer.replace("\r\n", "\n").replace("\r", "\n")
+    if continues and _WORD_SCORE_HEADER_RE.match(continues):
+        spans = word_score_spans(text) if text.strip() else None
+        if spans is None:
+            return ParsedCritique(ok=False, reason=f"no per-word scores after {WORD_SCORE_HEADER!r}")
+        return ParsedCritique(positive=spans[0], negative=spans[1])
+    parsed = parse_critic_answer(answer, continues)
+    if parsed.ok:
+        return parsed
+    spans = word_score_spans(text)
+    if spans is not None and (spans[0] or spans[1] or len(_WORD_SCORE_RE.findall(text)) >= 2):
+        return ParsedCritique(positive=spans[0], negative=spans[1])
+    return parsed
+
+
+@dataclass
+class RelcCriticRewardConfig(CriticRewardConfig):
+    """`CriticRewardConfig` with RELC's flag spelling (``--use_instric_reward``), its token-reward meaning per task
+    (`from_relc`) and its per-word answer format (`parse_relc_answer`)."""
+
+    use_instric_reward: bool = field(
+        default=False,
+        metadata={"help": "Alias of `use_intrinsic_reward` (RELC's spelling in its sentiment/summarization scripts)."},
+    )
+
+    continuation_header = staticmethod(relc_continuation_header)
+    parse_answer = staticmethod(parse_relc_answer)
+
+    def __post_init__(self) -> None:
+        if self.use_instric_reward:
+            self.use_intrinsic_reward = True
+        super().__post_init__()
+
+    @classmethod
+    def from_relc(
+        cls, task: str, positive_reward_value: float, negative_reward_value: float, **kwargs: Any
+    ) -> RelcCriticRewardConfig:
+        """A config whose token rewards are RELC's for `task` given RELC's two flag values
+        (`relc_token_reward_values`); `kwargs` are the other fields.
+
+        Example:
+            >>> cfg = RelcCriticRewardConfig.from_relc("toxicity", 0.1, -0.5)
+            >>> (cfg.positive_reward_value, cfg.negative_reward_value, cfg.outside_span_reward_value)
+            (0.0, -0.5, 0.1)
+        """
+        pos, neg, outside = relc_token_reward_values(task, positive_reward_value, negative_reward_value)
+        return cls(
+            critic_task=task,
+            positive_reward_value=pos,
+            negative_reward_value=neg,
+            outside_span_reward_value=outside,
+            **kwargs,
+        )
+
+
+_warned: set[str] = set()
+_failed_prompts: list[str] = []  # the prompts of the calls that failed since the last PPOTrainer.step (this process)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def take_failed_prompts() -> list[str]:
+    """The prompts of the critic calls that failed since the last call, and forget them (`PPOTrainer.step` drops
+    their samples with ``TRL_STABLE_RELC_FAILED_CALLS=drop``)."""
+    taken = list(_failed_prompts)
+    _failed_prompts.clear()
+    return taken
+
+
+def query_batch_span(
+    queries: Sequence[str],
+    max_workers: int = 2,
+    max_tokens: int = 600,
+    api_key: str | None = None,
+    *,
+    model: str = "gpt-3.5-turbo",
+    base_url: str | None = None,
+    timeout: float = 30.0,
+    failed_as: str | None = None,
+    failed_calls: str | None = None,
+) -> list[str | None]:
+    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
+    (temperature 0) and return its answer text, in order. The call goes through trl_stable's `OpenAICritic`
+    (retries with backoff, a per-request timeout, a deadline per batch), so it never raises; a call that failed
+    after its retries is `failed_as` (None, as in the fork).
+
+    What RELC's own parsers make of a failed call (their code, not ours: it runs unchanged):
+
+    - toxicity: None gives every token of the sample 0 (the parser's own ``span is None`` branch): no intrinsic
+      reward. ``""`` reads as "no toxic span", so every token gets ``--positive_reward_value``: a failed call is
+      rewarded like a flawless answer.
+    - summarization: None stops the script (``"None identified" in span`` is a `TypeError`); ``""`` gives every
+      token ``--positive_reward_value``, as toxicity does.
+    - sentiment: None stops the script the same way; ``""`` gives 0 to every token, but the script's fallback for an
+      answer without "Identified Negative Text Span:" appends that sample's positive part twice, so every later
+      sample of the batch gets the positive rewards of the one before it. ``failed_as="Identified Negative Text
+      Span:"`` gives 0 to every token without that shift.
+
+    With ``failed_calls="drop"`` (or the environment variable ``TRL_STABLE_RELC_FAILED_CALLS=drop``, for a script
+    you do not edit) a failed call contributes nothing: the sample is left out of the next `PPOTrainer.step`, found
+    by its response text in the failed prompt (counted in ``ppo/dropped_samples``). Its environment reward goes
+    with it: RELC's scripts add both into one row, which cannot be split again.
+
+    Args:
+        queries: The full critic prompts.
+        max_workers: Requests in flight at once.
+        max_tokens: Answer length limit.
+        api_key: The key; default the environment variable OPENAI_API_KEY.
+        model: The critic model (the fork hard-coded gpt-3.5-turbo).
+        base_url: An OpenAI-compatible server (vLLM, ...); default the environment variable OPENAI_BASE_URL, else
+            OpenAI.
+        timeout: Seconds per HTTP request.
+        failed_as: What a failed call returns (see above).
+        failed_calls: ``"keep"`` (the sample trains on what its parser makes of `failed_as`) or ``"drop"``; default
+            ``TRL_STABLE_RELC_FAILED_CALLS``, else ``"keep"``.
+    """
+    mode = failed_calls or os.environ.get(FAILED_CALLS_ENV) or "keep"
+    if mode not in ("keep", "drop"):
+        raise ValueError(f"failed_calls ({FAILED_CALLS_ENV}) must be 'keep' or 'drop', got {mode!r}.")
+    _warn_once(
+        "substring",
+        "RELC's scripts turn critic spans into token rewards by substring matching decoded tokens (`token in "
+        "span`), which also marks short tokens that merely occur inside a span (e.g. 'a', ','). trl_stable keeps "
+        "your script's rewards as they are; for character-offset alignment use "
+        "trl_stable.rewards.span_token_rewards, or trl_stable.rewards.make_intrinsic_reward with PPOTrainer.train().",
+    )
+    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+    critic = OpenAICritic(
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        concurrency=max_workers,
+        timeout=timeout,
+        temperature=0.0,
+    )
+    with critic:
+        answers = critic.generate(list(queries))
+    failed = [q for q, a in zip(queries, answers) if a is None]
+    if failed and mode == "drop":
+        _failed_prompts.extend(failed)
+    elif failed:
+        _warn_once(
+            "failed_call",
+            f"query_batch_span: {len(failed)} of {len(answers)} critic calls failed after retries; they are returned "
+            f"as {failed_as!r}. Under RELC's toxicity parser None means no intrinsic reward and '' the reward of a "
+            "flawless answer; its sentiment and summarization parsers stop on None. "
+            f"{FAILED_CALLS_ENV}=drop leaves those samples out of the PPO step instead (see query_batch_span).",
+        )
+    return [failed_as if a is None else a for a in answers]

@@ -1,0 +1,219 @@
+"""The critic's answer cache: recent answers in memory, and optionally on disk so that a restarted run does not pay
+for the same critique twice. Only answers the backend's validator accepts are kept, so garbage is asked again."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from trl_stable.rewards.critic.counters import CriticCounters
+
+logger = logging.getLogger(__name__)
+
+
+def cache_key(model: str, prompt: str, params: dict[str, Any]) -> str:
+    """SHA-256 of (model, prompt, generation parameters); the API key is never part of it."""
+    blob = json.dumps({"model": model, "prompt": prompt, "params": params}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class MemoryCache:
+    """The most recent answers in memory (least recently used evicted), so a long run does not grow without bound.
+
+    It serves a batch that `prefetch` already paid for when no disk cache is configured.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"memory_cache_size must be >= 0, got {size}.")
+        self.size = size
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key: str, answer: str) -> None:
+        with self._lock:
+            self._items[key] = answer
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class DiskCache:
+    """Answers on disk, one JSON file per key (`cache_key`).
+
+    Each entry records the version of the validator (the span parser) that accepted it. Writes are atomic
+    (temporary file + rename), so concurrent threads and processes can share a directory.
+
+    A folder that cannot be used (read-only, immutable, a path under a file, a full disk: any `OSError` but a
+    missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves requests, and
+    its failure must never cost an answer.
+    """
+
+    key = staticmethod(cache_key)
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+        self.broken: str | None = None
+        self._made: set[str] = set()  # subdirectories known to exist (a mkdir per write costs a syscall)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        if self.broken is None:
+            self.broken = f"{type(exc).__name__}: {exc.strerror or exc}"
+            logger.warning(
+                "The critic cache folder %s cannot be used (%s): answers are cached in memory only from now on "
+                "(none is lost). Make it writable or point critic_cache_dir at a writable folder.",
+                self.directory,
+                self.broken,
+            )
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], f"{key}.json")
+
+    def get(self, key: str) -> str | None:
+        """The cached answer of `key`, whatever version validated it (None: missing or torn)."""
+        entry = self.get_entry(key)
+        return None if entry is None else entry[0]
+
+    def get_entry(self, key: str) -> tuple[str, str | None] | None:
+        """(answer, the validator version it was stored under) of `key`; None when missing or torn."""
+        if self.broken is not None:
+            return None
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                data = json.load(f)
+            answer, version = data.get("answer"), data.get("parser_version")
+        except FileNotFoundError:
+            return None  # not cached (yet)
+        except OSError as exc:
+            self._fail(exc)
+            return None
+        except (ValueError, AttributeError):
+            return None  # a torn file: ask again
+        if not isinstance(answer, str):
+            return None
+        return answer, version if isinstance(version, str) else None
+
+    def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
+        if self.broken is not None:
+            return
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        tmp = None
+        try:
+            if folder not in self._made:
+                os.makedirs(folder, exist_ok=True)
+                self._made.add(folder)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"model": model, "answer": answer, "parser_version": parser_version}, f, ensure_ascii=False)
+            os.replace(tmp, path)
+        except OSError as exc:
+            self._fail(exc)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+
+class AnswerCache:
+    """Validated answers in memory and, with a `directory`, on disk.
+
+    `put` keeps an answer only when `validator` accepts it (counted as ``cache_refused`` otherwise): a cached garbage
+    answer would be served to every later step and every restarted run, even after the server is healthy again.
+    `get` serves a disk entry written under another validator version only if `validator` accepts it too
+    (``cache_revalidated``), and counts ``cache_hits``. Disk writes happen in a writer thread, in order, so the
+    caller does not wait for the file system; `flush` waits for them (`OpenAICritic.generate` and `close` do).
+    """
+
+    def __init__(
+        self,
+        counters: CriticCounters,
+        validator: Callable[[str], bool],
+        version: str,
+        model: str,
+        memory_size: int = 4096,
+        directory: str | os.PathLike | None = None,
+    ) -> None:
+        self.counters = counters
+        self.validator = validator
+        self.version = version
+        self.model = model
+        self.memory = MemoryCache(memory_size)
+        self.disk = DiskCache(directory) if directory is not None else None
+        self._writer: cf.ThreadPoolExecutor | None = None
+        self._writer_lock = threading.Lock()
+
+    def _valid(self, answer: str) -> bool:
+        try:
+            return bool(self.validator(answer))
+        except Exception:  # noqa: BLE001 - a validator bug must not fail the request; the answer is just not cached
+            logger.warning("The critic answer validator raised; the answer is not cached.", exc_info=True)
+            return False
+
+    def get(self, key: str) -> str | None:
+        answer = self.memory.get(key)  # only validated answers get there
+        if answer is None and self.disk is not None:
+            entry = self.disk.get_entry(key)
+            if entry is not None:
+                answer, version = entry
+                if version != self.version:
+                    # Written (or validated) by another parser version: serve it only if this one accepts it too.
+                    if self._valid(answer):
+                        self.counters.add("cache_revalidated")
+                        self.disk.put(key, answer, self.model, self.version)
+                    else:
+                        answer = None
+                if answer is not None:
+                    self.memory.put(key, answer)
+        if answer is not None:
+            self.counters.add("cache_hits")
+        return answer
+
+    def put(self, key: str, answer: str) -> None:
+        """Keep `answer` (in memory now, on disk soon) if the validator accepts it."""
+        if not self._valid(answer):
+            self.counters.add("cache_refused")
+            return
+        self.memory.put(key, answer)
+        if self.disk is not None and self.disk.broken is None:
+            with self._writer_lock:
+                if self._writer is None:
+                    self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-cache")
+                self._writer.submit(self.disk.put, key, answer, self.model, self.version)
+
+    def flush(self) -> None:
+        """Wait until every answer `put` so far is on disk."""
+        with self._writer_lock:
+            writer = self._writer
+        if writer is not None:
+            writer.submit(lambda: None).result()  # one writer thread, in order: everything before is written
+
+    def close(self) -> None:
+        """Flush, and stop the writer thread (a later `put` starts another)."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)

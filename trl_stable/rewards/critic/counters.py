@@ -1,0 +1,122 @@
+"""The critic's counters, in two objects: a backend's request counters (`CriticCounters`, cumulative and
+thread-safe) and the reward function's counts of one call (`StepCounts`), which one method fills from each
+critique."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from trl_stable.rewards.critic.alignment import QUERY_ONLY, UNMATCHED
+
+COUNTER_NAMES = (
+    "requests",  # answers asked for (cache hits included)
+    "attempts",  # HTTP calls / generate batches actually made
+    "retries",
+    "successes",
+    "failures",  # requests that ended without an answer (None)
+    "cache_hits",
+    "deduplicated",  # identical prompts that joined a request already in flight
+    "timeouts",
+    "rate_limited",
+    "server_errors",
+    "connection_errors",
+    "bad_responses",
+    "client_errors",
+    "auth_errors",  # 401 / 403: the key is wrong; the reward function stops the run at the first one
+    "deadline_exceeded",
+    "cache_refused",  # answers not cached because the answer validator (the span parser) rejected them
+    "cache_revalidated",  # disk entries of another parser version that the current validator accepted again
+    "prompt_tokens",
+    "completion_tokens",
+)
+# The request failures by kind, for the error message of a failing run.
+FAILURE_KINDS = (
+    "timeouts", "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors",
+    "deadline_exceeded",
+)  # fmt: skip
+
+STEP_COUNTER_NAMES = (
+    "steps",
+    "samples",
+    "critiqued",
+    "nan_env_rewards",
+    "answers",
+    "failed_answers",
+    "unparseable",
+    "spans_positive",
+    "spans_negative",
+    "spans_unlocated",
+    "spans_matched",
+    "spans_partial",
+    "spans_query_only",
+    "spans_unmatched",
+    "spans_fuzzy",
+    "answers_with_ignored_text",
+    "tokens_total",
+    "tokens_rewarded",
+    "samples_bounded",  # rows that intrinsic_reward_max_sum scaled down
+)
+
+
+class CriticCounters:
+    """Thread-safe cumulative counters of a critic backend (`COUNTER_NAMES`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._values[name] = self._values.get(name, 0) + value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def restore(self, values: Mapping[str, int]) -> None:
+        """Continue from a `snapshot()` (a resumed run's counters go on from the checkpoint's)."""
+        with self._lock:
+            self._values = {**dict.fromkeys(COUNTER_NAMES, 0), **{k: int(v) for k, v in values.items()}}
+
+
+class StepCounts:
+    """The reward function's counts (`STEP_COUNTER_NAMES`): of one call, or summed over calls (`add`).
+
+    `record` takes one critique (an object with ``parsed``, ``alignments``, ``row`` and ``bounded``, see
+    `trl_stable.rewards.critic.reward.Critique`) and counts everything it says: a failed request, an unparseable
+    answer, or the spans found and where they lie, the rewarded tokens and whether the row was bounded.
+    """
+
+    def __init__(self, **values: int) -> None:
+        self.values = dict.fromkeys(STEP_COUNTER_NAMES, 0)
+        self.values.update(values)
+
+    def __getitem__(self, name: str) -> int:
+        return self.values[name]
+
+    def record(self, critique: Any) -> None:
+        v, parsed = self.values, critique.parsed
+        if parsed is None:
+            v["failed_answers"] += 1
+            return
+        v["answers"] += 1
+        if not parsed.ok:
+            v["unparseable"] += 1
+            return
+        v["answers_with_ignored_text"] += bool(parsed.ignored_text)
+        v["spans_positive"] += len(parsed.positive)
+        v["spans_negative"] += len(parsed.negative)
+        for a in critique.alignments:
+            v[f"spans_{a.status}"] += 1
+            v["spans_unlocated"] += a.status in (QUERY_ONLY, UNMATCHED)
+            v["spans_fuzzy"] += a.fuzzy
+        v["samples_bounded"] += critique.bounded
+        v["tokens_rewarded"] += sum(x != 0.0 for x in critique.row)
+
+    def add(self, other: StepCounts | Mapping[str, int]) -> None:
+        """Add another call's counts (or a saved mapping of them)."""
+        items: Iterable[tuple[str, int]] = (other.values if isinstance(other, StepCounts) else other).items()
+        for name, value in items:
+            self.values[name] = self.values.get(name, 0) + value

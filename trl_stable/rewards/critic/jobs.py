@@ -1,0 +1,79 @@
+"""`CriticJob`: the pending answers of one `CriticBackend.submit` call, collected in arrival order or prompt order,
+never past the batch's deadline."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator, Sequence
+
+from trl_stable.rewards.critic.counters import CriticCounters
+
+
+class CriticJob:
+    """The pending answers of one `CriticBackend.submit` call.
+
+    `result` never waits past its deadline: requests still running then are reported as None (and counted as
+    ``deadline_exceeded``), so a hung critic cannot stall training.
+    """
+
+    def __init__(
+        self,
+        futures: Sequence[cf.Future] | None = None,
+        answers: Sequence[str | None] | None = None,
+        counters: CriticCounters | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self._futures = list(futures) if futures is not None else None
+        self._answers = list(answers) if answers is not None else None
+        self._counters = counters
+        self._deadline = deadline
+
+    def done(self) -> bool:
+        return self._futures is None or all(f.done() for f in self._futures)
+
+    def as_completed(self, timeout: float | None = None) -> Iterator[tuple[int, str | None]]:
+        """(prompt index, answer) pairs in the order the answers arrive, so the caller can parse one while the others
+        are still in flight; at the deadline (or `timeout`) the unanswered ones follow as None. Every index comes out
+        exactly once; the answers are kept for `result`."""
+        if self._answers is not None:
+            yield from enumerate(list(self._answers))
+            return
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        limits = [t for t in (timeout, left) if t is not None]
+        wait_s = max(0.0, min(limits)) if limits else None
+        answers: list[str | None] = [None] * len(self._futures)
+        index: dict[cf.Future, list[int]] = {}
+        for i, fut in enumerate(self._futures):  # a deduplicated request is one future for several prompts
+            index.setdefault(fut, []).append(i)
+        pending = set(index)
+        try:
+            for fut in cf.as_completed(index, timeout=wait_s):
+                pending.discard(fut)
+                answer = fut.result() if not fut.cancelled() and fut.exception() is None else None
+                for i in index[fut]:
+                    answers[i] = answer
+                    self._count_missing(answer)
+                    yield i, answer
+        except cf.TimeoutError:
+            pass
+        for fut in pending:
+            fut.cancel()  # past the deadline: a queued request is never sent, a running one is abandoned
+            for i in index[fut]:
+                if self._counters is not None:
+                    self._counters.add("deadline_exceeded")
+                self._count_missing(None)
+                yield i, None
+        self._answers = answers
+
+    def _count_missing(self, answer: str | None) -> None:
+        # "failures" counts the answers the caller did not get, whatever the reason
+        if answer is None and self._counters is not None:
+            self._counters.add("failures")
+
+    def result(self, timeout: float | None = None) -> list[str | None]:
+        """The answers, in prompt order; None where a request failed or was still running at the deadline."""
+        if self._answers is None:
+            for _ in self.as_completed(timeout):
+                pass
+        return list(self._answers)

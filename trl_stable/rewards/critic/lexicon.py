@@ -1,0 +1,185 @@
+"""`LexiconCritic`: an offline critic that answers in the LLM answer format from a lexicon, no network and no
+model, so the same parsing path runs offline.
+
+Sentiment lexicons: VADER (Hutto & Gilbert, ICWSM 2014) or AFINN-165 (Nielsen, ESWC 2011 workshop "Making Sense of
+Microposts"); toxicity: alt-profanity-check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from trl_stable.rewards.critic.backend import CriticBackend
+
+_WORD_RE = re.compile(r"[A-Za-z][A-Za-z'\u2019]*[A-Za-z]|[A-Za-z]")
+
+
+def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) -> str:
+    """The sentiment answer format of the prompts (and of RELC's critic)."""
+
+    def block(spans: Sequence[str]) -> str:
+        if not spans:
+            return "None identified"
+        return "\n".join(f"[Span {i}]: {s}" for i, s in enumerate(spans, 1))
+
+    return f"Identified Positive Text Span:\n{block(positive)}\nIdentified Negative Text Span:\n{block(negative)}"
+
+
+def format_toxicity_answer(toxic: Sequence[str]) -> str:
+    """The toxicity answer format of the prompts (and of RELC's critic)."""
+    if not toxic:
+        return "Toxic Span: None identified"
+    return "\n".join(f"Toxic Span {i}: {s}" for i, s in enumerate(toxic, 1))
+
+
+def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
+    """Join ranges that overlap or touch through whitespace into phrases; return the phrases' text."""
+    merged: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if merged and (a <= merged[-1][1] or not text[merged[-1][1] : a].strip()):
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    for a, b in merged:
+        phrase = " ".join(text[a:b].split())
+        if phrase not in out:
+            out.append(phrase)
+    return out
+
+
+SENTIMENT_LEXICONS = ("vader", "afinn")
+# Negators of the AFINN critic: its own short list, so that it shares no word list with VADER (the embedded
+# environment reward); "n't" endings are caught separately.
+_AFINN_NEGATE = frozenset(
+    "not no never none nobody nothing neither nor nowhere without cannot hardly barely scarcely".split()
+)
+
+
+def afinn_lexicon() -> dict[str, float]:
+    """The single-word entries of AFINN-165 (Nielsen 2011; integer valences -5..5), from the `afinn` package's data
+    (``pip install afinn``). Its 30 multi-word entries ("does not work") are left out: spans are found word by word."""
+    from importlib import resources
+
+    try:
+        data = resources.files("afinn") / "data" / "AFINN-en-165.txt"
+    except ModuleNotFoundError as err:
+        raise ImportError(
+            "The AFINN lexicon critic needs the afinn package: pip install afinn (or trl_stable[rewards])."
+        ) from err
+    lexicon = {}
+    for line in data.read_text(encoding="utf-8").splitlines():
+        word, _, value = line.rpartition("\t")
+        if word and " " not in word:
+            lexicon[word.lower()] = float(value)
+    return lexicon
+
+
+class LexiconCritic(CriticBackend):
+    """Offline critic that answers in the LLM answer format from a lexicon (no network, no model).
+
+    - ``task="sentiment"``: every word whose valence in `lexicon` is at least `min_valence` in absolute value is a
+      span; a negator among the three preceding words ("not", "never", "isn't", ...) flips it and joins the span
+      ("not good" is negative), and a preceding booster ("very") joins it. Neighbouring spans of one polarity merge.
+      ``lexicon="vader"``: VADER's word list (valences -4..4), negators and boosters. ``lexicon="afinn"``: AFINN-165
+      (valences -5..5; `min_valence` 1 takes every entry), a short negator list of its own and no boosters, so that
+      it shares no list with VADER: the critic to pair with a VADER environment reward.
+    - ``task="toxicity"``: every word that alt-profanity-check scores at least `toxicity_threshold` is a toxic span
+      (neighbours merge).
+
+    It annotates the raw texts passed as ``texts`` (it cannot read a few-shot prompt); without them, the prompts.
+    """
+
+    name = "lexicon"
+
+    def __init__(
+        self,
+        task: str = "sentiment",
+        min_valence: float = 1.0,
+        toxicity_threshold: float = 0.5,
+        lexicon: str = "vader",
+    ) -> None:
+        super().__init__()
+        if task not in ("sentiment", "toxicity"):
+            raise ValueError(f"LexiconCritic task must be 'sentiment' or 'toxicity', got {task!r}.")
+        if lexicon not in SENTIMENT_LEXICONS:
+            raise ValueError(f"LexiconCritic lexicon must be one of {SENTIMENT_LEXICONS}, got {lexicon!r}.")
+        self.task = task
+        self.lexicon = lexicon
+        self.min_valence = min_valence
+        self.toxicity_threshold = toxicity_threshold
+        if task == "sentiment" and lexicon == "afinn":
+            self._lexicon = afinn_lexicon()
+            self._negate = set(_AFINN_NEGATE)
+            self._boost: set[str] = set()
+        elif task == "sentiment":
+            from vaderSentiment import vaderSentiment as vader
+
+            self._lexicon = vader.SentimentIntensityAnalyzer().lexicon
+            self._negate = {w.lower() for w in vader.NEGATE}
+            self._boost = {w.lower() for w in vader.BOOSTER_DICT}
+        else:
+            from profanity_check import predict_prob
+
+            self._predict_prob = predict_prob
+
+    def __repr__(self) -> str:
+        if self.task == "sentiment":
+            return f"LexiconCritic(task={self.task!r}, lexicon={self.lexicon!r})"
+        return f"LexiconCritic(task={self.task!r})"
+
+    def scored_spans(self, text: str) -> list[tuple[int, int, float]]:
+        """(start, end, valence) of each sentiment word of `text` (sentiment task): the character range includes a
+        negator that flipped the valence and a booster before the word."""
+        if self.task != "sentiment":
+            raise ValueError("scored_spans needs a sentiment LexiconCritic.")
+        words = [(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(text)]
+        spans: list[tuple[int, int, float]] = []
+        for i, (word, start, end) in enumerate(words):
+            valence = self._lexicon.get(word.lower().replace("\u2019", "'"))
+            if valence is None or abs(valence) < self.min_valence:
+                continue
+            lo = start
+            if i > 0 and words[i - 1][0].lower() in self._boost:
+                lo = words[i - 1][1]
+            for j in range(i - 1, max(-1, i - 4), -1):
+                # A negator reaches over at most two words of its own clause and no other sentiment word.
+                if re.search(r"[,.;:!?]", text[words[j][2] : start]):
+                    break
+                w = words[j][0].lower().replace("\u2019", "'")
+                if w in self._negate or w.endswith("n't"):
+                    valence, lo = -valence, min(lo, words[j][1])
+                    break
+                if abs(self._lexicon.get(w, 0.0)) >= self.min_valence:
+                    break
+            spans.append((lo, end, float(valence)))
+        return spans
+
+    def _sentiment(self, text: str) -> str:
+        spans = self.scored_spans(text)
+        pos = [(lo, end) for lo, end, valence in spans if valence > 0]
+        neg = [(lo, end) for lo, end, valence in spans if valence < 0]
+        return format_sentiment_answer(_merge(text, pos), _merge(text, neg))
+
+    def _toxicity(self, texts: Sequence[str]) -> list[str]:
+        per_text = [[(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(t)] for t in texts]
+        flat = [w for words in per_text for (w, _, _) in words]
+        probs = list(self._predict_prob(flat)) if flat else []
+        answers, k = [], 0
+        for text, words in zip(texts, per_text):
+            ranges = []
+            for _, start, end in words:
+                if probs[k] >= self.toxicity_threshold:
+                    ranges.append((start, end))
+                k += 1
+            answers.append(format_toxicity_answer(_merge(text, ranges)))
+        return answers
+
+    def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
+        texts = list(texts) if texts is not None else list(prompts)
+        self.counters.add("requests", len(texts))
+        self.counters.add("attempts")
+        answers = [self._sentiment(t) for t in texts] if self.task == "sentiment" else self._toxicity(texts)
+        self.counters.add("successes", len(texts))
+        return list(answers)

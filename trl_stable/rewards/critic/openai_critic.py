@@ -1,0 +1,408 @@
+"""`OpenAICritic`: a critic served by any OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...).
+
+RELC (Cao et al., EMNLP 2024) queried its critic with 2 workers, serially per batch, with no retry budget, no timeout
+and no cache. Here every request of a batch is in flight at once, each is retried with backoff on the errors a retry
+can fix, each batch has a deadline, and a failed request is None, counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trl_stable.redaction import Secret, check_env_var_name, redact_text
+from trl_stable.rewards.critic.backend import CriticBackend
+from trl_stable.rewards.critic.cache import AnswerCache, cache_key
+from trl_stable.rewards.critic.jobs import CriticJob
+from trl_stable.rewards.critic.rate_limit import RateLimiter
+from trl_stable.rewards.critic.transport import (
+    TRANSPORTS,
+    ChatBadResponse,
+    ChatConnectionError,
+    ChatStatusError,
+    ChatTimeout,
+    HTTPXChatClient,
+    SDKChatClient,
+    parse_retry_after,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+
+class _NonRetryable(Exception):
+    pass
+
+
+def classify(exc: BaseException) -> tuple[str, float | None]:
+    """(counter name, Retry-After seconds) of a transport error a retry can fix; raises `_NonRetryable` otherwise."""
+    if isinstance(exc, ChatTimeout):
+        return "timeouts", None
+    if isinstance(exc, ChatConnectionError):
+        return "connection_errors", None
+    if isinstance(exc, ChatBadResponse):
+        return "bad_responses", None
+    if isinstance(exc, ChatStatusError):
+        status = exc.status_code
+        # A 503 may carry Retry-After too (RFC 9110); the other statuses' headers are read the same way.
+        retry_after = parse_retry_after(exc.headers)
+        if status == 429:
+            return "rate_limited", retry_after
+        if status >= 500 or status in (408, 409):
+            return "server_errors", retry_after
+        raise _NonRetryable(f"HTTP {status}")
+    raise _NonRetryable(type(exc).__name__)
+
+
+class OpenAICritic(CriticBackend):
+    """A critic served by an OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...).
+
+    Each prompt is one chat request (a user message, plus `system_prompt` if given). Every request of a batch is in
+    flight at once, so a batch costs about one server latency (RELC's 2 workers cost N/2 of them), up to
+    `max_concurrency` (and, with a `rate_limit`, to what the limit lets start within one `timeout`); `concurrency`
+    sets a fixed number instead. 429, 5xx, timeouts, connection errors and malformed responses are retried up to
+    `max_retries` times after ``min(backoff_max, backoff_base * 2**attempt) * U(0.5, 1)`` seconds (exponential
+    backoff with jitter), or after the server's ``Retry-After`` / ``retry-after-ms`` (seconds or HTTP-date) when it
+    is longer, up to `retry_after_max`. 401 / 403 are counted as ``auth_errors``: no request is sent after the first
+    one (`fatal_error` says why); other 4xx fail at once. Each request has a `timeout`, each batch a deadline
+    (`batch_timeout`), so nothing blocks forever.
+
+    Answers are cached (memory, and disk with `cache_dir`) only when `answer_validator` accepts them (default: not
+    blank; `CriticIntrinsicReward` builds its backend with its span parser), so a garbage answer is asked again.
+
+    Args:
+        model: Model name sent to the server.
+        base_url: Server URL, e.g. ``http://localhost:8000/v1`` for vLLM; None for OpenAI (or ``OPENAI_BASE_URL``).
+        api_key: The key; default read from the environment variable `api_key_env`. Never logged or saved.
+        api_key_env: Environment variable holding the key.
+        temperature: Sampling temperature (0: deterministic critiques, cacheable).
+        max_tokens: Answer length limit.
+        concurrency: Requests in flight at once; None (default): as many as the batch has, up to
+            `max_concurrency`.
+        timeout: Seconds per HTTP request.
+        max_retries: Retries per request after the first attempt.
+        backoff_base: First backoff delay in seconds.
+        backoff_max: Largest backoff delay in seconds (of our own exponential backoff).
+        retry_after_max: Longest wait a server's Retry-After can ask for, in seconds; longer requests are cut to it
+            (and logged).
+        rate_limit: Most request starts per second (None: unlimited).
+        cache_dir: Directory of the on-disk answer cache (None: in-memory cache only).
+        system_prompt: Optional system message.
+        batch_timeout: Seconds a whole batch may take; default: the worst case of one request's retries, plus a
+            `timeout` per extra wave of `concurrency` requests and the rate limit's spacing of the batch.
+        seed: Seed of the backoff jitter.
+        memory_cache_size: Answers kept in memory (least recently used evicted).
+        max_concurrency: Most requests in flight at once when `concurrency` is None.
+        transport: ``"http"`` (httpx, one keep-alive connection per worker thread) or ``"openai"`` (the OpenAI
+            SDK).
+        answer_validator, validator_version: See `CriticBackend`.
+    """
+
+    name = "openai"
+    concurrent = True  # submit() returns before the answers: prefetching overlaps critic latency with other work
+
+    def __init__(
+        self,
+        model: str = "gpt-4o-mini",
+        base_url: str | None = None,
+        api_key: str | None = None,
+        api_key_env: str = "OPENAI_API_KEY",
+        temperature: float = 0.0,
+        max_tokens: int = 128,
+        concurrency: int | None = None,
+        timeout: float = 30.0,
+        max_retries: int = 4,
+        backoff_base: float = 0.5,
+        backoff_max: float = 8.0,
+        retry_after_max: float = 60.0,
+        rate_limit: float | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        system_prompt: str | None = None,
+        batch_timeout: float | None = None,
+        seed: int | None = None,
+        memory_cache_size: int = 4096,
+        max_concurrency: int = 256,
+        transport: str = "http",
+        answer_validator: Callable[[str], bool] | None = None,
+        validator_version: str = "non-blank",
+    ) -> None:
+        super().__init__(answer_validator, validator_version)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'http' (our client) or 'openai' (the SDK), got {transport!r}.")
+        for name, value, ok, rule in (
+            ("concurrency", concurrency, concurrency is None or concurrency >= 1, ">= 1 or None (sized to the batch)"),
+            ("max_concurrency", max_concurrency, max_concurrency >= 1, ">= 1"),
+            ("retry_after_max", retry_after_max, retry_after_max >= 0, ">= 0 seconds"),
+            ("timeout", timeout, timeout > 0, "> 0 seconds"),
+            ("max_retries", max_retries, max_retries >= 0, ">= 0"),
+            ("rate_limit", rate_limit, rate_limit is None or rate_limit > 0, "> 0 requests per second or None"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value}.")
+        check_env_var_name("api_key_env", api_key_env)  # a key passed here would be echoed by the errors below
+        key = api_key if api_key is not None else os.environ.get(api_key_env)
+        self._key_from_env = api_key is None
+        if not key:
+            if base_url is None:
+                raise ValueError(
+                    f"No API key for the OpenAI critic: set the environment variable {api_key_env} "
+                    "(or point critic_base_url at a local OpenAI-compatible server such as vLLM)."
+                )
+            key = "EMPTY"  # local servers (vLLM) accept any key
+        self._api_key = Secret(key)
+        self.model = model
+        self.base_url = base_url
+        self.transport = transport
+        self.api_key_env = api_key_env
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self.max_concurrency = max_concurrency
+        self.retry_after_max = retry_after_max
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.system_prompt = system_prompt
+        self.batch_timeout = batch_timeout
+        self.rate_limit = rate_limit
+        self._rate = RateLimiter(rate_limit) if rate_limit else None
+        self.cache = AnswerCache(
+            self.counters, self.answer_validator, self.validator_version, model, memory_cache_size, cache_dir
+        )
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._client = None
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._init_lock = threading.Lock()
+        self._inflight: dict[str, cf.Future] = {}
+        self._inflight_lock = threading.RLock()
+        self._auth_error: str | None = None
+
+    @property
+    def workers(self) -> int:
+        """Most requests in flight at once: `concurrency`, else `max_concurrency`, and with a rate limit no more
+        than can start within one `timeout` (more would only wait for the limiter)."""
+        if self.concurrency is not None:
+            return self.concurrency
+        workers = self.max_concurrency
+        if self.rate_limit:
+            workers = min(workers, max(1, math.ceil(self.rate_limit * self.timeout)))
+        return workers
+
+    def fatal_error(self) -> str | None:
+        return self._auth_error
+
+    def __repr__(self) -> str:
+        base_url = None if self.base_url is None else redact_text(self.base_url)
+        return (
+            f"OpenAICritic(model={self.model!r}, base_url={base_url!r}, api_key_env={self.api_key_env!r}, "
+            f"concurrency={self.concurrency}, max_concurrency={self.max_concurrency}, timeout={self.timeout}, "
+            f"max_retries={self.max_retries})"
+        )
+
+    def __getstate__(self):
+        raise TypeError("OpenAICritic holds an API key and live connections; it cannot be pickled.")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Generation parameters that change the answer (part of the cache key)."""
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens, "system_prompt": self.system_prompt}
+
+    def _redact(self, message: str) -> str:
+        key = self._api_key.get()
+        if key and key != "EMPTY":
+            message = message.replace(key, "***")
+        return re.sub(r"(?i)(bearer\s+)\S+", r"\1***", message)
+
+    def _get_client(self):
+        with self._init_lock:
+            if self._client is None and self.transport == "http":
+                url = self.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+                self._client = HTTPXChatClient(url, self._api_key.get())
+            elif self._client is None:
+                self._client = SDKChatClient(self.base_url, self._api_key.get(), self.timeout)
+            if self._pool is None:
+                # The executor starts a thread per queued task while it has no idle one, up to `workers`: a batch of
+                # N gets N threads (kept for the next batches), not a fixed pool that runs it in waves.
+                self._pool = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="critic")
+            return self._client
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds` (a backoff, a rate-limit slot); True when the critic was closed meanwhile."""
+        return self._stop.wait(seconds)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        with self._rng_lock:
+            jitter = 0.5 + 0.5 * self._rng.random()
+        delay = min(self.backoff_max, self.backoff_base * (2**attempt)) * jitter
+        if retry_after is not None:
+            # The server knows when it will take requests again; our own backoff cap must not cut that short
+            # (8 s against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
+            asked = retry_after
+            retry_after = min(retry_after, self.retry_after_max)
+            if asked > self.backoff_max:
+                logger.warning(
+                    "The critic server asked to retry after %.1f s%s; waiting %.1f s.",
+                    asked,
+                    f" (more than retry_after_max={self.retry_after_max:g})" if asked > self.retry_after_max else "",
+                    retry_after,
+                )
+            delay = max(delay, retry_after)
+        return delay
+
+    def _payload(self, prompt: str) -> dict[str, Any]:
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+
+    def _count_usage(self, usage: dict | None) -> None:
+        for name in ("prompt_tokens", "completion_tokens"):
+            value = (usage or {}).get(name)
+            self.counters.add(name, int(value) if isinstance(value, (int, float)) else 0)
+
+    def _ask(self, prompt: str, deadline: float) -> str | None:
+        """The answer to one prompt: from the cache, else requested with retries until `deadline`; None on failure."""
+        key = cache_key(self.model, prompt, self.params)
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.counters.add("successes")
+            return cached
+        payload = self._payload(prompt)
+        last_error, attempts = "no attempt", 0
+        for attempt in range(self.max_retries + 1):
+            if self._stop.is_set():
+                break
+            if self._auth_error is not None:  # the key was rejected: every further call would be too
+                last_error = "the server rejected the API key"
+                break
+            wait = self._rate.reserve() if self._rate is not None else 0.0
+            if wait > 0 and self._sleep(wait):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                last_error = "batch deadline reached"
+                break
+            self.counters.add("attempts")
+            attempts += 1
+            try:
+                answer, usage = self._get_client().create(payload, min(self.timeout, remaining))
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a counted None, never a crash
+                try:
+                    counter, retry_after = classify(exc)
+                except _NonRetryable as fatal:
+                    self.counters.add("client_errors")
+                    last_error = f"{type(exc).__name__} ({fatal})"
+                    if getattr(exc, "status_code", None) in (401, 403):
+                        self.counters.add("auth_errors")
+                        self._auth_error = self._auth_message(exc.status_code)
+                    break
+                self.counters.add(counter)
+                last_error = f"{type(exc).__name__}: {self._redact(str(exc))[:200]}"
+                if attempt == self.max_retries:
+                    break
+                delay = self._backoff(attempt, retry_after)
+                if time.monotonic() + delay >= deadline:
+                    break
+                self.counters.add("retries")
+                if self._sleep(delay):
+                    break
+                continue
+            self._count_usage(usage)
+            self.cache.put(key, answer)
+            self.counters.add("successes")
+            return answer
+        logger.warning("Critic request failed after %d attempt(s): %s", attempts, last_error)
+        return None
+
+    def _auth_message(self, status: int) -> str:
+        """Why the run must stop after a 401/403: names the key's source and the server, never the key."""
+        source = f"the environment variable {self.api_key_env}" if self._key_from_env else "the api_key argument"
+        url = redact_text(self.base_url) if self.base_url else f"{DEFAULT_BASE_URL} (OpenAI's default)"
+        what = "rejected the API key" if status == 401 else "refused the API key access to this model"
+        return (
+            f"The critic server at {url} {what} (HTTP {status}). The key is read from {source}: check that it is "
+            f"set to a valid key for that server (and critic_model={self.model!r}); critic_api_key_env names the "
+            "variable."
+        )
+
+    def _guarded_ask(self, prompt: str, deadline: float) -> str | None:
+        try:
+            return self._ask(prompt, deadline)
+        except Exception as exc:  # noqa: BLE001 - a bug in one request must not take the batch down
+            logger.warning("Critic request crashed: %s", self._redact(f"{type(exc).__name__}: {exc}")[:200])
+            return None
+
+    def submit(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> CriticJob:
+        """Start the requests and return at once.
+
+        A prompt identical to one already in flight (the same completion sampled twice in a group, or a batch that
+        was prefetched) joins that request instead of paying for a second one (counted as ``deduplicated``).
+        """
+        self._get_client()
+        self._stop.clear()
+        deadline = time.monotonic() + self.batch_seconds(len(prompts))
+        self.counters.add("requests", len(prompts))
+        futures = []
+        with self._inflight_lock:
+            for prompt in prompts:
+                key = cache_key(self.model, prompt, self.params)
+                fut = self._inflight.get(key)
+                if fut is not None and not fut.done():
+                    self.counters.add("deduplicated")
+                else:
+                    fut = self._pool.submit(self._guarded_ask, prompt, deadline)
+                    self._inflight[key] = fut
+                    fut.add_done_callback(lambda f, k=key: self._forget(k, f))
+                futures.append(fut)
+        return CriticJob(futures=futures, counters=self.counters, deadline=deadline + 1.0)
+
+    def batch_seconds(self, n: int) -> float:
+        """How long a batch of `n` prompts may take before its unanswered requests count as failed."""
+        if self.batch_timeout is not None:
+            return self.batch_timeout
+        longest_wait = max(self.backoff_max, self.retry_after_max)  # a Retry-After can ask for up to retry_after_max
+        one = self.timeout * (self.max_retries + 1) + longest_wait * self.max_retries + 5.0
+        waves = -(-n // self.workers) - 1  # requests beyond `workers` queue behind the pool
+        spacing = n / self.rate_limit if self.rate_limit else 0.0
+        return one + max(waves, 0) * self.timeout + spacing
+
+    def _forget(self, key: str, fut: cf.Future) -> None:
+        with self._inflight_lock:  # re-entrant: the callback runs inline when the future is already done
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+
+    def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
+        answers = self.submit(prompts, texts).result()
+        self.cache.flush()  # a caller that asks again (or restarts) finds every answer on disk
+        return answers
+
+    def close(self) -> None:
+        """End every wait, drop the queued requests, write the cache and close the connections."""
+        self._stop.set()
+        self.cache.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._client = None

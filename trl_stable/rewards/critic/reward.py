@@ -1,0 +1,486 @@
+"""Dense intrinsic rewards from an LLM critic (Drlc / RELC: Cao et al., "Enhancing Reinforcement Learning with Dense
+Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382).
+
+For each completion whose environment reward is at most `intrinsic_reward_threshold`, a critic reads a few-shot
+prompt with the text and names good and bad spans; token t of the completion then gets
+
+    r_t^intr = positive_reward_value * [t in a positive span] + negative_reward_value * [t in a negative span]
+             + outside_span_reward_value * [t in no span]
+
+which the trainers add to their per-token rewards (PPO: to -KL + score; GRPO: through the dense-advantage path).
+`intrinsic_reward_coef` and `intrinsic_reward_max_sum` scale a sample's row (`scale_intrinsic_rewards`; RELC: 1 and
+no bound). `CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl_stable.monitoring.metric_names import (
+    CRITIC_STAGE_SECONDS,
+    CRITIC_STEP_PREFIX,
+    CRITIC_WAIT_SECONDS,
+    critic_step_ratios,
+)
+from trl_stable.rewards.critic.alignment import (
+    SpanAlignment,
+    align_spans,
+    decode_response,
+    rewards_from_alignments,
+    token_char_offsets,
+)
+from trl_stable.rewards.critic.backend import CriticBackend
+from trl_stable.rewards.critic.config import CriticRewardConfig
+from trl_stable.rewards.critic.counters import COUNTER_NAMES, FAILURE_KINDS, STEP_COUNTER_NAMES, StepCounts
+from trl_stable.rewards.critic.factory import build_critic_backend, warn_ignored_backend_fields
+from trl_stable.rewards.critic.jobs import CriticJob
+from trl_stable.rewards.critic.parsing import PARSER_VERSION, ParsedCritique
+from trl_stable.rewards.critic.templates import fill_critic_template, load_critic_template
+from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
+
+logger = logging.getLogger(__name__)
+
+
+def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum: float | None = None) -> list[float]:
+    """One sample's intrinsic token rewards times `coef`, then scaled down so that their absolute sum is at most
+    `max_abs_sum` (None: no bound).
+
+    The bound keeps signs and proportions: a row whose ``sum_t |coef * r_t|`` exceeds `max_abs_sum` is multiplied by
+    ``max_abs_sum / sum_t |coef * r_t|``, so its total lies in ``[-max_abs_sum, max_abs_sum]`` however many tokens the
+    critic marked. ``coef=1, max_abs_sum=None`` (RELC) returns the row unchanged.
+
+    Example:
+        >>> scale_intrinsic_rewards([0.5, 0.5, -0.5, 0.5], coef=1.0, max_abs_sum=1.0)
+        [0.25, 0.25, -0.25, 0.25]
+    """
+    scaled = [coef * float(v) for v in row]
+    if max_abs_sum is not None:
+        total = sum(abs(v) for v in scaled)
+        if total > max_abs_sum:
+            factor = max_abs_sum / total
+            scaled = [v * factor for v in scaled]
+    return scaled
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_memo(parse: Any, answer: str, header: str | None) -> ParsedCritique:
+    return parse(answer, continues=header)
+
+
+def _as_text(x: Any) -> str:
+    """A prompt or completion as plain text; conversational messages are joined by their contents."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, dict):
+        return str(x.get("content", ""))
+    if isinstance(x, Sequence):
+        return "\n".join(_as_text(m) for m in x)
+    return "" if x is None else str(x)
+
+
+def _is_nan(x: Any) -> bool:
+    return x is None or math.isnan(float(x))
+
+
+class CriticFailureError(RewardComponentFailure):
+    """Every critic request failed (or gave an unparseable answer) for `max_consecutive_failing_steps` consecutive
+    steps, or the critic server rejected the API key (at the first step)."""
+
+
+@dataclass
+class Critique:
+    """One critic answer on its way to token rewards (parse -> align -> reward -> scale), as far as it got.
+
+    Attributes:
+        parsed: The parsed answer; None when the request failed.
+        alignments: Where each span lies in the completion (positive spans first).
+        row: The scaled token rewards; None for a failed request or an unparseable answer.
+        bounded: Whether `intrinsic_reward_max_sum` scaled the row down.
+    """
+
+    parsed: ParsedCritique | None = None
+    alignments: list[SpanAlignment] = field(default_factory=list)
+    row: list[float] | None = None
+    bounded: bool = False
+
+
+@dataclass
+class CriticPrefetch:
+    """A batch whose critic requests `CriticIntrinsicReward.prefetch` started: what the later call needs to collect
+    them. `matches` checks that the call is about the same batch."""
+
+    completion_ids: list[list[int]]
+    env_rewards: list[float] | None
+    selected: list[int]  # the critiqued completions (env reward at or below the threshold), in job order
+    prompt_texts: dict[int, str]
+    aligned: dict[int, tuple[str, list[tuple[int, int]]]]  # completion index -> (decoded text, token char offsets)
+    job: CriticJob | None
+    started: float
+    counters_before: dict[str, int]
+
+    def matches(self, completion_ids: Sequence[Sequence[int]], env_rewards: Sequence[float] | None) -> bool:
+        if [[int(t) for t in c] for c in completion_ids] != self.completion_ids:
+            return False
+        if env_rewards is None or self.env_rewards is None:
+            return env_rewards is None and self.env_rewards is None
+        return len(env_rewards) == len(self.env_rewards) and all(
+            (_is_nan(a) and _is_nan(b)) or float(a) == b for a, b in zip(env_rewards, self.env_rewards)
+        )
+
+
+class CriticIntrinsicReward:
+    """Dense reward function: per-token intrinsic rewards from a critic's spans.
+
+    Call signature (TRL's, plus `env_rewards`):
+    ``reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]``.
+    Completions are critiqued when ``env_rewards[i] <= intrinsic_reward_threshold`` (all of them when
+    `env_rewards` is None); the others get None (zero). The completion text is ``decode(completion_ids[i])`` and
+    token offsets come from `token_char_offsets`, so rewards align with the trained tokens exactly.
+
+    Failures (timeout, HTTP errors, garbage, None) give their samples zero reward and are counted; only
+    `max_consecutive_failing_steps` consecutive steps in which every request failed raise `CriticFailureError`.
+
+    Args:
+        config: A `CriticRewardConfig`.
+        tokenizer: The policy's tokenizer (to decode completions and get token offsets).
+        backend: A ready `CriticBackend` (any object with its methods), for any `critic_task`; default built from
+            `config`, with this function's span parser as its answer validator.
+        critic_model: For ``critic_backend='transformers'``: a model object (e.g. the policy) to critique with.
+        critic_tokenizer: Its tokenizer (default `tokenizer`).
+    """
+
+    dense = True
+
+    def __init__(
+        self,
+        config: CriticRewardConfig,
+        tokenizer: Any = None,
+        backend: CriticBackend | None = None,
+        critic_model: Any = None,
+        critic_tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.__name__ = f"critic_{config.critic_task}"
+        self.template = (
+            load_critic_template(config.resolved_prompt_file)
+            if backend is not None or config.critic_backend != "lexicon" or config.prompt_file is not None
+            else "{}"  # the lexicon critic annotates the raw text; a template only matters to LLM critics
+        )
+        # The header the template ends with, which the critic's answer continues (see `continuation_header`); the
+        # filled prompt ends as the template does unless the text itself is last.
+        self.answer_header = config.continuation_header(self.template)
+        tail = self.template.rstrip().splitlines()[-1].strip() if self.template.strip() else ""
+        if self.answer_header is None and tail.endswith(":") and "{" not in tail:
+            logger.warning(
+                "The critic template ends with %r, which is no answer header the parser reads; answers must then "
+                "carry their own headers.",
+                tail,
+            )
+        if backend is not None:
+            warn_ignored_backend_fields(config, backend)
+        elif config.use_intrinsic_reward:
+            backend = build_critic_backend(
+                config,
+                critic_model,
+                critic_tokenizer or tokenizer,
+                # cache only answers that parse (with this template's continuation header): garbage is asked again
+                answer_validator=lambda answer: self.parse(answer).ok,
+                validator_version=f"critic_parsing/{PARSER_VERSION}",
+            )
+        self.backend = backend
+        self.totals = StepCounts()
+        self._last: dict[str, float] = {}
+        name = backend.name if backend is not None else config.critic_backend
+        self._guard = FailureGuard(
+            f"The {name} critic", config.max_consecutive_failing_steps, "max_consecutive_failing_steps",
+            error=CriticFailureError,
+        )  # fmt: skip
+        self._warned_off = False  # use_intrinsic_reward=False is said once, at the first call
+
+    def __repr__(self) -> str:
+        return f"CriticIntrinsicReward(task={self.config.critic_task!r}, backend={self.backend!r})"
+
+    def parse(self, answer: str | None) -> ParsedCritique:
+        """The spans of one critic answer (the config's `parse_answer`), read as the continuation of this template's
+        last header; memoized: the backend's cache validator parses each answer first, the reward reads the result."""
+        if not isinstance(answer, str):  # None (a failed request) or a backend's stray object: nothing to share
+            return self.config.parse_answer(answer, continues=self.answer_header)
+        return _parse_memo(self.config.parse_answer, answer, self.answer_header)
+
+    def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
+        """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""
+        text = (prompt_text + completion_text) if self.config.critic_include_prompt else completion_text
+        flat = " ".join(text.split())
+        return fill_critic_template(
+            self.template,
+            flat,
+            prompt=" ".join(prompt_text.split()),
+            completion=" ".join(completion_text.split()),
+            score=env_reward,
+        )
+
+    def _selected(self, n: int, env_rewards: Sequence[float] | None) -> list[int]:
+        if env_rewards is None:
+            return list(range(n))
+        if len(env_rewards) != n:
+            raise ValueError(f"env_rewards has {len(env_rewards)} entries for {n} completions.")
+        # A NaN (or missing) environment reward is never <= the threshold: such a sample is not critiqued, only
+        # counted (critic/nan_env_rewards); the trainer's own NaN handling decides what happens to it.
+        thr = self.config.intrinsic_reward_threshold
+        return [i for i, r in enumerate(env_rewards) if not _is_nan(r) and float(r) <= thr]
+
+    def _tokenizer(self, kwargs: dict[str, Any]) -> Any:
+        tokenizer = self.tokenizer or kwargs.get("processing_class") or kwargs.get("tokenizer")
+        if tokenizer is None:
+            raise ValueError("CriticIntrinsicReward needs the policy tokenizer: CriticIntrinsicReward(config, tok).")
+        return tokenizer
+
+    def prefetch(
+        self,
+        prompts: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]],
+        env_rewards: Sequence[float] | None = None,
+        **kwargs: Any,
+    ) -> CriticPrefetch | None:
+        """Start the critic requests now and return at once (the dense-reward prefetch protocol of
+        `trl_stable.rewards.dense`); the trainer passes the result back as ``prefetched=`` to the later call.
+
+        That call collects these requests instead of asking again, so each answer is requested, counted and paid
+        once. It must see the same completions and `env_rewards` (templates showing ``{score}`` need the final
+        ones); if it does not, it warns and asks afresh. The token offsets are computed here too, while the critic
+        answers. A no-op (None) for backends that answer synchronously (lexicon, transformers): there is nothing to
+        overlap, and the call does the work.
+        """
+        if not self.config.use_intrinsic_reward or self.backend is None or not self.backend.concurrent:
+            return None
+        return self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+
+    def _start(self, tokenizer, prompts, completion_ids, env_rewards) -> CriticPrefetch:
+        """Select the batch, submit its critic prompts, and align the token offsets while the critic answers."""
+        started = time.monotonic()
+        before = self.backend.counters.snapshot()
+        selected = self._selected(len(completion_ids), env_rewards)
+        ids = {i: [int(t) for t in completion_ids[i]] for i in selected}
+        texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
+        prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
+        critic_prompts = [
+            self.critic_prompt(prompt_texts[i], texts[i], None if env_rewards is None else float(env_rewards[i]))
+            for i in selected
+        ]
+        job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
+        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
+        return CriticPrefetch(
+            completion_ids=[[int(t) for t in c] for c in completion_ids],
+            env_rewards=None if env_rewards is None else [float(r) for r in env_rewards],
+            selected=selected,
+            prompt_texts=prompt_texts,
+            aligned=aligned,
+            job=job,
+            started=started,
+            counters_before=before,
+        )
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]],
+        env_rewards: Sequence[float] | None = None,
+        prefetched: CriticPrefetch | None = None,
+        **kwargs: Any,
+    ) -> list[list[float] | None]:
+        n = len(completion_ids)
+        if not self.config.use_intrinsic_reward or self.backend is None:
+            if not self._warned_off:
+                self._warned_off = True
+                logger.warning(
+                    "%s was called with use_intrinsic_reward=False: it gives no intrinsic reward (None rows) and asks "
+                    "no critic. Set use_intrinsic_reward=True (--use_intrinsic_reward), or leave it out of "
+                    "reward_funcs.",
+                    self.__name__,
+                )
+            return [None] * n
+        waited_from = time.monotonic()
+        if prefetched is not None and not prefetched.matches(completion_ids, env_rewards):
+            logger.warning(
+                "The critic call got other completions or env_rewards than its prefetch; asking the critic again "
+                "(the prefetched answers are in the cache). Pass the prefetch the call's own arguments."
+            )
+            prefetched = None
+        batch = prefetched or self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+        step = StepCounts(
+            steps=1,
+            samples=n,
+            critiqued=len(batch.selected),
+            nan_env_rewards=sum(_is_nan(r) for r in env_rewards) if env_rewards is not None else 0,
+            tokens_total=sum(len(c) for c in completion_ids),
+        )
+        rows: list[list[float] | None] = [None] * n
+        # Each answer is parsed and aligned as it arrives, while the later ones are still in flight.
+        for k, answer in batch.job.as_completed() if batch.job is not None else ():
+            i = batch.selected[k]
+            context = batch.prompt_texts[i] if self.config.critic_include_prompt else ""
+            critique = self._critique(answer, *batch.aligned[i], context=context)
+            step.record(critique)
+            rows[i] = critique.row
+        self._warn_about_answers(step)
+        now = time.monotonic()
+        last = self._record(
+            step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric")
+        )
+        fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
+        if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
+            raise CriticFailureError(fatal)
+        if batch.selected:  # a step that critiques nothing says nothing about the critic
+            self._track_failing_steps(step, last)
+        return rows
+
+    def _critique(self, answer: str | None, text: str, offsets: list[tuple[int, int]], context: str = "") -> Critique:
+        """parse -> align -> reward -> scale, for one answer. Spans are located in `context` (the prompt the critic
+        read before the completion) + `text`; only the completion's tokens are rewarded."""
+        if answer is None:
+            return Critique()
+        parsed = self.parse(answer)
+        if not parsed.ok:
+            logger.debug("Unparseable critic answer (%s)", parsed.reason)
+            return Critique(parsed)
+        cfg = self.config
+        positive = align_spans(text, parsed.positive, context, cfg.fuzzy_threshold)
+        negative = align_spans(text, parsed.negative, context, cfg.fuzzy_threshold)
+        raw = rewards_from_alignments(
+            offsets,
+            positive,
+            negative,
+            positive_value=cfg.positive_reward_value,
+            negative_value=cfg.negative_reward_value,
+            outside_value=cfg.outside_span_reward_value,
+        )
+        coef, bound = cfg.intrinsic_reward_coef, cfg.intrinsic_reward_max_sum
+        bounded = bound is not None and sum(abs(coef * v) for v in raw) > bound
+        return Critique(parsed, positive + negative, scale_intrinsic_rewards(raw, coef, bound), bounded)
+
+    @staticmethod
+    def _warn_about_answers(step: StepCounts) -> None:
+        if step["unparseable"]:
+            logger.warning(
+                "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
+                "critic/unparseable_fraction).",
+                step["unparseable"],
+                step["answers"],
+            )
+        if step["answers_with_ignored_text"]:
+            logger.warning(
+                "%d critic answers had spans before their first header, which were ignored: the prompt seems to end "
+                "with a header the parser was not told about (critic/answers_with_ignored_text).",
+                step["answers_with_ignored_text"],
+            )
+
+    @property
+    def consecutive_failing_steps(self) -> int:
+        """Steps in a row in which no critique was usable."""
+        return self._guard.consecutive
+
+    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
+        """A step in which no critique was usable (every request failed or its answer did not parse: an unparseable
+        answer is as useless as none) counts toward `max_consecutive_failing_steps`; the error names what failed."""
+        failed = step["failed_answers"] + step["unparseable"] >= step["critiqued"]
+        fix = (
+            "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "
+            "critic_max_tokens (a cut-off answer does not parse)"
+            if step["unparseable"] and not step["failed_answers"]
+            else "Check critic_base_url / critic_model and that the server is up"
+        )
+        self._guard.record(failed, self._failure_summary(step, last) if failed else None, fix)
+
+    @staticmethod
+    def _failure_summary(step: StepCounts, last: dict[str, float]) -> str:
+        """The last step's failures by kind, e.g. "2 failed requests (timeouts 3, server_errors 1), 1 unparseable"."""
+        counts = {k: int(last.get(f"{CRITIC_STEP_PREFIX}{k}", 0)) for k in FAILURE_KINDS}
+        kinds = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+        parts = []
+        if step["failed_answers"]:
+            parts.append(f"{step['failed_answers']} failed requests" + (f" ({kinds})" if kinds else ""))
+        if step["unparseable"]:
+            parts.append(f"{step['unparseable']} unparseable answers")
+        return ", ".join(parts) or "no usable answer"
+
+    def _record(
+        self, step: StepCounts, seconds: float, wait: float, before: dict[str, int], log_metric: Any
+    ) -> dict[str, float]:
+        """Add `step` to the cumulative counts; the step's metrics (kept as the last step's, and handed to TRL's
+        `log_metric` hook)."""
+        self.totals.add(step)
+        # the fractions from one table, which the trainers also use to recompute them from the counts of every process
+        last = {
+            **critic_step_ratios(step.values),
+            CRITIC_STAGE_SECONDS: seconds,  # from the requests' start (the prefetch, if any) to the rewards
+            CRITIC_WAIT_SECONDS: wait,  # what the trainer waited in the call: the critic's cost after the overlap
+        }
+        # every backend counter is logged per step, so a failing critic shows in the training logs
+        after = self.backend.counters.snapshot()
+        last.update({f"{CRITIC_STEP_PREFIX}{k}": after.get(k, 0) - before.get(k, 0) for k in COUNTER_NAMES})
+        last.update({f"{CRITIC_STEP_PREFIX}{k}": v for k, v in step.values.items() if k != "steps"})
+        self._last = last
+        if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
+            for name, value in last.items():
+                log_metric(name, float(value))
+        return last
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The last call's metrics (fractions, stage and wait seconds, ``critic/step_<counter>`` counts)."""
+        return dict(self._last)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and ratios for logging, all named ``critic/...``.
+
+        Cumulative: the backend's requests, attempts, retries, failures, cache_hits, timeouts, rate_limited,
+        server_errors, connection_errors, bad_responses, prompt/completion tokens; and steps, samples, critiqued,
+        answers, failed_answers, unparseable, answers_with_ignored_text, spans_positive/negative/unlocated,
+        spans_matched/partial/query_only/unmatched/fuzzy, tokens_total/rewarded, rewarded_token_fraction. Last step
+        (as ``critic/last_...``): critiqued_fraction, failed_fraction, unparseable_fraction, rewarded_token_fraction,
+        spans_per_critique, spans_matched_frac/partial_frac/query_only_frac/unmatched_frac/fuzzy_frac,
+        stage_seconds (from the requests' start, the prefetch if any, to the rewards), wait_seconds (what the call
+        itself waited: the critic's cost to the step after the overlap); and consecutive_failing_steps.
+        """
+        out = self.backend.metrics() if self.backend is not None else {}
+        totals = self.totals.values
+        out.update({f"critic/{k}": float(v) for k, v in totals.items()})
+        out["critic/rewarded_token_fraction"] = totals["tokens_rewarded"] / max(totals["tokens_total"], 1)
+        out.update({k.replace("critic/", "critic/last_"): float(v) for k, v in self._last.items()})
+        out["critic/consecutive_failing_steps"] = float(self.consecutive_failing_steps)
+        return out
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The cumulative counts (this function's and its backend's), the last step's metrics and the failing-step
+        count, for a checkpoint: trl_stable's trainers save it and restore it on resume, so the counters go on."""
+        return {
+            "counts": dict(self.totals.values),
+            "last": dict(self._last),
+            "consecutive_failing_steps": self.consecutive_failing_steps,
+            "backend_counters": self.backend.counters.snapshot() if self.backend is not None else None,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Continue from `checkpoint_state()`'s output."""
+        self.totals = StepCounts(**{k: int(v) for k, v in state["counts"].items() if k in STEP_COUNTER_NAMES})
+        self._last = dict(state["last"])
+        self._guard.consecutive = int(state["consecutive_failing_steps"])
+        if self.backend is not None and state["backend_counters"] is not None:
+            self.backend.counters.restore(state["backend_counters"])
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+
+def make_intrinsic_reward(config: CriticRewardConfig, tokenizer: Any, **kwargs: Any) -> CriticIntrinsicReward:
+    """Shorthand for ``CriticIntrinsicReward(config, tokenizer, **kwargs)``."""
+    return CriticIntrinsicReward(config, tokenizer, **kwargs)

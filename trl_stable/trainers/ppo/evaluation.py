@@ -1,0 +1,102 @@
+"""PPO's evaluation (a `PPOTrainer` mixin): generate a completion for every eval prompt and score it with the
+reward functions, as TRL's GRPO evaluates; no training step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.trainer_utils import speed_metrics
+
+from trl_stable.monitoring.reduction import reduce_metrics
+from trl_stable.rewards.dense import call_on_every_process
+
+__all__ = ["Evaluation", "dense_sums"]
+
+
+def dense_sums(rows: Sequence[Any]) -> torch.Tensor:
+    """Each completion's summed dense reward (NaN tokens count 0, as in `step`)."""
+    return torch.tensor(
+        [0.0 if row is None else float(torch.as_tensor(row, dtype=torch.float64).nansum()) for row in rows]
+    )
+
+
+def completion_rewards(rewards: Any) -> torch.Tensor:
+    """Each completion's reward: its weighted sequence score (NaN where none applies) plus its dense sum."""
+    scores = rewards.scores.float() if rewards.scores is not None else None
+    dense = dense_sums(rewards.dense.rows) if rewards.dense is not None else None
+    if scores is None:
+        return dense
+    return scores if dense is None else scores + dense
+
+
+class Evaluation:
+    """`PPOTrainer.evaluate`; reads `rewards`, `generate` and `_prompt_ids`."""
+
+    def evaluate(
+        self, eval_dataset: Any | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Generate a completion for every prompt of `eval_dataset` and score it with the reward functions, with the
+        policy as it is.
+
+        Args:
+            eval_dataset: Default `self.eval_dataset`; a dict is evaluated per name, its metrics prefixed
+                ``{metric_key_prefix}_{name}``.
+            ignore_keys: Not used.
+            metric_key_prefix: The prefix of the metrics.
+
+        Returns:
+            ``{prefix}_reward`` (a completion's weighted sequence score plus its dense reward, what
+            `metric_for_best_model="reward"` reads), ``{prefix}_rewards/<function>/mean``, ``{prefix}_dense/
+            reward_mean``, ``{prefix}_completions/mean_length``, ``{prefix}_critic/...`` and the speed metrics, means
+            over every process's completions (docs/ppo.md, "Evaluation"). They are logged too.
+        """
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (PPOTrainer(eval_dataset=...) or the argument).")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if not len(self.rewards):
+            raise ValueError("evaluate() needs reward_funcs to score the completions.")
+        self._memory_tracker.start()
+        self.optimizer.eval()  # a schedule-free optimizer's evaluation weights, as Trainer's evaluate uses
+        start = time.time()
+        columns: dict[str, list[torch.Tensor]] = {}
+        batch_metrics: dict[str, list[float]] = {}
+        for rows in self.get_eval_dataloader(dataset):
+            prompts, queries = self._prompt_ids(rows, name="eval_dataset")
+            responses = self.generate(queries, return_prompt=False)
+            rewards = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
+            result = rewards.result()
+            lengths = torch.tensor([float(len(r)) for r in responses])
+            per_sample = {"reward": completion_rewards(result), "completions/mean_length": lengths}
+            per_sample.update({f"rewards/{name}/mean": values for name, values in result.per_func.items()})
+            if result.dense is not None:
+                per_sample["dense/reward_mean"] = dense_sums(result.dense.rows)
+            for key, values in per_sample.items():
+                # without the padding accelerate adds to the last batch
+                gathered = self.accelerator.gather_for_metrics(values.float().to(self.accelerator.device))
+                columns.setdefault(key, []).append(gathered.cpu())
+            for key, value in reduce_metrics(result.stats, self.accelerator, names_may_differ=True).items():
+                if key.startswith("critic/"):
+                    batch_metrics.setdefault(key, []).append(float(value))
+        metrics = {}
+        for key, parts in columns.items():
+            values = torch.cat(parts)
+            finite = values[torch.isfinite(values)]
+            metrics[f"{metric_key_prefix}_{key}"] = finite.mean().item() if len(finite) else float("nan")
+        for key, values in batch_metrics.items():
+            metrics[f"{metric_key_prefix}_{key}"] = float(np.mean(values))
+        num_samples = len(torch.cat(columns["reward"])) if columns else 0
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=num_samples))
+        self.optimizer.train()
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)
+        return metrics

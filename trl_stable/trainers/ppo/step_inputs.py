@@ -1,0 +1,178 @@
+"""What `PPOTrainer.step` makes of its arguments: each checked against the batch, the sampler's record taken from the
+`Rollout`, and the samples padded into one batch dict (and trimmed per micro-batch in the update)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from trl.trainer.utils import pad
+
+from trl_stable.core.positions import position_ids_from_mask
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, batch_routing
+from trl_stable.rewards.dense import RewardContractError, RewardTypeError
+from trl_stable.trainers.ppo.rollout import Rollout
+
+__all__ = ["check_per_token", "check_step_inputs", "make_batch", "resolve_token_rewards", "trim_micro_batch"]
+
+
+def is_sized(value: Any) -> bool:
+    """Whether `value` holds entries (a list, tuple, >= 1-D tensor or array), not a string or a number."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim > 0
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__len__")
+
+
+def _sampler_record(queries, responses, sampler_logprobs, use_decoupled_loss: bool, routing_mode: str):
+    """The sampler's log-probs and routing for this step, from the arguments or the `Rollout` itself."""
+    rollout = responses if isinstance(responses, Rollout) else None
+    if rollout is not None and rollout.with_prompt:
+        raise ValueError(
+            "step() takes responses without their prompt: generate them with return_prompt=False (the Rollout "
+            "passed holds query + response sequences)."
+        )
+    if sampler_logprobs is None and rollout is not None:
+        sampler_logprobs = rollout.sampler_logprobs
+    if use_decoupled_loss and sampler_logprobs is None:
+        raise ValueError(
+            "use_decoupled_loss needs the sampler's log-probs: pass step(sampler_logprobs=...) or step the "
+            "Rollout returned by trainer.generate(..., return_prompt=False) unchanged."
+        )
+    if routing_mode != "R3":
+        return sampler_logprobs, None
+    routing = rollout.routing if rollout is not None else None
+    if routing is None or len(routing) != len(queries):
+        raise ValueError(
+            "routing_replay='R3' needs the sampler's routing: step() the Rollout returned by "
+            "generate(..., return_prompt=False) unchanged, with all its samples (or use routing_replay='R2')."
+        )
+    for i, (route, q, r) in enumerate(zip(routing, queries, responses)):
+        if len(route) > len(q) + len(r) or len(rollout.queries[i]) != len(q):
+            raise ValueError(
+                f"routing_replay='R3': sample {i} passed to step() is not the one generate() produced, so its "
+                "recorded routing does not apply. Pass the generated queries and responses unchanged, in order."
+            )
+    return sampler_logprobs, routing
+
+
+def check_per_token(name: str, rows, responses) -> None:
+    """One entry of `rows` per response token of each sample. For token rewards the errors are the reward
+    contract's (`RewardContractError`, `RewardTypeError`), so deferred token rewards stop every process with them."""
+    rewards = name == "token_rewards"
+    value_error, type_error = (RewardContractError, RewardTypeError) if rewards else (ValueError, TypeError)
+    if not is_sized(rows):
+        raise type_error(f"step()'s {name} is {rows!r:.60} ({type(rows).__name__}); pass one row per sample.")
+    if len(rows) != len(responses):
+        raise value_error(f"step() got {len(rows)} {name} for {len(responses)} responses; pass one per sample.")
+    what = "reward" if rewards else "entry"
+    for i, (row, r) in enumerate(zip(rows, responses)):
+        if not is_sized(row):
+            raise type_error(
+                f"{name}[{i}] is {row!r:.60} ({type(row).__name__}); give one {what} per response token (a list "
+                "or a 1-D tensor)."
+            )
+        if len(row) != len(r):
+            raise value_error(
+                f"{name}[{i}] has {len(row)} entries but responses[{i}] has {len(r)} tokens; "
+                f"give one {what} per response token."
+            )
+
+
+def check_step_inputs(args, routing_mode: str, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs):
+    """Check `step()`'s arguments: one entry per sample in each, `args.batch_size` samples, 1-D non-empty queries and
+    responses, the sampler's record where the loss or routing replay needs it. Returns the sampler's log-probs and
+    routing (from the arguments or the `Rollout`) and the deferred token rewards (a callable `token_rewards`)."""
+    sampler_logprobs, routing = _sampler_record(
+        queries, responses, sampler_logprobs, args.use_decoupled_loss, routing_mode
+    )
+    deferred = token_rewards if callable(token_rewards) else None
+    token_rewards = None if deferred else token_rewards
+    n = len(queries)
+    lengths = {"queries": n, "responses": len(responses)}
+    for name, value in (
+        ("token_rewards", token_rewards),
+        ("scores", scores),
+        ("turn_ids", turn_ids),
+        ("sampler_logprobs", sampler_logprobs),
+    ):
+        if value is not None:
+            if not is_sized(value):
+                raise RewardTypeError(
+                    f"step()'s {name} is {value!r:.60} ({type(value).__name__}); pass one entry per sample."
+                )
+            lengths[name] = len(value)
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"step() got lists of different lengths: {lengths}; pass one entry per sample.")
+    if n != args.batch_size:
+        raise ValueError(f"step() got {n} samples but args.batch_size is {args.batch_size}.")
+    if token_rewards is None and scores is None and deferred is None:
+        raise ValueError("step() needs `token_rewards`, `scores` or both.")
+    for i, (q, r) in enumerate(zip(queries, responses)):
+        if not isinstance(q, torch.Tensor) or not isinstance(r, torch.Tensor) or q.dim() != 1 or r.dim() != 1:
+            raise ValueError(f"queries[{i}] and responses[{i}] must be 1-D LongTensors.")
+        if len(q) == 0 or len(r) == 0:
+            raise ValueError(f"Sample {i} has an empty query or response.")
+    for name, rows in (
+        ("token_rewards", token_rewards),
+        ("turn_ids", turn_ids),
+        ("sampler_logprobs", sampler_logprobs),
+    ):
+        if rows is not None:
+            check_per_token(name, rows, responses)
+    return sampler_logprobs, routing, deferred
+
+
+def resolve_token_rewards(deferred, responses):
+    """Call deferred token rewards and check them (errors under the reward contract, see `check_per_token`)."""
+    rows = deferred()
+    if rows is not None:
+        check_per_token("token_rewards", rows, responses)
+    return rows
+
+
+def make_batch(queries, responses, pad_token_id: int, device, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
+    """Left-padded queries and right-padded responses in one [B, P + R] batch, with the response mask, the turn ids
+    ([B, R], -1 on non-actions; action mask = response mask and turn id >= 0) and the R3 routing."""
+    queries = [q.to(device).long() for q in queries]
+    responses = [r.to(device).long() for r in responses]
+    prompt_ids = pad(queries, pad_token_id, padding_side="left")
+    response_ids = pad(responses, pad_token_id)
+    response_mask = pad([torch.ones(len(r), device=device) for r in responses])
+    prompt_mask = pad([torch.ones_like(q) for q in queries], padding_side="left")
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    batch = {
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
+        "attention_mask": attention_mask,
+        # numbered from each row's first real token, as `generate` did: every pass agrees with the sampler
+        "position_ids": position_ids_from_mask(attention_mask),
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "response_lengths": torch.tensor([len(r) for r in responses], device=device),
+    }
+    if turn_ids is not None:
+        turns = pad([torch.as_tensor(row, dtype=torch.long).to(device) for row in turn_ids], padding_value=-1)
+        batch["turn_ids"] = turns
+        batch["response_mask"] = response_mask * (turns >= 0)
+    if routing is not None:
+        batch[ROUTED_EXPERTS_KEY] = batch_routing(routing, attention_mask, prompt_ids.shape[1])
+    return batch
+
+
+def trim_micro_batch(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the trailing response columns that are padding in every row of the micro-batch (saves compute)."""
+    width = int(mb["response_lengths"].max())
+    full = mb["response_ids"].shape[1]
+    if width == full:
+        return mb
+    cut = full - width
+    seq = mb["input_ids"].shape[1]  # > full: every query has a token
+    out = {}
+    for k, v in mb.items():
+        if v.dim() >= 2 and v.shape[1] == seq:  # sequence-aligned (ids, masks, routing, any per-position extra)
+            out[k] = v[:, : seq - cut]
+        elif v.dim() >= 2 and v.shape[1] == full:  # response-aligned
+            out[k] = v[:, :width]
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,105 @@
+"""The rewards `PPOTrainer.step` is given, put in its batch (a `PPOTrainer` mixin): each value under the reward
+contract's number rule (`trl_stable.rewards.dense`), samples without a usable reward dropped or zeroed
+(`nan_reward_action`), and the scores scaled over every process (`use_score_scaling`, `score_clip`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from trl_stable.core.score_scaling import scale_scores as scale_with_moments
+from trl_stable.monitoring.reduction import Stat, reduce_metrics
+from trl_stable.rewards.dense import RewardContractError, raise_on_every_process, reward_numbers
+
+__all__ = ["StepRewards"]
+
+
+class StepRewards:
+    """`PPOTrainer`'s step rewards; reads `args`, `accelerator` and the running score statistics `running`."""
+
+    def _drop_broken_rewards(self, batch, token_rewards, scores) -> tuple[dict, dict[str, float]]:
+        """Put the rewards in the batch (`dense` [B, R], `scores` [B] after score scaling, `valid` [B]) and take the
+        samples with a NaN or infinite reward out of the action mask."""
+        device = self.accelerator.device
+        mask = batch["response_mask"]
+        n, resp_width = mask.shape
+        dense = torch.zeros(n, resp_width, device=device)
+        score_t = None
+        error = None
+        try:  # the reward contract's number rule (`trl_stable.rewards.dense`); None, like NaN, marks no reward
+            if token_rewards is not None:
+                for i, row in enumerate(token_rewards):  # lengths checked by `check_per_token`
+                    values = reward_numbers(
+                        row, "step()'s token_rewards", lambda t, i=i: f"token {t} of sample {i}", "a list per sample"
+                    )
+                    dense[i, : len(values)] = torch.tensor(values, dtype=torch.float32, device=device)
+            if scores is not None:
+                values = reward_numbers(scores, "step()'s scores", lambda i: f"sample {i}", "one score per sample")
+                score_t = torch.tensor(values, dtype=torch.float32, device=device)
+        except RewardContractError as err:
+            error = err
+        raise_on_every_process(error, self.accelerator)
+        # NaN or a value out of range (the contract's bound, max_abs_reward; +-inf) marks a sample without a reward:
+        # RELC-era loops put the score inside token_rewards, so a NaN token is a failed score rather than a token the
+        # reward does not apply to (as it is for a dense reward function); an overflowing one would make the
+        # advantages, value loss and gradients of the batch infinite
+        bad = self._out_of_range(dense).any(1)
+        if score_t is not None:
+            bad |= self._out_of_range(score_t)
+        drop = self.args.nan_reward_action == "drop"
+        # decided on every process at once: a process that raised alone would leave the others hanging in a collective
+        if drop and self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
+            raise ValueError(
+                "Every sample of the batch has a NaN or infinite reward (on at least one process); check the reward "
+                "functions."
+            )
+        if bool(bad.any()) and drop:
+            warnings.warn(
+                f"Dropping {int(bad.sum())} of {n} samples with a NaN or infinite reward from this PPO step."
+            )
+            mask = mask * (~bad).unsqueeze(1)
+            if "turn_ids" in batch:
+                batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
+        elif bool(bad.any()):
+            warnings.warn(
+                f"{int(bad.sum())} of {n} samples have a NaN or infinite reward: trained with advantage 0 and no "
+                "value loss (nan_reward_action='zero')."
+            )
+        valid = ~bad
+        logs = {"ppo/dropped_samples" if drop else "ppo/zeroed_samples": Stat.total(bad.sum())}
+        batch["response_mask"] = mask
+        # the tokens with a value target: with 'zero' an unscored sample stays in the policy loss (advantage 0) only
+        batch["value_mask"] = mask * valid.unsqueeze(1)
+        batch["valid"] = valid
+        # where, not a product: NaN * 0 is NaN. Rewards on tool-output tokens (turn id -1) count nowhere.
+        batch["dense_rewards"] = torch.where(mask.bool(), dense, torch.zeros_like(dense))
+        if score_t is not None:
+            raw_scores = torch.where(valid, score_t, torch.zeros_like(score_t))
+            batch["scores"] = self.scale_scores(raw_scores, valid) * valid
+            # over every process's valid samples: the processes may have dropped different numbers of samples
+            logs["env/reward_mean"] = Stat.mean(raw_scores, valid)
+            logs["env/reward_std"] = Stat.std(raw_scores, valid)
+        if self.args.use_score_scaling:
+            logs["env/running_mean"], logs["env/running_std"] = self.running.mean, self.running.std
+        return batch, reduce_metrics(logs, self.accelerator)
+
+    def _out_of_range(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Where `rewards` hold no usable reward: NaN, +-inf, or beyond +-`max_abs_reward`."""
+        bad = ~torch.isfinite(rewards)
+        if self.args.max_abs_reward is not None:
+            bad |= rewards.abs() > self.args.max_abs_reward
+        return bad
+
+    def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`core.scale_scores` after merging every process's valid scores into the running statistics (with
+        `use_score_scaling`); `score_clip` last."""
+        args = self.args
+        running = None
+        if args.use_score_scaling:
+            all_scores = self.accelerator.gather(scores.to(self.accelerator.device).float())
+            all_valid = self.accelerator.gather(valid.to(self.accelerator.device))
+            if bool(all_valid.any()):
+                self.running.update(all_scores[all_valid.bool()].cpu())
+            running = self.running
+        return scale_with_moments(scores, running, normalize=args.use_score_norm, clip=args.score_clip)
