@@ -107,7 +107,7 @@ class Effect:
 class Refused:
     value: Any
     fix: str
-    at: str = "config"  # "config": the config raises; "trainer": building the trainer raises (on this machine)
+    at: str = "config"  # "config": the config raises; "trainer" / "train": building / training the trainer raises
     note: str = ""
 
 
@@ -151,6 +151,7 @@ class Kit:
         train_loader: The trainer's prepared training dataloader.
         clear_cache_module: The module whose `clear_device_cache` the trainer calls (torch_empty_cache_steps).
         refusal_build: How `Refused(at="trainer")` entries build the trainer (default: `build`).
+        best_base: Settings of the best-model probe, where its own make the last evaluation the best one.
     """
 
     config_cls: type
@@ -161,6 +162,7 @@ class Kit:
     clear_cache_module: Any
     trained: Callable[[Any], torch.nn.Module] | None = None
     refusal_build: Callable[..., Any] | None = None
+    best_base: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -415,6 +417,7 @@ def training_argument_probes() -> Probes:
     @probes.register("best")
     def _(ctx, fields):
         base = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, learning_rate=1e-2)
+        base.update(ctx.kit.best_base)
         trainer = ctx.build(
             ctx.config(fields, max_steps=4, **base),
             rewards=(id_reward,),
@@ -542,7 +545,7 @@ def _loader(attribute: str, value: Any) -> Callable[[Run], None]:
     return check_loader
 
 
-def _ddp(attribute: str, value: Any) -> Callable[[Run], None]:
+def ddp_setting(attribute: str, value: Any) -> Callable[[Run], None]:
     return lambda run: check(getattr(run.seen["ddp"], attribute) == value)
 
 
@@ -788,12 +791,12 @@ def training_argument_entries() -> dict[str, Effect | Refused | Dependent]:
         "ddp_find_unused_parameters": Effect(
             False,
             "ddp",
-            _ddp("find_unused_parameters", False),
+            ddp_setting("find_unused_parameters", False),
             note="multi-process only: reaches accelerate's DDP kwargs handler",
         ),
-        "ddp_bucket_cap_mb": Effect(7, "ddp", _ddp("bucket_cap_mb", 7)),
-        "ddp_broadcast_buffers": Effect(False, "ddp", _ddp("broadcast_buffers", False)),
-        "ddp_static_graph": Effect(True, "ddp", _ddp("static_graph", True)),
+        "ddp_bucket_cap_mb": Effect(7, "ddp", ddp_setting("bucket_cap_mb", 7)),
+        "ddp_broadcast_buffers": Effect(False, "ddp", ddp_setting("broadcast_buffers", False)),
+        "ddp_static_graph": Effect(True, "ddp", ddp_setting("static_graph", True)),
         "ddp_backend": Refused(
             "gloo",
             "leave ddp_backend=None",
@@ -931,13 +934,15 @@ def table_tests(kit: Kit, table: dict, probes: Probes, docs_page: Path) -> dict[
         message = str(refused.value)
         assert name in message and entry.fix in message, message
 
-    @pytest.mark.parametrize("name", [name for name, entry in entries(table, Refused) if entry.at == "trainer"])
+    @pytest.mark.parametrize("name", [name for name, entry in entries(table, Refused) if entry.at != "config"])
     def test_refused_by_the_trainer_here(tmp_path, tokenizer, monkeypatch, name):
         entry = table[name]
         args = config_with(tmp_path / "out", **{name: entry.value})
         build = kit.refusal_build or kit.build
         with isolated(), pytest.raises((ValueError, ImportError)) as refused:
-            build(ctx_for(tmp_path, tokenizer, monkeypatch), args)
+            trainer = build(ctx_for(tmp_path, tokenizer, monkeypatch), args)
+            if entry.at == "train":
+                trainer.train()
         message = str(refused.value)
         assert name in message and entry.fix in message, message
 
@@ -1012,7 +1017,7 @@ def table_tests(kit: Kit, table: dict, probes: Probes, docs_page: Path) -> dict[
         assert not n["Warned"] or f"{n['Warned']} accepted with a warning" in section
 
     tests = {name: test for name, test in locals().items() if name.startswith("test_")}
-    if not any(entry.at == "trainer" for _, entry in entries(table, Refused)):
+    if not any(entry.at != "config" for _, entry in entries(table, Refused)):
         del tests["test_refused_by_the_trainer_here"]
     if not entries(table, Warned):
         del tests["test_warned_by_name"]

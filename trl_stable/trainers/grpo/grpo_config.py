@@ -1,8 +1,17 @@
-"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options."""
+"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options.
+
+Every field is honoured, or refused (or, where `trl.GRPOConfig` accepts it, warned about) by name: a
+`TrainingArguments` field GRPO has nothing to apply to is named with the reason (`GRPO_IGNORED`, a warning); a
+`TrainingArguments` or TRL field that only acts with another option warns without it (`training_argument_dependents`,
+`trl_dependents`), and a trl_stable field refuses without it. `docs/grpo.md` lists every field, and
+`tests/trainers/test_grpo_every_setting.py` shows each one acting.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,12 +20,18 @@ import trl
 from trl_stable.config_checks import (
     Bound,
     Dependent,
+    IgnoredSettingWarning,
     check_all_finite,
     check_bounds,
+    check_ddp_backend,
     check_dependents,
+    check_fp16_device,
     check_reward_scale,
     check_training_length,
+    ignored_setting,
     training_argument_bounds,
+    training_argument_dependents,
+    warn_ignored,
 )
 from trl_stable.core import NORMALIZATION_PRESETS
 from trl_stable.core.estimators import is_sequence_level
@@ -26,9 +41,10 @@ from trl_stable.monitoring.integration import HealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-__all__ = ["GRPO_BOUNDS", "GRPOConfig", "TRL_GRPO_BOUNDS"]
+__all__ = ["GRPO_BOUNDS", "GRPO_IGNORED", "GRPOConfig", "TRL_GRPO_BOUNDS", "trl_dependents"]
 
 # The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
 _TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
@@ -83,6 +99,117 @@ TRL_GRPO_BOUNDS: dict[str, Bound] = {
     "vllm_importance_sampling_clip_max": Bound(low=0.0, low_open=True, optional=True),
     "off_policy_mask_threshold": Bound(low=0.0, optional=True, fix="None turns the off-policy mask off."),
 }
+
+
+# `TrainingArguments` fields GRPO has nothing to apply to: (the value taken without a word, why another is ignored).
+# TRL accepts them, so a script written for `trl.GRPOTrainer` keeps running: each is named in an IgnoredSettingWarning.
+GRPO_IGNORED: dict[str, tuple[object, str]] = {
+    "label_smoothing_factor": (0.0, "GRPO's loss (TRL's `_compute_loss`) has no labels to smooth."),
+    "average_tokens_across_devices": (
+        True,
+        "GRPO's batches have no labels, so transformers counts no tokens to average; TRL's loss normalizes itself "
+        "(loss_type 'dapo' already divides by the tokens of every process).",
+    ),
+    "prediction_loss_only": (False, "GRPO's evaluation computes only the loss (TRL's prediction_step) either way."),
+    "eval_do_concat_batches": (True, "GRPO's evaluation gathers one loss per batch: there are no predictions."),
+    "include_for_metrics": (
+        [],
+        "GRPOTrainer takes no compute_metrics, so nothing receives them (and 'inputs' fails in evaluate(): a GRPO "
+        "batch is a list of rows).",
+    ),
+    "batch_eval_metrics": (False, "GRPOTrainer takes no compute_metrics to call per batch."),
+    "label_names": (None, "GRPO's batches have no labels."),
+    "train_sampling_strategy": (
+        "random",
+        "GRPO draws prompts with TRL's RepeatSampler (each prompt num_generations times, shuffled with `seed`); "
+        "shuffle_dataset=False keeps the dataset's order.",
+    ),
+    "length_column_name": ("length", "GRPO does not group by length (TRL's RepeatSampler draws the prompts)."),
+    "data_seed": (None, "TRL's RepeatSampler shuffles the prompts with `seed`; set seed instead."),
+    "do_train": (
+        False,
+        "it is not read by the trainer (transformers' own Trainer does not read it either): training runs when your "
+        "script calls trainer.train().",
+    ),
+    "do_predict": (False, "it is not read by the trainer: call trainer.predict(dataset) yourself."),
+}
+# transformers' own options of activation checkpointing, which TRL's GRPOTrainer drops: it switches checkpointing off
+# around its no-grad passes and back on with `gradient_checkpointing_enable(kwargs)`, every layer checkpointed and
+# these keys handed to torch's checkpoint function (which, reentrant, refuses them).
+_TRAINER_CHECKPOINTING_OPTIONS = ("every_n_layers", "offload")
+# The loss types whose clipped ratio reads epsilon / epsilon_high, and those that clip it two-sided with delta.
+_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo")
+_DELTA_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _prefixed(prefix: str, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The `trl.GRPOConfig` fields whose name starts with `prefix` (enumerated, so a field TRL adds is covered)."""
+    return tuple(f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name.startswith(prefix) and f.name not in but)
+
+
+def _mode_fields(mode: str) -> tuple[str, ...]:
+    """The vLLM fields TRL's `VLLMGeneration` reads only in `mode` ("Server mode: ..." in the shared field help)."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(VLLMArguments)
+        if f.metadata["help"].startswith(f"{mode.capitalize()} mode:")
+    )
+
+
+def trl_dependents(config: Any) -> tuple[Dependent, ...]:
+    """The `trl.GRPOConfig` fields that only act together with another option, as [`Dependent`]s (TRL ignores each
+    of them, without a word, when the option is off; `GRPOConfig` warns).
+
+    `config` is a resolved `trl.GRPOConfig` (after `__post_init__`).
+    """
+    loss = config.loss_type
+    plugin = config.deepspeed_plugin
+    return (
+        Dependent(_prefixed("sapo_"), loss == "sapo", "loss_type='sapo'"),
+        Dependent(_prefixed("vespo_"), loss == "vespo", "loss_type='vespo'"),
+        Dependent(("epsilon", "epsilon_high"), loss in _CLIPPED_LOSSES, "a clipped loss_type (not 'sapo' / 'vespo')"),
+        Dependent(("delta",), loss in _DELTA_LOSSES, f"a loss_type that clips the ratio ({', '.join(_DELTA_LOSSES)})"),
+        Dependent(
+            _prefixed("entropy_", but=("entropy_coef",)), config.use_adaptive_entropy, "use_adaptive_entropy=True"
+        ),
+        Dependent(_prefixed("ref_model_"), config.sync_ref_model, "sync_ref_model=True"),
+        Dependent(("use_bias_correction_kl",), config.beta != 0.0, "beta > 0 (the KL term)"),
+        Dependent(("liger_kernel_config",), config.use_liger_kernel, "use_liger_kernel=True"),
+        Dependent(
+            ("ds3_gather_for_generation",),
+            plugin is not None and plugin.zero_stage == 3,
+            "DeepSpeed ZeRO-3 (a deepspeed config or accelerate config with zero_stage 3)",
+        ),
+        Dependent(
+            ("log_multimodal", "num_completions_to_print", "log_unique_prompts"),
+            config.log_completions,
+            "log_completions=True",
+        ),
+        Dependent(
+            ("log_unique_prompts",),
+            bool({"wandb", "trackio"} & set(config.report_to or [])),
+            "report_to including 'wandb' or 'trackio' (the completions table it deduplicates)",
+        ),
+        Dependent(
+            ("transformers_continuous_batching_config",),
+            config.use_transformers_continuous_batching,
+            "use_transformers_continuous_batching=True",
+        ),
+        Dependent(("cache_implementation",), not config.use_vllm, "use_vllm=False (vLLM manages its own cache)"),
+        Dependent(_prefixed("vllm_"), config.use_vllm, "use_vllm=True"),
+        Dependent(_mode_fields("server"), config.vllm_mode == "server", "vllm_mode='server'"),
+        Dependent(_mode_fields("colocate"), config.vllm_mode == "colocate", "vllm_mode='colocate'"),
+        Dependent(
+            ("vllm_server_host", "vllm_server_port"),
+            config.vllm_server_base_url is None,
+            "vllm_server_base_url=None (a base URL replaces host and port)",
+        ),
+        Dependent(
+            _prefixed("vllm_importance_sampling_", but=("vllm_importance_sampling_correction",)),
+            config.vllm_importance_sampling_correction,
+            "vllm_importance_sampling_correction=True",
+        ),
+    )
 
 
 @dataclass
@@ -246,8 +373,57 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
     def __post_init__(self):
         # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).
         check_bounds(self, {**training_argument_bounds(self), **TRL_GRPO_BOUNDS, **GRPO_BOUNDS})
+        check_ddp_backend(self)  # before transformers' device set-up, which fails on it without naming it
         super().__post_init__()
+        check_fp16_device(self)
         self._validate()
+        self._warn_ignored_settings()
+
+    def _warn_ignored_settings(self) -> None:
+        """Warn about the `TrainingArguments` and TRL settings this combination ignores (TRL accepts them)."""
+        warn_ignored(self, GRPO_IGNORED, "GRPOTrainer")
+        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
+            warn_ignored(
+                self,
+                {
+                    "do_eval": (
+                        False,
+                        "it is not read by the trainer (transformers sets it itself when eval_strategy is not 'no'): "
+                        "set eval_strategy='steps' or 'epoch' to evaluate during train(), or call trainer.evaluate().",
+                    )
+                },
+                "GRPOTrainer",
+            )
+        if self.local_rank != -1 and self.local_rank != self.local_process_index:
+            warn_ignored(
+                self,
+                {
+                    "local_rank": (
+                        -1,
+                        f"this process's local rank is {self.local_process_index} (accelerate reads it from the "
+                        "launcher's environment); the field is only there for the deprecated torch.distributed.launch "
+                        "to pass it.",
+                    )
+                },
+                "GRPOTrainer",
+            )
+        checkpointing = self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs or {}
+        dropped = [key for key in _TRAINER_CHECKPOINTING_OPTIONS if key in checkpointing]
+        if dropped:
+            warnings.warn(
+                f"activation_checkpointing_kwargs={checkpointing!r}: {', '.join(dropped)} is ignored by GRPOTrainer: "
+                "TRL switches activation checkpointing off around its no-grad passes and back on for every layer "
+                "with these kwargs handed to torch's checkpoint function (a reentrant one refuses them). Remove "
+                f"{', '.join(dropped)} from activation_checkpointing_kwargs.",
+                IgnoredSettingWarning,
+                stacklevel=2,
+            )
+        # Each dependent field GRPO_IGNORED names is warned about there already.
+        dependents = [
+            Dependent(tuple(name for name in dep.fields if name not in GRPO_IGNORED), dep.active, dep.needs)
+            for dep in (*training_argument_dependents(self), *trl_dependents(self))
+        ]
+        check_dependents(self, dependents, warn=ignored_setting)
 
     def _validate(self) -> None:
         """trl_stable's checks, after TRL's own: `__post_init__` runs them, and `with_changes` on a changed copy."""
@@ -316,6 +492,18 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                     f"{trl_field}={current!r} was set; unset {trl_field} or choose another estimator."
                 )
 
+        generate_every = self.steps_per_generation * self.num_iterations
+        old_logprob_pass = self.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+        if self.routing_replay == "R2" and not (old_logprob_pass or self.use_decoupled_loss):
+            raise ValueError(
+                "routing_replay='R2' records the routing in the old-logprob pass, which this configuration never runs "
+                "(one update per generation batch: TRL skips the pass, the ratio being exactly 1), so the run would "
+                "ignore it. Set num_iterations > 1 (or steps_per_generation > gradient_accumulation_steps, or "
+                "use_decoupled_loss=True), use routing_replay='R3' (the sampler's routing), or unset routing_replay."
+            )
+
         # Decoupled loss and token filters
         if self.use_decoupled_loss and self.loss_type == "sapo":
             raise ValueError(
@@ -370,8 +558,40 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                     "HF generation (use_vllm=False, use_transformers_continuous_batching=False; vLLM returns the "
                     "sampler's log-probs itself)",
                 ),
+                Dependent(
+                    ("advantage_std_unbiased",),
+                    self.advantage_estimator in NORMALIZATION_PRESETS and self._divides_by_std(),
+                    "an advantage std (advantage_estimator 'grpo' or 'liteppo', or advantage_std_level='group' / "
+                    "'batch')",
+                ),
+                Dependent(
+                    ("advantage_eps",),
+                    self.advantage_estimator not in NORMALIZATION_PRESETS or self._divides_by_std(),
+                    "an advantage std (advantage_estimator 'grpo', 'liteppo' or 'ngrpo', or advantage_std_level="
+                    "'group' / 'batch')",
+                ),
+                Dependent(
+                    ("health_mismatch_monitor",),
+                    not self.use_transformers_continuous_batching or self.use_vllm,
+                    "HF generation or vLLM (transformers' continuous batching returns no sampler log-probs)",
+                ),
+                Dependent(
+                    ("health_mismatch_threshold",),
+                    self.health_mismatch_monitor
+                    or self.use_decoupled_loss
+                    or self.use_vllm
+                    or self.capture_sampler_logps,
+                    "a mismatch to watch: health_mismatch_monitor=True (or use_decoupled_loss / use_vllm, which log "
+                    "mismatch/* themselves)",
+                ),
             ),
         )
+
+    def _divides_by_std(self) -> bool:
+        """Whether a normalization preset (after the advantage_std_level override) divides by a std."""
+        preset = NORMALIZATION_PRESETS.get(self.advantage_estimator, {})
+        level = self.advantage_std_level
+        return (preset.get("std_level") if level is None else _LEVEL_NAMES[level]) is not None
 
     def _own_normalization_requested(self) -> bool:
         """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""

@@ -32,6 +32,7 @@ Data flow of one generation batch (`_generate_and_score_completions`):
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from trl.trainer.utils import nanstd
 
 from trl_stable.config_checks import (
     Dependent,
+    IgnoredSettingWarning,
     check_dependents,
 )
 from trl_stable.core import (
@@ -200,6 +202,14 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             )
         self._rollout: RolloutRecord | None = None  # set only inside `_rollout_record`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
+        if self.args.max_tool_calling_iterations is not None and not self.tools:
+            warnings.warn(
+                f"max_tool_calling_iterations={self.args.max_tool_calling_iterations} only applies with tools "
+                "(GRPOTrainer(tools=...) or an environment_factory with tool methods); without them the run ignores "
+                "it. Pass tools, or unset max_tool_calling_iterations.",
+                IgnoredSettingWarning,
+                stacklevel=2,
+            )
         check_checkpoint_names(self.args.output_dir)
         self._nan_dropped_total = 0
         self._split_dense_reward_funcs()
