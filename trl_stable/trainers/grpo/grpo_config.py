@@ -1,17 +1,12 @@
 """Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
-Every field is honoured, or refused (or, where `trl.GRPOConfig` accepts it, warned about) by name: a
-`TrainingArguments` field GRPO has nothing to apply to is named with the reason (`GRPO_IGNORED`, a warning); a
-`TrainingArguments` or TRL field that only acts with another option warns without it (`training_argument_dependents`,
-`trl_dependents`), and a trl_stable field refuses without it. `docs/grpo.md` lists every field, and
-`tests/trainers/test_grpo_every_setting.py` shows each one acting.
+Every field is honoured, or refused (where `trl.GRPOConfig` accepts it, warned about: `ignored_settings`) by name;
+`docs/grpo.md` lists every field, and `tests/trainers/test_grpo_every_setting.py` shows each one acting.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +15,6 @@ import trl
 from trl_stable.config_checks import (
     Bound,
     Dependent,
-    IgnoredSettingWarning,
     check_all_finite,
     check_bounds,
     check_ddp_backend,
@@ -28,10 +22,7 @@ from trl_stable.config_checks import (
     check_fp16_device,
     check_reward_scale,
     check_training_length,
-    ignored_setting,
     training_argument_bounds,
-    training_argument_dependents,
-    warn_ignored,
 )
 from trl_stable.core import NORMALIZATION_PRESETS
 from trl_stable.core.estimators import is_sequence_level
@@ -41,10 +32,10 @@ from trl_stable.monitoring.integration import HealthArguments
 from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
-from trl_stable.trainers.ppo.vllm_args import VLLMArguments
+from trl_stable.trainers.grpo.ignored_settings import warn_ignored_settings
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-__all__ = ["GRPO_BOUNDS", "GRPO_IGNORED", "GRPOConfig", "TRL_GRPO_BOUNDS", "trl_dependents"]
+__all__ = ["GRPO_BOUNDS", "GRPOConfig", "TRL_GRPO_BOUNDS"]
 
 # The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
 _TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
@@ -101,161 +92,13 @@ TRL_GRPO_BOUNDS: dict[str, Bound] = {
 }
 
 
-# `TrainingArguments` fields GRPO has nothing to apply to: (the value taken without a word, why another is ignored).
-# TRL accepts them, so a script written for `trl.GRPOTrainer` keeps running: each is named in an IgnoredSettingWarning.
-GRPO_IGNORED: dict[str, tuple[object, str]] = {
-    "label_smoothing_factor": (0.0, "GRPO's loss (TRL's `_compute_loss`) has no labels to smooth."),
-    "average_tokens_across_devices": (
-        True,
-        "GRPO's batches have no labels, so transformers counts no tokens to average; TRL's loss normalizes itself "
-        "(loss_type 'dapo' already divides by the tokens of every process).",
-    ),
-    "prediction_loss_only": (False, "GRPO's evaluation computes only the loss (TRL's prediction_step) either way."),
-    "eval_do_concat_batches": (True, "GRPO's evaluation gathers one loss per batch: there are no predictions."),
-    "include_for_metrics": (
-        [],
-        "GRPOTrainer takes no compute_metrics, so nothing receives them (and 'inputs' fails in evaluate(): a GRPO "
-        "batch is a list of rows).",
-    ),
-    "batch_eval_metrics": (False, "GRPOTrainer takes no compute_metrics to call per batch."),
-    "label_names": (None, "GRPO's batches have no labels."),
-    "train_sampling_strategy": (
-        "random",
-        "GRPO draws prompts with TRL's RepeatSampler (each prompt num_generations times, shuffled with `seed`); "
-        "shuffle_dataset=False keeps the dataset's order.",
-    ),
-    "length_column_name": ("length", "GRPO does not group by length (TRL's RepeatSampler draws the prompts)."),
-    "data_seed": (None, "TRL's RepeatSampler shuffles the prompts with `seed`; set seed instead."),
-    "do_train": (
-        False,
-        "it is not read by the trainer (transformers' own Trainer does not read it either): training runs when your "
-        "script calls trainer.train().",
-    ),
-    "do_predict": (False, "it is not read by the trainer: call trainer.predict(dataset) yourself."),
-}
-# transformers' own options of activation checkpointing, which TRL's GRPOTrainer drops: it switches checkpointing off
-# around its no-grad passes and back on with `gradient_checkpointing_enable(kwargs)`, every layer checkpointed and
-# these keys handed to torch's checkpoint function (which, reentrant, refuses them).
-_TRAINER_CHECKPOINTING_OPTIONS = ("every_n_layers", "offload")
-# The loss types whose clipped ratio reads epsilon / epsilon_high, and those that clip it two-sided with delta.
-_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo")
-_DELTA_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-def _prefixed(prefix: str, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The `trl.GRPOConfig` fields whose name starts with `prefix` (enumerated, so a field TRL adds is covered)."""
-    return tuple(f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name.startswith(prefix) and f.name not in but)
-
-
-def _mode_fields(mode: str) -> tuple[str, ...]:
-    """The vLLM fields TRL's `VLLMGeneration` reads only in `mode` ("Server mode: ..." in the shared field help)."""
-    return tuple(
-        f.name
-        for f in dataclasses.fields(VLLMArguments)
-        if f.metadata["help"].startswith(f"{mode.capitalize()} mode:")
-    )
-
-
-def trl_dependents(config: Any) -> tuple[Dependent, ...]:
-    """The `trl.GRPOConfig` fields that only act together with another option, as [`Dependent`]s (TRL ignores each
-    of them, without a word, when the option is off; `GRPOConfig` warns).
-
-    `config` is a resolved `trl.GRPOConfig` (after `__post_init__`).
-    """
-    loss = config.loss_type
-    plugin = config.deepspeed_plugin
-    return (
-        Dependent(_prefixed("sapo_"), loss == "sapo", "loss_type='sapo'"),
-        Dependent(_prefixed("vespo_"), loss == "vespo", "loss_type='vespo'"),
-        Dependent(("epsilon", "epsilon_high"), loss in _CLIPPED_LOSSES, "a clipped loss_type (not 'sapo' / 'vespo')"),
-        Dependent(("delta",), loss in _DELTA_LOSSES, f"a loss_type that clips the ratio ({', '.join(_DELTA_LOSSES)})"),
-        Dependent(
-            _prefixed("entropy_", but=("entropy_coef",)), config.use_adaptive_entropy, "use_adaptive_entropy=True"
-        ),
-        Dependent(_prefixed("ref_model_"), config.sync_ref_model, "sync_ref_model=True"),
-        Dependent(("use_bias_correction_kl",), config.beta != 0.0, "beta > 0 (the KL term)"),
-        Dependent(("liger_kernel_config",), config.use_liger_kernel, "use_liger_kernel=True"),
-        Dependent(
-            ("ds3_gather_for_generation",),
-            plugin is not None and plugin.zero_stage == 3,
-            "DeepSpeed ZeRO-3 (a deepspeed config or accelerate config with zero_stage 3)",
-        ),
-        Dependent(
-            ("log_multimodal", "num_completions_to_print", "log_unique_prompts"),
-            config.log_completions,
-            "log_completions=True",
-        ),
-        Dependent(
-            ("log_unique_prompts",),
-            bool({"wandb", "trackio"} & set(config.report_to or [])),
-            "report_to including 'wandb' or 'trackio' (the completions table it deduplicates)",
-        ),
-        Dependent(
-            ("transformers_continuous_batching_config",),
-            config.use_transformers_continuous_batching,
-            "use_transformers_continuous_batching=True",
-        ),
-        Dependent(("cache_implementation",), not config.use_vllm, "use_vllm=False (vLLM manages its own cache)"),
-        Dependent(_prefixed("vllm_"), config.use_vllm, "use_vllm=True"),
-        Dependent(_mode_fields("server"), config.vllm_mode == "server", "vllm_mode='server'"),
-        Dependent(_mode_fields("colocate"), config.vllm_mode == "colocate", "vllm_mode='colocate'"),
-        Dependent(
-            ("vllm_server_host", "vllm_server_port"),
-            config.vllm_server_base_url is None,
-            "vllm_server_base_url=None (a base URL replaces host and port)",
-        ),
-        Dependent(
-            _prefixed("vllm_importance_sampling_", but=("vllm_importance_sampling_correction",)),
-            config.vllm_importance_sampling_correction,
-            "vllm_importance_sampling_correction=True",
-        ),
-    )
-
-
 @dataclass
 class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
     Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
-    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs.
-
-    Parameters:
-        advantage_estimator (`str`, defaults to `"grpo"`):
-            One-name preset: "grpo" (TRL's group mean/std), "dr_grpo" (group mean, no std, `loss_type="dr_grpo"`),
-            "liteppo" (group mean, batch std), "rloo" (leave-one-out group mean, no std), "gdpo" (per-reward group
-            z-scores, TRL's `multi_objective_aggregation="normalize_then_sum"`), "ngrpo" (virtual max-reward samples).
-        advantage_mean_level, advantage_std_level (`str` or `None`):
-            Override the preset: "batch", "group" or "none". None keeps the preset's value.
-        advantage_leave_one_out (`bool` or `None`): Override the preset's leave-one-out mean.
-        advantage_std_unbiased (`bool`, defaults to `True`): Bessel-corrected std for the trl_stable estimators.
-        advantage_eps (`float` or `None`): Added to the std; None = 1e-4 (TRL's), 1e-6 for "ngrpo". With "grpo",
-            setting it (or `advantage_std_unbiased=False`) makes trl_stable compute the group/group advantages.
-        ngrpo_r_max (`float`, defaults to `1.0`), ngrpo_num_virtual (`int`, defaults to `1`): NGRPO's virtual samples.
-        use_decoupled_loss (`bool`, defaults to `False`): AReaL's decoupled PPO loss.
-        token_filter (`str` or `None`): "icepop" or "kpop"; needs `use_decoupled_loss`.
-        token_filter_level (`str`, defaults to `"token"`): "token" or "sequence".
-        token_filter_action (`str`, defaults to `"mask"`): "mask" or "clamp" (IcePop only).
-        token_filter_lower, token_filter_upper (`float` or `None`): The band; None = the filter's default.
-        capture_sampler_logps (`bool`, defaults to `False`): Record the HF sampler's log-probs without the
-            decoupled loss (for mismatch monitoring).
-        dynamic_sampling (`bool`, defaults to `False`): DAPO's zero-variance group filter.
-        dynamic_sampling_max_refills (`int`, defaults to `0`): Extra generation rounds that refill the batch with
-            informative groups (0: the batch shrinks instead).
-        overlong_penalty_tokens (`int` or `None`), overlong_penalty_factor (`float`, defaults to `1.0`): DAPO's soft
-            overlong punishment, added as a reward function named "overlong_penalty".
-        dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
-            discount of the dense reward-to-go added to the sequence advantage.
-        nan_reward_action (`str`, defaults to `"zero"`): What to do with a completion every reward function scored
-            None/NaN/inf: "zero" is TRL's behavior (advantage 0, outside the group baseline, still in the loss's
-            token count); "drop" (recommended) removes it from the loss (warning + counter; all unscorable raises).
-        step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
-            not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
-            `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
-        step_mask_tools (`dict`, `list`, `str` or `None`): Valid tools for `step_loss_mask`: names,
-            ``{name: signature}``, OpenAI tool specs, or a JSON string / file of these; None checks JSON and a name.
-        routing_replay (`str`, defaults to `"off"`): MoE routing replay, "off", "R2" (record in the old-logprob pass,
-            replay in the updates) or "R3" (record in the sampler, replay in the old-logprob pass and the updates);
-            see `trl_stable.moe`.
+    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs. Each field's help
+    says what it does; docs/grpo.md has the reference table and the presets.
     """
 
     advantage_estimator: str = field(
@@ -377,53 +220,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         super().__post_init__()
         check_fp16_device(self)
         self._validate()
-        self._warn_ignored_settings()
-
-    def _warn_ignored_settings(self) -> None:
-        """Warn about the `TrainingArguments` and TRL settings this combination ignores (TRL accepts them)."""
-        warn_ignored(self, GRPO_IGNORED, "GRPOTrainer")
-        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
-            warn_ignored(
-                self,
-                {
-                    "do_eval": (
-                        False,
-                        "it is not read by the trainer (transformers sets it itself when eval_strategy is not 'no'): "
-                        "set eval_strategy='steps' or 'epoch' to evaluate during train(), or call trainer.evaluate().",
-                    )
-                },
-                "GRPOTrainer",
-            )
-        if self.local_rank != -1 and self.local_rank != self.local_process_index:
-            warn_ignored(
-                self,
-                {
-                    "local_rank": (
-                        -1,
-                        f"this process's local rank is {self.local_process_index} (accelerate reads it from the "
-                        "launcher's environment); the field is only there for the deprecated torch.distributed.launch "
-                        "to pass it.",
-                    )
-                },
-                "GRPOTrainer",
-            )
-        checkpointing = self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs or {}
-        dropped = [key for key in _TRAINER_CHECKPOINTING_OPTIONS if key in checkpointing]
-        if dropped:
-            warnings.warn(
-                f"activation_checkpointing_kwargs={checkpointing!r}: {', '.join(dropped)} is ignored by GRPOTrainer: "
-                "TRL switches activation checkpointing off around its no-grad passes and back on for every layer "
-                "with these kwargs handed to torch's checkpoint function (a reentrant one refuses them). Remove "
-                f"{', '.join(dropped)} from activation_checkpointing_kwargs.",
-                IgnoredSettingWarning,
-                stacklevel=2,
-            )
-        # Each dependent field GRPO_IGNORED names is warned about there already.
-        dependents = [
-            Dependent(tuple(name for name in dep.fields if name not in GRPO_IGNORED), dep.active, dep.needs)
-            for dep in (*training_argument_dependents(self), *trl_dependents(self))
-        ]
-        check_dependents(self, dependents, warn=ignored_setting)
+        warn_ignored_settings(self)
 
     def _validate(self) -> None:
         """trl_stable's checks, after TRL's own: `__post_init__` runs them, and `with_changes` on a changed copy."""
