@@ -4,7 +4,6 @@ unchanged ([Decoupled loss, IcePop and KPop](docs/decoupled_loss.md))."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -20,8 +19,7 @@ __all__ = ["DecoupledLoss"]
 
 
 class DecoupledLoss:
-    """`GRPOTrainer`'s decoupled-loss steps, run on the final batch of each generation batch (a routing point:
-    the proximal forward is a routing `rollout_pass`)."""
+    """`GRPOTrainer`'s decoupled-loss steps, run on the final batch of each generation batch."""
 
     @torch.no_grad()
     def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
@@ -35,9 +33,10 @@ class DecoupledLoss:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         sampled = output.get(ROUTED_EXPERTS_KEY) if self.routing.mode == "R3" else None
-        with ExitStack() as stack:
-            stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
-            rollout = stack.enter_context(self.routing.rollout_pass(attention_mask, sampled))
+        with (
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self.routing.rollout_pass(attention_mask, sampled) as rollout,
+        ):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,

@@ -1,5 +1,5 @@
-"""DAPO's fixed-size dynamic sampling in GRPO: the rows of the zero-variance groups a round dropped are replaced by
-informative rows of extra generation rounds on new random prompts."""
+"""DAPO's fixed-size dynamic sampling in GRPO: the refill rounds that replace the rows of dropped zero-variance
+groups."""
 
 from __future__ import annotations
 

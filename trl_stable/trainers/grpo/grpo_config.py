@@ -226,11 +226,6 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         """trl_stable's checks, after TRL's own: `__post_init__` runs them, and `with_changes` on a changed copy."""
         check_all_finite(self)
         check_training_length(self)
-        self._validate_stable_options()
-        self.validate_health_arguments()
-        self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
-
-    def _validate_stable_options(self) -> None:
         check_reward_scale(self)
         check_routing_replay_mode(self.routing_replay)
         self.validate_step_mask_arguments()
@@ -383,6 +378,8 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                 ),
             ),
         )
+        self.validate_health_arguments()
+        self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
 
     def _divides_by_std(self) -> bool:
         """Whether a normalization preset (after the advantage_std_level override) divides by a std."""
@@ -404,14 +401,9 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         )
 
     def with_changes(self, **changes: Any) -> GRPOConfig:
-        """A copy of this configuration with `changes` to trl_stable's own fields, validated as `__post_init__`
-        validates them (their bounds, then `_validate`: the option combinations, the health settings), so a
-        combination the config refuses raises ValueError here too. This configuration is not changed.
-
-        Only trl_stable's fields: TRL's are validated by TRL's `__post_init__`, which also resets accelerate's
-        process state (transformers' `TrainingArguments` sets the devices up again), so a change to one of them
-        needs a new `GRPOConfig`, built before the trainer.
-        """
+        """A copy with `changes` to trl_stable's own fields, validated as `__post_init__` validates them; this
+        configuration is not changed. TRL's fields need a new `GRPOConfig` (built before the trainer): TRL's
+        `__post_init__` sets accelerate's devices up again."""
         others = sorted(set(changes) - set(_STABLE_DEFAULTS))
         if others:
             raise ValueError(
@@ -429,9 +421,6 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         """The configuration the health monitor's virtual-samples remedy trains with while the zero-std alarm holds:
         this one with ``virtual_samples_attr`` (``advantage_estimator``) set to ``virtual_samples_value``
         (``"ngrpo"``), validated by `with_changes`; None without the remedy (`health_remedy_virtual_samples`).
-
-        `__post_init__` builds it once to refuse a bad combination up front; `GRPOTrainer` builds it again and trains
-        with it while the monitor's `remedy_active` is on. The arguments themselves never change.
 
         Raises:
             ValueError: naming the remedy and the fix, when the change is not a GRPOConfig field, changes nothing, or

@@ -12,7 +12,6 @@ what is relied on, in `trl_stable.integration.trl_members`.
 from __future__ import annotations
 
 import logging
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,8 @@ import trl
 
 from trl_stable.config_checks import (
     Dependent,
-    IgnoredSettingWarning,
     check_dependents,
+    ignored_setting,
 )
 from trl_stable.core import (
     overlong_penalty,
@@ -100,11 +99,8 @@ def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: floa
 
 @dataclass
 class RolloutRecord:
-    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable.
-
-    TRL keeps the return values of `_calculate_rewards`, `_generate` and its no-grad passes to itself, and its batch
-    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.integration`). One
-    record per call, opened by `GRPOTrainer._generate_and_score_round` and dropped when the call returns or raises.
+    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable (TRL keeps
+    their return values to itself); one record per call, opened by `GRPOTrainer._generate_and_score_round`.
 
     Attributes:
         inputs: The call's input rows (what `_calculate_rewards` needs when the rewards are scored early).
@@ -161,14 +157,10 @@ class GRPOTrainer(
             )
         self._rollout: RolloutRecord | None = None  # set only inside `_generate_and_score_round`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
-        if self.args.max_tool_calling_iterations is not None and not self.tools:
-            warnings.warn(
-                f"max_tool_calling_iterations={self.args.max_tool_calling_iterations} only applies with tools "
-                "(GRPOTrainer(tools=...) or an environment_factory with tool methods); without them the run ignores "
-                "it. Pass tools, or unset max_tool_calling_iterations.",
-                IgnoredSettingWarning,
-                stacklevel=2,
-            )
+        tools = "tools (GRPOTrainer(tools=...), or an environment_factory with tool methods)"
+        check_dependents(
+            self.args, (Dependent(("max_tool_calling_iterations",), bool(self.tools), tools),), ignored_setting
+        )
         check_checkpoint_names(self.args.output_dir)
         self._nan_dropped_total = 0
         self._split_dense_reward_funcs()
@@ -216,8 +208,7 @@ class GRPOTrainer(
 
     def advantage_args(self) -> Any:
         """The configuration this generation batch's advantages are computed with: `args`, or while the health
-        monitor's virtual-samples remedy is on (`HealthMonitor.remedy_active`), `args.virtual_samples_config()`,
-        validated when the trainer was built. `args` itself is never changed."""
+        monitor's virtual-samples remedy is on, `args.virtual_samples_config()` (`args` is never changed)."""
         if self._virtual_samples_args is not None and self.health_monitor.remedy_active:
             return self._virtual_samples_args
         return self.args

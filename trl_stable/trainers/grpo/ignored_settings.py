@@ -18,7 +18,7 @@ from trl_stable.config_checks import (
     training_argument_dependents,
     warn_ignored,
 )
-from trl_stable.trainers.ppo.vllm_args import VLLMArguments
+from trl_stable.trainers.ppo.vllm_args import vllm_dependents
 
 __all__ = ["GRPO_IGNORED", "trl_dependents", "warn_ignored_settings"]
 
@@ -68,15 +68,6 @@ def _prefixed(prefix: str, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name.startswith(prefix) and f.name not in but)
 
 
-def _mode_fields(mode: str) -> tuple[str, ...]:
-    """The vLLM fields TRL's `VLLMGeneration` reads only in `mode` ("Server mode: ..." in the shared field help)."""
-    return tuple(
-        f.name
-        for f in dataclasses.fields(VLLMArguments)
-        if f.metadata["help"].startswith(f"{mode.capitalize()} mode:")
-    )
-
-
 def trl_dependents(config: Any) -> tuple[Dependent, ...]:
     """The `trl.GRPOConfig` fields that only act together with another option, as [`Dependent`]s (TRL ignores each
     of them, without a word, when the option is off; `GRPOConfig` warns).
@@ -117,14 +108,7 @@ def trl_dependents(config: Any) -> tuple[Dependent, ...]:
             "use_transformers_continuous_batching=True",
         ),
         Dependent(("cache_implementation",), not config.use_vllm, "use_vllm=False (vLLM manages its own cache)"),
-        Dependent(_prefixed("vllm_"), config.use_vllm, "use_vllm=True"),
-        Dependent(_mode_fields("server"), config.vllm_mode == "server", "vllm_mode='server'"),
-        Dependent(_mode_fields("colocate"), config.vllm_mode == "colocate", "vllm_mode='colocate'"),
-        Dependent(
-            ("vllm_server_host", "vllm_server_port"),
-            config.vllm_server_base_url is None,
-            "vllm_server_base_url=None (a base URL replaces host and port)",
-        ),
+        *vllm_dependents(config, settings=_prefixed("vllm_")),
         Dependent(
             _prefixed("vllm_importance_sampling_", but=("vllm_importance_sampling_correction",)),
             config.vllm_importance_sampling_correction,
