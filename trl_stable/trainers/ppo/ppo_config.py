@@ -121,21 +121,13 @@ PPO_BOUNDS: dict[str, Bound] = {
 
 @dataclass
 class PPOConfig(
-    SecretsNotPickled,
-    TrainingArguments,
-    PPOHealthArguments,
-    DecoupledLossArguments,
-    StepMaskArguments,
-    VLLMArguments,
+    SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments
 ):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
-    Every field of [`~transformers.TrainingArguments`] plus the fields of the RELC-era `trl.PPOConfig`, with their
-    meanings and defaults. One step (`state.global_step`) is one PPO iteration: a rollout of `batch_size` samples per
-    process, then `ppo_epochs` shuffled passes over it in mini-batches of `per_device_train_batch_size *
-    gradient_accumulation_steps` samples (one optimizer step each), computed in micro-batches of
-    `per_device_train_batch_size` (RELC's `mini_batch_size`). The per-token reward is
-    ``r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score``, the advantages GAE's (`docs/ppo.md`).
+    Every field of [`~transformers.TrainingArguments`] plus those of the RELC-era `trl.PPOConfig`, with their
+    meanings and defaults; one step (`state.global_step`) is one PPO iteration (`docs/ppo.md`, "How one PPO step
+    works", and its configuration reference).
 
     Defaults differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
     `lr_scheduler_type` "constant", `per_device_train_batch_size` 16, `average_tokens_across_devices` and
