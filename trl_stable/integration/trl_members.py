@@ -79,6 +79,10 @@ _CHECKPOINTS_PY = ("trl_stable/trainers/grpo/checkpoints.py",)
 _MARKED_PY = ("trl_stable/trainers/checkpoints.py",)  # both trainers' marked checkpoint save
 _LOGS_PY = ("trl_stable/trainers/grpo/trl_logs.py",)
 _REWARDS_PY = ("trl_stable/trainers/grpo/trl_rewards.py",)
+_ADVANTAGES_PY = ("trl_stable/trainers/grpo/advantages.py",)
+_DECOUPLED_PY = ("trl_stable/trainers/grpo/decoupled_loss.py",)
+_DENSE_PY = ("trl_stable/trainers/grpo/dense_rewards.py",)
+_DYNAMIC_PY = ("trl_stable/trainers/grpo/dynamic_sampling.py",)
 _BATCH_PY = ("trl_stable/trainers/grpo/trl_batch.py",)
 _REWARD_CALLS_PY = ("trl_stable/integration/reward_calls.py",)
 
@@ -136,7 +140,7 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         "multimodal forward keys (`multimodal_forward_keys`); `model` is only called, once per chunk, with the "
         "chunk's `input_ids` and `attention_mask` as keywords and no `position_ids` (`LOGPS_FORWARD_SNIPPETS`), so "
         "`with_mask_position_ids` can add them",
-        _TRAINER_PY,
+        (*_TRAINER_PY, *_DECOUPLED_PY),
     ),
     Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
     Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", _REWARDS_PY),
@@ -178,14 +182,14 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         returns="the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
         "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
         "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
-        used_in=(*_TRAINER_PY, *_REWARDS_PY),
+        used_in=(*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
     ),
     Member(
         _GRPO,
         "async_loop",
         "attribute",
         returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
-        used_in=_TRAINER_PY,
+        used_in=_DENSE_PY,
     ),
     Member(
         _GRPO,
@@ -216,32 +220,38 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
     # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
     Member(
-        _GRPO, "reward_func_names", "attribute", returns="list[str], aligned with reward_funcs", used_in=_TRAINER_PY
+        _GRPO,
+        "reward_func_names",
+        "attribute",
+        returns="list[str], aligned with reward_funcs",
+        used_in=(*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
     ),
     Member(
         _GRPO,
         "reward_processing_classes",
         "attribute",
         returns="list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
-        used_in=_TRAINER_PY,
+        used_in=(*_TRAINER_PY, *_DENSE_PY),
     ),
     Member(
         _GRPO,
         "reward_weights",
         "attribute",
         returns="[K] float tensor, aligned with reward_funcs",
-        used_in=_TRAINER_PY,
+        used_in=(*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
     ),
     # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
-    Member(_GRPO, "num_generations", "attribute", returns="group size in training", used_in=_TRAINER_PY),
+    Member(
+        _GRPO, "num_generations", "attribute", returns="group size in training", used_in=(*_TRAINER_PY, *_DYNAMIC_PY)
+    ),
     Member(_GRPO, "max_completion_length", "attribute", returns="int, the completion cap", used_in=_TRAINER_PY),
-    Member(_GRPO, "loss_type", "attribute", returns="str, TRL's loss (named in describe_paths)", used_in=_TRAINER_PY),
+    Member(_GRPO, "loss_type", "attribute", returns="str, TRL's loss (named in describe)", used_in=_TRAINER_PY),
     Member(
         _GRPO,
         "importance_sampling_level",
         "attribute",
         returns='"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
-        used_in=_TRAINER_PY,
+        used_in=(*_TRAINER_PY, *_DECOUPLED_PY),
     ),
     Member(_GRPO, "use_vllm", "attribute", returns="bool: the sampler is vLLM", used_in=_TRAINER_PY),
     Member(
@@ -524,14 +534,14 @@ VLLM_MEMBERS: tuple[Member, ...] = (
 )
 # Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.
 HELPER_MEMBERS: tuple[Member, ...] = (
-    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _TRAINER_PY),
+    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _ADVANTAGES_PY),
     Member(
         "trl.models.utils",
         "disable_gradient_checkpointing",
         "call",
         ("model", "gradient_checkpointing_kwargs"),
         "a context manager (the proximal forward runs without recomputation)",
-        _TRAINER_PY,
+        _DECOUPLED_PY,
     ),
     Member(
         "trl.trainer.utils",
