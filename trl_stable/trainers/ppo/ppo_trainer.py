@@ -50,7 +50,6 @@ from trl_stable.trainers.ppo.engines import (
 from trl_stable.trainers.ppo.evaluation import Evaluation
 from trl_stable.trainers.ppo.generation import hf_rollout
 from trl_stable.trainers.ppo.loop_events import LoopEvents
-from trl_stable.trainers.ppo.loss_weights import LossWeights
 from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
     ResponseForwards,
@@ -95,7 +94,6 @@ _METRIC_SCHEDULES = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 class PPOTrainer(
     ResponseForwards,
     StepRewards,
-    LossWeights,
     PromptData,
     LoopEvents,
     Evaluation,
