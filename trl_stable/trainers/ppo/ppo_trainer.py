@@ -326,15 +326,7 @@ class PPOTrainer(
         """
         args = self.args
         sampler_logprobs, routing, deferred = check_step_inputs(
-            args,
-            self.routing.mode,
-            self.vocab_size,
-            queries,
-            responses,
-            token_rewards,
-            scores,
-            turn_ids,
-            sampler_logprobs,
+            self, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
         )
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
