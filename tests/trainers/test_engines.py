@@ -1,6 +1,6 @@
-"""PPOTrainer under accelerate's engines (`trl_stable.trainers.ppo.engines`): the shipped accelerate configs, the
-refusals, DeepSpeed ZeRO-2/3 end to end in one CPU process (generate, step, checkpoint, resume), and FSDP2's generation
-through the root in two gloo processes.
+"""PPOTrainer under accelerate's engines (`trl_stable.trainers.ppo.engines`, reading Trainer's engine state): the
+shipped accelerate configs, the refusals, DeepSpeed ZeRO-2/3 end to end in one CPU process (generate, step,
+checkpoint, resume), and FSDP2's generation through the root in two gloo processes.
 
 What needs a GPU (two-process ZeRO, accelerate's FSDP path) is in scripts/gpu_check.sh: accelerate counts one process
 under DeepSpeed on a machine without GPUs, and sends FSDP to plain CPU data parallel there.
@@ -20,7 +20,7 @@ from two_processes import HELPERS, free_port
 
 from trl_stable import PPOConfig
 from trl_stable.trainers.ppo import engines
-from trl_stable.trainers.ppo.engines import Engine, check_engine, require_deepspeed_if_asked
+from trl_stable.trainers.ppo.engines import check_engine, require_deepspeed_if_asked
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "accelerate_configs"
@@ -52,55 +52,47 @@ def test_accelerate_config_loads_as_the_engine_it_names(name, kind, detail):
     assert config.use_cpu is False
 
 
-# ------------------------------------------------------------------ engine detection and refusals
-def _accelerator(zero_stage=None, fsdp_version=None, num_processes=2):
+# ------------------------------------------------------------------ refusals, read from Trainer's engine state
+def _trainer(zero_stage=None, fsdp_version=None, **kwargs):
+    """What `check_engine` reads of a Trainer: `is_deepspeed_enabled` / `is_fsdp_enabled`, accelerate's plugins."""
     ds = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
     fsdp = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version)
-    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp), num_processes=num_processes)
-
-
-@pytest.mark.parametrize(
-    ("zero", "fsdp", "n", "name", "shards_parameters"),
-    [
-        (None, None, 1, "single", False),
-        (None, None, 2, "ddp", False),
-        (2, None, 2, "deepspeed_zero2", False),
-        (3, None, 2, "deepspeed_zero3", True),
-        (None, 2, 2, "fsdp2", True),
-    ],
-)
-def test_engine_of_reads_the_accelerate_state(zero, fsdp, n, name, shards_parameters):
-    engine = Engine.of(_accelerator(zero, fsdp, n))
-    assert (engine.name, engine.shards_parameters) == (name, shards_parameters)
+    state = SimpleNamespace(deepspeed_plugin=ds, fsdp_plugin=fsdp)
+    return SimpleNamespace(
+        args=_args(**kwargs),
+        is_deepspeed_enabled=ds is not None,
+        is_fsdp_enabled=fsdp is not None,
+        accelerator=SimpleNamespace(state=state, num_processes=2),
+    )
 
 
 @pytest.mark.parametrize(
     ("engine", "kwargs", "quantized", "match"),
     [
-        (Engine(fsdp_version=1, num_processes=2), {}, False, "fsdp_version: 2"),
-        (Engine(zero_stage=2, num_processes=2), {"early_stopping": False}, True, "load_in_4bit"),
-        (Engine(fsdp_version=2, num_processes=2), {}, True, "load_in_4bit"),
-        (Engine(zero_stage=3, num_processes=2), {"num_shared_layers": 1, "target_kl": None}, False, "num_shared"),
-        (Engine(fsdp_version=2, num_processes=2), {"num_shared_layers": 1}, False, "num_shared_layers=None"),
-        (Engine(zero_stage=1, num_processes=2), {}, False, "early_stopping=False"),
+        ({"fsdp_version": 1}, {}, False, "fsdp_version: 2"),
+        ({"zero_stage": 2}, {"early_stopping": False}, True, "load_in_4bit"),
+        ({"fsdp_version": 2}, {}, True, "load_in_4bit"),
+        ({"zero_stage": 3}, {"num_shared_layers": 1, "target_kl": None}, False, "num_shared"),
+        ({"fsdp_version": 2}, {"num_shared_layers": 1}, False, "num_shared_layers=None"),
+        ({"zero_stage": 1}, {}, False, "early_stopping=False"),
     ],
 )
 def test_unsupported_combinations_are_refused_with_the_fix(engine, kwargs, quantized, match):
     with pytest.raises(ValueError, match=match):
-        check_engine(engine, _args(**kwargs), quantized=quantized)
+        check_engine(_trainer(**engine, **kwargs), quantized=quantized)
 
 
 @pytest.mark.parametrize(
     ("engine", "kwargs"),
     [
-        (Engine(num_processes=2), {"num_shared_layers": 1}),  # DDP: everything, early stopping included
-        (Engine(zero_stage=2, num_processes=2), {"num_shared_layers": 1, "early_stopping": False}),
-        (Engine(zero_stage=3, num_processes=2), {"target_kl": None}),
-        (Engine(fsdp_version=2, num_processes=2), {}),
+        ({}, {"num_shared_layers": 1}),  # DDP: everything, early stopping included
+        ({"zero_stage": 2}, {"num_shared_layers": 1, "early_stopping": False}),  # ZeRO-2 does not shard parameters
+        ({"zero_stage": 3}, {"target_kl": None}),
+        ({"fsdp_version": 2}, {}),
     ],
 )
 def test_supported_combinations_pass(engine, kwargs):
-    check_engine(engine, _args(**kwargs), quantized=engine.zero_stage is None and engine.fsdp_version is None)
+    check_engine(_trainer(**engine, **kwargs), quantized=not engine)
 
 
 def test_deepspeed_config_without_deepspeed_is_a_clear_import_error(monkeypatch, tokenizer):
@@ -202,7 +194,9 @@ ZERO_SCRIPT = textwrap.dedent(
     after_resumed, stats_resumed = one_step(resumed)
     with safe_open(os.path.join(out, "final", "model.safetensors"), framework="pt") as f:
         shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-    record = {"engine": trainer.engine.name, "wrapped": type(trainer.model_wrapped).__name__,
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    record = {"deepspeed": trainer.is_deepspeed_enabled, "zero_stage": plugin.zero_stage,
+              "wrapped": type(trainer.model_wrapped).__name__,
               "ref": type(trainer.ref_model).__name__, "lengths": lengths, "stats": stats,
               "stats_resumed": stats_resumed, "after": after, "after_resumed": after_resumed,
               "files": sorted(os.listdir(checkpoint)), "shapes": shapes,
@@ -230,7 +224,7 @@ def test_deepspeed_zero_generate_step_checkpoint_resume(tmp_path, stage):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml")]
     _run([*cmd, "--main_process_port", str(free_port()), str(script), str(out)], f"ZeRO-{stage}")
     record = json.loads((out / "record.json").read_text())
-    assert record["engine"] == f"deepspeed_zero{stage}"
+    assert record["deepspeed"] and record["zero_stage"] == stage
     assert record["wrapped"] == "DeepSpeedEngine" and record["ref"] == "DeepSpeedEngine"
     assert all(1 <= n <= 4 for n in record["lengths"])
     # Trainer's checkpoint with DeepSpeed's own shards (`latest` names them), marked complete, and resuming from it
@@ -254,7 +248,8 @@ FSDP2_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from torch.distributed.fsdp import fully_shard
     from trl_stable.testing import build_causal_lm, build_tokenizer
-    from trl_stable.trainers.ppo.engines import Engine, generation_call
+    from types import SimpleNamespace
+    from trl_stable.trainers.ppo.engines import generation_call
     from trl_stable.trainers.ppo.models import PolicyAndValue
     from trl_stable.trainers.ppo.value_head import ValueHead
 
@@ -275,7 +270,10 @@ FSDP2_SCRIPT = textwrap.dedent(
     prompt = ["The movie was", "A"][rank]
     ids = torch.tensor([tok(prompt)["input_ids"]])
     kwargs = dict(do_sample=False, max_new_tokens=3 + 2 * rank, pad_token_id=tok.pad_token_id, eos_token_id=None)
-    with torch.no_grad(), generation_call(wrapper, policy, None, Engine(fsdp_version=2, num_processes=2)) as sample:
+    # what generation_call reads of the trainer under FSDP2 (Trainer's is_fsdp_enabled, the wrapped root)
+    trainer = SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True, model_wrapped=wrapper,
+                              accelerator=SimpleNamespace(num_processes=2))
+    with torch.no_grad(), generation_call(trainer, policy) as sample:
         got = sample(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
     with torch.no_grad():
         want = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_configs import tiny_ppo_args
 
-import trl_stable.trainers.ppo.loss_weights as ppo_loss_weights
+import trl_stable.trainers.ppo.step_rewards as ppo_step_rewards
 import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.testing import build_causal_lm, save_tiny
@@ -101,13 +101,13 @@ def test_vllm_rollout_carries_responses_and_sampler_logprobs(tmp_path, tokenizer
 
 def test_vllm_logprobs_feed_the_decoupled_loss_and_the_mismatch_monitor(tmp_path, tokenizer, fake_vllm, monkeypatch):
     seen = {}
-    real = ppo_loss_weights.mismatch_stats
+    real = ppo_step_rewards.mismatch_stats
 
     def spy(behav, prox, mask, gather=None):
         seen["behav"], seen["prox"] = behav.clone(), prox.clone()
         return real(behav, prox, mask, gather=gather)
 
-    monkeypatch.setattr(ppo_loss_weights, "mismatch_stats", spy)
+    monkeypatch.setattr(ppo_step_rewards, "mismatch_stats", spy)
     trainer = _trainer(tmp_path, tokenizer, use_decoupled_loss=True, token_filter="icepop")
     rollout = trainer.generate(QUERIES, return_prompt=False)
     stats = trainer.step(QUERIES, rollout, scores=[1.0, 0.0, 1.0, 0.0])

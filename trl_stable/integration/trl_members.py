@@ -598,7 +598,7 @@ ENGINE_MEMBERS: tuple[Member, ...] = (
         "call",
         ("sync_gradients",),
         "None; `accelerator.backward` passes the flag to DeepSpeed as the accumulation boundary",
-        _ENGINES_PY,
+        ("trl_stable/trainers/ppo/ppo_trainer.py",),
     ),
 )
 # `config._name_or_path`: the name a model was loaded from (PPO loads its tokenizer and names its reward models by it).

@@ -49,7 +49,7 @@ def hf_rollout(
     sequences, sampler_logps, routing = [], [], []
     was_training = policy.training
     policy.eval()
-    engine_call = generation_call(trainer.model_wrapped, policy, trainer.accelerator, trainer.engine)
+    engine_call = generation_call(trainer, policy)
     try:
         with torch.no_grad(), trainer.accelerator.autocast(), engine_call as sample:
             for start in range(0, len(queries), chunk):

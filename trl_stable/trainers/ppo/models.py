@@ -367,7 +367,7 @@ class ResponseForwards:
             kwargs.update(logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
         if self.ref_model is not None:
             out = self.ref_model(**kwargs)
-        elif self.engine.is_fsdp:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
+        elif self.is_fsdp_enabled:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
             ids, mask, positions = (kwargs.pop(k) for k in ("input_ids", "attention_mask", "position_ids"))
             out = self.model_wrapped(ids, mask, positions, reference_kwargs=kwargs)
         else:

@@ -42,17 +42,14 @@ from trl_stable.rewards.failure_guard import FailureGuard
 from trl_stable.settings.checks import field_default
 from trl_stable.trainers.checkpoints import MarkedCheckpoints, check_checkpoint_names
 from trl_stable.trainers.ppo.engines import (
-    Engine,
     check_engine,
     configure_deepspeed,
     prepare_reference,
     require_deepspeed_if_asked,
-    sync_gradients,
 )
 from trl_stable.trainers.ppo.evaluation import Evaluation
 from trl_stable.trainers.ppo.generation import hf_rollout
 from trl_stable.trainers.ppo.loop_events import LoopEvents
-from trl_stable.trainers.ppo.loss_weights import LossWeights
 from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
     ResponseForwards,
@@ -97,7 +94,6 @@ _METRIC_SCHEDULES = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
 class PPOTrainer(
     ResponseForwards,
     StepRewards,
-    LossWeights,
     PromptData,
     LoopEvents,
     Evaluation,
@@ -177,8 +173,7 @@ class PPOTrainer(
             optimizers=optimizers,
         )
         check_checkpoint_names(self.args.output_dir)
-        self.engine = Engine.of(self.accelerator)
-        check_engine(self.engine, args, quantized=is_quantized(model))
+        check_engine(self, quantized=is_quantized(model))
         # Log-probs through TRL's fused LM head (no [B, R, V] logits) where it saves memory: on CUDA, or when asked
         fused = args.fused_lm_head if args.fused_lm_head is not None else self.accelerator.device.type == "cuda"
         self.fused_policy = fused and add_fused_logprob_head(model, args.temperature)
@@ -201,7 +196,7 @@ class PPOTrainer(
         self.model_wrapped, _ = self._prepare_for_training(self._scheduler_horizon(), None, None)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
-        self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator, self.engine)
+        self.ref_model = None if ref_model is None else prepare_reference(self, ref_model)
         coef = args.init_kl_coef
         self.kl_ctl = (
             AdaptiveKLController(coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(coef)
@@ -331,15 +326,7 @@ class PPOTrainer(
         """
         args = self.args
         sampler_logprobs, routing, deferred = check_step_inputs(
-            args,
-            self.routing.mode,
-            self.vocab_size,
-            queries,
-            responses,
-            token_rewards,
-            scores,
-            turn_ids,
-            sampler_logprobs,
+            self, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
         )
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
@@ -523,11 +510,12 @@ class PPOTrainer(
                     # accelerator_config.gradient_accumulation_kwargs asks for sync_each_batch, as in Trainer)
                     all_reduce = last_micro or sync_each_batch
                     sync = nullcontext() if all_reduce else self.accelerator.no_sync(self.model_wrapped)
-                    sync_gradients(self.accelerator, self.engine, last_micro)
+                    if self.is_deepspeed_enabled:  # PPO counts its micro-batches itself, without `accumulate`
+                        self.accelerator.gradient_state._set_sync_gradients(last_micro)
                     with sync:
                         loss, mb_stats = self._loss(mb)
                         # DeepSpeed divides by its gradient_accumulation_steps itself (`configure_deepspeed`)
-                        scale = 1 if self.engine.is_deepspeed else args.gradient_accumulation_steps
+                        scale = 1 if self.is_deepspeed_enabled else args.gradient_accumulation_steps
                         self.accelerator.backward(loss / scale)
                     policy_kl = policy_kl + mb_stats.pop("_policykl") / args.gradient_accumulation_steps
                     for k, v in mb_stats.items():

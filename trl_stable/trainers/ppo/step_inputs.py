@@ -119,15 +119,14 @@ def check_per_token(name: str, rows, responses) -> None:
             )
 
 
-def check_step_inputs(
-    args, routing_mode: str, vocab_size, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
-):
+def check_step_inputs(trainer, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs):
     """Check `step()`'s arguments: one entry per sample in each, `args.batch_size` samples, non-empty queries and
-    responses of token ids in [0, vocab_size), integer turn ids, the sampler's log-probs where the loss or routing
-    replay needs them. Returns the sampler's log-probs and routing (from the arguments or the `Rollout`) and the
-    deferred token rewards (a callable `token_rewards`)."""
+    responses of token ids in [0, trainer.vocab_size), integer turn ids, the sampler's log-probs where the loss or
+    routing replay needs them. Returns the sampler's log-probs and routing (from the arguments or the `Rollout`) and
+    the deferred token rewards (a callable `token_rewards`)."""
+    args, vocab_size = trainer.args, trainer.vocab_size
     sampler_logprobs, routing = _sampler_record(
-        queries, responses, sampler_logprobs, args.use_decoupled_loss, routing_mode
+        queries, responses, sampler_logprobs, args.use_decoupled_loss, trainer.routing.mode
     )
     deferred = token_rewards if callable(token_rewards) else None
     token_rewards = None if deferred else token_rewards

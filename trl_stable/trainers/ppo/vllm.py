@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import trl.generation.vllm_generation as trl_vllm
@@ -61,21 +62,6 @@ def check_vllm_routing(args: Any) -> None:
 
 
 @contextmanager
-def _engine_returns_routed_experts(enabled: bool) -> Iterator[None]:
-    """Build TRL's colocate engine with ``enable_return_routed_experts=True`` (TRL's `LLM(...)` call takes no extra
-    engine arguments); a module-level patch, undone on exit."""
-    if not enabled:
-        yield
-        return
-    original = trl_vllm.LLM
-    trl_vllm.LLM = functools.partial(original, **{ROUTED_EXPERTS_FLAG: True})
-    try:
-        yield
-    finally:
-        trl_vllm.LLM = original
-
-
-@contextmanager
 def _request_outputs(generation: Any) -> Iterator[list[Any]]:
     """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` in one helper call (TRL keeps only their
     ids and log-probs); an instance-level patch, undone on exit."""
@@ -105,7 +91,9 @@ class VLLMRollouts:
             )
         self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
-        with _engine_returns_routed_experts(self.return_routing):
+        # TRL's `LLM(...)` call takes no extra engine arguments: R3's flag is passed through a patch while it is built
+        llm = functools.partial(trl_vllm.LLM, **{ROUTED_EXPERTS_FLAG: True}) if self.return_routing else None
+        with patch.object(trl_vllm, "LLM", llm) if llm else nullcontext():
             # GRPO's names: PPOConfig.vllm_<name> is the helper's <name>
             named = ("mode", "server_base_url", "server_host", "server_port", "server_timeout", "group_port")
             named += ("tensor_parallel_size", "gpu_memory_utilization", "max_model_length", "enable_sleep_mode")
