@@ -1,9 +1,9 @@
-"""The critic's answer cache: recent answers in memory, and optionally on disk so that a restarted run does not pay
-for the same critique twice. Only answers the backend's validator accepts are kept, so garbage is asked again."""
+"""The critic's answer cache: recent answers in memory, and optionally on disk (a restarted run does not pay twice)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,10 +26,7 @@ def cache_key(model: str, prompt: str, params: dict[str, Any]) -> str:
 
 
 class MemoryCache:
-    """The most recent answers in memory (least recently used evicted), so a long run does not grow without bound.
-
-    It serves a batch that `prefetch` already paid for when no disk cache is configured.
-    """
+    """The most recent answers in memory, least recently used evicted."""
 
     def __init__(self, size: int) -> None:
         if size < 0:
@@ -57,15 +54,10 @@ class MemoryCache:
 
 
 class DiskCache:
-    """Answers on disk, one JSON file per key (`cache_key`).
-
-    Each entry records the version of the validator (the span parser) that accepted it. Writes are atomic
-    (temporary file + rename), so concurrent threads and processes can share a directory.
-
-    A folder that cannot be used (read-only, immutable, a path under a file, a full disk: any `OSError` but a
-    missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves requests, and
-    its failure must never cost an answer.
-    """
+    """Answers on disk, one JSON file per key with the validator version that accepted it; writes are atomic
+    (temporary file + rename), so threads and processes can share a directory. A folder that cannot be used (any
+    `OSError` but a missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves
+    requests, its failure must never cost an answer."""
 
     key = staticmethod(cache_key)
 
@@ -92,7 +84,6 @@ class DiskCache:
         return os.path.join(self.directory, key[:2], f"{key}.json")
 
     def get(self, key: str) -> str | None:
-        """The cached answer of `key`, whatever version validated it (None: missing or torn)."""
         entry = self.get_entry(key)
         return None if entry is None else entry[0]
 
@@ -132,21 +123,15 @@ class DiskCache:
         except OSError as exc:
             self._fail(exc)
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
 
 
 class AnswerCache:
-    """Validated answers in memory and, with a `directory`, on disk.
-
-    `put` keeps an answer only when `validator` accepts it (counted as ``cache_refused`` otherwise): a cached garbage
-    answer would be served to every later step and every restarted run, even after the server is healthy again.
-    `get` serves a disk entry written under another validator version only if `validator` accepts it too
-    (``cache_revalidated``), and counts ``cache_hits``. Disk writes happen in a writer thread, in order, so the
-    caller does not wait for the file system; `flush` waits for them (`OpenAICritic.generate` and `close` do).
-    """
+    """Answers `validator` accepts (else counted as ``cache_refused``: a cached garbage answer would be served to
+    every later step and restarted run), in memory and, with a `directory`, on disk, written in order by a writer
+    thread (`flush` waits for it). A disk entry of another validator version is served only if `validator` accepts
+    it too (``cache_revalidated``)."""
 
     def __init__(
         self,

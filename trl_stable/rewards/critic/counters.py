@@ -1,6 +1,5 @@
-"""The critic's counters, in two objects: a backend's request counters (`CriticCounters`, cumulative and
-thread-safe) and the reward function's counts of one call (`StepCounts`), which one method fills from each
-critique."""
+"""The critic's counters: a backend's request counters (`CriticCounters`, cumulative, thread-safe) and the reward
+function's counts of one call (`StepCounts`)."""
 
 from __future__ import annotations
 
@@ -37,27 +36,12 @@ FAILURE_KINDS = (
     "deadline_exceeded",
 )  # fmt: skip
 
+# samples_bounded: rows that intrinsic_reward_max_sum scaled down
 STEP_COUNTER_NAMES = (
-    "steps",
-    "samples",
-    "critiqued",
-    "nan_env_rewards",
-    "answers",
-    "failed_answers",
-    "unparseable",
-    "spans_positive",
-    "spans_negative",
-    "spans_unlocated",
-    "spans_matched",
-    "spans_partial",
-    "spans_query_only",
-    "spans_unmatched",
-    "spans_fuzzy",
-    "answers_with_ignored_text",
-    "tokens_total",
-    "tokens_rewarded",
-    "samples_bounded",  # rows that intrinsic_reward_max_sum scaled down
-)
+    "steps", "samples", "critiqued", "nan_env_rewards", "answers", "failed_answers", "unparseable", "spans_positive",
+    "spans_negative", "spans_unlocated", "spans_matched", "spans_partial", "spans_query_only", "spans_unmatched",
+    "spans_fuzzy", "answers_with_ignored_text", "tokens_total", "tokens_rewarded", "samples_bounded",
+)  # fmt: skip
 
 
 class CriticCounters:
@@ -82,12 +66,8 @@ class CriticCounters:
 
 
 class StepCounts:
-    """The reward function's counts (`STEP_COUNTER_NAMES`): of one call, or summed over calls (`add`).
-
-    `record` takes one critique (an object with ``parsed``, ``alignments``, ``row`` and ``bounded``, see
-    `trl_stable.rewards.critic.reward.Critique`) and counts everything it says: a failed request, an unparseable
-    answer, or the spans found and where they lie, the rewarded tokens and whether the row was bounded.
-    """
+    """The reward function's counts (`STEP_COUNTER_NAMES`) of one call, or summed over calls (`add`); `record`
+    counts what one `Critique` says (a failed request, an unparseable answer, or its spans and rewarded tokens)."""
 
     def __init__(self, **values: int) -> None:
         self.values = dict.fromkeys(STEP_COUNTER_NAMES, 0)

@@ -11,11 +11,8 @@ from trl_stable.rewards.critic.counters import CriticCounters
 
 
 class CriticJob:
-    """The pending answers of one `CriticBackend.submit` call.
-
-    `result` never waits past its deadline: requests still running then are reported as None (and counted as
-    ``deadline_exceeded``), so a hung critic cannot stall training.
-    """
+    """The pending answers of one `CriticBackend.submit` call; requests still running at the deadline are None,
+    counted as ``deadline_exceeded`` (a hung critic cannot stall training)."""
 
     def __init__(
         self,
@@ -33,9 +30,8 @@ class CriticJob:
         return self._futures is None or all(f.done() for f in self._futures)
 
     def as_completed(self, timeout: float | None = None) -> Iterator[tuple[int, str | None]]:
-        """(prompt index, answer) pairs in the order the answers arrive, so the caller can parse one while the others
-        are still in flight; at the deadline (or `timeout`) the unanswered ones follow as None. Every index comes out
-        exactly once; the answers are kept for `result`."""
+        """(prompt index, answer) pairs as the answers arrive, each index once; at the deadline (or `timeout`) the
+        unanswered ones follow as None."""
         if self._answers is not None:
             yield from enumerate(list(self._answers))
             return
@@ -53,7 +49,8 @@ class CriticJob:
                 answer = fut.result() if not fut.cancelled() and fut.exception() is None else None
                 for i in index[fut]:
                     answers[i] = answer
-                    self._count_missing(answer)
+                    if answer is None and self._counters is not None:  # an answer the caller did not get, whatever why
+                        self._counters.add("failures")
                     yield i, answer
         except cf.TimeoutError:
             pass
@@ -62,14 +59,9 @@ class CriticJob:
             for i in index[fut]:
                 if self._counters is not None:
                     self._counters.add("deadline_exceeded")
-                self._count_missing(None)
+                    self._counters.add("failures")
                 yield i, None
         self._answers = answers
-
-    def _count_missing(self, answer: str | None) -> None:
-        # "failures" counts the answers the caller did not get, whatever the reason
-        if answer is None and self._counters is not None:
-            self._counters.add("failures")
 
     def result(self, timeout: float | None = None) -> list[str | None]:
         """The answers, in prompt order; None where a request failed or was still running at the deadline."""

@@ -1,9 +1,6 @@
-"""`LexiconCritic`: an offline critic that answers in the LLM answer format from a lexicon, no network and no
-model, so the same parsing path runs offline.
-
-Sentiment lexicons: VADER (Hutto & Gilbert, ICWSM 2014) or AFINN-165 (Nielsen, ESWC 2011 workshop "Making Sense of
-Microposts"); toxicity: alt-profanity-check.
-"""
+"""`LexiconCritic`: an offline critic answering in the LLM answer format from a lexicon: VADER (Hutto & Gilbert,
+ICWSM 2014) or AFINN-165 (Nielsen, ESWC 2011 workshop "Making Sense of Microposts") for sentiment, alt-profanity-check
+for toxicity."""
 
 from __future__ import annotations
 
@@ -16,8 +13,6 @@ _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'\u2019]*[A-Za-z]|[A-Za-z]")
 
 
 def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) -> str:
-    """The sentiment answer format of the prompts (and of RELC's critic)."""
-
     def block(spans: Sequence[str]) -> str:
         if not spans:
             return "None identified"
@@ -27,7 +22,6 @@ def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) ->
 
 
 def format_toxicity_answer(toxic: Sequence[str]) -> str:
-    """The toxicity answer format of the prompts (and of RELC's critic)."""
     if not toxic:
         return "Toxic Span: None identified"
     return "\n".join(f"Toxic Span {i}: {s}" for i, s in enumerate(toxic, 1))
@@ -58,8 +52,7 @@ _AFINN_NEGATE = frozenset(
 
 
 def afinn_lexicon() -> dict[str, float]:
-    """The single-word entries of AFINN-165 (Nielsen 2011; integer valences -5..5), from the `afinn` package's data
-    (``pip install afinn``). Its 30 multi-word entries ("does not work") are left out: spans are found word by word."""
+    """The single-word entries of AFINN-165 (valences -5..5) from the `afinn` package; spans are found word by word."""
     from importlib import resources
 
     try:
@@ -77,19 +70,11 @@ def afinn_lexicon() -> dict[str, float]:
 
 
 class LexiconCritic(CriticBackend):
-    """Offline critic that answers in the LLM answer format from a lexicon (no network, no model).
-
-    - ``task="sentiment"``: every word whose valence in `lexicon` is at least `min_valence` in absolute value is a
-      span; a negator among the three preceding words ("not", "never", "isn't", ...) flips it and joins the span
-      ("not good" is negative), and a preceding booster ("very") joins it. Neighbouring spans of one polarity merge.
-      ``lexicon="vader"``: VADER's word list (valences -4..4), negators and boosters. ``lexicon="afinn"``: AFINN-165
-      (valences -5..5; `min_valence` 1 takes every entry), a short negator list of its own and no boosters, so that
-      it shares no list with VADER: the critic to pair with a VADER environment reward.
-    - ``task="toxicity"``: every word that alt-profanity-check scores at least `toxicity_threshold` is a toxic span
-      (neighbours merge).
-
-    It annotates the raw texts passed as ``texts`` (it cannot read a few-shot prompt); without them, the prompts.
-    """
+    """Offline critic answering in the LLM answer format from a lexicon; it annotates the raw ``texts`` (else the
+    prompts). Sentiment: a word with ``|valence| >= min_valence`` is a span, flipped and joined by a negator among the
+    three words before it ("not good"), joined by a booster ("very"); ``lexicon="afinn"`` has its own negators and no
+    boosters, sharing no list with VADER. Toxicity: a word alt-profanity-check scores ``>= toxicity_threshold``.
+    Neighbouring spans of one polarity merge."""
 
     name = "lexicon"
 
@@ -130,8 +115,7 @@ class LexiconCritic(CriticBackend):
         return f"LexiconCritic(task={self.task!r})"
 
     def scored_spans(self, text: str) -> list[tuple[int, int, float]]:
-        """(start, end, valence) of each sentiment word of `text` (sentiment task): the character range includes a
-        negator that flipped the valence and a booster before the word."""
+        """(start, end, valence) of each sentiment word of `text`, its range including a negator and a booster."""
         if self.task != "sentiment":
             raise ValueError("scored_spans needs a sentiment LexiconCritic.")
         words = [(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(text)]

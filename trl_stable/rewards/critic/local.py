@@ -1,5 +1,4 @@
-"""`TransformersCritic`: a local causal LM as the critic (self-critique with the policy itself, or any local
-model), batched greedy decoding."""
+"""`TransformersCritic`: a local causal LM as the critic (the policy itself, or any local model)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class TransformersCritic(CriticBackend):
-    """A local causal LM as the critic (self-critique with the policy itself, or any local model), batched.
-
-    Greedy decoding, left padding, prompts truncated from the left (the text under critique sits at the end of the
-    prompt) to fit the model's context. A batch that raises gives None for its prompts.
+    """A local causal LM as the critic: batched greedy decoding, left padding, prompts cut from the left (the text
+    under critique ends them) to fit the context. A batch that raises gives None for its prompts.
 
     Args:
         model: A `PreTrainedModel` or a path/name for ``AutoModelForCausalLM.from_pretrained``.
@@ -84,9 +81,9 @@ class TransformersCritic(CriticBackend):
 
         encoded = [self._encode(p) for p in prompts]
         width = max(len(e) for e in encoded)
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id
+        pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
         input_ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
         attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         device = next(self.model.parameters()).device
