@@ -37,10 +37,9 @@ class MemoryCache:
 
     def get(self, key: str) -> str | None:
         with self._lock:
-            if key not in self._items:
-                return None
-            self._items.move_to_end(key)
-            return self._items[key]
+            if key in self._items:
+                self._items.move_to_end(key)
+            return self._items.get(key)
 
     def put(self, key: str, answer: str) -> None:
         with self._lock:
@@ -95,16 +94,12 @@ class DiskCache:
             with open(self._path(key), encoding="utf-8") as f:
                 data = json.load(f)
             answer, version = data.get("answer"), data.get("parser_version")
-        except FileNotFoundError:
-            return None  # not cached (yet)
+        except (FileNotFoundError, ValueError, AttributeError):  # not cached (yet), or a torn file: ask again
+            return None
         except OSError as exc:
             self._fail(exc)
             return None
-        except (ValueError, AttributeError):
-            return None  # a torn file: ask again
-        if not isinstance(answer, str):
-            return None
-        return answer, version if isinstance(version, str) else None
+        return (answer, version if isinstance(version, str) else None) if isinstance(answer, str) else None
 
     def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
         if self.broken is not None:

@@ -15,7 +15,7 @@ from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
 from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
 from trl_stable.rewards.critic.templates import default_prompt_file
-from trl_stable.rewards.critic.transport import TRANSPORTS
+from trl_stable.rewards.critic.transport import check_transport
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +137,7 @@ class CriticBackendConfig(SecretsNotPickled):
     def __post_init__(self) -> None:
         if self.critic_backend not in CRITIC_BACKENDS:
             raise ValueError(f"critic_backend must be one of {CRITIC_BACKENDS}, got {self.critic_backend!r}.")
-        if self.critic_transport not in TRANSPORTS:
-            raise ValueError(
-                f"critic_transport must be 'http' (our client) or 'openai' (the SDK), got {self.critic_transport!r}."
-            )
+        check_transport("critic_transport", self.critic_transport)
         if self.critic_lexicon not in SENTIMENT_LEXICONS:
             raise ValueError(f"critic_lexicon must be one of {SENTIMENT_LEXICONS}, got {self.critic_lexicon!r}.")
         # every *_env field (critic_api_key_env): the key itself typed there would be echoed by errors and saved

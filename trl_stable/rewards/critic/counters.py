@@ -9,27 +9,15 @@ from typing import Any
 
 from trl_stable.rewards.critic.alignment import QUERY_ONLY, UNMATCHED
 
+# requests: answers asked for (cache hits included); attempts: HTTP calls / generate batches made; failures: requests
+# that ended without an answer; deduplicated: identical prompts that joined a request in flight; auth_errors: 401 /
+# 403 (the reward stops the run at the first); cache_refused: answers the validator (the span parser) rejected;
+# cache_revalidated: disk entries of another parser version the current validator accepted again.
 COUNTER_NAMES = (
-    "requests",  # answers asked for (cache hits included)
-    "attempts",  # HTTP calls / generate batches actually made
-    "retries",
-    "successes",
-    "failures",  # requests that ended without an answer (None)
-    "cache_hits",
-    "deduplicated",  # identical prompts that joined a request already in flight
-    "timeouts",
-    "rate_limited",
-    "server_errors",
-    "connection_errors",
-    "bad_responses",
-    "client_errors",
-    "auth_errors",  # 401 / 403: the key is wrong; the reward function stops the run at the first one
-    "deadline_exceeded",
-    "cache_refused",  # answers not cached because the answer validator (the span parser) rejected them
-    "cache_revalidated",  # disk entries of another parser version that the current validator accepted again
-    "prompt_tokens",
-    "completion_tokens",
-)
+    "requests", "attempts", "retries", "successes", "failures", "cache_hits", "deduplicated", "timeouts",
+    "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors", "auth_errors",
+    "deadline_exceeded", "cache_refused", "cache_revalidated", "prompt_tokens", "completion_tokens",
+)  # fmt: skip
 # The request failures by kind, for the error message of a failing run.
 FAILURE_KINDS = (
     "timeouts", "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors",

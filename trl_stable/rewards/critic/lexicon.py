@@ -35,12 +35,7 @@ def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    out = []
-    for a, b in merged:
-        phrase = " ".join(text[a:b].split())
-        if phrase not in out:
-            out.append(phrase)
-    return out
+    return list(dict.fromkeys(" ".join(text[a:b].split()) for a, b in merged))
 
 
 SENTIMENT_LEXICONS = ("vader", "afinn")
@@ -149,16 +144,13 @@ class LexiconCritic(CriticBackend):
     def _toxicity(self, texts: Sequence[str]) -> list[str]:
         per_text = [[(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(t)] for t in texts]
         flat = [w for words in per_text for (w, _, _) in words]
-        probs = list(self._predict_prob(flat)) if flat else []
-        answers, k = [], 0
-        for text, words in zip(texts, per_text):
-            ranges = []
-            for _, start, end in words:
-                if probs[k] >= self.toxicity_threshold:
-                    ranges.append((start, end))
-                k += 1
-            answers.append(format_toxicity_answer(_merge(text, ranges)))
-        return answers
+        probs = iter(self._predict_prob(flat) if flat else ())
+        return [
+            format_toxicity_answer(
+                _merge(text, [(s, e) for _, s, e in words if next(probs) >= self.toxicity_threshold])
+            )
+            for text, words in zip(texts, per_text)
+        ]
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
         texts = list(texts) if texts is not None else list(prompts)

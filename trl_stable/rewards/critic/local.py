@@ -54,9 +54,8 @@ class TransformersCritic(CriticBackend):
             bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None else use_chat_template
         )
         if max_prompt_length is None:
-            context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or getattr(
-                getattr(model, "config", None), "n_positions", None
-            )
+            config = getattr(model, "config", None)
+            context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
             max_prompt_length = (context - max_new_tokens) if context else 2048
         if max_prompt_length < 1:
             raise ValueError("max_prompt_length must leave room for the prompt; lower max_new_tokens.")
@@ -81,9 +80,8 @@ class TransformersCritic(CriticBackend):
 
         encoded = [self._encode(p) for p in prompts]
         width = max(len(e) for e in encoded)
-        pad_id = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        )
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = self.tokenizer.eos_token_id if pad_id is None else pad_id
         input_ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
         attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         device = next(self.model.parameters()).device
@@ -110,9 +108,8 @@ class TransformersCritic(CriticBackend):
             batch = list(prompts[start : start + self.batch_size])
             self.counters.add("attempts")
             try:
-                got = self._generate_batch(batch)
+                answers.extend(self._generate_batch(batch))
                 self.counters.add("successes", len(batch))
-                answers.extend(got)
             except Exception as exc:  # noqa: BLE001 - a failed batch gives zero intrinsic reward, not a crash
                 logger.warning("Local critic batch failed: %s: %s", type(exc).__name__, str(exc)[:200])
                 self.counters.add("failures", len(batch))

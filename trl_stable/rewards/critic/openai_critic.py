@@ -22,13 +22,13 @@ from trl_stable.rewards.critic.config import BACKEND_BOUNDS
 from trl_stable.rewards.critic.jobs import CriticJob
 from trl_stable.rewards.critic.rate_limit import RateLimiter
 from trl_stable.rewards.critic.transport import (
-    TRANSPORTS,
     ChatBadResponse,
     ChatConnectionError,
     ChatStatusError,
     ChatTimeout,
     HTTPXChatClient,
     SDKChatClient,
+    check_transport,
     parse_retry_after,
 )
 
@@ -62,27 +62,15 @@ class OpenAICritic(CriticBackend):
     `cache_dir`, on disk.
 
     Args:
-        model: Model name sent to the server.
-        base_url: Server URL, e.g. ``http://localhost:8000/v1`` for vLLM; None for OpenAI (or ``OPENAI_BASE_URL``).
-        api_key: The key; default read from the environment variable `api_key_env`. Never logged or saved.
-        api_key_env: Environment variable holding the key.
-        temperature: Sampling temperature.
-        max_tokens: Answer length limit.
-        concurrency: Requests in flight at once; None: the batch, up to `max_concurrency` (and, with a
-            `rate_limit`, to what it lets start within one `timeout`).
-        timeout: Seconds per HTTP request.
-        max_retries: Retries per request after the first attempt.
-        backoff_base: First backoff delay in seconds.
-        backoff_max: Largest delay of our own exponential backoff, in seconds.
-        retry_after_max: Longest wait a server's Retry-After can ask for, in seconds (longer ones are cut, logged).
-        rate_limit: Most request starts per second (None: unlimited).
-        cache_dir: Directory of the on-disk answer cache (None: in memory only).
+        model, base_url, api_key_env, temperature, max_tokens, concurrency, max_concurrency, timeout, max_retries,
+            retry_after_max, rate_limit, cache_dir, transport: The ``critic_*`` fields of `CriticBackendConfig`
+            (`base_url` None: ``OPENAI_BASE_URL`` or OpenAI's).
+        api_key: The key, instead of the environment variable `api_key_env`; never logged or saved.
+        backoff_base, backoff_max: First and largest delay of our own exponential backoff, in seconds.
         system_prompt: Optional system message.
         batch_timeout: Seconds a whole batch may take; default `batch_seconds` (the worst case of its retries).
         seed: Seed of the backoff jitter.
         memory_cache_size: Answers kept in memory (least recently used evicted).
-        max_concurrency: Most requests in flight at once when `concurrency` is None.
-        transport: ``"http"`` (httpx) or ``"openai"`` (the OpenAI SDK).
         answer_validator, validator_version: See `CriticBackend`.
     """
 
@@ -115,8 +103,7 @@ class OpenAICritic(CriticBackend):
         validator_version: str = "non-blank",
     ) -> None:
         super().__init__(answer_validator, validator_version)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'http' (our client) or 'openai' (the SDK), got {transport!r}.")
+        check_transport("transport", transport)
         check_env_var_name("api_key_env", api_key_env)  # a key passed here would be echoed by the errors below
         key = api_key if api_key is not None else os.environ.get(api_key_env)
         self._key_from_env = api_key is None
@@ -308,11 +295,8 @@ class OpenAICritic(CriticBackend):
             return None
 
     def submit(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> CriticJob:
-        """Start the requests and return at once.
-
-        A prompt identical to one already in flight (the same completion sampled twice in a group, or a batch that
-        was prefetched) joins that request instead of paying for a second one (counted as ``deduplicated``).
-        """
+        """Start the requests and return at once; a prompt identical to one in flight (sampled twice, or prefetched)
+        joins that request (counted as ``deduplicated``)."""
         self._get_client()
         self._stop.clear()
         deadline = time.monotonic() + self.batch_seconds(len(prompts))

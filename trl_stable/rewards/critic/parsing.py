@@ -232,17 +232,15 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     headers = list(_HEADER_RE.finditer(text_wo_labeled))
     # Spans already listed per polarity, as sets: "Toxic Span k:" lines are one header each, and a list's `in` over
     # every span so far made an answer of n such lines quadratic.
-    seen = {id(result.positive): set(result.positive), id(result.negative): set(result.negative)}
+    seen = {"positive": set(result.positive), "negative": set(result.negative)}
     for k, m in enumerate(headers):
         found = True
         end = headers[k + 1].start() if k + 1 < len(headers) else len(text_wo_labeled)
-        content = text_wo_labeled[m.end() : end]
         polarity = (m.group("a") or m.group("b") or "negative").lower()
         target = result.positive if polarity == "positive" else result.negative
-        target_seen = seen[id(target)]
-        for span in _split_items(content):
-            if span not in target_seen:
-                target_seen.add(span)
+        for span in _split_items(text_wo_labeled[m.end() : end]):
+            if span not in seen[polarity]:
+                seen[polarity].add(span)
                 target.append(span)
     if headers:
         lead = text_wo_labeled[: headers[0].start()]

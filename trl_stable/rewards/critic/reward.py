@@ -54,11 +54,10 @@ def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum
         [0.25, 0.25, -0.25, 0.25]
     """
     scaled = [coef * float(v) for v in row]
-    if max_abs_sum is not None:
-        total = sum(abs(v) for v in scaled)
-        if total > max_abs_sum:
-            factor = max_abs_sum / total
-            scaled = [v * factor for v in scaled]
+    total = sum(abs(v) for v in scaled)
+    if max_abs_sum is not None and total > max_abs_sum:
+        factor = max_abs_sum / total
+        scaled = [v * factor for v in scaled]
     return scaled
 
 
@@ -76,6 +75,14 @@ def _as_text(x: Any) -> str:
     if isinstance(x, Sequence):
         return "\n".join(_as_text(m) for m in x)
     return "" if x is None else str(x)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _nan_as_none(values: list[float] | None) -> list[float | None] | None:
+    return None if values is None else [None if math.isnan(v) else v for v in values]
 
 
 def _env_reward_floats(env_rewards: Sequence[Any] | None, n: int) -> list[float] | None:
@@ -146,13 +153,8 @@ class CriticPrefetch:
     counters_before: dict[str, int]
 
     def matches(self, completion_ids: Sequence[Sequence[int]], env_rewards: list[float] | None) -> bool:
-        if [[int(t) for t in c] for c in completion_ids] != self.completion_ids:
-            return False
-        if env_rewards is None or self.env_rewards is None:
-            return env_rewards is None and self.env_rewards is None
-        return len(env_rewards) == len(self.env_rewards) and all(
-            a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(env_rewards, self.env_rewards)
-        )
+        ids = [[int(t) for t in c] for c in completion_ids]
+        return ids == self.completion_ids and _nan_as_none(env_rewards) == _nan_as_none(self.env_rewards)
 
 
 class CriticIntrinsicReward:
@@ -237,14 +239,8 @@ class CriticIntrinsicReward:
     def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
         """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""
         text = (prompt_text + completion_text) if self.config.critic_include_prompt else completion_text
-        flat = " ".join(text.split())
-        return fill_critic_template(
-            self.template,
-            flat,
-            prompt=" ".join(prompt_text.split()),
-            completion=" ".join(completion_text.split()),
-            score=env_reward,
-        )
+        prompt, completion = _flat(prompt_text), _flat(completion_text)
+        return fill_critic_template(self.template, _flat(text), prompt=prompt, completion=completion, score=env_reward)
 
     def _tokenizer(self, kwargs: dict[str, Any]) -> Any:
         tokenizer = self.tokenizer or kwargs.get("processing_class") or kwargs.get("tokenizer")
@@ -274,27 +270,15 @@ class CriticIntrinsicReward:
         before = self.backend.counters.snapshot()
         # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
         thr = self.config.intrinsic_reward_threshold
-        n = len(completion_ids)
-        selected = list(range(n)) if env_rewards is None else [i for i, r in enumerate(env_rewards) if r <= thr]
-        ids = {i: [int(t) for t in completion_ids[i]] for i in selected}
+        ids = [[int(t) for t in c] for c in completion_ids]
+        scores = env_rewards if env_rewards is not None else [None] * len(ids)
+        selected = [i for i, r in enumerate(scores) if r is None or r <= thr]
         texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
         prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
-        critic_prompts = [
-            self.critic_prompt(prompt_texts[i], texts[i], None if env_rewards is None else env_rewards[i])
-            for i in selected
-        ]
+        critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
         aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
-        return CriticPrefetch(
-            completion_ids=[[int(t) for t in c] for c in completion_ids],
-            env_rewards=env_rewards,
-            selected=selected,
-            prompt_texts=prompt_texts,
-            aligned=aligned,
-            job=job,
-            started=started,
-            counters_before=before,
-        )
+        return CriticPrefetch(ids, env_rewards, selected, prompt_texts, aligned, job, started, before)
 
     def __call__(
         self,

@@ -15,12 +15,17 @@ import math
 import threading
 import time
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any
 
 import httpx2
 
 TRANSPORTS = ("http", "openai")  # our httpx client, the OpenAI SDK
+
+
+def check_transport(name: str, value: str) -> None:
+    if value not in TRANSPORTS:
+        raise ValueError(f"{name} must be 'http' (our client) or 'openai' (the SDK), got {value!r}.")
 
 
 class ChatError(Exception):
@@ -186,4 +191,4 @@ def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
 
 def _utc_http_date(posix: float) -> str:
     """`posix` as an HTTP-date (for tests and the fake server)."""
-    return email.utils.format_datetime(datetime.fromtimestamp(posix, tz=timezone.utc), usegmt=True)
+    return email.utils.formatdate(posix, usegmt=True)
