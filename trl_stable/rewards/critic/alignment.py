@@ -86,11 +86,12 @@ def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, i
     return sorted(found)
 
 
-def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint ranges covering the same characters as `ranges`."""
+def merge_ranges(ranges: Iterable[tuple[int, int]], text: str | None = None) -> list[tuple[int, int]]:
+    """Sorted, disjoint ranges covering the characters of `ranges`; with `text`, ranges that only whitespace of it
+    separates join too."""
     merged: list[list[int]] = []
     for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1]:
+        if merged and (a <= merged[-1][1] or (text is not None and not text[merged[-1][1] : a].strip())):
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
@@ -99,7 +100,7 @@ def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _overlap_mask(offsets: Offsets, ranges: Iterable[tuple[int, int]]) -> list[bool]:
     """Whether each token [s, e) overlaps some range; O((tokens + ranges) log ranges)."""
-    merged = _union(ranges)
+    merged = merge_ranges(ranges)
     starts = [a for a, _ in merged]
     mask = []
     for start, end in offsets:
@@ -225,16 +226,14 @@ def span_token_rewards(
     context: str = "",
     fuzzy_min_similarity: float | None = None,
 ) -> list[float]:
-    """Per-token intrinsic rewards of a response from the critic's spans: for token t with characters [s_t, e_t),
+    """Per-token rewards of a response (`offsets`: its tokens' character ranges in `text`, see `token_char_offsets`):
 
-        r_t = positive_value * [t overlaps a located positive span]
-            + negative_value * [t overlaps a located negative span]
-            + outside_value  * [t overlaps no located span]
+        r_t = positive_value * [t overlaps a located positive span] + negative_value * [... negative span]
+            + outside_value * [t overlaps no located span]
 
-    Spans are located with `align_span` in ``context + text`` (the query the critic read, then the response); only
-    response tokens are rewarded. A token under several spans of one polarity gets its value once (RELC's rule);
-    both polarities add; tokens without characters (EOS) get `outside_value`, as in RELC. `offsets` are the tokens'
-    character ranges in `text` (`token_char_offsets`); returns one float per offset.
+    Spans are located with `align_span` in ``context + text``; only response tokens are rewarded; a token under
+    several spans of one polarity gets its value once (RELC's rule); tokens without characters (EOS) get
+    `outside_value`, as in RELC.
     """
     return rewards_from_alignments(
         offsets,

@@ -155,19 +155,15 @@ class AnswerCache:
 
     def get(self, key: str) -> str | None:
         answer = self.memory.get(key)  # only validated answers get there
-        if answer is None and self.disk is not None:
-            entry = self.disk.get_entry(key)
-            if entry is not None:
-                answer, version = entry
-                if version != self.version:
-                    # Written (or validated) by another parser version: serve it only if this one accepts it too.
-                    if self._valid(answer):
-                        self.counters.add("cache_revalidated")
-                        self.disk.put(key, answer, self.model, self.version)
-                    else:
-                        answer = None
-                if answer is not None:
-                    self.memory.put(key, answer)
+        entry = self.disk.get_entry(key) if answer is None and self.disk is not None else None
+        if entry is not None:
+            answer, version = entry
+            if version != self.version:  # another parser version's entry: served only if this one accepts it too
+                if not self._valid(answer):
+                    return None
+                self.counters.add("cache_revalidated")
+                self.disk.put(key, answer, self.model, self.version)
+            self.memory.put(key, answer)
         if answer is not None:
             self.counters.add("cache_hits")
         return answer

@@ -87,9 +87,7 @@ class CriticBackendConfig(SecretsNotPickled):
     )
     critic_concurrency: int | None = field(
         default=None,
-        metadata={
-            "help": "Critic requests in flight at once (openai); None: the whole batch, up to critic_max_concurrency."
-        },
+        metadata={"help": "Critic requests in flight (openai); None: the whole batch, up to critic_max_concurrency."},
     )
     critic_max_concurrency: int = field(
         default=256,
@@ -97,9 +95,7 @@ class CriticBackendConfig(SecretsNotPickled):
     )
     critic_retry_after_max: float = field(
         default=60.0,
-        metadata={
-            "help": "Longest wait (s) a critic server's Retry-After may ask for (openai); longer is cut, logged."
-        },
+        metadata={"help": "Longest wait (s) a critic server's Retry-After may ask for (openai); longer is cut."},
     )
     critic_cache_dir: str | None = field(
         default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
@@ -165,15 +161,11 @@ class CriticRewardConfig(CriticBackendConfig):
     )
     outside_span_reward_value: float = field(
         default=0.0,
-        metadata={
-            "help": "Reward of a token inside no span, when the critique parsed (e.g. 0.1 for every non-toxic token)."
-        },
+        metadata={"help": "Reward of a token inside no span of a parsed critique (e.g. 0.1: every non-toxic token)."},
     )
     fuzzy_span_matching: bool = field(
         default=False,
-        metadata={
-            "help": "Match spans the critic reworded by similarity; needs rapidfuzz (pip install 'trl_stable[fuzzy]')."
-        },
+        metadata={"help": "Match spans the critic reworded by similarity (pip install 'trl_stable[fuzzy]')."},
     )
     fuzzy_min_similarity: float = field(
         default=0.85,
@@ -199,15 +191,11 @@ class CriticRewardConfig(CriticBackendConfig):
     )
     prompt_file: str | None = field(
         default=None,
-        metadata={
-            "help": "Few-shot critic template with a '{}' placeholder; default trl_stable/prompts/critic_<task>.txt."
-        },
+        metadata={"help": "Few-shot critic template with a '{}'; default trl_stable/prompts/critic_<task>.txt."},
     )
     critic_include_prompt: bool = field(
         default=True,
-        metadata={
-            "help": "Show the critic the prompt and the completion (RELC); only spans in the completion are rewarded."
-        },
+        metadata={"help": "Show the critic the prompt and the completion (RELC); only the completion is rewarded."},
     )
     max_consecutive_failing_steps: int = field(
         default=5,

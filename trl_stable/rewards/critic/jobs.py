@@ -23,7 +23,7 @@ class CriticJob:
     ) -> None:
         self._futures = list(futures) if futures is not None else None
         self._answers = list(answers) if answers is not None else None
-        self._counters = counters
+        self._counters = counters if counters is not None else CriticCounters()  # a job of its own: counted nowhere
         self._deadline = deadline
 
     def done(self) -> bool:
@@ -49,7 +49,7 @@ class CriticJob:
                 answer = fut.result() if not fut.cancelled() and fut.exception() is None else None
                 for i in index[fut]:
                     answers[i] = answer
-                    if answer is None and self._counters is not None:  # an answer the caller did not get, whatever why
+                    if answer is None:  # an answer the caller did not get, whatever the reason
                         self._counters.add("failures")
                     yield i, answer
         except cf.TimeoutError:
@@ -57,15 +57,13 @@ class CriticJob:
         for fut in pending:
             fut.cancel()  # past the deadline: a queued request is never sent, a running one is abandoned
             for i in index[fut]:
-                if self._counters is not None:
-                    self._counters.add("deadline_exceeded")
-                    self._counters.add("failures")
+                self._counters.add("deadline_exceeded")
+                self._counters.add("failures")
                 yield i, None
         self._answers = answers
 
     def result(self, timeout: float | None = None) -> list[str | None]:
         """The answers, in prompt order; None where a request failed or was still running at the deadline."""
         if self._answers is None:
-            for _ in self.as_completed(timeout):
-                pass
+            list(self.as_completed(timeout))
         return list(self._answers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from trl_stable.rewards.critic.alignment import merge_ranges
 from trl_stable.rewards.critic.backend import CriticBackend
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'\u2019]*[A-Za-z]|[A-Za-z]")
@@ -28,14 +29,8 @@ def format_toxicity_answer(toxic: Sequence[str]) -> str:
 
 
 def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
-    """Join ranges that overlap or touch through whitespace into phrases; return the phrases' text."""
-    merged: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if merged and (a <= merged[-1][1] or not text[merged[-1][1] : a].strip()):
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return list(dict.fromkeys(" ".join(text[a:b].split()) for a, b in merged))
+    """The distinct phrases of `text` that ranges overlapping or touching through whitespace make up."""
+    return list(dict.fromkeys(" ".join(text[a:b].split()) for a, b in merge_ranges(ranges, text)))
 
 
 SENTIMENT_LEXICONS = ("vader", "afinn")

@@ -21,34 +21,12 @@ from trl_stable.rewards.critic.cache import AnswerCache, cache_key
 from trl_stable.rewards.critic.config import BACKEND_BOUNDS
 from trl_stable.rewards.critic.jobs import CriticJob
 from trl_stable.rewards.critic.rate_limit import RateLimiter
-from trl_stable.rewards.critic.transport import (
-    ChatBadResponse,
-    ChatConnectionError,
-    ChatStatusError,
-    ChatTimeout,
-    HTTPXChatClient,
-    SDKChatClient,
-    check_transport,
-    parse_retry_after,
-)
+from trl_stable.rewards.critic.transport import HTTPXChatClient, SDKChatClient, check_transport, classify
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 _CHECKED = ("concurrency", "max_concurrency", "retry_after_max", "timeout", "max_retries", "rate_limit")
-
-
-_RETRYABLE = {ChatTimeout: "timeouts", ChatConnectionError: "connection_errors", ChatBadResponse: "bad_responses"}
-
-
-def classify(exc: BaseException) -> tuple[str, float | None] | None:
-    """(counter name, Retry-After seconds) of a transport error a retry can fix; None for the others."""
-    if not isinstance(exc, ChatStatusError):
-        return (_RETRYABLE[type(exc)], None) if type(exc) in _RETRYABLE else None
-    status = exc.status_code
-    counter = "rate_limited" if status == 429 else "server_errors" if status >= 500 or status in (408, 409) else None
-    # A 503 may carry Retry-After too (RFC 9110), so every retryable status's headers are read.
-    return None if counter is None else (counter, parse_retry_after(exc.headers))
 
 
 class OpenAICritic(CriticBackend):
@@ -202,20 +180,15 @@ class OpenAICritic(CriticBackend):
         with self._rng_lock:
             jitter = 0.5 + 0.5 * self._rng.random()
         delay = min(self.backoff_max, self.backoff_base * (2**attempt)) * jitter
-        if retry_after is not None:
-            # The server knows when it will take requests again; our own backoff cap must not cut that short
-            # (8 s against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
-            asked = retry_after
-            retry_after = min(retry_after, self.retry_after_max)
-            if asked > self.backoff_max:
-                logger.warning(
-                    "The critic server asked to retry after %.1f s%s; waiting %.1f s.",
-                    asked,
-                    f" (more than retry_after_max={self.retry_after_max:g})" if asked > self.retry_after_max else "",
-                    retry_after,
-                )
-            delay = max(delay, retry_after)
-        return delay
+        if retry_after is None:
+            return delay
+        # The server knows when it will take requests again; our own backoff cap must not cut that short (8 s
+        # against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
+        wait = min(retry_after, self.retry_after_max)
+        if retry_after > self.backoff_max:
+            cut = f" (more than retry_after_max={self.retry_after_max:g})" if wait < retry_after else ""
+            logger.warning("The critic server asked to retry after %.1f s%s; waiting %.1f s.", retry_after, cut, wait)
+        return max(delay, wait)
 
     def _ask(self, prompt: str, deadline: float) -> str | None:
         """The answer to one prompt: from the cache, else requested with retries until `deadline`; None on failure."""

@@ -1,12 +1,5 @@
-"""`CriticIntrinsicReward`: dense intrinsic rewards from an LLM critic (Drlc / RELC: Cao et al., "Enhancing
-Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382), a dense reward
-function in the sense of `trl_stable.rewards.dense`: token t of a critiqued completion gets
-
-    r_t^intr = positive_reward_value * [t in a positive span] + negative_reward_value * [t in a negative span]
-             + outside_span_reward_value * [t in no span]
-
-scaled per sample by `scale_intrinsic_rewards`.
-"""
+"""`CriticIntrinsicReward`: dense per-token rewards from an LLM critic's spans (Drlc / RELC: Cao et al., "Enhancing
+Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382)."""
 
 from __future__ import annotations
 
@@ -45,9 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum: float | None = None) -> list[float]:
-    """One sample's intrinsic token rewards times `coef`, then, when their absolute sum exceeds `max_abs_sum`,
-    multiplied by ``max_abs_sum / sum_t |coef * r_t|`` (signs and proportions kept). ``coef=1, max_abs_sum=None``
-    (RELC) returns the row unchanged.
+    """One sample's intrinsic token rewards times `coef`, scaled down (signs and proportions kept) so that their
+    absolute sum is at most `max_abs_sum`; ``coef=1, max_abs_sum=None`` (RELC) keeps the row.
 
     Example:
         >>> scale_intrinsic_rewards([0.5, 0.5, -0.5, 0.5], coef=1.0, max_abs_sum=1.0)
@@ -158,15 +150,14 @@ class CriticPrefetch:
 
 
 class CriticIntrinsicReward:
-    """Dense reward function: per-token intrinsic rewards from a critic's spans,
+    """Dense reward function (`trl_stable.rewards.dense`): per-token intrinsic rewards from a critic's spans,
     ``reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]``.
 
     Completions with ``env_rewards[i] <= intrinsic_reward_threshold`` are critiqued (all when `env_rewards` is None;
-    None or NaN: never, counted as ``nan_env_rewards``); the others get None. The text critiqued is
-    ``decode(completion_ids[i])``, so rewards align with the trained tokens. An `env_rewards` entry that is no number,
-    a completion that is no text, or counts that differ raise a `RewardContractError` naming the entry, before any
-    request. A failed request or an unparseable answer gives its sample no reward, counted;
-    `max_consecutive_failing_steps` steps in a row without a usable critique raise `CriticFailureError`.
+    never for None or NaN, counted as ``nan_env_rewards``), the text being ``decode(completion_ids[i])``; the others
+    get None. Bad arguments raise a `RewardContractError` naming the entry before any request. A failed request or an
+    unparseable answer gives no reward, counted; `max_consecutive_failing_steps` steps in a row without a usable
+    critique raise `CriticFailureError`.
 
     Args:
         config: A `CriticRewardConfig`.
@@ -325,7 +316,6 @@ class CriticIntrinsicReward:
             critique = self._critique(answer, *batch.aligned[i], context=context)
             step.record(critique)
             rows[i] = critique.row
-        self._warn_about_answers(step)
         now = time.monotonic()
         last = self._record(
             step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric")
@@ -333,8 +323,7 @@ class CriticIntrinsicReward:
         fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
         if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
             raise CriticFailureError(fatal)
-        if batch.selected:  # a step that critiques nothing says nothing about the critic
-            self._track_failing_steps(step, last)
+        self._track_failing_steps(step, last)
         return rows
 
     def _critique(self, answer: str | None, text: str, offsets: list[tuple[int, int]], context: str = "") -> Critique:
@@ -355,8 +344,15 @@ class CriticIntrinsicReward:
         bounded = bound is not None and sum(abs(coef * v) for v in raw) > bound
         return Critique(parsed, positive + negative, scale_intrinsic_rewards(raw, coef, bound), bounded)
 
-    @staticmethod
-    def _warn_about_answers(step: StepCounts) -> None:
+    @property
+    def consecutive_failing_steps(self) -> int:
+        """Steps in a row in which no critique was usable."""
+        return self._guard.consecutive
+
+    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
+        """Warn about unusable answers; a step in which no critique was usable (every request failed or its answer
+        did not parse) counts toward `max_consecutive_failing_steps`, and the error names the failures by kind, e.g.
+        "2 failed requests (timeouts 3, server_errors 1), 1 unparseable answers"."""
         if step["unparseable"]:
             logger.warning(
                 "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
@@ -370,16 +366,8 @@ class CriticIntrinsicReward:
                 "with a header the parser was not told about (critic/answers_with_ignored_text).",
                 step["answers_with_ignored_text"],
             )
-
-    @property
-    def consecutive_failing_steps(self) -> int:
-        """Steps in a row in which no critique was usable."""
-        return self._guard.consecutive
-
-    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
-        """A step in which no critique was usable (every request failed or its answer did not parse) counts toward
-        `max_consecutive_failing_steps`; the error names the failures by kind, e.g. "2 failed requests (timeouts 3,
-        server_errors 1), 1 unparseable answers"."""
+        if not step["critiqued"]:  # a step that critiques nothing says nothing about the critic
+            return
         failed = step["failed_answers"] + step["unparseable"] >= step["critiqued"]
         fix = (
             "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "

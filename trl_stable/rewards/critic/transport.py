@@ -1,11 +1,6 @@
-"""The critic's transports: one chat-completions request in, (answer text, token usage) out, or one of four typed
-errors that both clients raise alike, so the caller counts and retries them one way.
-
-`HTTPXChatClient` (``transport="http"``) is httpx with one keep-alive connection per worker thread; httpx's
-`AsyncClient` on one event loop was measured slower (more CPU per request, a pool check quadratic in the requests in
-flight, the loop thread waiting for the GIL at every socket call). `SDKChatClient` (``transport="openai"``) is the
-OpenAI SDK.
-"""
+"""The critic's transports, httpx (``transport="http"``, one keep-alive connection per worker thread: measured
+faster than httpx's AsyncClient) and the OpenAI SDK: one chat-completions request in, (answer text, token usage) out,
+or one of four typed errors that both raise alike."""
 
 from __future__ import annotations
 
@@ -53,6 +48,19 @@ class ChatStatusError(ChatError):
         self.headers = headers  # case-insensitive `get`
 
 
+_RETRYABLE = {ChatTimeout: "timeouts", ChatConnectionError: "connection_errors", ChatBadResponse: "bad_responses"}
+
+
+def classify(exc: BaseException) -> tuple[str, float | None] | None:
+    """(counter name, Retry-After seconds) of a transport error a retry can fix; None for the others."""
+    if not isinstance(exc, ChatStatusError):
+        return (_RETRYABLE[type(exc)], None) if type(exc) in _RETRYABLE else None
+    status = exc.status_code
+    counter = "rate_limited" if status == 429 else "server_errors" if status >= 500 or status in (408, 409) else None
+    # A 503 may carry Retry-After too (RFC 9110), so every retryable status's headers are read.
+    return None if counter is None else (counter, parse_retry_after(exc.headers))
+
+
 def _answer_and_usage(data: Any) -> tuple[str, dict | None]:
     try:
         answer = data["choices"][0]["message"]["content"]
@@ -77,12 +85,8 @@ class HTTPXChatClient:
         # credentials in the URL are not sent (the key is the bearer token) and never appear in a message
         host = parts.netloc.rsplit("@", 1)[-1]
         self._url = httpx2.URL(urllib.parse.urlunsplit((parts.scheme, host, parts.path + "/chat/completions", "", "")))
-        self._headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-            "Authorization": f"Bearer {api_key}",
-            "User-Agent": "trl_stable-critic",
-        }
+        auth = {"Authorization": f"Bearer {api_key}", "User-Agent": "trl_stable-critic"}
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json", **auth}
         self._ssl = httpx2.create_ssl_context()  # one trust store for every connection (building one takes ~50 ms)
         self._local = threading.local()
         self._open: list[httpx2.Client] = []
