@@ -49,23 +49,6 @@ def _find_all(span: str, text: str) -> list[tuple[int, int]]:
     return found
 
 
-def _find_words(span: str, text: str) -> list[tuple[int, int]]:
-    """Matches of the words of `span` with any punctuation or space between them ("kill you bitch" finds
-    "kill you, bitch"; "awful film ." finds "awful film!")."""
-    words = re.findall(r"\w+", span)
-    if not words:
-        return []
-    pattern = re.compile(r"(?<!\w)" + r"\W+".join(re.escape(w) for w in words) + r"(?!\w)", re.IGNORECASE)
-    return [(m.start(), m.end()) for m in pattern.finditer(text)]
-
-
-def _looser_forms(span: str) -> list[list[str]]:
-    """Fallbacks for a span the text does not contain, in order: without the punctuation at its ends ("wow!" ->
-    "wow"), then its parts around commas, semicolons and spaced dashes ("idiot - an insult" -> "idiot", ...)."""
-    parts = [_EDGE_PUNCT_RE.sub("", p) for p in _PART_SPLIT_RE.split(span)]
-    return [[_EDGE_PUNCT_RE.sub("", span)], [p for p in parts if p] if len(parts) > 1 else []]
-
-
 def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, int]]:
     """Every (start, end) character range of `span` inside `text`, overlapping ones included: case-insensitive, any
     whitespace run and any apostrophe alike, at word boundaries. With `lenient`, a span not found as written is
@@ -77,13 +60,18 @@ def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, i
         [(0, 8), (10, 19)]
     """
     found = _find_all(span, text)
-    for forms in _looser_forms(span) if lenient and not found else []:
+    if not lenient or found:
+        return sorted(found)
+    # without the punctuation at its ends ("wow!" -> "wow"), then as its parts ("idiot - an insult" -> "idiot", ...)
+    parts = [_EDGE_PUNCT_RE.sub("", p) for p in _PART_SPLIT_RE.split(span)]
+    for forms in ([_EDGE_PUNCT_RE.sub("", span)], [p for p in parts if p] if len(parts) > 1 else []):
         found = [r for form in forms if form != span for r in _find_all(form, text)]
         if found:
-            break
-    if lenient and not found:
-        found = _find_words(span, text)
-    return sorted(found)
+            return sorted(found)
+    # then its words with any punctuation or space between them ("kill you bitch" finds "kill you, bitch")
+    words = re.findall(r"\w+", span)
+    pattern = re.compile(r"(?<!\w)" + r"\W+".join(re.escape(w) for w in words) + r"(?!\w)", re.IGNORECASE)
+    return [(m.start(), m.end()) for m in pattern.finditer(text)] if words else []
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]], text: str | None = None) -> list[tuple[int, int]]:

@@ -1,5 +1,4 @@
-"""`CriticBackend`: the interface of every critic, a list of critic prompts in and a list of answers (None for a
-failed request) out. Backends with real concurrency return from `submit` before the answers arrive."""
+"""`CriticBackend`: the interface of every critic, critic prompts in, answers (None for a failed request) out."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`CriticJob`: the pending answers of one `CriticBackend.submit` call, collected in arrival order or prompt order,
-never past the batch's deadline."""
+"""`CriticJob`: the pending answers of one `CriticBackend.submit` call."""
 
 from __future__ import annotations
 

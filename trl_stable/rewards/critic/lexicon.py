@@ -51,12 +51,8 @@ def afinn_lexicon() -> dict[str, float]:
         raise ImportError(
             "The AFINN lexicon critic needs the afinn package: pip install afinn (or trl_stable[rewards])."
         ) from err
-    lexicon = {}
-    for line in data.read_text(encoding="utf-8").splitlines():
-        word, _, value = line.rpartition("\t")
-        if word and " " not in word:
-            lexicon[word.lower()] = float(value)
-    return lexicon
+    entries = (line.rpartition("\t") for line in data.read_text(encoding="utf-8").splitlines())
+    return {word.lower(): float(value) for word, _, value in entries if word and " " not in word}
 
 
 class LexiconCritic(CriticBackend):

@@ -50,9 +50,8 @@ class TransformersCritic(CriticBackend):
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_new_tokens = max_new_tokens
-        self.use_chat_template = (
-            bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None else use_chat_template
-        )
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         if max_prompt_length is None:
             config = getattr(model, "config", None)
             context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -82,24 +81,21 @@ class TransformersCritic(CriticBackend):
         width = max(len(e) for e in encoded)
         pad_id = self.tokenizer.pad_token_id
         pad_id = self.tokenizer.eos_token_id if pad_id is None else pad_id
-        input_ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
-        attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         device = next(self.model.parameters()).device
+        inputs = {
+            "input_ids": torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=device),
+            "attention_mask": torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device),
+        }
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 out = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    max_new_tokens=self.max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=pad_id,
+                    **inputs, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad_id
                 )
         finally:
             self.model.train(was_training)
-        new_tokens = out[:, width:].tolist()
-        return self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        return self.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
         answers: list[str | None] = []
