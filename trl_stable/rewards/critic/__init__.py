@@ -1,14 +1,4 @@
-"""Dense rewards from an LLM critic (Drlc / RELC, Cao et al., EMNLP 2024), one module per concept.
-
-- `config`: `CriticBackendConfig` (which critic, how it is reached) and `CriticRewardConfig` (what its answers
-  become; includes the backend's fields);
-- `reward`: `CriticIntrinsicReward`, the dense reward function (parse -> align -> reward -> scale per answer);
-- `counters`: the backend's request counters and the reward's per-step counts;
-- backends: `backend` (the interface), `openai_critic` (any OpenAI-compatible server), `local` (a transformers
-  model), `lexicon` (offline); `factory` builds the one a config names;
-- `transport` (one chat-completions request, typed errors, Retry-After), `rate_limit`, `cache`, `jobs`;
-- `templates` (the few-shot prompts), `parsing` (answers into spans), `alignment` (spans onto tokens).
-"""
+"""Dense rewards from an LLM critic (Drlc / RELC, Cao et al., EMNLP 2024), one module per concept."""
 
 from trl_stable.rewards.critic.alignment import (
     SpanAlignment,

@@ -1,11 +1,6 @@
-"""Align critic spans with response tokens by character offsets.
-
-A critic names text spans ("Identified Positive Text Span: [Span 1]: great acting"). Each span is located inside
-the response text (case-insensitively, whitespace-normalised, at word boundaries, every occurrence), and a token gets
-the span's value when its characters overlap a located span. This replaces RELC's substring test
-``token in span`` (Cao et al., "Enhancing RL with Dense Rewards from Language Model Critic", EMNLP 2024), under which
-a token such as "the" matched any span containing those letters and a leading-space token (" great") never matched the
-span's first word.
+"""Align critic spans with response tokens by character offsets: a token gets a span's value when its characters
+overlap an occurrence of the span in the response (RELC, Cao et al., EMNLP 2024, tested ``token in span`` instead,
+so "the" matched any span holding those letters and " great" never matched the span's first word).
 """
 
 from __future__ import annotations
@@ -54,56 +49,37 @@ def _find_all(span: str, text: str) -> list[tuple[int, int]]:
     return found
 
 
-def _find_words(span: str, text: str) -> list[tuple[int, int]]:
-    """Matches of the words of `span` with any punctuation or space between them ("kill you bitch" finds
-    "kill you, bitch"; "awful film ." finds "awful film!")."""
-    words = re.findall(r"\w+", span)
-    if not words:
-        return []
-    pattern = re.compile(r"(?<!\w)" + r"\W+".join(re.escape(w) for w in words) + r"(?!\w)", re.IGNORECASE)
-    return [(m.start(), m.end()) for m in pattern.finditer(text)]
-
-
-def _looser_forms(span: str) -> list[list[str]]:
-    """Fallbacks for a span the text does not contain, in order: without the punctuation at its ends ("wow!" ->
-    "wow"), then its parts around commas, semicolons and spaced dashes ("idiot - an insult" -> "idiot", ...)."""
-    parts = [_EDGE_PUNCT_RE.sub("", p) for p in _PART_SPLIT_RE.split(span)]
-    return [[_EDGE_PUNCT_RE.sub("", span)], [p for p in parts if p] if len(parts) > 1 else []]
-
-
 def locate_span(text: str, span: str, lenient: bool = True) -> list[tuple[int, int]]:
-    """Every (start, end) character range of `span` inside `text`.
-
-    Matching is case-insensitive, treats any whitespace run as equal to any other and any apostrophe as equal to any
-    other, and requires word boundaries at the span's ends (so "the" is not found inside "there"). Every occurrence
-    counts, overlapping ones included. With `lenient`, a span that does not occur as written is retried without the
-    punctuation at its ends, then as its comma/semicolon/dash-separated parts (critics add punctuation and
-    commentary), then as its words with any punctuation between them (critics drop or add commas).
+    """Every (start, end) character range of `span` inside `text`, overlapping ones included: case-insensitive, any
+    whitespace run and any apostrophe alike, at word boundaries. With `lenient`, a span not found as written is
+    retried without its end punctuation, then as its comma/semicolon/dash-separated parts, then as its words with
+    any punctuation between them.
 
     Example:
         >>> locate_span("The film, the  Film!", "the film")
         [(0, 8), (10, 19)]
     """
     found = _find_all(span, text)
-    for forms in _looser_forms(span) if lenient and not found else []:
+    if not lenient or found:
+        return sorted(found)
+    # without the punctuation at its ends ("wow!" -> "wow"), then as its parts ("idiot - an insult" -> "idiot", ...)
+    parts = [_EDGE_PUNCT_RE.sub("", p) for p in _PART_SPLIT_RE.split(span)]
+    for forms in ([_EDGE_PUNCT_RE.sub("", span)], [p for p in parts if p] if len(parts) > 1 else []):
         found = [r for form in forms if form != span for r in _find_all(form, text)]
         if found:
-            break
-    if lenient and not found:
-        found = _find_words(span, text)
-    return sorted(found)
+            return sorted(found)
+    # then its words with any punctuation or space between them ("kill you bitch" finds "kill you, bitch")
+    words = re.findall(r"\w+", span)
+    pattern = re.compile(r"(?<!\w)" + r"\W+".join(re.escape(w) for w in words) + r"(?!\w)", re.IGNORECASE)
+    return [(m.start(), m.end()) for m in pattern.finditer(text)] if words else []
 
 
-def locate_spans(text: str, spans: Iterable[str]) -> list[tuple[int, int]]:
-    """The located ranges of all `spans` in `text` (concatenated; ranges of different spans may overlap)."""
-    return [r for span in spans for r in locate_span(text, span)]
-
-
-def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint ranges covering the same characters as `ranges`."""
+def merge_ranges(ranges: Iterable[tuple[int, int]], text: str | None = None) -> list[tuple[int, int]]:
+    """Sorted, disjoint ranges covering the characters of `ranges`; with `text`, ranges that only whitespace of it
+    separates join too."""
     merged: list[list[int]] = []
     for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1]:
+        if merged and (a <= merged[-1][1] or (text is not None and not text[merged[-1][1] : a].strip())):
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
@@ -112,7 +88,7 @@ def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _overlap_mask(offsets: Offsets, ranges: Iterable[tuple[int, int]]) -> list[bool]:
     """Whether each token [s, e) overlaps some range; O((tokens + ranges) log ranges)."""
-    merged = _union(ranges)
+    merged = merge_ranges(ranges)
     starts = [a for a, _ in merged]
     mask = []
     for start, end in offsets:
@@ -127,17 +103,10 @@ MATCHED, PARTIAL, QUERY_ONLY, UNMATCHED = "matched", "partial", "query_only", "u
 
 @dataclass
 class SpanAlignment:
-    """Where one critic span lies in the response.
-
-    Attributes:
-        span: The span as the critic wrote it.
-        ranges: Its character ranges inside the response (cut at the response start for a span that begins in the
-            query).
-        status: ``"matched"`` (an occurrence lies wholly in the response), ``"partial"`` (found only across the
-            query/response boundary: its response part is rewarded), ``"query_only"`` (found only in the query:
-            nothing is rewarded) or ``"unmatched"`` (not found).
-        fuzzy: Whether it was found by fuzzy matching (then `similarity` < 1 is rapidfuzz's score / 100).
-    """
+    """Where one critic span lies in the response: its character `ranges` there (cut at the response start),
+    `status` ``"matched"`` (an occurrence lies wholly in the response), ``"partial"`` (only across the query/response
+    boundary: its response part is rewarded), ``"query_only"`` (nothing rewarded) or ``"unmatched"``, and whether it
+    was found by fuzzy matching (`similarity`: rapidfuzz's score / 100)."""
 
     span: str
     ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -162,12 +131,9 @@ FUZZY_MIN_SPAN_CHARS = 4
 
 
 def fuzzy_locate(text: str, span: str, min_similarity: float) -> tuple[int, int, float] | None:
-    """The stretch of `text` most similar to `span`, widened to whole words, as (start, end, similarity in [0, 1]);
-    None below `min_similarity` or for spans of fewer than `FUZZY_MIN_SPAN_CHARS` word characters.
-
-    The similarity is rapidfuzz's ``partial_ratio`` (normalized Indel similarity of `span` and the best window of
-    `text` of its length), case-insensitive.
-    """
+    """The stretch of `text` most similar to `span` (rapidfuzz ``partial_ratio``, case-insensitive), widened to whole
+    words, as (start, end, similarity in [0, 1]); None below `min_similarity` or for spans of fewer than
+    `FUZZY_MIN_SPAN_CHARS` word characters."""
     if len(re.sub(r"\W", "", span)) < FUZZY_MIN_SPAN_CHARS or not text:
         return None
     fuzz = import_rapidfuzz()
@@ -190,11 +156,8 @@ def fuzzy_locate(text: str, span: str, min_similarity: float) -> tuple[int, int,
 
 
 def align_span(text: str, span: str, context: str = "", fuzzy_min_similarity: float | None = None) -> SpanAlignment:
-    """Locate `span` in ``context + text`` (the query and the response, as the critic read them) and keep the
-    response part.
-
-    Exact matching first (`locate_span`: case, whitespace, apostrophes and end punctuation do not matter); a span
-    still not found is matched fuzzily when `fuzzy_min_similarity` is set (`fuzzy_locate`, needs rapidfuzz).
+    """Locate `span` in ``context + text`` (what the critic read) with `locate_span`, else fuzzily when
+    `fuzzy_min_similarity` is set, and keep the response part.
 
     Example:
         >>> align_span(" awful film", "truly awful film", context="It was truly").status
@@ -251,35 +214,14 @@ def span_token_rewards(
     context: str = "",
     fuzzy_min_similarity: float | None = None,
 ) -> list[float]:
-    """Per-token intrinsic rewards of a response from the critic's spans.
+    """Per-token rewards of a response (`offsets`: its tokens' character ranges in `text`, see `token_char_offsets`):
 
-    For token t with characters [s_t, e_t) of `text`:
+        r_t = positive_value * [t overlaps a located positive span] + negative_value * [... negative span]
+            + outside_value * [t overlaps no located span]
 
-        r_t = positive_value * [t overlaps a located positive span]
-            + negative_value * [t overlaps a located negative span]
-            + outside_value  * [t overlaps no located span]
-
-    Spans are located with `align_span` in ``context + text`` (case-insensitive, whitespace-normalised, word
-    boundaries, every occurrence; fuzzily when `fuzzy_min_similarity` is set), and only the response tokens they
-    cover are rewarded: a span that starts in the query rewards its response part. A span that does not occur
-    rewards nothing. A token that overlaps several spans of one polarity gets that polarity's value once (RELC's
-    rule: a token is either "in a span" or not); both polarities add. `outside_value` also goes to tokens without
-    characters (EOS), as RELC gave its "not in a span" value to every token.
-
-    Args:
-        text: The response text (only its tokens are rewarded).
-        offsets: (start, end) character offsets of each response token within `text`; see `token_char_offsets`.
-        positive_spans: Spans the critic marked good.
-        negative_spans: Spans the critic marked bad (toxic, negative, wrong).
-        positive_value: Reward of a token inside a positive span.
-        negative_value: Reward of a token inside a negative span.
-        outside_value: Reward of a token inside no span (RELC's toxicity/summarization ``positive_reward_value``).
-        context: The text the critic read before the response (the query), to locate spans that start there.
-        fuzzy_min_similarity: Similarity floor in (0, 1] for fuzzy matching of spans not found as written; None
-            (default): exact matching only.
-
-    Returns:
-        One float per entry of `offsets`.
+    Spans are located with `align_span` in ``context + text``; only response tokens are rewarded; a token under
+    several spans of one polarity gets its value once (RELC's rule); tokens without characters (EOS) get
+    `outside_value`, as in RELC.
     """
     return rewards_from_alignments(
         offsets,

@@ -1,5 +1,4 @@
-"""`CriticBackend`: the interface of every critic, a list of critic prompts in and a list of answers (None for a
-failed request) out. Backends with real concurrency return from `submit` before the answers arrive."""
+"""`CriticBackend`: the interface of every critic, critic prompts in, answers (None for a failed request) out."""
 
 from __future__ import annotations
 
@@ -17,18 +16,12 @@ def non_blank(answer: str) -> bool:
 
 
 class CriticBackend(ABC):
-    """A critic: ``generate(prompts) -> answers`` with None for a failed request.
-
-    Args of `generate`/`submit`:
-        prompts: The formatted critic prompts.
-        texts: The raw texts under critique, one per prompt. LLM backends read the prompt and ignore them; the
-            lexicon critic, which cannot read a few-shot prompt, annotates them.
+    """A critic: ``generate(prompts, texts=None) -> answers``, None for a failed request; `texts` are the raw texts
+    under critique, which the lexicon critic annotates (LLM backends read the prompts).
 
     Args:
-        answer_validator: Which answers may be cached (backends with a cache): default any answer with text.
-            `CriticIntrinsicReward` builds its backend with its span parser here, so garbage is asked again.
-        validator_version: Stored with each disk-cache entry: an entry written under another version is validated
-            again before it is served, so a parser change cannot keep serving answers the old parser accepted.
+        answer_validator: Which answers a caching backend may keep (default: any with text).
+        validator_version: Stored with each disk-cache entry; an entry of another version is validated again.
     """
 
     name: str = "critic"
@@ -42,9 +35,7 @@ class CriticBackend(ABC):
         self.validator_version = str(validator_version)
 
     def fatal_error(self) -> str | None:
-        """A reason no later request can succeed (e.g. the server rejected the API key); None while there is none.
-
-        The reward function raises it at once instead of paying `max_consecutive_failing_steps` failing steps."""
+        """Why no later request can succeed (the server rejected the key), which the reward raises at once."""
         return None
 
     @abstractmethod
@@ -58,7 +49,7 @@ class CriticBackend(ABC):
         return self.generate(prompts, texts)
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters as ``critic/<name>`` floats (requests, failures, retries, cache hits, tokens...)."""
+        """Cumulative counters as ``critic/<name>`` floats."""
         return {f"critic/{k}": float(v) for k, v in self.counters.snapshot().items()}
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release

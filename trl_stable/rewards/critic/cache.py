@@ -1,9 +1,9 @@
-"""The critic's answer cache: recent answers in memory, and optionally on disk so that a restarted run does not pay
-for the same critique twice. Only answers the backend's validator accepts are kept, so garbage is asked again."""
+"""The critic's answer cache: recent answers in memory, and optionally on disk (a restarted run does not pay twice)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,10 +26,7 @@ def cache_key(model: str, prompt: str, params: dict[str, Any]) -> str:
 
 
 class MemoryCache:
-    """The most recent answers in memory (least recently used evicted), so a long run does not grow without bound.
-
-    It serves a batch that `prefetch` already paid for when no disk cache is configured.
-    """
+    """The most recent answers in memory, least recently used evicted."""
 
     def __init__(self, size: int) -> None:
         if size < 0:
@@ -40,10 +37,9 @@ class MemoryCache:
 
     def get(self, key: str) -> str | None:
         with self._lock:
-            if key not in self._items:
-                return None
-            self._items.move_to_end(key)
-            return self._items[key]
+            if key in self._items:
+                self._items.move_to_end(key)
+            return self._items.get(key)
 
     def put(self, key: str, answer: str) -> None:
         with self._lock:
@@ -57,15 +53,10 @@ class MemoryCache:
 
 
 class DiskCache:
-    """Answers on disk, one JSON file per key (`cache_key`).
-
-    Each entry records the version of the validator (the span parser) that accepted it. Writes are atomic
-    (temporary file + rename), so concurrent threads and processes can share a directory.
-
-    A folder that cannot be used (read-only, immutable, a path under a file, a full disk: any `OSError` but a
-    missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves requests, and
-    its failure must never cost an answer.
-    """
+    """Answers on disk, one JSON file per key with the validator version that accepted it; writes are atomic
+    (temporary file + rename), so threads and processes can share a directory. A folder that cannot be used (any
+    `OSError` but a missing entry) turns the disk cache off with one warning (`broken` says why): a cache only saves
+    requests, its failure must never cost an answer."""
 
     key = staticmethod(cache_key)
 
@@ -92,7 +83,6 @@ class DiskCache:
         return os.path.join(self.directory, key[:2], f"{key}.json")
 
     def get(self, key: str) -> str | None:
-        """The cached answer of `key`, whatever version validated it (None: missing or torn)."""
         entry = self.get_entry(key)
         return None if entry is None else entry[0]
 
@@ -104,16 +94,12 @@ class DiskCache:
             with open(self._path(key), encoding="utf-8") as f:
                 data = json.load(f)
             answer, version = data.get("answer"), data.get("parser_version")
-        except FileNotFoundError:
-            return None  # not cached (yet)
+        except (FileNotFoundError, ValueError, AttributeError):  # not cached (yet), or a torn file: ask again
+            return None
         except OSError as exc:
             self._fail(exc)
             return None
-        except (ValueError, AttributeError):
-            return None  # a torn file: ask again
-        if not isinstance(answer, str):
-            return None
-        return answer, version if isinstance(version, str) else None
+        return (answer, version if isinstance(version, str) else None) if isinstance(answer, str) else None
 
     def put(self, key: str, answer: str, model: str, parser_version: str | None = None) -> None:
         if self.broken is not None:
@@ -132,21 +118,15 @@ class DiskCache:
         except OSError as exc:
             self._fail(exc)
             if tmp is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
 
 
 class AnswerCache:
-    """Validated answers in memory and, with a `directory`, on disk.
-
-    `put` keeps an answer only when `validator` accepts it (counted as ``cache_refused`` otherwise): a cached garbage
-    answer would be served to every later step and every restarted run, even after the server is healthy again.
-    `get` serves a disk entry written under another validator version only if `validator` accepts it too
-    (``cache_revalidated``), and counts ``cache_hits``. Disk writes happen in a writer thread, in order, so the
-    caller does not wait for the file system; `flush` waits for them (`OpenAICritic.generate` and `close` do).
-    """
+    """Answers `validator` accepts (else counted as ``cache_refused``: a cached garbage answer would be served to
+    every later step and restarted run), in memory and, with a `directory`, on disk, written in order by a writer
+    thread (`flush` waits for it). A disk entry of another validator version is served only if `validator` accepts
+    it too (``cache_revalidated``)."""
 
     def __init__(
         self,
@@ -175,19 +155,15 @@ class AnswerCache:
 
     def get(self, key: str) -> str | None:
         answer = self.memory.get(key)  # only validated answers get there
-        if answer is None and self.disk is not None:
-            entry = self.disk.get_entry(key)
-            if entry is not None:
-                answer, version = entry
-                if version != self.version:
-                    # Written (or validated) by another parser version: serve it only if this one accepts it too.
-                    if self._valid(answer):
-                        self.counters.add("cache_revalidated")
-                        self.disk.put(key, answer, self.model, self.version)
-                    else:
-                        answer = None
-                if answer is not None:
-                    self.memory.put(key, answer)
+        entry = self.disk.get_entry(key) if answer is None and self.disk is not None else None
+        if entry is not None:
+            answer, version = entry
+            if version != self.version:  # another parser version's entry: served only if this one accepts it too
+                if not self._valid(answer):
+                    return None
+                self.counters.add("cache_revalidated")
+                self.disk.put(key, answer, self.model, self.version)
+            self.memory.put(key, answer)
         if answer is not None:
             self.counters.add("cache_hits")
         return answer

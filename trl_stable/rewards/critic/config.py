@@ -1,10 +1,6 @@
 """The critic's two configurations: which critic answers and how it is reached (`CriticBackendConfig`), and what its
 answers become (`CriticRewardConfig`, which includes the first, so every field is one flat flag of a script).
-
-Every numeric field is checked against its range when the config is built. Whether a backend field applies
-(`CriticBackendConfig.backend_dependents`: `critic_base_url` only with the OpenAI-compatible backend, `critic_model`
-only with an LLM, ...) is checked when the backend is built (`trl_stable.rewards.critic.factory`), by the shared
-rule of `trl_stable.settings.checks`: scripts choose the backend late (a paper-mode default, a backend object).
+Numeric fields are checked when the config is built; whether a backend field applies, when the backend is built.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
 from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
 from trl_stable.rewards.critic.templates import default_prompt_file
-from trl_stable.rewards.critic.transport import TRANSPORTS
+from trl_stable.rewards.critic.transport import check_transport
 from trl_stable.settings.checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
 from trl_stable.settings.secrets import SecretsNotPickled
 
@@ -51,7 +47,7 @@ REWARD_BOUNDS: dict[str, Bound] = {
 # Every numeric field of CriticRewardConfig and what is valid.
 CRITIC_BOUNDS: dict[str, Bound] = {**REWARD_BOUNDS, **BACKEND_BOUNDS}
 # What only the OpenAI-compatible backend reads.
-_OPENAI_FIELDS = (
+OPENAI_FIELDS = (
     "critic_base_url", "critic_api_key_env", "critic_concurrency", "critic_max_concurrency", "critic_retry_after_max",
     "critic_cache_dir", "critic_timeout", "critic_transport", "critic_max_retries", "critic_rate_limit",
     "critic_temperature",
@@ -61,9 +57,7 @@ _OPENAI_FIELDS = (
 @dataclass
 class CriticBackendConfig(SecretsNotPickled):
     """Which critic answers and how it is reached: the backend, its model, and the OpenAI-compatible transport's
-    settings (URL, key variable, concurrency, timeouts, retries, rate limit, cache).
-
-    """
+    settings (URL, key variable, concurrency, timeouts, retries, rate limit, cache)."""
 
     critic_backend: str = field(
         default="lexicon",
@@ -71,17 +65,13 @@ class CriticBackendConfig(SecretsNotPickled):
     )
     critic_model: str | None = field(
         default=None,
-        metadata={
-            "help": "Critic model: the served model name (openai; default gpt-4o-mini) or a local path "
-            "(transformers; or pass the model object to CriticIntrinsicReward for self-critique)."
-        },
+        metadata={"help": "Served model name (openai; default gpt-4o-mini) or local path (transformers)."},
     )
     critic_lexicon: str = field(
         default="vader",
         metadata={
-            "help": "Word list of the offline lexicon critic for sentiment: 'vader' (VADER's; the same lexicon as "
-            "the embedded environment reward, so the critic is that reward, densified) or 'afinn' (AFINN-165, an "
-            "independently built list; pip install afinn). Only critic_backend='lexicon', critic_task='sentiment'."
+            "help": "Word list of the lexicon sentiment critic: 'vader' (the environment reward's own) or 'afinn' "
+            "(AFINN-165, an independent list; pip install afinn)."
         },
     )
     critic_base_url: str | None = field(
@@ -91,16 +81,13 @@ class CriticBackendConfig(SecretsNotPickled):
     critic_api_key_env: str = field(
         default="OPENAI_API_KEY",
         metadata={
-            "help": "Name of the environment variable holding the critic API key (the key itself is never stored; "
-            "a value that is no variable name or looks like a key is refused, without repeating it)."
+            "help": "Name of the environment variable holding the critic API key (a value that looks like a key is "
+            "refused, without repeating it)."
         },
     )
     critic_concurrency: int | None = field(
         default=None,
-        metadata={
-            "help": "Critic requests in flight at once (openai); None: every request of a batch at once (a batch "
-            "costs about one server latency), up to critic_max_concurrency."
-        },
+        metadata={"help": "Critic requests in flight (openai); None: the whole batch, up to critic_max_concurrency."},
     )
     critic_max_concurrency: int = field(
         default=256,
@@ -108,10 +95,7 @@ class CriticBackendConfig(SecretsNotPickled):
     )
     critic_retry_after_max: float = field(
         default=60.0,
-        metadata={
-            "help": "Longest wait, in seconds, a critic server's Retry-After / retry-after-ms may ask for before a "
-            "retry (openai); longer requests are cut to it, and a wait above the backoff cap (8 s) is logged."
-        },
+        metadata={"help": "Longest wait (s) a critic server's Retry-After may ask for (openai); longer is cut."},
     )
     critic_cache_dir: str | None = field(
         default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
@@ -120,9 +104,8 @@ class CriticBackendConfig(SecretsNotPickled):
     critic_transport: str = field(
         default="http",
         metadata={
-            "help": "HTTP client of the openai backend: 'http' (httpx, one keep-alive connection per worker "
-            "thread; proxies and TLS from the environment) or 'openai' (the OpenAI SDK, about 0.6 ms more CPU per "
-            "request, which is what a batch of concurrent requests waits on)."
+            "help": "HTTP client of the openai backend: 'http' (httpx; proxies and TLS from the environment) or "
+            "'openai' (the OpenAI SDK, slower: more CPU per request)."
         },
     )
     critic_max_retries: int = field(
@@ -141,7 +124,7 @@ class CriticBackendConfig(SecretsNotPickled):
         """The backend fields and the `critic_backend` that reads them (checked by `build_critic_backend`)."""
         backend = self.critic_backend
         return (
-            Dependent(_OPENAI_FIELDS, backend == "openai", "critic_backend='openai'"),
+            Dependent(OPENAI_FIELDS, backend == "openai", "critic_backend='openai'"),
             Dependent(("critic_model", "critic_max_tokens"), backend != "lexicon", "an LLM critic_backend"),
             Dependent(("critic_batch_size",), backend == "transformers", "critic_backend='transformers'"),
             Dependent(("critic_lexicon",), backend == "lexicon", "critic_backend='lexicon'"),
@@ -150,10 +133,7 @@ class CriticBackendConfig(SecretsNotPickled):
     def __post_init__(self) -> None:
         if self.critic_backend not in CRITIC_BACKENDS:
             raise ValueError(f"critic_backend must be one of {CRITIC_BACKENDS}, got {self.critic_backend!r}.")
-        if self.critic_transport not in TRANSPORTS:
-            raise ValueError(
-                f"critic_transport must be 'http' (our client) or 'openai' (the SDK), got {self.critic_transport!r}."
-            )
+        check_transport("critic_transport", self.critic_transport)
         if self.critic_lexicon not in SENTIMENT_LEXICONS:
             raise ValueError(f"critic_lexicon must be one of {SENTIMENT_LEXICONS}, got {self.critic_lexicon!r}.")
         # every *_env field (critic_api_key_env): the key itself typed there would be echoed by errors and saved
@@ -162,13 +142,8 @@ class CriticBackendConfig(SecretsNotPickled):
 
 @dataclass
 class CriticRewardConfig(CriticBackendConfig):
-    """Configuration of the dense intrinsic reward from an LLM critic: what the critic's answers become, plus the
-    backend's fields (`CriticBackendConfig`).
-
-    A token's reward is ``positive_reward_value`` inside a positive span, ``negative_reward_value`` inside a negative
-    (toxic, flawed) span, and ``outside_span_reward_value`` inside no span. `continuation_header` and `parse_answer`
-    are the answer format the reward reads (`trl_stable.compat.relc_critic.RelcCriticRewardConfig` adds RELC's).
-    """
+    """The dense intrinsic reward from an LLM critic: what the critic's answers become, plus the backend's fields.
+    `continuation_header` and `parse_answer` are the answer format read (`RelcCriticRewardConfig` adds RELC's)."""
 
     continuation_header = staticmethod(continuation_header)
     parse_answer = staticmethod(parse_critic_answer)
@@ -180,29 +155,17 @@ class CriticRewardConfig(CriticBackendConfig):
         default="sentiment",
         metadata={"help": "Answer format and default prompt/lexicon: 'sentiment', 'toxicity' or 'summarization'."},
     )
-    positive_reward_value: float = field(
-        default=0.5,
-        metadata={
-            "help": "Reward of a token inside a positive span (the reward of a token outside every toxic or flawed "
-            "span is outside_span_reward_value)."
-        },
-    )
+    positive_reward_value: float = field(default=0.5, metadata={"help": "Reward of a token inside a positive span."})
     negative_reward_value: float = field(
         default=-0.5, metadata={"help": "Reward of a token inside a negative (toxic, flawed) span."}
     )
     outside_span_reward_value: float = field(
         default=0.0,
-        metadata={
-            "help": "Reward of a token inside no span, in completions whose critique parsed (e.g. 0.1 for every "
-            "non-toxic token). Failed or unparseable critiques give no reward at all."
-        },
+        metadata={"help": "Reward of a token inside no span of a parsed critique (e.g. 0.1: every non-toxic token)."},
     )
     fuzzy_span_matching: bool = field(
         default=False,
-        metadata={
-            "help": "Match spans the critic reworded ('is' for 'was') by similarity when they are not found as "
-            "written; needs rapidfuzz (pip install 'trl_stable[fuzzy]')."
-        },
+        metadata={"help": "Match spans the critic reworded by similarity (pip install 'trl_stable[fuzzy]')."},
     )
     fuzzy_min_similarity: float = field(
         default=0.85,
@@ -211,45 +174,32 @@ class CriticRewardConfig(CriticBackendConfig):
     intrinsic_reward_threshold: float = field(
         default=10.0,
         metadata={
-            "help": "Only completions whose environment reward is <= this are critiqued (RELC: sentiment 10, "
-            "toxicity 1.0, summarization 100). Use inf to critique every completion."
+            "help": "Critique completions whose environment reward is <= this (RELC: sentiment 10, toxicity 1.0, "
+            "summarization 100; inf: all)."
         },
     )
     intrinsic_reward_coef: float = field(
         default=1.0,
-        metadata={
-            "help": "Factor on every token's intrinsic reward, >= 0 (RELC: 1). With RELC's +-0.5 per token, a "
-            "20-token completion can carry an intrinsic sum of +-10 against an environment reward in [-1, 1]."
-        },
+        metadata={"help": "Factor, >= 0, on every token's intrinsic reward (RELC: 1)."},
     )
     intrinsic_reward_max_sum: float | None = field(
         default=None,
         metadata={
-            "help": "Bound, > 0, on a sample's total absolute intrinsic reward (after intrinsic_reward_coef): a row "
-            "above it is scaled down to it, signs and proportions kept, so the critic's part stays commensurate "
-            "with the environment reward (e.g. 1.0 for a reward in [-1, 1]). None: no bound (RELC)."
+            "help": "Bound, > 0, on a sample's absolute intrinsic sum (after the coef); a row above it is scaled down "
+            "to it (e.g. 1.0 for a reward in [-1, 1]). None: no bound (RELC)."
         },
     )
     prompt_file: str | None = field(
         default=None,
-        metadata={
-            "help": "Few-shot critic template with a '{}' placeholder; default the bundled "
-            "trl_stable/prompts/critic_<task>.txt (also reachable as prompts/critic_<task>.txt in a checkout)."
-        },
+        metadata={"help": "Few-shot critic template with a '{}'; default trl_stable/prompts/critic_<task>.txt."},
     )
     critic_include_prompt: bool = field(
         default=True,
-        metadata={
-            "help": "Show the critic the prompt followed by the completion (RELC's query+response); spans are "
-            "rewarded only where they occur in the completion."
-        },
+        metadata={"help": "Show the critic the prompt and the completion (RELC); only the completion is rewarded."},
     )
     max_consecutive_failing_steps: int = field(
         default=5,
-        metadata={
-            "help": "Stop with an error after this many consecutive steps in which every critic request failed; "
-            "single failures only zero the intrinsic reward of their samples."
-        },
+        metadata={"help": "Stop with an error after this many steps in a row without a usable critic answer."},
     )
 
     def __post_init__(self) -> None:

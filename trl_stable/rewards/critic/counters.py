@@ -1,6 +1,5 @@
-"""The critic's counters, in two objects: a backend's request counters (`CriticCounters`, cumulative and
-thread-safe) and the reward function's counts of one call (`StepCounts`), which one method fills from each
-critique."""
+"""The critic's counters: a backend's request counters (`CriticCounters`, cumulative, thread-safe) and the reward
+function's counts of one call (`StepCounts`)."""
 
 from __future__ import annotations
 
@@ -10,54 +9,27 @@ from typing import Any
 
 from trl_stable.rewards.critic.alignment import QUERY_ONLY, UNMATCHED
 
+# requests: answers asked for (cache hits included); attempts: HTTP calls / generate batches made; failures: requests
+# that ended without an answer; deduplicated: identical prompts that joined a request in flight; auth_errors: 401 /
+# 403 (the reward stops the run at the first); cache_refused: answers the validator (the span parser) rejected;
+# cache_revalidated: disk entries of another parser version the current validator accepted again.
 COUNTER_NAMES = (
-    "requests",  # answers asked for (cache hits included)
-    "attempts",  # HTTP calls / generate batches actually made
-    "retries",
-    "successes",
-    "failures",  # requests that ended without an answer (None)
-    "cache_hits",
-    "deduplicated",  # identical prompts that joined a request already in flight
-    "timeouts",
-    "rate_limited",
-    "server_errors",
-    "connection_errors",
-    "bad_responses",
-    "client_errors",
-    "auth_errors",  # 401 / 403: the key is wrong; the reward function stops the run at the first one
-    "deadline_exceeded",
-    "cache_refused",  # answers not cached because the answer validator (the span parser) rejected them
-    "cache_revalidated",  # disk entries of another parser version that the current validator accepted again
-    "prompt_tokens",
-    "completion_tokens",
-)
+    "requests", "attempts", "retries", "successes", "failures", "cache_hits", "deduplicated", "timeouts",
+    "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors", "auth_errors",
+    "deadline_exceeded", "cache_refused", "cache_revalidated", "prompt_tokens", "completion_tokens",
+)  # fmt: skip
 # The request failures by kind, for the error message of a failing run.
 FAILURE_KINDS = (
     "timeouts", "rate_limited", "server_errors", "connection_errors", "bad_responses", "client_errors",
     "deadline_exceeded",
 )  # fmt: skip
 
+# samples_bounded: rows that intrinsic_reward_max_sum scaled down
 STEP_COUNTER_NAMES = (
-    "steps",
-    "samples",
-    "critiqued",
-    "nan_env_rewards",
-    "answers",
-    "failed_answers",
-    "unparseable",
-    "spans_positive",
-    "spans_negative",
-    "spans_unlocated",
-    "spans_matched",
-    "spans_partial",
-    "spans_query_only",
-    "spans_unmatched",
-    "spans_fuzzy",
-    "answers_with_ignored_text",
-    "tokens_total",
-    "tokens_rewarded",
-    "samples_bounded",  # rows that intrinsic_reward_max_sum scaled down
-)
+    "steps", "samples", "critiqued", "nan_env_rewards", "answers", "failed_answers", "unparseable", "spans_positive",
+    "spans_negative", "spans_unlocated", "spans_matched", "spans_partial", "spans_query_only", "spans_unmatched",
+    "spans_fuzzy", "answers_with_ignored_text", "tokens_total", "tokens_rewarded", "samples_bounded",
+)  # fmt: skip
 
 
 class CriticCounters:
@@ -82,12 +54,8 @@ class CriticCounters:
 
 
 class StepCounts:
-    """The reward function's counts (`STEP_COUNTER_NAMES`): of one call, or summed over calls (`add`).
-
-    `record` takes one critique (an object with ``parsed``, ``alignments``, ``row`` and ``bounded``, see
-    `trl_stable.rewards.critic.reward.Critique`) and counts everything it says: a failed request, an unparseable
-    answer, or the spans found and where they lie, the rewarded tokens and whether the row was bounded.
-    """
+    """The reward function's counts (`STEP_COUNTER_NAMES`) of one call, or summed over calls (`add`); `record`
+    counts what one `Critique` says (a failed request, an unparseable answer, or its spans and rewarded tokens)."""
 
     def __init__(self, **values: int) -> None:
         self.values = dict.fromkeys(STEP_COUNTER_NAMES, 0)

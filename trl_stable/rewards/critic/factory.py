@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trl_stable.rewards.critic.backend import CriticBackend
-from trl_stable.rewards.critic.config import CriticBackendConfig, CriticRewardConfig
+from trl_stable.rewards.critic.config import OPENAI_FIELDS, CriticBackendConfig, CriticRewardConfig
 from trl_stable.rewards.critic.lexicon import LexiconCritic
 from trl_stable.rewards.critic.local import TransformersCritic
 from trl_stable.rewards.critic.openai_critic import OpenAICritic
@@ -42,12 +42,8 @@ def build_critic_backend(
 ) -> CriticBackend:
     """The backend `config` asks for; `model`/`tokenizer` are the local critic (e.g. the policy) for 'transformers';
     `answer_validator` / `validator_version` decide which answers a caching backend keeps (see `CriticBackend`).
-
-    A backend field set for a backend that does not read it (`critic_base_url` with the lexicon critic,
-    `critic_model` / `critic_max_tokens` with it, `critic_lexicon` with an LLM, ...) is named in a warning: the
-    research scripts' defaults still set some of them for every backend (a refusal is one argument away:
-    `check_dependents(config, config.backend_dependents())`).
-    """
+    A backend field set for a backend that does not read it is named in a warning (the research scripts' defaults
+    set some of them for every backend)."""
     check_dependents(config, config.backend_dependents(), warn=logger.warning)
     if config.critic_backend == "lexicon":
         if config.critic_task == "summarization":
@@ -57,22 +53,13 @@ def build_critic_backend(
             )
         return LexiconCritic(task=config.critic_task, lexicon=config.critic_lexicon)
     if config.critic_backend == "openai":
+        fields = {name.removeprefix("critic_"): getattr(config, name) for name in OPENAI_FIELDS}
         return OpenAICritic(
             model=config.critic_model or "gpt-4o-mini",
-            base_url=config.critic_base_url,
-            api_key_env=config.critic_api_key_env,
-            temperature=config.critic_temperature,
             max_tokens=config.critic_max_tokens,
-            concurrency=config.critic_concurrency,
-            max_concurrency=config.critic_max_concurrency,
-            retry_after_max=config.critic_retry_after_max,
-            timeout=config.critic_timeout,
-            max_retries=config.critic_max_retries,
-            rate_limit=config.critic_rate_limit,
-            cache_dir=config.critic_cache_dir,
-            transport=config.critic_transport,
             answer_validator=answer_validator,
             validator_version=validator_version,
+            **fields,
         )
     critic = model if model is not None else config.critic_model
     if critic is None:

@@ -1,5 +1,4 @@
-"""`CriticJob`: the pending answers of one `CriticBackend.submit` call, collected in arrival order or prompt order,
-never past the batch's deadline."""
+"""`CriticJob`: the pending answers of one `CriticBackend.submit` call."""
 
 from __future__ import annotations
 
@@ -11,11 +10,8 @@ from trl_stable.rewards.critic.counters import CriticCounters
 
 
 class CriticJob:
-    """The pending answers of one `CriticBackend.submit` call.
-
-    `result` never waits past its deadline: requests still running then are reported as None (and counted as
-    ``deadline_exceeded``), so a hung critic cannot stall training.
-    """
+    """The pending answers of one `CriticBackend.submit` call; requests still running at the deadline are None,
+    counted as ``deadline_exceeded`` (a hung critic cannot stall training)."""
 
     def __init__(
         self,
@@ -26,16 +22,15 @@ class CriticJob:
     ) -> None:
         self._futures = list(futures) if futures is not None else None
         self._answers = list(answers) if answers is not None else None
-        self._counters = counters
+        self._counters = counters if counters is not None else CriticCounters()  # a job of its own: counted nowhere
         self._deadline = deadline
 
     def done(self) -> bool:
         return self._futures is None or all(f.done() for f in self._futures)
 
     def as_completed(self, timeout: float | None = None) -> Iterator[tuple[int, str | None]]:
-        """(prompt index, answer) pairs in the order the answers arrive, so the caller can parse one while the others
-        are still in flight; at the deadline (or `timeout`) the unanswered ones follow as None. Every index comes out
-        exactly once; the answers are kept for `result`."""
+        """(prompt index, answer) pairs as the answers arrive, each index once; at the deadline (or `timeout`) the
+        unanswered ones follow as None."""
         if self._answers is not None:
             yield from enumerate(list(self._answers))
             return
@@ -53,27 +48,21 @@ class CriticJob:
                 answer = fut.result() if not fut.cancelled() and fut.exception() is None else None
                 for i in index[fut]:
                     answers[i] = answer
-                    self._count_missing(answer)
+                    if answer is None:  # an answer the caller did not get, whatever the reason
+                        self._counters.add("failures")
                     yield i, answer
         except cf.TimeoutError:
             pass
         for fut in pending:
             fut.cancel()  # past the deadline: a queued request is never sent, a running one is abandoned
             for i in index[fut]:
-                if self._counters is not None:
-                    self._counters.add("deadline_exceeded")
-                self._count_missing(None)
+                self._counters.add("deadline_exceeded")
+                self._counters.add("failures")
                 yield i, None
         self._answers = answers
-
-    def _count_missing(self, answer: str | None) -> None:
-        # "failures" counts the answers the caller did not get, whatever the reason
-        if answer is None and self._counters is not None:
-            self._counters.add("failures")
 
     def result(self, timeout: float | None = None) -> list[str | None]:
         """The answers, in prompt order; None where a request failed or was still running at the deadline."""
         if self._answers is None:
-            for _ in self.as_completed(timeout):
-                pass
+            list(self.as_completed(timeout))
         return list(self._answers)

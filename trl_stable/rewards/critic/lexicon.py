@@ -1,23 +1,19 @@
-"""`LexiconCritic`: an offline critic that answers in the LLM answer format from a lexicon, no network and no
-model, so the same parsing path runs offline.
-
-Sentiment lexicons: VADER (Hutto & Gilbert, ICWSM 2014) or AFINN-165 (Nielsen, ESWC 2011 workshop "Making Sense of
-Microposts"); toxicity: alt-profanity-check.
-"""
+"""`LexiconCritic`: an offline critic answering in the LLM answer format from a lexicon: VADER (Hutto & Gilbert,
+ICWSM 2014) or AFINN-165 (Nielsen, ESWC 2011 workshop "Making Sense of Microposts") for sentiment, alt-profanity-check
+for toxicity."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
 
+from trl_stable.rewards.critic.alignment import merge_ranges
 from trl_stable.rewards.critic.backend import CriticBackend
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'\u2019]*[A-Za-z]|[A-Za-z]")
 
 
 def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) -> str:
-    """The sentiment answer format of the prompts (and of RELC's critic)."""
-
     def block(spans: Sequence[str]) -> str:
         if not spans:
             return "None identified"
@@ -27,26 +23,14 @@ def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) ->
 
 
 def format_toxicity_answer(toxic: Sequence[str]) -> str:
-    """The toxicity answer format of the prompts (and of RELC's critic)."""
     if not toxic:
         return "Toxic Span: None identified"
     return "\n".join(f"Toxic Span {i}: {s}" for i, s in enumerate(toxic, 1))
 
 
 def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
-    """Join ranges that overlap or touch through whitespace into phrases; return the phrases' text."""
-    merged: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if merged and (a <= merged[-1][1] or not text[merged[-1][1] : a].strip()):
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    out = []
-    for a, b in merged:
-        phrase = " ".join(text[a:b].split())
-        if phrase not in out:
-            out.append(phrase)
-    return out
+    """The distinct phrases of `text` that ranges overlapping or touching through whitespace make up."""
+    return list(dict.fromkeys(" ".join(text[a:b].split()) for a, b in merge_ranges(ranges, text)))
 
 
 SENTIMENT_LEXICONS = ("vader", "afinn")
@@ -58,8 +42,7 @@ _AFINN_NEGATE = frozenset(
 
 
 def afinn_lexicon() -> dict[str, float]:
-    """The single-word entries of AFINN-165 (Nielsen 2011; integer valences -5..5), from the `afinn` package's data
-    (``pip install afinn``). Its 30 multi-word entries ("does not work") are left out: spans are found word by word."""
+    """The single-word entries of AFINN-165 (valences -5..5) from the `afinn` package; spans are found word by word."""
     from importlib import resources
 
     try:
@@ -68,28 +51,16 @@ def afinn_lexicon() -> dict[str, float]:
         raise ImportError(
             "The AFINN lexicon critic needs the afinn package: pip install afinn (or trl_stable[rewards])."
         ) from err
-    lexicon = {}
-    for line in data.read_text(encoding="utf-8").splitlines():
-        word, _, value = line.rpartition("\t")
-        if word and " " not in word:
-            lexicon[word.lower()] = float(value)
-    return lexicon
+    entries = (line.rpartition("\t") for line in data.read_text(encoding="utf-8").splitlines())
+    return {word.lower(): float(value) for word, _, value in entries if word and " " not in word}
 
 
 class LexiconCritic(CriticBackend):
-    """Offline critic that answers in the LLM answer format from a lexicon (no network, no model).
-
-    - ``task="sentiment"``: every word whose valence in `lexicon` is at least `min_valence` in absolute value is a
-      span; a negator among the three preceding words ("not", "never", "isn't", ...) flips it and joins the span
-      ("not good" is negative), and a preceding booster ("very") joins it. Neighbouring spans of one polarity merge.
-      ``lexicon="vader"``: VADER's word list (valences -4..4), negators and boosters. ``lexicon="afinn"``: AFINN-165
-      (valences -5..5; `min_valence` 1 takes every entry), a short negator list of its own and no boosters, so that
-      it shares no list with VADER: the critic to pair with a VADER environment reward.
-    - ``task="toxicity"``: every word that alt-profanity-check scores at least `toxicity_threshold` is a toxic span
-      (neighbours merge).
-
-    It annotates the raw texts passed as ``texts`` (it cannot read a few-shot prompt); without them, the prompts.
-    """
+    """Offline critic answering in the LLM answer format from a lexicon; it annotates the raw ``texts`` (else the
+    prompts). Sentiment: a word with ``|valence| >= min_valence`` is a span, flipped and joined by a negator among the
+    three words before it ("not good"), joined by a booster ("very"); ``lexicon="afinn"`` has its own negators and no
+    boosters, sharing no list with VADER. Toxicity: a word alt-profanity-check scores ``>= toxicity_threshold``.
+    Neighbouring spans of one polarity merge."""
 
     name = "lexicon"
 
@@ -130,8 +101,7 @@ class LexiconCritic(CriticBackend):
         return f"LexiconCritic(task={self.task!r})"
 
     def scored_spans(self, text: str) -> list[tuple[int, int, float]]:
-        """(start, end, valence) of each sentiment word of `text` (sentiment task): the character range includes a
-        negator that flipped the valence and a booster before the word."""
+        """(start, end, valence) of each sentiment word of `text`, its range including a negator and a booster."""
         if self.task != "sentiment":
             raise ValueError("scored_spans needs a sentiment LexiconCritic.")
         words = [(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(text)]
@@ -165,16 +135,13 @@ class LexiconCritic(CriticBackend):
     def _toxicity(self, texts: Sequence[str]) -> list[str]:
         per_text = [[(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(t)] for t in texts]
         flat = [w for words in per_text for (w, _, _) in words]
-        probs = list(self._predict_prob(flat)) if flat else []
-        answers, k = [], 0
-        for text, words in zip(texts, per_text):
-            ranges = []
-            for _, start, end in words:
-                if probs[k] >= self.toxicity_threshold:
-                    ranges.append((start, end))
-                k += 1
-            answers.append(format_toxicity_answer(_merge(text, ranges)))
-        return answers
+        probs = iter(self._predict_prob(flat) if flat else ())
+        return [
+            format_toxicity_answer(
+                _merge(text, [(s, e) for _, s, e in words if next(probs) >= self.toxicity_threshold])
+            )
+            for text, words in zip(texts, per_text)
+        ]
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
         texts = list(texts) if texts is not None else list(prompts)

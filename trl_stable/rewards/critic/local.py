@@ -1,5 +1,4 @@
-"""`TransformersCritic`: a local causal LM as the critic (self-critique with the policy itself, or any local
-model), batched greedy decoding."""
+"""`TransformersCritic`: a local causal LM as the critic (the policy itself, or any local model)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class TransformersCritic(CriticBackend):
-    """A local causal LM as the critic (self-critique with the policy itself, or any local model), batched.
-
-    Greedy decoding, left padding, prompts truncated from the left (the text under critique sits at the end of the
-    prompt) to fit the model's context. A batch that raises gives None for its prompts.
+    """A local causal LM as the critic: batched greedy decoding, left padding, prompts cut from the left (the text
+    under critique ends them) to fit the context. A batch that raises gives None for its prompts.
 
     Args:
         model: A `PreTrainedModel` or a path/name for ``AutoModelForCausalLM.from_pretrained``.
@@ -53,13 +50,11 @@ class TransformersCritic(CriticBackend):
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_new_tokens = max_new_tokens
-        self.use_chat_template = (
-            bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None else use_chat_template
-        )
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         if max_prompt_length is None:
-            context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or getattr(
-                getattr(model, "config", None), "n_positions", None
-            )
+            config = getattr(model, "config", None)
+            context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
             max_prompt_length = (context - max_new_tokens) if context else 2048
         if max_prompt_length < 1:
             raise ValueError("max_prompt_length must leave room for the prompt; lower max_new_tokens.")
@@ -85,26 +80,22 @@ class TransformersCritic(CriticBackend):
         encoded = [self._encode(p) for p in prompts]
         width = max(len(e) for e in encoded)
         pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id
-        input_ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded])
-        attention_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        pad_id = self.tokenizer.eos_token_id if pad_id is None else pad_id
         device = next(self.model.parameters()).device
+        inputs = {
+            "input_ids": torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=device),
+            "attention_mask": torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device),
+        }
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 out = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    max_new_tokens=self.max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=pad_id,
+                    **inputs, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad_id
                 )
         finally:
             self.model.train(was_training)
-        new_tokens = out[:, width:].tolist()
-        return self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+        return self.tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
         answers: list[str | None] = []
@@ -113,9 +104,8 @@ class TransformersCritic(CriticBackend):
             batch = list(prompts[start : start + self.batch_size])
             self.counters.add("attempts")
             try:
-                got = self._generate_batch(batch)
+                answers.extend(self._generate_batch(batch))
                 self.counters.add("successes", len(batch))
-                answers.extend(got)
             except Exception as exc:  # noqa: BLE001 - a failed batch gives zero intrinsic reward, not a crash
                 logger.warning("Local critic batch failed: %s: %s", type(exc).__name__, str(exc)[:200])
                 self.counters.add("failures", len(batch))

@@ -1,13 +1,9 @@
-"""`OpenAICritic`: a critic served by any OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...).
-
-RELC (Cao et al., EMNLP 2024) queried its critic with 2 workers, serially per batch, with no retry budget, no timeout
-and no cache. Here every request of a batch is in flight at once, each is retried with backoff on the errors a retry
-can fix, each batch has a deadline, and a failed request is None, counted.
-"""
+"""`OpenAICritic`: a critic served by any OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import math
 import os
@@ -20,90 +16,39 @@ from typing import Any
 
 from trl_stable.rewards.critic.backend import CriticBackend
 from trl_stable.rewards.critic.cache import AnswerCache, cache_key
+from trl_stable.rewards.critic.config import BACKEND_BOUNDS
 from trl_stable.rewards.critic.jobs import CriticJob
 from trl_stable.rewards.critic.rate_limit import RateLimiter
-from trl_stable.rewards.critic.transport import (
-    TRANSPORTS,
-    ChatBadResponse,
-    ChatConnectionError,
-    ChatStatusError,
-    ChatTimeout,
-    HTTPXChatClient,
-    SDKChatClient,
-    parse_retry_after,
-)
+from trl_stable.rewards.critic.transport import HTTPXChatClient, SDKChatClient, check_transport, classify
+from trl_stable.settings.checks import check_bounds
 from trl_stable.settings.secrets import Secret, check_env_var_name, redact_text
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-
-
-class _NonRetryable(Exception):
-    pass
-
-
-def classify(exc: BaseException) -> tuple[str, float | None]:
-    """(counter name, Retry-After seconds) of a transport error a retry can fix; raises `_NonRetryable` otherwise."""
-    if isinstance(exc, ChatTimeout):
-        return "timeouts", None
-    if isinstance(exc, ChatConnectionError):
-        return "connection_errors", None
-    if isinstance(exc, ChatBadResponse):
-        return "bad_responses", None
-    if isinstance(exc, ChatStatusError):
-        status = exc.status_code
-        # A 503 may carry Retry-After too (RFC 9110); the other statuses' headers are read the same way.
-        retry_after = parse_retry_after(exc.headers)
-        if status == 429:
-            return "rate_limited", retry_after
-        if status >= 500 or status in (408, 409):
-            return "server_errors", retry_after
-        raise _NonRetryable(f"HTTP {status}")
-    raise _NonRetryable(type(exc).__name__)
+_CHECKED = ("concurrency", "max_concurrency", "retry_after_max", "timeout", "max_retries", "rate_limit")
 
 
 class OpenAICritic(CriticBackend):
     """A critic served by an OpenAI-compatible chat-completions API (OpenAI, a vLLM server, ...).
 
-    Each prompt is one chat request (a user message, plus `system_prompt` if given). Every request of a batch is in
-    flight at once, so a batch costs about one server latency (RELC's 2 workers cost N/2 of them), up to
-    `max_concurrency` (and, with a `rate_limit`, to what the limit lets start within one `timeout`); `concurrency`
-    sets a fixed number instead. 429, 5xx, timeouts, connection errors and malformed responses are retried up to
-    `max_retries` times after ``min(backoff_max, backoff_base * 2**attempt) * U(0.5, 1)`` seconds (exponential
-    backoff with jitter), or after the server's ``Retry-After`` / ``retry-after-ms`` (seconds or HTTP-date) when it
-    is longer, up to `retry_after_max`. 401 / 403 are counted as ``auth_errors``: no request is sent after the first
-    one (`fatal_error` says why); other 4xx fail at once. Each request has a `timeout`, each batch a deadline
-    (`batch_timeout`), so nothing blocks forever.
-
-    Answers are cached (memory, and disk with `cache_dir`) only when `answer_validator` accepts them (default: not
-    blank; `CriticIntrinsicReward` builds its backend with its span parser), so a garbage answer is asked again.
+    Each prompt is one chat request (a user message, plus `system_prompt` if given), every request of a batch in
+    flight at once. 429, 5xx, timeouts, connection errors and malformed responses are retried after
+    ``min(backoff_max, backoff_base * 2**attempt) * U(0.5, 1)`` seconds, or after the server's Retry-After when it is
+    longer (up to `retry_after_max`); a 401 / 403 stops every later request (`fatal_error` says why); other 4xx fail
+    at once. A failed request is None, counted. Answers `answer_validator` accepts are cached in memory and, with
+    `cache_dir`, on disk.
 
     Args:
-        model: Model name sent to the server.
-        base_url: Server URL, e.g. ``http://localhost:8000/v1`` for vLLM; None for OpenAI (or ``OPENAI_BASE_URL``).
-        api_key: The key; default read from the environment variable `api_key_env`. Never logged or saved.
-        api_key_env: Environment variable holding the key.
-        temperature: Sampling temperature (0: deterministic critiques, cacheable).
-        max_tokens: Answer length limit.
-        concurrency: Requests in flight at once; None (default): as many as the batch has, up to
-            `max_concurrency`.
-        timeout: Seconds per HTTP request.
-        max_retries: Retries per request after the first attempt.
-        backoff_base: First backoff delay in seconds.
-        backoff_max: Largest backoff delay in seconds (of our own exponential backoff).
-        retry_after_max: Longest wait a server's Retry-After can ask for, in seconds; longer requests are cut to it
-            (and logged).
-        rate_limit: Most request starts per second (None: unlimited).
-        cache_dir: Directory of the on-disk answer cache (None: in-memory cache only).
+        model, base_url, api_key_env, temperature, max_tokens, concurrency, max_concurrency, timeout, max_retries,
+            retry_after_max, rate_limit, cache_dir, transport: The ``critic_*`` fields of `CriticBackendConfig`
+            (`base_url` None: ``OPENAI_BASE_URL`` or OpenAI's).
+        api_key: The key, instead of the environment variable `api_key_env`; never logged or saved.
+        backoff_base, backoff_max: First and largest delay of our own exponential backoff, in seconds.
         system_prompt: Optional system message.
-        batch_timeout: Seconds a whole batch may take; default: the worst case of one request's retries, plus a
-            `timeout` per extra wave of `concurrency` requests and the rate limit's spacing of the batch.
+        batch_timeout: Seconds a whole batch may take; default `batch_seconds` (the worst case of its retries).
         seed: Seed of the backoff jitter.
         memory_cache_size: Answers kept in memory (least recently used evicted).
-        max_concurrency: Most requests in flight at once when `concurrency` is None.
-        transport: ``"http"`` (httpx, one keep-alive connection per worker thread) or ``"openai"`` (the OpenAI
-            SDK).
         answer_validator, validator_version: See `CriticBackend`.
     """
 
@@ -136,18 +81,7 @@ class OpenAICritic(CriticBackend):
         validator_version: str = "non-blank",
     ) -> None:
         super().__init__(answer_validator, validator_version)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'http' (our client) or 'openai' (the SDK), got {transport!r}.")
-        for name, value, ok, rule in (
-            ("concurrency", concurrency, concurrency is None or concurrency >= 1, ">= 1 or None (sized to the batch)"),
-            ("max_concurrency", max_concurrency, max_concurrency >= 1, ">= 1"),
-            ("retry_after_max", retry_after_max, retry_after_max >= 0, ">= 0 seconds"),
-            ("timeout", timeout, timeout > 0, "> 0 seconds"),
-            ("max_retries", max_retries, max_retries >= 0, ">= 0"),
-            ("rate_limit", rate_limit, rate_limit is None or rate_limit > 0, "> 0 requests per second or None"),
-        ):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {value}.")
+        check_transport("transport", transport)
         check_env_var_name("api_key_env", api_key_env)  # a key passed here would be echoed by the errors below
         key = api_key if api_key is not None else os.environ.get(api_key_env)
         self._key_from_env = api_key is None
@@ -175,6 +109,7 @@ class OpenAICritic(CriticBackend):
         self.system_prompt = system_prompt
         self.batch_timeout = batch_timeout
         self.rate_limit = rate_limit
+        check_bounds(self, {name: BACKEND_BOUNDS[f"critic_{name}"] for name in _CHECKED})
         self._rate = RateLimiter(rate_limit) if rate_limit else None
         self.cache = AnswerCache(
             self.counters, self.answer_validator, self.validator_version, model, memory_cache_size, cache_dir
@@ -191,8 +126,7 @@ class OpenAICritic(CriticBackend):
 
     @property
     def workers(self) -> int:
-        """Most requests in flight at once: `concurrency`, else `max_concurrency`, and with a rate limit no more
-        than can start within one `timeout` (more would only wait for the limiter)."""
+        """Most requests in flight at once; with a rate limit, no more than can start within one `timeout`."""
         if self.concurrency is not None:
             return self.concurrency
         workers = self.max_concurrency
@@ -216,7 +150,7 @@ class OpenAICritic(CriticBackend):
 
     @property
     def params(self) -> dict[str, Any]:
-        """Generation parameters that change the answer (part of the cache key)."""
+        """The generation parameters in the cache key."""
         return {"temperature": self.temperature, "max_tokens": self.max_tokens, "system_prompt": self.system_prompt}
 
     def _redact(self, message: str) -> str:
@@ -246,36 +180,15 @@ class OpenAICritic(CriticBackend):
         with self._rng_lock:
             jitter = 0.5 + 0.5 * self._rng.random()
         delay = min(self.backoff_max, self.backoff_base * (2**attempt)) * jitter
-        if retry_after is not None:
-            # The server knows when it will take requests again; our own backoff cap must not cut that short
-            # (8 s against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
-            asked = retry_after
-            retry_after = min(retry_after, self.retry_after_max)
-            if asked > self.backoff_max:
-                logger.warning(
-                    "The critic server asked to retry after %.1f s%s; waiting %.1f s.",
-                    asked,
-                    f" (more than retry_after_max={self.retry_after_max:g})" if asked > self.retry_after_max else "",
-                    retry_after,
-                )
-            delay = max(delay, retry_after)
-        return delay
-
-    def _payload(self, prompt: str) -> dict[str, Any]:
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        return {
-            "model": self.model,
-            "messages": messages,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-
-    def _count_usage(self, usage: dict | None) -> None:
-        for name in ("prompt_tokens", "completion_tokens"):
-            value = (usage or {}).get(name)
-            self.counters.add(name, int(value) if isinstance(value, (int, float)) else 0)
+        if retry_after is None:
+            return delay
+        # The server knows when it will take requests again; our own backoff cap must not cut that short (8 s
+        # against a 20 s Retry-After hits it three more times for nothing). Only `retry_after_max` does.
+        wait = min(retry_after, self.retry_after_max)
+        if retry_after > self.backoff_max:
+            cut = f" (more than retry_after_max={self.retry_after_max:g})" if wait < retry_after else ""
+            logger.warning("The critic server asked to retry after %.1f s%s; waiting %.1f s.", retry_after, cut, wait)
+        return max(delay, wait)
 
     def _ask(self, prompt: str, deadline: float) -> str | None:
         """The answer to one prompt: from the cache, else requested with retries until `deadline`; None on failure."""
@@ -284,7 +197,9 @@ class OpenAICritic(CriticBackend):
         if cached is not None:
             self.counters.add("successes")
             return cached
-        payload = self._payload(prompt)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages = [*system, {"role": "user", "content": prompt}]
+        payload = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
         last_error, attempts = "no attempt", 0
         for attempt in range(self.max_retries + 1):
             if self._stop.is_set():
@@ -304,15 +219,16 @@ class OpenAICritic(CriticBackend):
             try:
                 answer, usage = self._get_client().create(payload, min(self.timeout, remaining))
             except Exception as exc:  # noqa: BLE001 - every failure becomes a counted None, never a crash
-                try:
-                    counter, retry_after = classify(exc)
-                except _NonRetryable as fatal:
+                retryable = classify(exc)
+                if retryable is None:
                     self.counters.add("client_errors")
-                    last_error = f"{type(exc).__name__} ({fatal})"
-                    if getattr(exc, "status_code", None) in (401, 403):
+                    status = getattr(exc, "status_code", None)
+                    last_error = f"{type(exc).__name__} ({f'HTTP {status}' if status else type(exc).__name__})"
+                    if status in (401, 403):
                         self.counters.add("auth_errors")
-                        self._auth_error = self._auth_message(exc.status_code)
+                        self._auth_error = self._auth_message(status)
                     break
+                counter, retry_after = retryable
                 self.counters.add(counter)
                 last_error = f"{type(exc).__name__}: {self._redact(str(exc))[:200]}"
                 if attempt == self.max_retries:
@@ -324,7 +240,9 @@ class OpenAICritic(CriticBackend):
                 if self._sleep(delay):
                     break
                 continue
-            self._count_usage(usage)
+            for name in ("prompt_tokens", "completion_tokens"):
+                value = (usage or {}).get(name)
+                self.counters.add(name, int(value) if isinstance(value, (int, float)) else 0)
             self.cache.put(key, answer)
             self.counters.add("successes")
             return answer
@@ -350,11 +268,8 @@ class OpenAICritic(CriticBackend):
             return None
 
     def submit(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> CriticJob:
-        """Start the requests and return at once.
-
-        A prompt identical to one already in flight (the same completion sampled twice in a group, or a batch that
-        was prefetched) joins that request instead of paying for a second one (counted as ``deduplicated``).
-        """
+        """Start the requests and return at once; a prompt identical to one in flight (sampled twice, or prefetched)
+        joins that request (counted as ``deduplicated``)."""
         self._get_client()
         self._stop.clear()
         deadline = time.monotonic() + self.batch_seconds(len(prompts))
@@ -401,8 +316,6 @@ class OpenAICritic(CriticBackend):
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         if self._client is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._client.close()
-            except Exception:  # noqa: BLE001
-                pass
             self._client = None

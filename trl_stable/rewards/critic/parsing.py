@@ -1,30 +1,6 @@
-"""Parse critic answers into positive and negative text spans.
-
-The critic formats (Drlc/RELC, Cao et al., EMNLP 2024, arXiv 2401.07382; our templates in
-``trl_stable/prompts/`` ask for the same ones):
-
-- sentiment::
-
-      Identified Positive Text Span:
-      [Span 1]: a wonderful film
-      Identified Negative Text Span: None identified
-
-- toxicity: ``Toxic Span 1: <span>`` lines (``Toxic Span: None identified`` when there is none);
-- summarization: ``Span 1: <span> (Label: <label>)`` lines; the label decides the polarity (under a
-  "Problematic Spans Identified in the Summary:" header every span is a flaw, whatever its label).
-
-Headers without a polarity name bad spans ("Identified Text Span:", "Toxic Spans Identified in the Sentence:").
-
-Continuation: a prompt may end with the header the critic is to continue (``Identified Positive Text Span:``,
-``Toxic Spans Identified in the Sentence:``, ``Problematic Spans Identified in the Summary:``, as RELC's prompt files
-do), so the answer starts with that section's spans and carries no header for them. `continuation_header` reads
-that header from the prompt; `parse_critic_answer(answer, continues=header)` reads the answer as if it started with
-it. (RELC's per-word score format is read by `trl_stable.compat.relc_critic`.)
-
-LLMs wrap these in prose, number spans as ``1.``/``-``/``[Span 1]:``, quote them and end them with punctuation. The
-parser accepts all of that; an answer without any recognisable structure yields no spans and ``ok=False`` (the caller
-counts a warning) instead of crashing as RELC's parser did on a failed (None) API call.
-"""
+"""Parse critic answers into positive and negative text spans: the sentiment, toxicity and summarization formats of
+Drlc/RELC (Cao et al., EMNLP 2024, arXiv 2401.07382) and of our templates, wrapped in prose, numbered, quoted, or
+continuing a header the prompt ended with (docs/critic_rewards.md, "Prompts")."""
 
 from __future__ import annotations
 
@@ -94,17 +70,10 @@ _TRAILING = ".,;:!?" + _QUOTES
 
 @dataclass
 class ParsedCritique:
-    """Spans read from one critic answer.
-
-    Attributes:
-        positive: Spans the critic marked good (sentiment "positive", summarization good labels).
-        negative: Spans the critic marked bad (sentiment "negative", toxic spans, summarization bad labels).
-        ok: Whether the answer had a recognisable structure ("None identified" is a valid, empty answer).
-        reason: Why `ok` is False (for the warning counter), else "".
-        unknown_labels: Summarization labels that were neither good nor bad (their spans are dropped).
-        ignored_text: Span-like text before the first header that no header claimed (an answer continuing a prompt
-            header that `parse_critic_answer` was not told about); "" when none. Counted by the caller.
-    """
+    """Spans read from one critic answer: `positive` (good), `negative` (bad, toxic, flawed); `ok` whether it had a
+    recognisable structure ("None identified" is a valid, empty answer) and `reason` why not; `unknown_labels`
+    (summarization labels neither good nor bad: their spans are dropped); `ignored_text`, span-like text before the
+    first header that no header claimed (an answer continuing a header the parser was not told about)."""
 
     positive: list[str] = field(default_factory=list)
     negative: list[str] = field(default_factory=list)
@@ -137,12 +106,9 @@ def clean_span(raw: str) -> str:
 
 
 def _section_lines(content: str) -> list[str]:
-    """The lines of a section body that hold spans; the commentary LLMs add after them is dropped.
-
-    The header's own line is kept. A later line is commentary, ending the section, when it starts with
-    "Explanation:"/"Note:"..., or when it carries no item marker (``[Span k]``, ``Span k:``, a bullet, a number, a
-    quote) and either the header's line already held the span or a blank line follows the spans read so far.
-    """
+    """The lines of a section body that hold spans. The header's line is kept; a later line is commentary, ending
+    the section, when it starts with "Explanation:"/"Note:"..., or carries no item marker (``[Span k]``, a bullet, a
+    number, a quote) after a span on the header's line or after a blank line."""
     lines = content.splitlines() or [""]
     kept = [lines[0]]
     strict = bool(lines[0].strip())
@@ -193,13 +159,8 @@ def label_polarity(label: str) -> int:
 
 
 def continuation_header(prompt: str | None) -> str | None:
-    """The answer header `prompt` ends with, which the critic's answer continues; None when it ends otherwise.
-
-    A prompt may end with the header of the first section the critic is to fill (``Identified Positive Text Span:``;
-    ``Toxic Spans Identified in the Sentence:``; ``Problematic Spans Identified in the Summary:``, as RELC's prompt
-    files do), so the answer holds that section's spans without it. Only headers the parser reads count: a prompt
-    ending with ``[Continuation]:`` (a prompt for the policy, not a critic) or with the text under critique gives
-    None, and the answer must then carry its own headers (the format of the prompts in ``trl_stable/prompts/``).
+    """The answer header `prompt` ends with, which the critic's answer continues (RELC's prompt files end so); None
+    when it ends otherwise (with the text under critique, or a line such as ``[Continuation]:`` that is no header).
 
     Example:
         >>> continuation_header("Sentence to be Labeled:\\nIt was fine.\\n\\nIdentified Positive Text Span:\\n")
@@ -236,18 +197,9 @@ def _continued(text: str, header: str | None) -> str:
 
 
 def parse_critic_answer(answer: str | None, continues: str | None = None) -> ParsedCritique:
-    """Read the positive and negative spans of a critic answer in any of the supported formats.
-
-    Args:
-        answer: The critic's raw answer; None (a failed request) gives ``ok=False``.
-        continues: The header the critic prompt ended with (`continuation_header` of the prompt): the answer is read
-            as if it started with it, so the spans of that first section are kept. None: the answer carries its own
-            headers.
-
-    Returns:
-        A `ParsedCritique`; spans keep their original wording (locating them in the response is case- and
-        whitespace-insensitive, see `trl_stable.rewards.critic.alignment.locate_span`).
-    """
+    """Read the positive and negative spans of a critic answer (None gives ``ok=False``) in any supported format;
+    `continues` is the header the critic prompt ended with (`continuation_header`), read as the answer's start.
+    Spans keep their wording (`locate_span` finds them case- and whitespace-insensitively)."""
     if answer is None:
         return ParsedCritique(ok=False, reason="no answer")
     if not isinstance(answer, str):
@@ -280,17 +232,15 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     headers = list(_HEADER_RE.finditer(text_wo_labeled))
     # Spans already listed per polarity, as sets: "Toxic Span k:" lines are one header each, and a list's `in` over
     # every span so far made an answer of n such lines quadratic.
-    seen = {id(result.positive): set(result.positive), id(result.negative): set(result.negative)}
+    seen = {"positive": set(result.positive), "negative": set(result.negative)}
     for k, m in enumerate(headers):
         found = True
         end = headers[k + 1].start() if k + 1 < len(headers) else len(text_wo_labeled)
-        content = text_wo_labeled[m.end() : end]
         polarity = (m.group("a") or m.group("b") or "negative").lower()
         target = result.positive if polarity == "positive" else result.negative
-        target_seen = seen[id(target)]
-        for span in _split_items(content):
-            if span not in target_seen:
-                target_seen.add(span)
+        for span in _split_items(text_wo_labeled[m.end() : end]):
+            if span not in seen[polarity]:
+                seen[polarity].add(span)
                 target.append(span)
     if headers:
         lead = text_wo_labeled[: headers[0].start()]

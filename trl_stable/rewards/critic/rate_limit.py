@@ -7,14 +7,8 @@ import time
 
 
 class RateLimiter:
-    """At most `rate` request starts per second, evenly spaced (a token bucket of depth one), shared by all callers.
-
-    `reserve` books the next slot and says how long to wait for it (for callers that sleep their own way, such as
-    coroutines); `acquire` books it and sleeps.
-
-    Args:
-        rate: Request starts per second, > 0.
-    """
+    """At most `rate` (> 0) request starts per second, evenly spaced (a token bucket of depth one), shared by all
+    callers: `reserve` books the next slot and says how long to wait for it, `acquire` books it and sleeps."""
 
     def __init__(self, rate: float) -> None:
         if not rate > 0:
@@ -24,7 +18,7 @@ class RateLimiter:
         self._next = 0.0
 
     def _book(self) -> tuple[float, float]:
-        """(the next free slot, now), booking the slot (`time.monotonic` times)."""
+        """(the next free slot, now), booking the slot."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)

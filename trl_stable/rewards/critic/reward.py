@@ -1,16 +1,5 @@
-"""Dense intrinsic rewards from an LLM critic (Drlc / RELC: Cao et al., "Enhancing Reinforcement Learning with Dense
-Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382).
-
-For each completion whose environment reward is at most `intrinsic_reward_threshold`, a critic reads a few-shot
-prompt with the text and names good and bad spans; token t of the completion then gets
-
-    r_t^intr = positive_reward_value * [t in a positive span] + negative_reward_value * [t in a negative span]
-             + outside_span_reward_value * [t in no span]
-
-which the trainers add to their per-token rewards (PPO: to -KL + score; GRPO: through the dense-advantage path).
-`intrinsic_reward_coef` and `intrinsic_reward_max_sum` scale a sample's row (`scale_intrinsic_rewards`; RELC: 1 and
-no bound). `CriticIntrinsicReward` is a dense reward function in the sense of `trl_stable.rewards.dense`.
-"""
+"""`CriticIntrinsicReward`: dense per-token rewards from an LLM critic's spans (Drlc / RELC: Cao et al., "Enhancing
+Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024, arXiv 2401.07382)."""
 
 from __future__ import annotations
 
@@ -42,29 +31,25 @@ from trl_stable.rewards.critic.factory import build_critic_backend, warn_ignored
 from trl_stable.rewards.critic.jobs import CriticJob
 from trl_stable.rewards.critic.parsing import PARSER_VERSION, ParsedCritique
 from trl_stable.rewards.critic.templates import fill_critic_template, load_critic_template
+from trl_stable.rewards.dense import RewardContractError, RewardTypeError, reward_number
 from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 
 logger = logging.getLogger(__name__)
 
 
 def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum: float | None = None) -> list[float]:
-    """One sample's intrinsic token rewards times `coef`, then scaled down so that their absolute sum is at most
-    `max_abs_sum` (None: no bound).
-
-    The bound keeps signs and proportions: a row whose ``sum_t |coef * r_t|`` exceeds `max_abs_sum` is multiplied by
-    ``max_abs_sum / sum_t |coef * r_t|``, so its total lies in ``[-max_abs_sum, max_abs_sum]`` however many tokens the
-    critic marked. ``coef=1, max_abs_sum=None`` (RELC) returns the row unchanged.
+    """One sample's intrinsic token rewards times `coef`, scaled down (signs and proportions kept) so that their
+    absolute sum is at most `max_abs_sum`; ``coef=1, max_abs_sum=None`` (RELC) keeps the row.
 
     Example:
         >>> scale_intrinsic_rewards([0.5, 0.5, -0.5, 0.5], coef=1.0, max_abs_sum=1.0)
         [0.25, 0.25, -0.25, 0.25]
     """
     scaled = [coef * float(v) for v in row]
-    if max_abs_sum is not None:
-        total = sum(abs(v) for v in scaled)
-        if total > max_abs_sum:
-            factor = max_abs_sum / total
-            scaled = [v * factor for v in scaled]
+    total = sum(abs(v) for v in scaled)
+    if max_abs_sum is not None and total > max_abs_sum:
+        factor = max_abs_sum / total
+        scaled = [v * factor for v in scaled]
     return scaled
 
 
@@ -84,8 +69,48 @@ def _as_text(x: Any) -> str:
     return "" if x is None else str(x)
 
 
-def _is_nan(x: Any) -> bool:
-    return x is None or math.isnan(float(x))
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _nan_as_none(values: list[float] | None) -> list[float | None] | None:
+    return None if values is None else [None if math.isnan(v) else v for v in values]
+
+
+def _env_reward_floats(env_rewards: Sequence[Any] | None, n: int) -> list[float] | None:
+    """`env_rewards` as floats, None -> NaN (such a sample is never critiqued, only counted as ``nan_env_rewards``);
+    a value that is no number is refused by index."""
+    if env_rewards is None:
+        return None
+    if len(env_rewards) != n:
+        raise RewardContractError(f"env_rewards has {len(env_rewards)} entries for {n} completions; pass one each.")
+    floats = []
+    for i, value in enumerate(env_rewards):
+        try:
+            floats.append(reward_number(value, "", ""))
+        except RewardTypeError:
+            raise RewardTypeError(
+                f"env_rewards[{i}]={value!r:.60} ({type(value).__name__}) is not a number: pass each completion's "
+                "environment reward as a float (None or NaN where it has none)."
+            ) from None
+    return floats
+
+
+def _check_completions(completions: Sequence[Any] | None, n: int) -> None:
+    """Refuse, by index, a completion that is no text or message list, and a count other than `completion_ids`'."""
+    if completions is None:
+        return
+    if len(completions) != n:
+        raise RewardContractError(
+            f"completions has {len(completions)} entries but completion_ids has {n}: pass the texts and the token ids "
+            "of the same completions, one each."
+        )
+    for i, completion in enumerate(completions):
+        if not isinstance(completion, (str, list, tuple)):
+            raise RewardTypeError(
+                f"completions[{i}]={completion!r:.60} ({type(completion).__name__}) is no completion: pass its text "
+                f"(or its list of messages), the decoding of completion_ids[{i}]."
+            )
 
 
 class CriticFailureError(RewardComponentFailure):
@@ -95,14 +120,9 @@ class CriticFailureError(RewardComponentFailure):
 
 @dataclass
 class Critique:
-    """One critic answer on its way to token rewards (parse -> align -> reward -> scale), as far as it got.
-
-    Attributes:
-        parsed: The parsed answer; None when the request failed.
-        alignments: Where each span lies in the completion (positive spans first).
-        row: The scaled token rewards; None for a failed request or an unparseable answer.
-        bounded: Whether `intrinsic_reward_max_sum` scaled the row down.
-    """
+    """One critic answer on its way to token rewards (parse -> align -> reward -> scale), as far as it got: `row` is
+    None for a failed request (`parsed` None) or an unparseable answer; `bounded`: `intrinsic_reward_max_sum` scaled
+    it down."""
 
     parsed: ParsedCritique | None = None
     alignments: list[SpanAlignment] = field(default_factory=list)
@@ -124,35 +144,28 @@ class CriticPrefetch:
     started: float
     counters_before: dict[str, int]
 
-    def matches(self, completion_ids: Sequence[Sequence[int]], env_rewards: Sequence[float] | None) -> bool:
-        if [[int(t) for t in c] for c in completion_ids] != self.completion_ids:
-            return False
-        if env_rewards is None or self.env_rewards is None:
-            return env_rewards is None and self.env_rewards is None
-        return len(env_rewards) == len(self.env_rewards) and all(
-            (_is_nan(a) and _is_nan(b)) or float(a) == b for a, b in zip(env_rewards, self.env_rewards)
-        )
+    def matches(self, completion_ids: Sequence[Sequence[int]], env_rewards: list[float] | None) -> bool:
+        ids = [[int(t) for t in c] for c in completion_ids]
+        return ids == self.completion_ids and _nan_as_none(env_rewards) == _nan_as_none(self.env_rewards)
 
 
 class CriticIntrinsicReward:
-    """Dense reward function: per-token intrinsic rewards from a critic's spans.
-
-    Call signature (TRL's, plus `env_rewards`):
+    """Dense reward function (`trl_stable.rewards.dense`): per-token intrinsic rewards from a critic's spans,
     ``reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]``.
-    Completions are critiqued when ``env_rewards[i] <= intrinsic_reward_threshold`` (all of them when
-    `env_rewards` is None); the others get None (zero). The completion text is ``decode(completion_ids[i])`` and
-    token offsets come from `token_char_offsets`, so rewards align with the trained tokens exactly.
 
-    Failures (timeout, HTTP errors, garbage, None) give their samples zero reward and are counted; only
-    `max_consecutive_failing_steps` consecutive steps in which every request failed raise `CriticFailureError`.
+    Completions with ``env_rewards[i] <= intrinsic_reward_threshold`` are critiqued (all when `env_rewards` is None;
+    never for None or NaN, counted as ``nan_env_rewards``), the text being ``decode(completion_ids[i])``; the others
+    get None. Bad arguments raise a `RewardContractError` naming the entry before any request. A failed request or an
+    unparseable answer gives no reward, counted; `max_consecutive_failing_steps` steps in a row without a usable
+    critique raise `CriticFailureError`.
 
     Args:
         config: A `CriticRewardConfig`.
-        tokenizer: The policy's tokenizer (to decode completions and get token offsets).
-        backend: A ready `CriticBackend` (any object with its methods), for any `critic_task`; default built from
-            `config`, with this function's span parser as its answer validator.
-        critic_model: For ``critic_backend='transformers'``: a model object (e.g. the policy) to critique with.
-        critic_tokenizer: Its tokenizer (default `tokenizer`).
+        tokenizer: The policy's tokenizer.
+        backend: A ready `CriticBackend`, for any `critic_task`; default built from `config` with this function's span
+            parser as its answer validator.
+        critic_model, critic_tokenizer: For ``critic_backend='transformers'``: a model object (e.g. the policy) to
+            critique with, and its tokenizer (default `tokenizer`).
     """
 
     dense = True
@@ -217,24 +230,8 @@ class CriticIntrinsicReward:
     def critic_prompt(self, prompt_text: str, completion_text: str, env_reward: float | None) -> str:
         """The critic prompt of one sample (newlines flattened as RELC did, so one-line answer formats hold)."""
         text = (prompt_text + completion_text) if self.config.critic_include_prompt else completion_text
-        flat = " ".join(text.split())
-        return fill_critic_template(
-            self.template,
-            flat,
-            prompt=" ".join(prompt_text.split()),
-            completion=" ".join(completion_text.split()),
-            score=env_reward,
-        )
-
-    def _selected(self, n: int, env_rewards: Sequence[float] | None) -> list[int]:
-        if env_rewards is None:
-            return list(range(n))
-        if len(env_rewards) != n:
-            raise ValueError(f"env_rewards has {len(env_rewards)} entries for {n} completions.")
-        # A NaN (or missing) environment reward is never <= the threshold: such a sample is not critiqued, only
-        # counted (critic/nan_env_rewards); the trainer's own NaN handling decides what happens to it.
-        thr = self.config.intrinsic_reward_threshold
-        return [i for i, r in enumerate(env_rewards) if not _is_nan(r) and float(r) <= thr]
+        prompt, completion = _flat(prompt_text), _flat(completion_text)
+        return fill_critic_template(self.template, _flat(text), prompt=prompt, completion=completion, score=env_reward)
 
     def _tokenizer(self, kwargs: dict[str, Any]) -> Any:
         tokenizer = self.tokenizer or kwargs.get("processing_class") or kwargs.get("tokenizer")
@@ -249,43 +246,30 @@ class CriticIntrinsicReward:
         env_rewards: Sequence[float] | None = None,
         **kwargs: Any,
     ) -> CriticPrefetch | None:
-        """Start the critic requests now and return at once (the dense-reward prefetch protocol of
-        `trl_stable.rewards.dense`); the trainer passes the result back as ``prefetched=`` to the later call.
-
-        That call collects these requests instead of asking again, so each answer is requested, counted and paid
-        once. It must see the same completions and `env_rewards` (templates showing ``{score}`` need the final
-        ones); if it does not, it warns and asks afresh. The token offsets are computed here too, while the critic
-        answers. A no-op (None) for backends that answer synchronously (lexicon, transformers): there is nothing to
-        overlap, and the call does the work.
-        """
+        """Start the critic requests now and return at once (the prefetch protocol of `trl_stable.rewards.dense`); the
+        later call given ``prefetched=`` the result collects them, so each answer is paid once. That call must see
+        the same completions and `env_rewards`, else it warns and asks afresh. None for synchronous backends."""
         if not self.config.use_intrinsic_reward or self.backend is None or not self.backend.concurrent:
             return None
-        return self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+        _check_completions(kwargs.get("completions"), len(completion_ids))
+        env = _env_reward_floats(env_rewards, len(completion_ids))
+        return self._start(self._tokenizer(kwargs), prompts, completion_ids, env)
 
-    def _start(self, tokenizer, prompts, completion_ids, env_rewards) -> CriticPrefetch:
+    def _start(self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None) -> CriticPrefetch:
         """Select the batch, submit its critic prompts, and align the token offsets while the critic answers."""
         started = time.monotonic()
         before = self.backend.counters.snapshot()
-        selected = self._selected(len(completion_ids), env_rewards)
-        ids = {i: [int(t) for t in completion_ids[i]] for i in selected}
+        # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
+        thr = self.config.intrinsic_reward_threshold
+        ids = [[int(t) for t in c] for c in completion_ids]
+        scores = env_rewards if env_rewards is not None else [None] * len(ids)
+        selected = [i for i, r in enumerate(scores) if r is None or r <= thr]
         texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
         prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
-        critic_prompts = [
-            self.critic_prompt(prompt_texts[i], texts[i], None if env_rewards is None else float(env_rewards[i]))
-            for i in selected
-        ]
+        critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
         aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
-        return CriticPrefetch(
-            completion_ids=[[int(t) for t in c] for c in completion_ids],
-            env_rewards=None if env_rewards is None else [float(r) for r in env_rewards],
-            selected=selected,
-            prompt_texts=prompt_texts,
-            aligned=aligned,
-            job=job,
-            started=started,
-            counters_before=before,
-        )
+        return CriticPrefetch(ids, env_rewards, selected, prompt_texts, aligned, job, started, before)
 
     def __call__(
         self,
@@ -308,6 +292,8 @@ class CriticIntrinsicReward:
                 )
             return [None] * n
         waited_from = time.monotonic()
+        _check_completions(completions, n)
+        env_rewards = _env_reward_floats(env_rewards, n)
         if prefetched is not None and not prefetched.matches(completion_ids, env_rewards):
             logger.warning(
                 "The critic call got other completions or env_rewards than its prefetch; asking the critic again "
@@ -319,7 +305,7 @@ class CriticIntrinsicReward:
             steps=1,
             samples=n,
             critiqued=len(batch.selected),
-            nan_env_rewards=sum(_is_nan(r) for r in env_rewards) if env_rewards is not None else 0,
+            nan_env_rewards=sum(math.isnan(r) for r in env_rewards or ()),
             tokens_total=sum(len(c) for c in completion_ids),
         )
         rows: list[list[float] | None] = [None] * n
@@ -330,7 +316,6 @@ class CriticIntrinsicReward:
             critique = self._critique(answer, *batch.aligned[i], context=context)
             step.record(critique)
             rows[i] = critique.row
-        self._warn_about_answers(step)
         now = time.monotonic()
         last = self._record(
             step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric")
@@ -338,8 +323,7 @@ class CriticIntrinsicReward:
         fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
         if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
             raise CriticFailureError(fatal)
-        if batch.selected:  # a step that critiques nothing says nothing about the critic
-            self._track_failing_steps(step, last)
+        self._track_failing_steps(step, last)
         return rows
 
     def _critique(self, answer: str | None, text: str, offsets: list[tuple[int, int]], context: str = "") -> Critique:
@@ -354,20 +338,21 @@ class CriticIntrinsicReward:
         cfg = self.config
         positive = align_spans(text, parsed.positive, context, cfg.fuzzy_threshold)
         negative = align_spans(text, parsed.negative, context, cfg.fuzzy_threshold)
-        raw = rewards_from_alignments(
-            offsets,
-            positive,
-            negative,
-            positive_value=cfg.positive_reward_value,
-            negative_value=cfg.negative_reward_value,
-            outside_value=cfg.outside_span_reward_value,
-        )
+        values = cfg.positive_reward_value, cfg.negative_reward_value, cfg.outside_span_reward_value
+        raw = rewards_from_alignments(offsets, positive, negative, *values)
         coef, bound = cfg.intrinsic_reward_coef, cfg.intrinsic_reward_max_sum
         bounded = bound is not None and sum(abs(coef * v) for v in raw) > bound
         return Critique(parsed, positive + negative, scale_intrinsic_rewards(raw, coef, bound), bounded)
 
-    @staticmethod
-    def _warn_about_answers(step: StepCounts) -> None:
+    @property
+    def consecutive_failing_steps(self) -> int:
+        """Steps in a row in which no critique was usable."""
+        return self._guard.consecutive
+
+    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
+        """Warn about unusable answers; a step in which no critique was usable (every request failed or its answer
+        did not parse) counts toward `max_consecutive_failing_steps`, and the error names the failures by kind, e.g.
+        "2 failed requests (timeouts 3, server_errors 1), 1 unparseable answers"."""
         if step["unparseable"]:
             logger.warning(
                 "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
@@ -381,15 +366,8 @@ class CriticIntrinsicReward:
                 "with a header the parser was not told about (critic/answers_with_ignored_text).",
                 step["answers_with_ignored_text"],
             )
-
-    @property
-    def consecutive_failing_steps(self) -> int:
-        """Steps in a row in which no critique was usable."""
-        return self._guard.consecutive
-
-    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
-        """A step in which no critique was usable (every request failed or its answer did not parse: an unparseable
-        answer is as useless as none) counts toward `max_consecutive_failing_steps`; the error names what failed."""
+        if not step["critiqued"]:  # a step that critiques nothing says nothing about the critic
+            return
         failed = step["failed_answers"] + step["unparseable"] >= step["critiqued"]
         fix = (
             "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "
@@ -397,11 +375,6 @@ class CriticIntrinsicReward:
             if step["unparseable"] and not step["failed_answers"]
             else "Check critic_base_url / critic_model and that the server is up"
         )
-        self._guard.record(failed, self._failure_summary(step, last) if failed else None, fix)
-
-    @staticmethod
-    def _failure_summary(step: StepCounts, last: dict[str, float]) -> str:
-        """The last step's failures by kind, e.g. "2 failed requests (timeouts 3, server_errors 1), 1 unparseable"."""
         counts = {k: int(last.get(f"{CRITIC_STEP_PREFIX}{k}", 0)) for k in FAILURE_KINDS}
         kinds = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
         parts = []
@@ -409,7 +382,7 @@ class CriticIntrinsicReward:
             parts.append(f"{step['failed_answers']} failed requests" + (f" ({kinds})" if kinds else ""))
         if step["unparseable"]:
             parts.append(f"{step['unparseable']} unparseable answers")
-        return ", ".join(parts) or "no usable answer"
+        self._guard.record(failed, (", ".join(parts) or "no usable answer") if failed else None, fix)
 
     def _record(
         self, step: StepCounts, seconds: float, wait: float, before: dict[str, int], log_metric: Any
@@ -439,17 +412,8 @@ class CriticIntrinsicReward:
         return dict(self._last)
 
     def metrics(self) -> dict[str, float]:
-        """Counters and ratios for logging, all named ``critic/...``.
-
-        Cumulative: the backend's requests, attempts, retries, failures, cache_hits, timeouts, rate_limited,
-        server_errors, connection_errors, bad_responses, prompt/completion tokens; and steps, samples, critiqued,
-        answers, failed_answers, unparseable, answers_with_ignored_text, spans_positive/negative/unlocated,
-        spans_matched/partial/query_only/unmatched/fuzzy, tokens_total/rewarded, rewarded_token_fraction. Last step
-        (as ``critic/last_...``): critiqued_fraction, failed_fraction, unparseable_fraction, rewarded_token_fraction,
-        spans_per_critique, spans_matched_frac/partial_frac/query_only_frac/unmatched_frac/fuzzy_frac,
-        stage_seconds (from the requests' start, the prefetch if any, to the rewards), wait_seconds (what the call
-        itself waited: the critic's cost to the step after the overlap); and consecutive_failing_steps.
-        """
+        """Cumulative counters (the backend's and this function's), the last step's values as ``critic/last_...``
+        and ``critic/consecutive_failing_steps``, all floats (listed in docs/critic_rewards.md, "Logged metrics")."""
         out = self.backend.metrics() if self.backend is not None else {}
         totals = self.totals.values
         out.update({f"critic/{k}": float(v) for k, v in totals.items()})

@@ -31,11 +31,8 @@ def load_critic_template(path: str | os.PathLike) -> str:
 
 
 def fill_critic_template(template: str, text: str, prompt: str = "", completion: str = "", score: Any = None) -> str:
-    """Fill the placeholders ``{}`` (the text), ``{prompt}``, ``{completion}`` and ``{score}`` of `template`.
-
-    Literal replacement, not `str.format`: few-shot examples may contain braces, and a completion containing "{}"
-    must not be substituted twice.
-    """
+    """Fill the placeholders ``{}`` (the text), ``{prompt}``, ``{completion}`` and ``{score}`` of `template`, in one
+    pass and literally (few-shot examples may hold braces; a completion holding "{}" is not substituted again)."""
     score_text = "n/a" if score is None else f"{float(score):.4g}"
     pieces = {"{prompt}": prompt, "{completion}": completion, "{score}": score_text, "{}": text}
     return _PLACEHOLDER_RE.sub(lambda m: pieces[m.group(0)], template)

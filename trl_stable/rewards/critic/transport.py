@@ -1,21 +1,6 @@
-"""The critic's transports: one chat-completions request in, (answer text, token usage) out, or a typed error.
-
-Both clients raise the same errors, so the caller counts and retries them one way: `ChatStatusError` (with the
-response headers, for Retry-After), `ChatTimeout`, `ChatConnectionError`, `ChatBadResponse`.
-
-- `HTTPXChatClient` (``transport="http"``): httpx, one `Client` with one keep-alive connection per worker thread.
-  httpx brings HTTPS with the system trust store (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` honoured), the
-  environment's proxies (``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY``), connection reuse and
-  timeouts. Why a thread per request in flight and not httpx's `AsyncClient` on one event loop: measured on a
-  batch of 64-256 concurrent requests (`benchmarks/bench_critic.py`), the async client costs more CPU per request
-  (about 0.5 ms against 0.4 ms: anyio and asyncio on top of the same HTTP/1.1 code), its connection pool checks
-  every connection on each request and each release (quadratic in the requests in flight, so one client per
-  connection is needed either way), and one loop thread hands the GIL over at every socket operation, where the
-  threads' blocking socket calls overlap: the stage took 1.5-2x as long at 256 samples.
-- `SDKChatClient` (``transport="openai"``): the OpenAI SDK, for setups that need what it adds.
-
-`parse_retry_after` reads how long a server asked the client to wait.
-"""
+"""The critic's transports, httpx (``transport="http"``, one keep-alive connection per worker thread: measured
+faster than httpx's AsyncClient) and the OpenAI SDK: one chat-completions request in, (answer text, token usage) out,
+or one of four typed errors that both raise alike."""
 
 from __future__ import annotations
 
@@ -25,12 +10,17 @@ import math
 import threading
 import time
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any
 
 import httpx2
 
 TRANSPORTS = ("http", "openai")  # our httpx client, the OpenAI SDK
+
+
+def check_transport(name: str, value: str) -> None:
+    if value not in TRANSPORTS:
+        raise ValueError(f"{name} must be 'http' (our client) or 'openai' (the SDK), got {value!r}.")
 
 
 class ChatError(Exception):
@@ -58,6 +48,19 @@ class ChatStatusError(ChatError):
         self.headers = headers  # case-insensitive `get`
 
 
+_RETRYABLE = {ChatTimeout: "timeouts", ChatConnectionError: "connection_errors", ChatBadResponse: "bad_responses"}
+
+
+def classify(exc: BaseException) -> tuple[str, float | None] | None:
+    """(counter name, Retry-After seconds) of a transport error a retry can fix; None for the others."""
+    if not isinstance(exc, ChatStatusError):
+        return (_RETRYABLE[type(exc)], None) if type(exc) in _RETRYABLE else None
+    status = exc.status_code
+    counter = "rate_limited" if status == 429 else "server_errors" if status >= 500 or status in (408, 409) else None
+    # A 503 may carry Retry-After too (RFC 9110), so every retryable status's headers are read.
+    return None if counter is None else (counter, parse_retry_after(exc.headers))
+
+
 def _answer_and_usage(data: Any) -> tuple[str, dict | None]:
     try:
         answer = data["choices"][0]["message"]["content"]
@@ -70,12 +73,8 @@ def _answer_and_usage(data: Any) -> tuple[str, dict | None]:
 
 
 class HTTPXChatClient:
-    """POSTs chat-completions requests to `base_url` + ``/chat/completions``; safe to call from many threads.
-
-    Args:
-        base_url: The API root, e.g. ``http://127.0.0.1:8000/v1`` (vLLM) or ``https://api.openai.com/v1``.
-        api_key: Sent as a bearer token; never part of an error message.
-    """
+    """POSTs chat-completions requests to `base_url` (e.g. ``http://127.0.0.1:8000/v1``) + ``/chat/completions``
+    with `api_key` as the bearer token (never part of a message); safe to call from many threads."""
 
     def __init__(self, base_url: str, api_key: str) -> None:
         parts = urllib.parse.urlsplit(base_url.rstrip("/"))
@@ -86,12 +85,8 @@ class HTTPXChatClient:
         # credentials in the URL are not sent (the key is the bearer token) and never appear in a message
         host = parts.netloc.rsplit("@", 1)[-1]
         self._url = httpx2.URL(urllib.parse.urlunsplit((parts.scheme, host, parts.path + "/chat/completions", "", "")))
-        self._headers = {
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-            "Authorization": f"Bearer {api_key}",
-            "User-Agent": "trl_stable-critic",
-        }
+        auth = {"Authorization": f"Bearer {api_key}", "User-Agent": "trl_stable-critic"}
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json", **auth}
         self._ssl = httpx2.create_ssl_context()  # one trust store for every connection (building one takes ~50 ms)
         self._local = threading.local()
         self._open: list[httpx2.Client] = []
@@ -128,7 +123,6 @@ class HTTPXChatClient:
         return _answer_and_usage(data)
 
     def close(self) -> None:
-        """Close every thread's connection."""
         with self._open_lock:
             clients, self._open = self._open, []
         for client in clients:
@@ -157,29 +151,23 @@ class SDKChatClient:
             raise ChatStatusError(exc.status_code, exc.response.headers, str(exc.message)) from exc
         except (openai.APIResponseValidationError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise ChatBadResponse(f"not a chat completion: {type(exc).__name__}") from exc  # a body that is none
-        try:
-            answer, usage = resp.choices[0].message.content, resp.usage
-        except (AttributeError, IndexError, TypeError) as exc:
-            raise ChatBadResponse(f"not a chat completion: {type(exc).__name__}") from exc
-        if not isinstance(answer, str):
-            raise ChatBadResponse("answer without text content")
-        if usage is None:
-            return answer, None
-        return answer, {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
+        return _answer_and_usage(resp.model_dump(warnings=False) if hasattr(resp, "model_dump") else resp)
 
     def close(self) -> None:
         self._client.close()
 
 
+def _seconds(raw: Any, scale: float = 1.0) -> float | None:
+    try:
+        value = float(raw) / scale
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
-    """Seconds a server asked the client to wait, from its response headers; None when it did not say.
-
-    Reads ``retry-after-ms`` (milliseconds, OpenAI's and Azure's), then ``Retry-After`` as delta-seconds or as an
-    HTTP-date (RFC 9110 10.2.3; a date in the past is 0). Negative or unreadable values are ignored.
-
-    Args:
-        headers: A mapping with case-insensitive ``get`` (httpx headers) or a plain dict.
-        now: The current POSIX time for HTTP-dates (default ``time.time()``).
+    """Seconds a server asked the client to wait (None: it did not say), from ``retry-after-ms`` (OpenAI's, Azure's)
+    or ``Retry-After`` as delta-seconds or an HTTP-date (RFC 9110 10.2.3; past: 0, `now` default ``time.time()``).
 
     Example:
         >>> parse_retry_after({"retry-after-ms": "1500"}), parse_retry_after({"Retry-After": "20"})
@@ -188,28 +176,16 @@ def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
     if headers is None:
         return None
     lower = {str(k).lower(): v for k, v in headers.items()}
-    ms = lower.get("retry-after-ms")
+    ms = _seconds(lower.get("retry-after-ms"), 1000.0)
     if ms is not None:
-        try:
-            value = float(ms) / 1000.0
-            if math.isfinite(value) and value >= 0:
-                return value
-        except (TypeError, ValueError):
-            pass
-    raw = lower.get("retry-after")
-    if raw is None:
-        return None
-    raw = str(raw).strip()
-    try:
-        value = float(raw)
-        return value if math.isfinite(value) and value >= 0 else None
-    except ValueError:
-        pass
+        return ms
+    raw = str(lower.get("retry-after", "")).strip()
+    seconds = _seconds(raw)
+    if seconds is not None or not raw:
+        return seconds
     try:
         when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
+    except (TypeError, ValueError, IndexError):  # Python >= 3.10 raises for what it cannot read
         return None
     if when.tzinfo is None:  # HTTP-dates are GMT
         when = when.replace(tzinfo=timezone.utc)
@@ -219,4 +195,4 @@ def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
 
 def _utc_http_date(posix: float) -> str:
     """`posix` as an HTTP-date (for tests and the fake server)."""
-    return email.utils.format_datetime(datetime.fromtimestamp(posix, tz=timezone.utc), usegmt=True)
+    return email.utils.formatdate(posix, usegmt=True)
