@@ -1,26 +1,11 @@
 """Group arena reward (GAR): rank a prompt's G completions by pairwise judging (docs/agent_steps.md).
 
-A judge compares two responses to one prompt: ``judge(prompt, a, b)`` returns the probability that `a` wins, in
-[0, 1] (0.5 = draw). Each completion's reward is its win total over the number of matches it played, in [0, 1]:
-
-    reward_i = sum_{matches m of i} p_i(m) / matches_i
-
-Pairings:
-
-- ``round_robin``: every pair once, G(G-1)/2 matches (28 for G = 8).
-- ``swiss``: ceil(log2 G) rounds (or `rounds`). Round 1 pairs a seeded random order; later rounds sort players by
-  score, then Buchholz (sum of the current scores of the opponents met), then the seeded order, and pair neighbours
-  without rematches (backtracking when the greedy choice would force one). With odd G, the lowest-ranked player
-  without a bye sits out. A bye is not a match: it scores no points and does not count in the player's matches, so
-  it neither raises nor lowers that player's reward (a chess-style free point would inflate it). About G/2 matches
-  per round. If no rematch-free pairing exists (more rounds than opponents) or none is found within a bounded
-  search, the tournament stops early.
-
-``both_orders`` judges (a, b) and (b, a) and averages p(a) = (p_ab + 1 - p_ba) / 2, which cancels a judge's
-preference for a position. A failed judge call (an exception, None or NaN) counts as a draw (0.5) and is counted.
-
-Indices are never shuffled in place: the caller's list is read only, and every result is indexed like it (a public
-Swiss implementation shuffled the players list in place and credited points to the wrong completions).
+``judge(prompt, a, b)`` returns P(a wins) in [0, 1]; a completion's reward is its win total over the matches it
+played. Round robin plays every pair; Swiss plays ceil(log2 G) rounds, pairing neighbours by score, then Buchholz,
+then a seeded order, without rematches (backtracking, within `MAX_PAIRING_SEARCH` steps a round). A bye is not a
+match: it neither raises nor lowers the player's reward. Indices are never shuffled in place: the caller's list is
+read only, and every result is indexed like it (a public Swiss implementation shuffled the players list in place and
+credited points to the wrong completions).
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_stable.monitoring.metric_names import ARENA_FAILED_JUDGE_CALLS, ARENA_JUDGE_CALLS
+from trl_stable.rewards.dense import failure_cause
 from trl_stable.rewards.failure_guard import FailureGuard
 
 Judge = Callable[[str, str, str], float | None]
@@ -208,29 +194,25 @@ def _call_judges(
     if not triples:
         return [], None
     errors: list[str] = []
+
+    def guarded(call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001 - a failed call is a draw, never a crashed training step
+            errors.append(f"the judge {failure_cause(err)}")
+            return None
+
     batch = getattr(judge, "judge_batch", None)
     if callable(batch):
-        try:
-            raw = list(batch(triples))
-        except Exception as err:  # noqa: BLE001 - a failed batch is a batch of draws, never a crashed training step
-            errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
-            raw = [None] * len(triples)
+        raw = guarded(lambda: list(batch(triples)))
+        raw = [None] * len(triples) if raw is None else raw
         if len(raw) != len(triples):
             raise ValueError(f"judge_batch returned {len(raw)} results for {len(triples)} comparisons.")
+    elif max_workers <= 1 or len(triples) == 1:
+        raw = [guarded(judge, *t) for t in triples]
     else:
-
-        def one(triple: tuple[str, str, str]) -> float | None:
-            try:
-                return judge(*triple)
-            except Exception as err:  # noqa: BLE001 - see above
-                errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
-                return None
-
-        if max_workers <= 1 or len(triples) == 1:
-            raw = [one(t) for t in triples]
-        else:
-            with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
-                raw = list(pool.map(one, triples))
+        with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
+            raw = list(pool.map(lambda t: guarded(judge, *t), triples))
     probs = [_check_prob(v) for v in raw]
     if not errors and any(p is None for p in probs):
         errors.append("the judge gave no verdict (None, NaN or an answer without one)")
@@ -348,10 +330,6 @@ def gar_rewards(
         ```
     """
     return run_arena(responses, prompt, judge, pairing, rounds, both_orders, seed).rewards
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# LLM judge
 
 
 def load_prompt(name: str) -> str:
@@ -489,10 +467,6 @@ class LLMJudge:
             return self.judge_batch([(prompt, a, b)])[0]
         except JudgeRequestsFailed:
             return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# GRPO reward function
 
 
 class ArenaReward:

@@ -1,22 +1,9 @@
-"""Intermediate step rewards for agent tasks (docs/agent_steps.md).
+"""Intermediate step rewards for agent tasks: one agent step scored against the ground-truth step on tool name,
+arguments, reasoning and plan, each in [0, 1] (dimensions, default weights and penalties: docs/agent_steps.md).
 
-A completion is one agent step (a thought, a plan and one or more tool calls); it is scored against the
-ground-truth step on four dimensions, each in [0, 1]:
-
-| dimension    | default weight | score |
-|--------------|----------------|-------|
-| `tool_name`  | 0.5 | share of positions whose tool name equals the ground truth's (calls aligned in order) |
-| `arguments`  | 0.2 | per aligned call with the right name: matching key-value pairs / union of keys |
-| `reasoning`  | 0.2 | distinct connectives in the thought ("first", "because", 首先, 因为, ...) / 2, capped at 1 |
-| `plan`       | 0.1 | share of the ground truth's required plan items the plan mentions |
-
-reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals.
-
-The weights must be non-negative and sum to 1, so a perfect answer scores exactly 1.0: a maximum of 0.8 would cap
-every perfect answer and blur group-normalized advantages. Targeted penalties (negative
-amounts) fire on observed failure modes, e.g. overusing a status-check tool. Each dimension is also exposed as its
-own reward function (`StepReward.reward_funcs`) so GDPO (``multi_objective_aggregation="normalize_then_sum"``)
-normalizes each dimension within the group separately.
+reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals; the weights sum to 1, so a perfect answer scores
+exactly 1.0 (a maximum of 0.8 would cap every perfect answer and blur group-normalized advantages). Each dimension is
+also its own reward function (`StepReward.reward_funcs`), so GDPO normalizes each within the group separately.
 """
 
 from __future__ import annotations
@@ -48,8 +35,6 @@ DEFAULT_CONNECTIVES = (
 _SECTION = re.compile(
     r"^\s*(thought|thinking|reasoning|plan|action input|action|final answer|answer)\s*[:：]", re.IGNORECASE | re.M
 )
-
-
 WEIGHT_SUM_TOLERANCE = 1e-9
 
 
@@ -63,12 +48,6 @@ class StepRewardWeights:
 
     A sum within `WEIGHT_SUM_TOLERANCE` (1e-9) of 1 is accepted and the weights are rescaled by it; anything further
     off is a ValueError.
-
-    Args:
-        tool_name: Weight of the tool-name match.
-        arguments: Weight of the argument match.
-        reasoning: Weight of the reasoning quality.
-        plan: Weight of the plan completeness.
     """
 
     tool_name: float = field(default=0.5, metadata={"help": "Weight of the tool-name match."})
