@@ -1,13 +1,6 @@
-"""Field checks shared by trl_stable's configuration classes: numbers in range, no NaN or inf, and settings that only
-apply to another option.
-
-Each config lists its numeric fields once, as a table of [`Bound`]s, and calls [`check_bounds`] in `__post_init__`;
-[`check_all_finite`] then refuses a NaN or infinite float in any field the table does not name (the inherited
-`TrainingArguments` and TRL fields included). A setting that only acts together with another option is refused when
-it is set without that option ([`check_dependents`]): one rule for every such pair, so a value the run would ignore
-never passes silently. Every error names the field, the value, what is valid and how to fix it.
-
-The module imports nothing heavy: the config modules stay import-light.
+"""Field checks shared by trl_stable's configuration classes (docs/reliability.md, "What is validated"): numbers in
+range ([`Bound`] tables, [`check_bounds`]), no NaN or inf in any field ([`check_all_finite`]), and no setting made
+without the option it needs ([`check_dependents`]). It imports nothing heavy, so the config modules stay light.
 """
 
 from __future__ import annotations
@@ -20,20 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from trl_stable.redaction import redact
-
-__all__ = [
-    "Bound",
-    "Dependent",
-    "TRAINING_ARGUMENT_BOUNDS",
-    "check_all_finite",
-    "check_bounds",
-    "check_dependents",
-    "check_reward_scale",
-    "check_training_length",
-    "field_default",
-    "training_argument_bounds",
-    "training_argument_dependents",
-]
 
 
 @dataclass(frozen=True)
@@ -85,6 +64,11 @@ def _num(value: float) -> str:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _name(value: Any) -> str:
+    """An enum's value (transformers' strategies and names) or the string itself."""
+    return str(getattr(value, "value", value))
 
 
 def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
@@ -209,8 +193,7 @@ def training_argument_bounds(config: Any) -> dict[str, Bound]:
     strategy that divides by them)."""
     bounds = dict(TRAINING_ARGUMENT_BOUNDS)
     for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy")):
-        value = getattr(config, strategy)
-        if str(getattr(value, "value", value)) == "steps":
+        if _name(getattr(config, strategy)) == "steps":
             bounds[name] = _STEPS_BOUND
     return bounds
 
@@ -220,11 +203,6 @@ _RUN_NAMING_TRACKERS = ("comet_ml", "mlflow", "swanlab", "trackio", "wandb")
 # Schedules that ignore `warmup_steps` / `lr_scheduler_kwargs` (transformers' `get_scheduler` passes neither on).
 _NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
 _NO_KWARGS_SCHEDULES = ("constant", "constant_with_warmup")
-
-
-def _name(value: Any) -> str:
-    """An enum's value (transformers' strategies and names) or the string itself."""
-    return str(getattr(value, "value", value))
 
 
 def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
@@ -303,11 +281,7 @@ def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
 
 
 def check_training_length(config: Any) -> None:
-    """Refuse a run with no training step: ``max_steps <= 0`` (train for epochs) with ``num_train_epochs == 0``.
-
-    Raises:
-        ValueError: naming both fields.
-    """
+    """Refuse a run with no training step: ``max_steps <= 0`` (train for epochs) with ``num_train_epochs == 0``."""
     if config.max_steps <= 0 and config.num_train_epochs == 0:
         raise ValueError(
             f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run has no training "
@@ -322,11 +296,7 @@ MAX_WEIGHTED_REWARD = 1e15
 
 def check_reward_scale(config: Any) -> None:
     """Refuse `reward_weights` whose magnitudes, summed and times `max_abs_reward`, could overflow the weighted sum
-    of bounded rewards (TRL's and PPO's aggregation) in float32.
-
-    Raises:
-        ValueError: naming both fields and the largest weight sum the bound allows.
-    """
+    of bounded rewards (TRL's and PPO's aggregation) in float32; the error names the largest weight sum allowed."""
     limit, weights = config.max_abs_reward, config.reward_weights
     if limit is None or not weights:
         return

@@ -15,8 +15,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["char_span_to_tokens", "decode_response", "encode_with_offsets", "token_char_offsets"]
-
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and character offsets of `text` (no special tokens added), from a fast tokenizer."""
