@@ -1,23 +1,10 @@
 """RELC's TRL 0.x API on trl_stable: change a RELC script's `trl` imports to this module and it runs unchanged.
 
 RELC (Cao et al., "Beyond Sparse Rewards", google-research/relc) ships its scripts with a frozen fork of TRL 0.x.
-They import from `trl`, `trl.core`, `trl.extras.openai_scores` and `trl.extras.toxicity_evaluator`; every such name
-is here, with the fork's signature and meaning, built on trl_stable's `PPOTrainer`, critic backends and span
-alignment (no code of the fork is reused):
-
-```python
-from trl_stable.compat.relc import (
-    AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, create_reference_model,
-    query_batch_span, set_seed,
-)
-```
-
-Where the fork's behaviour was a bug, the script keeps running and a warning (once) says what trl_stable does and
-how to switch: a failed critic call is None, as in the fork (see `trl_stable.compat.relc_critic.query_batch_span`
-for what each RELC parser makes of it, and ``TRL_STABLE_RELC_FAILED_CALLS=drop`` to make a failed call contribute
-nothing), and the scripts' substring matching of decoded tokens against critic spans is pointed at
-`trl_stable.rewards.span_token_rewards` (character-offset alignment). `PPOTrainer.step` scales RELC's per-token
-rows as the fork did with ``use_score_scaling`` / ``use_score_norm`` / ``score_clip``.
+Every name they import from `trl`, `trl.core`, `trl.extras.openai_scores` and `trl.extras.toxicity_evaluator` is
+here, with the fork's signature and meaning, built on trl_stable's `PPOTrainer`, critic backends and span alignment
+(no code of the fork is reused). Where the fork's behaviour was a bug, the script keeps running and a warning (once)
+says what trl_stable does and how to switch: docs/coming_from_relc.md.
 """
 
 from __future__ import annotations
@@ -58,7 +45,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------- trl.core
 def set_seed(seed: int) -> None:
     """Seed `random`, `numpy` and `torch` (all devices), as `trl.core.set_seed` did."""
     _accelerate_set_seed(seed)
@@ -80,7 +66,6 @@ class LengthSampler(_InclusiveLengthSampler):
         super().__init__(min_value, max_value - 1)
 
 
-# ---------------------------------------------------------------------------------------------------- config
 @dataclass
 class PPOConfig:
     """`trl.PPOConfig` of RELC's TRL 0.x fork: the same fields and defaults (a plain dataclass, so `tyro` builds
@@ -204,7 +189,6 @@ class PPOConfig:
         return _StablePPOConfig(**kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- models
 class AutoModelForCausalLMWithValueHead(nn.Module):
     """`trl.AutoModelForCausalLMWithValueHead`: a causal LM (`pretrained_model`, a PEFT model with `peft_config`)
     and a scalar value head (`v_head`, trl_stable's `ValueHead`) on its last hidden state.
@@ -309,7 +293,6 @@ def _policy_of(model: Any) -> Any:
     return model.pretrained_model if isinstance(model, AutoModelForCausalLMWithValueHead) else model
 
 
-# ---------------------------------------------------------------------------------------------------- trainer
 class PPOTrainer(_StablePPOTrainer):
     """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO: ``PPOTrainer(config, model, ref_model, tokenizer,
     dataset=..., optimizer=..., data_collator=..., num_shared_layers=..., lr_scheduler=...)``.
@@ -467,10 +450,8 @@ class PPOTrainer(_StablePPOTrainer):
         """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: the rows of every
         process, right-padded with zeros to the longest on their process, update the running mean and std (every
         entry counts, query positions and padding included, as in the fork); each row is divided by the running std
-        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``.
-
-        Differences: a running std of (nearly) 0 leaves the rows unscaled (the fork divided by float32's eps, 1e7
-        times), and the std's floor is 1e-8 instead of float32's eps (1.2e-7): the same numbers to ~1e-7 relative.
+        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``. Two
+        differences from the fork (a std of ~0, the std's floor): docs/coming_from_relc.md.
         """
         args = self.args
         if not args.use_score_scaling and args.score_clip is None:
@@ -525,7 +506,6 @@ class PPOTrainer(_StablePPOTrainer):
             self._save(save_directory)
 
 
-# ---------------------------------------------------------------------------------------------------- toxicity
 class RobertaHateSpeechDetector:
     """`trl.extras.toxicity_evaluator.RobertaHateSpeechDetector`: `evaluate(texts)` gives, per text, a 0-dim
     tensor with the classifier's "not hate" logit (class 0), the fork's reward. Loaded in float16 on CUDA only
