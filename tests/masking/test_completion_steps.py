@@ -8,7 +8,7 @@ from tiny_configs import tiny_ppo_args
 
 import trl_stable.trainers.ppo.ppo_trainer as ppo_module
 from trl_stable import PPOConfig, PPOTrainer
-from trl_stable.masking import CompletionStepMasker, apply_step_mask
+from trl_stable.masking import CompletionStepMasker, StepSpanError, apply_step_mask
 from trl_stable.testing import build_causal_lm
 
 TOOLS = {"get_weather": {"city": "string"}}
@@ -57,6 +57,30 @@ def test_extra_steps_from_the_environment_and_holes_in_the_mask(tokenizer):
     kept = tokenizer.decode([i for i, m in zip(row, new_mask[0].tolist()) if m])
     assert "print" not in kept and kept.endswith("then stop")
     assert new_mask[0, 0] == 0
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([None], r"extra_steps\(text, 0\)\[0\] is None"),
+        (
+            [{"start": 0, "end": 200, "unit": "char", "type": "code"}],
+            r"\[0, 200\) in chars, not a span of the sequence's",
+        ),
+        (
+            {"start": 0, "end": 2, "unit": "char"},
+            r"extra_steps\(text, 0\) returned \{'start'.*return a list of step dicts",
+        ),
+    ],
+)
+def test_malformed_environment_steps_are_refused_naming_the_call(tokenizer, returned, message):
+    """A step the environment reports that is no span of the completion (None, beyond its end, one dict instead of
+    a list) raises naming the `extra_steps` call and the step; None for the whole answer means no steps."""
+    ids, mask = _pad([tokenizer("run: print(1)", add_special_tokens=False)["input_ids"]], tokenizer.pad_token_id)
+    with pytest.raises(StepSpanError, match=message):
+        apply_step_mask(mask, ids, tokenizer, CompletionStepMasker(extra_steps=lambda text, i: returned))
+    kept = apply_step_mask(mask, ids, tokenizer, CompletionStepMasker(extra_steps=lambda text, i: None))
+    assert torch.equal(kept, mask)
 
 
 def test_ppo_step_loss_mask_removes_invalid_call_tokens_from_the_policy_loss(tokenizer, tmp_path, monkeypatch):

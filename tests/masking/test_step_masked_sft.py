@@ -133,3 +133,15 @@ def test_masked_tokens_contribute_no_gradient_in_the_trainer_loss(tokenizer, tmp
     swapped = ids[:-1] + [(ids[-1] + 1) % len(tokenizer)]
     torch.testing.assert_close(grads(ids, labels), grads(swapped, labels), rtol=0, atol=0)
     assert not torch.equal(grads(ids, ids), grads(swapped, swapped))
+
+
+def test_a_malformed_step_in_a_dataset_row_names_the_row(tokenizer):
+    from datasets import Dataset
+
+    from trl_stable.masking import StepSpanError, build_step_masked_dataset
+
+    rows = Dataset.from_dict(
+        {"text": ["hello there", "bye now"], "steps": [[], [{"start": 0, "end": 99, "unit": "char"}]]}
+    )
+    with pytest.raises(StepSpanError, match=r"dataset row 1: steps\[0\] is \[0, 99\) in chars"):
+        build_step_masked_dataset(rows, tokenizer)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trl_stable.masking import (
+    StepSpanError,
     build_step_loss_mask,
     char_span_to_tokens,
     decode_offsets,
@@ -188,8 +189,38 @@ def test_char_span_to_tokens_and_misaligned_text(tokenizer):
     assert char_span_to_tokens(offsets, 9, 12) == (0, 0)
     with pytest.raises(ValueError, match="does not reproduce"):
         build_step_loss_mask([1, 2, 3], [{"start": 0, "end": 2, "unit": "char"}], tokenizer=tokenizer, text="hello")
-    with pytest.raises(ValueError, match="outside the sequence"):
+    with pytest.raises(ValueError, match=r"steps\[0\] is \[2, 5\) in tokens, not a span of the sequence's 3 tokens"):
         build_step_loss_mask([1, 2, 3], [{"start": 2, "end": 5}])
+
+
+@pytest.mark.parametrize(
+    "step, message",
+    [
+        (None, r"steps\[1\] is None \(NoneType\)"),
+        ("0:2", r"steps\[1\] is '0:2' \(str\)"),
+        ({"start": None, "end": 2}, r"steps\[1\] has start=None, end=2"),
+        ({"start": "0", "end": 2}, r"steps\[1\] has start='0', end=2"),
+        ({"start": 0.5, "end": 2}, r"steps\[1\] has start=0.5, end=2"),
+        ({"start": True, "end": 2}, r"steps\[1\] has start=True, end=2"),
+        ({"start": 0, "end": 2, "unit": "word"}, r"steps\[1\] has unit='word'"),
+        ({"start": 2, "end": 1}, r"steps\[1\] is \[2, 1\) in tokens"),
+        ({"start": -1, "end": 1}, r"steps\[1\] is \[-1, 1\) in tokens"),
+        (
+            {"start": 0, "end": 6, "unit": "char"},
+            r"steps\[1\] is \[0, 6\) in chars, not a span of the sequence's 5 chars",
+        ),
+    ],
+)
+def test_a_step_that_is_not_a_span_is_refused_naming_it(tokenizer, step, message):
+    """Malformed steps (not a dict, missing or non-integer bounds, unknown unit, reversed or out of range) raise
+    `StepSpanError` naming the step and the expected shape, before any token is masked."""
+    ids = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    steps = [{"start": 0, "end": 1}, step]
+    with pytest.raises(StepSpanError, match=message) as err:
+        build_step_loss_mask(ids, steps, tokenizer=tokenizer, text="hello")
+    assert '"unit": "token" or "char"' in str(err.value)  # the fix: the step's expected shape
+    with pytest.raises(StepSpanError, match=r"steps is \{'start'"):
+        build_step_loss_mask(ids, {"start": 0, "end": 1})  # one step, not a list of them
 
 
 def test_decode_offsets_with_multibyte_characters(tokenizer):

@@ -136,3 +136,18 @@ def test_grpo_per_batch_check_names_the_prompt(tmp_path, tokenizer):
         trainer._tokenize_prompts([[], [{"role": "user", "content": "hi"}]])
     prompt_ids, _, _ = trainer._tokenize_prompts(["a b", LONG])  # a rotary model: TRL's behaviour, no refusal
     assert len(prompt_ids[1]) == 601
+
+
+def test_a_dataset_without_a_prompt_column_is_refused_at_start_up_naming_its_columns(tmp_path, tokenizer):
+    """GRPO needs a 'prompt' column (TRL raised KeyError: 'prompt' inside its first step), PPO a 'prompt' or an
+    'input_ids' one: both refuse the dataset when the trainer is built, naming the columns it has and the fix."""
+    texts = Dataset.from_dict({"text": ["The movie was", "A story"]})
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' column \(its columns: text\).*rename_column"):
+        GRPOTrainer(
+            build_causal_lm("gpt2", tokenizer, seed=0), reward_funcs=_length, processing_class=tokenizer,
+            args=tiny_grpo_args(tmp_path, per_device_train_batch_size=2), train_dataset=texts,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"train_dataset has no 'prompt' or 'input_ids' column \(its columns: text\)"):
+        _ppo(tmp_path, tokenizer, train_dataset=texts)
+    ids = Dataset.from_dict({"input_ids": [[5, 6], [7, 8]]})
+    assert _ppo(tmp_path, tokenizer, train_dataset=ids).train_dataset is not None  # PPO's other prompt column

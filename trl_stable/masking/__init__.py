@@ -5,7 +5,7 @@ Documentation: docs/agent_steps.md.
 
 from trl_stable.masking.completion_steps import CompletionStepMasker, apply_step_mask
 from trl_stable.masking.loss import masked_cross_entropy
-from trl_stable.masking.mask import StepMask, build_step_loss_mask, char_span_to_tokens, decode_offsets
+from trl_stable.masking.mask import StepMask, StepSpanError, build_step_loss_mask, char_span_to_tokens, decode_offsets
 from trl_stable.masking.sft import (
     StepMaskCollator,
     StepMaskedSFTConfig,
@@ -31,6 +31,7 @@ __all__ = [
     "StepMaskCollator",
     "StepMaskedSFTConfig",
     "StepMaskedSFTTrainer",
+    "StepSpanError",
     "StepVerdict",
     "TranscriptSteps",
     "apply_step_mask",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trl_stable.masking.mask import build_step_loss_mask, decode_offsets
+from trl_stable.masking.mask import StepSpanError, build_step_loss_mask, check_step, decode_offsets
 from trl_stable.masking.validation import StepVerdict, count_reasons, find_tool_call_spans
 
 
@@ -46,7 +46,7 @@ class CompletionStepMasker:
                 for a, b in find_tool_call_spans(text, self.open_tag, self.close_tag)
             ]
             if self.extra_steps is not None:
-                steps += list(self.extra_steps(text, index) or [])
+                steps += self._extra_steps(text, index, len(ids))
             if not steps:
                 masks.append([1.0] * len(ids))
                 continue
@@ -58,6 +58,18 @@ class CompletionStepMasker:
             masks.append(result.mask.tolist())
         self.last_counts = count_reasons(verdicts)
         return masks
+
+    def _extra_steps(self, text: str, index: int, num_tokens: int) -> list[dict[str, Any]]:
+        """`extra_steps`' steps of completion `index` (None: none), each checked, the error naming the call."""
+        where = f"extra_steps(text, {index})"
+        steps = self.extra_steps(text, index)
+        if steps is None:
+            return []
+        if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
+            raise StepSpanError(f"{where} returned {steps!r:.80}; return a list of step dicts (or None for none).")
+        for j, step in enumerate(steps):
+            check_step(step, f"{where}[{j}]", num_tokens, text)
+        return list(steps)
 
     def keep_mask(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, tokenizer: Any) -> torch.Tensor:
         """A (B, T) keep mask for right-padded `completion_ids`, 0 on invalid steps (padding left to the caller)."""

@@ -6,6 +6,7 @@ overlaps an invalid step at all: a token that carries part of a broken call must
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,35 @@ class StepMask:
     @property
     def num_invalid_steps(self) -> int:
         return sum(not v.valid for v in self.verdicts)
+
+
+class StepSpanError(ValueError):
+    """A step whose boundaries are not a span of the sequence: not a dict, a missing or non-integer start or end,
+    end before start, an unknown unit, or a span beyond the text or the tokens."""
+
+
+_STEP_FIX = (
+    'each step is a dict {"start": int, "end": int, "unit": "token" or "char", "type": str} with 0 <= start <= end '
+    "<= the sequence's length in its unit ([start, end))"
+)
+
+
+def check_step(step: Any, where: str, num_tokens: int, text: str | None) -> None:
+    """Raise `StepSpanError` naming `where` (``steps[2]``) unless `step` is a span of a sequence of `num_tokens`
+    tokens (``unit="token"``, the default) or of `text`'s characters (``unit="char"``)."""
+    if not isinstance(step, Mapping):
+        raise StepSpanError(f"{where} is {step!r:.80} ({type(step).__name__}); {_STEP_FIX}.")
+    bounds = [step.get(key) for key in ("start", "end")]
+    if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds):
+        raise StepSpanError(f"{where} has start={bounds[0]!r}, end={bounds[1]!r}; {_STEP_FIX}.")
+    unit = step.get("unit") or "token"
+    if unit not in ("token", "char"):
+        raise StepSpanError(f"{where} has unit={unit!r}; {_STEP_FIX}.")
+    length = num_tokens if unit == "token" else None if text is None else len(text)
+    start, end = int(bounds[0]), int(bounds[1])
+    if not 0 <= start <= end or (length is not None and end > length):
+        of = "the sequence" if length is None else f"the sequence's {length} {unit}s"
+        raise StepSpanError(f"{where} is [{start}, {end}) in {unit}s, not a span of {of}; {_STEP_FIX}.")
 
 
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
@@ -70,6 +100,10 @@ def build_step_loss_mask(
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(i) for i in input_ids]
     n = len(ids)
+    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
+        raise StepSpanError(f"steps is {steps!r:.80}; pass a list of step dicts.")
+    for i, step in enumerate(steps):
+        check_step(step, f"steps[{i}]", n, text)
     signatures = normalize_signatures(tools) if tools is not None else None
     if any((step.get("unit") or "token") == "char" for step in steps) and offsets is None:
         if text is None or tokenizer is None:
@@ -89,14 +123,10 @@ def build_step_loss_mask(
     spans: list[tuple[int, int]] = []
     for step in steps:
         start, end = int(step["start"]), int(step["end"])
-        if end < start:
-            raise ValueError(f"Step {dict(step)!r} has end < start.")
         if (step.get("unit") or "token") == "char":
             step_text = text[start:end] if text is not None else None
             t0, t1 = char_span_to_tokens(offsets, start, end)
         else:
-            if not 0 <= start <= end <= n:
-                raise ValueError(f"Token step [{start}, {end}) lies outside the sequence of {n} tokens.")
             t0, t1 = start, end
             if text is not None and offsets is not None and t1 > t0:
                 step_text = text[offsets[t0][0] : offsets[t1 - 1][1]]

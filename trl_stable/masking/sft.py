@@ -13,7 +13,7 @@ import trl
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from trl_stable.integration.hf_names import model_name_of
-from trl_stable.masking.mask import build_step_loss_mask
+from trl_stable.masking.mask import StepSpanError, build_step_loss_mask
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
 from trl_stable.token_offsets import encode_with_offsets
@@ -81,7 +81,14 @@ def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> An
     dropped (TRL's SFTTrainer then only truncates / packs it).
     """
     columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
-    return dataset.map(step_mask_example, fn_kwargs={"tokenizer": tokenizer, **kwargs}, remove_columns=columns or None)
+
+    def one_row(example: Mapping[str, Any], index: int) -> dict[str, Any]:
+        try:
+            return step_mask_example(example, tokenizer, **kwargs)
+        except StepSpanError as err:  # the dataset row, too: the error alone names only the step
+            raise StepSpanError(f"dataset row {index}: {err}") from err
+
+    return dataset.map(one_row, with_indices=True, remove_columns=columns or None)
 
 
 @dataclass

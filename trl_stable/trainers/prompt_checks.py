@@ -175,13 +175,24 @@ def too_long_error(
     )
 
 
-def check_prompt_column(dataset: Any, column: str = "prompt", name: str = "train_dataset") -> None:
-    """Raise `empty_prompt_error` for the first row of `dataset` whose `column` is missing or empty.
+def check_prompt_column(
+    dataset: Any, column: str = "prompt", name: str = "train_dataset", alternatives: Sequence[str] = ()
+) -> None:
+    """Raise `empty_prompt_error` for the first row of `dataset` whose `column` is missing or empty, and a
+    ValueError naming the columns when `dataset` has neither `column` nor one of `alternatives`.
 
     Reads the column at once (fast for a `datasets.Dataset`); datasets without named columns (iterable, torch
     datasets) are skipped and checked per batch instead.
     """
-    if dataset is None or column not in (getattr(dataset, "column_names", None) or ()):
+    columns = list(getattr(dataset, "column_names", None) or ()) if dataset is not None else []
+    if columns and column not in columns and not set(alternatives) & set(columns):
+        wanted = " or ".join(repr(c) for c in (column, *alternatives))
+        raise ValueError(
+            f"{name} has no {wanted} column (its columns: {', '.join(columns)}); every row's {column!r} is what the "
+            f"trainer generates from. Rename the column holding the prompts, e.g. "
+            f"{name}.rename_column({columns[0]!r}, {column!r})."
+        )
+    if column not in columns:
         return
     for i, prompt in enumerate(dataset[column]):
         error = empty_prompt_error(prompt, f"{name} row {i}")

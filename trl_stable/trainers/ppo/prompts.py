@@ -112,7 +112,7 @@ class PromptData:
         generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
         for context in self.model_contexts:
             check_generation_budget(context, generation, "max_new_tokens", args.max_prompt_length)
-        check_prompt_column(train_dataset)
+        check_prompt_column(train_dataset, alternatives=("input_ids",))
         learned = [c for c in self.model_contexts if c.learned]
         if train_dataset is None or not learned or not hasattr(train_dataset, "__len__"):
             return
