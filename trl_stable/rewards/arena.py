@@ -1,12 +1,5 @@
-"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging (docs/agent_steps.md).
-
-``judge(prompt, a, b)`` returns P(a wins) in [0, 1]; a completion's reward is its win total over the matches it
-played. Round robin plays every pair; Swiss plays ceil(log2 G) rounds, pairing neighbours by score, then Buchholz,
-then a seeded order, without rematches (backtracking, within `MAX_PAIRING_SEARCH` steps a round). A bye is not a
-match: it neither raises nor lowers the player's reward. Indices are never shuffled in place: the caller's list is
-read only, and every result is indexed like it (a public Swiss implementation shuffled the players list in place and
-credited points to the wrong completions).
-"""
+"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging; round robin or Swiss pairing, byes,
+failed calls and stable indices as docs/agent_steps.md ("Group arena reward") states them."""
 
 from __future__ import annotations
 
@@ -364,24 +357,16 @@ def completion_text(value: Any) -> str:
         return ""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
-    return _as_text(value)
+    return _prompt_text(value)
 
 
-def _as_text(value: Any) -> str:
-    """A prompt or completion as plain text (conversational ones as ``role: content`` lines)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        return str(value.get("content", ""))
-    if isinstance(value, Sequence):
-        parts = []
-        for msg in value:
-            if isinstance(msg, Mapping):
-                parts.append(f"{msg.get('role', 'user')}: {msg.get('content', '')}")
-            else:
-                parts.append(str(msg))
-        return "\n".join(parts)
-    return str(value)
+def _prompt_text(value: Any) -> str:
+    """A prompt as plain text (a conversational one as ``role: content`` lines)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "\n".join(
+            f"{m.get('role', 'user')}: {m.get('content', '')}" if isinstance(m, Mapping) else str(m) for m in value
+        )
+    return str(value.get("content", "")) if isinstance(value, Mapping) else str(value)
 
 
 class JudgeRequestsFailed(RuntimeError):
@@ -533,7 +518,7 @@ class ArenaReward:
         for idx, key in enumerate(keys):
             order.setdefault(key, []).append(idx)
         members = list(order.values())
-        groups = [(_as_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
+        groups = [(_prompt_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
         with self._lock:
             base_seed = self.seed + self._num_calls * 100003
             self._num_calls += 1

@@ -108,14 +108,8 @@ def reward_number(value: Any, subject: str, where: str) -> float:
     """
     if value is None:
         return math.nan
-    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
-        if value.dtype.is_complex if isinstance(value, torch.Tensor) else np.iscomplexobj(value):
-            raise RewardTypeError(
-                f"{subject} returned the complex number {value!r} for {where}; return a real number."
-            )
-        value = value.item()
-    elif isinstance(value, np.generic):  # NumPy scalars, np.bool_ included (not a numbers.Real)
-        value = value.item()
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 or isinstance(value, np.generic):
+        value = value.item()  # NumPy scalars, np.bool_ included (not a numbers.Real); a complex one is a complex
     if isinstance(value, complex):
         raise RewardTypeError(f"{subject} returned the complex number {value!r} for {where}; return a real number.")
     if not isinstance(value, numbers.Real):
