@@ -121,10 +121,8 @@ class _Tournament:
         return None
 
     def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
-        """Pair neighbours in rank order with no rematch; backtrack when a greedy choice strands a player.
-
-        None when no pairing exists or the search budget (`MAX_PAIRING_SEARCH` steps) runs out.
-        """
+        """Pair neighbours in rank order with no rematch, backtracking when a greedy choice strands a player; None when
+        no pairing exists or the search budget runs out."""
         if not players:
             return []
         self._budget -= 1
@@ -182,8 +180,8 @@ def _check_prob(value: Any) -> float | None:
 def _call_judges(
     judge: Any, triples: list[tuple[str, str, str]], max_workers: int
 ) -> tuple[list[float | None], str | None]:
-    """Judge every (prompt, a, b) triple concurrently; None for a failed call. Also returns why the first failed
-    call failed (None when none did), for the arena's failure guard."""
+    """Judge every (prompt, a, b) triple concurrently (None for a failed call), and say why the first failed call
+    failed (None when none did)."""
     if not triples:
         return [], None
     errors: list[str] = []
@@ -245,11 +243,9 @@ def run_arenas(
     seed: int = 0,
     max_workers: int = 8,
 ) -> list[ArenaResult]:
-    """Run one arena per ``(prompt, responses)`` group; the groups advance in lockstep, so every judge call of a
-    round of every group runs in one concurrent batch (a thread pool of `max_workers`, or ``judge.judge_batch``).
-
-    Group k is seeded with ``seed + k``. See `gar_rewards` for the arguments.
-    """
+    """One arena per ``(prompt, responses)`` group, group k seeded with ``seed + k`` (arguments: `gar_rewards`). The
+    groups advance in lockstep, so each round's judge calls of every group run in one batch (a thread pool of
+    `max_workers`, or ``judge.judge_batch``)."""
     check_arena_args(pairing, rounds)
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
     calls = [0] * len(groups)
@@ -337,10 +333,8 @@ def load_prompt(name: str) -> str:
 
 
 def parse_verdict(answer: str | None) -> float | None:
-    """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5.
-
-    None when the answer is missing or has no verdict (a failed call: scored as a draw and counted).
-    """
+    """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5; None
+    without a verdict (a failed call)."""
     if not answer:
         return None
     best, verdict = -1, None
@@ -435,8 +429,8 @@ class LLMJudge:
         return self.template.replace("{prompt}", prompt).replace("{response_a}", a).replace("{response_b}", b)
 
     def judge_batch(self, triples: Sequence[tuple[str, str, str]]) -> list[float | None]:
-        """P(A wins) per triple; None for a failed request or an answer without a verdict. When every request
-        failed, raises `JudgeRequestsFailed` naming the first failure (the arena counts a batch of draws, with it)."""
+        """P(A wins) per triple, None for a failed request or an answer without a verdict; raises
+        `JudgeRequestsFailed`, naming the first failure, when every request failed."""
         prompts = [self.format(*t) for t in triples]
         answers = list(self.backend(prompts))
         if len(answers) != len(prompts):

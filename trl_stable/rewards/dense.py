@@ -36,17 +36,9 @@ class RewardTypeError(RewardContractError, TypeError):
 def raise_on_every_process(
     error: Exception | None, accelerator: Any, elsewhere: Callable[[], Exception] | None = None
 ) -> None:
-    """Raise on every process when any process found `error`, so none is left waiting in a collective.
-
-    A broken answer is seen by one process only; if that process raised alone, the others would block in the next
-    gather (NCCL) or die of a lost peer (gloo). A collective: every process must call this.
-
-    Args:
-        error: This process's error, or None.
-        accelerator: The trainer's `accelerate.Accelerator`.
-        elsewhere: The error the processes without one raise (default: a `RewardContractError` pointing at the
-            other process's message).
-    """
+    """Raise on every process when any process found `error`, so none is left waiting in a collective (a
+    collective: every process calls it). `elsewhere` makes the error the other processes raise (default: a
+    `RewardContractError` pointing at the other process's message)."""
     flag = torch.tensor(float(error is not None), device=accelerator.device)
     if accelerator.reduce(flag, reduction="sum").item() > 0:
         if error is not None:
@@ -101,11 +93,8 @@ def out_of_range(value: float, limit: float | None) -> bool:
 
 
 def reward_number(value: Any, subject: str, where: str) -> float:
-    """`value` as a float under the contract's number rule; None -> NaN, beyond float32's range -> +-inf.
-
-    `subject` (who returned it, "Reward function 'f'") and `where` ("completion 3") name it in the
-    `RewardTypeError` raised for a value that is not a number: a string, a list, a tensor with dimensions, a complex.
-    """
+    """`value` as a float under the contract's number rule; None -> NaN, beyond float32's range -> +-inf. A value
+    that is not a real number raises `RewardTypeError` naming `subject` ("Reward function 'f'") and `where`."""
     if value is None:
         return math.nan
     if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 or isinstance(value, np.generic):
@@ -144,11 +133,8 @@ def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
 
 
 def reward_numbers(values: Any, subject: str, where: Callable[[int], str], expected: str) -> list[float]:
-    """The entries of `values` (a list, tuple, generator or 1-D tensor / array) as floats under `reward_number`.
-
-    `where(i)` names entry i for errors; `expected` says what `subject` should return when `values` is no such
-    container (a `RewardTypeError`, as for an entry that is not a number).
-    """
+    """The entries of `values` (a list, tuple, generator or 1-D tensor / array) as floats under `reward_number`;
+    `where(i)` names entry i, `expected` what `subject` should return when `values` is no such container."""
     if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex:
         return [_float32_range(float(v)) for v in values.tolist()]  # one device sync, not one per entry
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
@@ -168,14 +154,9 @@ def _warn_out_of_range(subject: str, where: list[str], values: list[float], limi
 
 
 def sequence_reward_values(values: Any, num_completions: int, name: str, subject: str | None = None) -> torch.Tensor:
-    """One sequence-level reward function's output as float64 [N]: None -> NaN ("does not apply"), a value beyond
-    float32's range -> +-inf; the bound is applied later, to every function's values at once (`bound_rewards`).
-
-    Raises:
-        RewardTypeError: naming the function (`subject`, default "Reward function '<name>'") and the completion when
-            `values` is not a list of numbers.
-        RewardContractError: naming the function when the count is not `num_completions`.
-    """
+    """One sequence-level reward function's output as float64 [N] under `reward_number` (the bound is applied
+    later, to every function's values at once: `bound_rewards`). A value that is not a number raises
+    `RewardTypeError`, a count other than `num_completions` `RewardContractError`, both naming the function."""
     subject = subject or f"Reward function '{name}'"
     out = reward_numbers(
         values, subject, lambda i: f"completion {i}", "a list with one number (or None) per completion"
@@ -191,15 +172,9 @@ def sequence_reward_values(values: Any, num_completions: int, name: str, subject
 def bound_rewards(
     rewards_per_func: torch.Tensor, names: Sequence[str], limit: float | None = DEFAULT_MAX_ABS_REWARD
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract's bound on sequence rewards, in both trainers: `rewards_per_func` [N, K] (every function's
-    values, reward models' logits included) with the entries beyond +-`limit` (and +-inf) NaN, a warning per function
-    naming the completions, and the count per function [K] (``rewards/<name>/out_of_range``).
-
-    Args:
-        rewards_per_func: [N, K] rewards, NaN where a function does not apply.
-        names: The K functions' names.
-        limit: The largest magnitude taken; None: only +-inf is out of range.
-    """
+    """The contract's bound on sequence rewards [N, K] (reward models' logits included) in both trainers: entries
+    beyond +-`limit` (None: only +-inf) become NaN, with a warning per function naming the completions; also returns
+    the count per function [K] (``rewards/<name>/out_of_range``)."""
     bad = torch.isinf(rewards_per_func)
     if limit is not None:
         bad |= rewards_per_func.abs() > limit
@@ -225,18 +200,12 @@ def checked_sequence_reward(
     is_async: bool,
     failures: dict[str, str] | None = None,
 ) -> Callable[..., Any]:
-    """`func` with its output put through `sequence_reward_values`, for a caller that passes TRL's keywords
-    (``prompts=``, ...) and reads one value per completion: TRL's `_calculate_rewards`.
+    """`func` (called with TRL's keywords, async when `is_async`) with its output put through `sequence_reward_values`.
 
-    A contract error (or a component's `RewardComponentFailure`) is appended to `errors` and the output replaced by
-    None for every completion, so the caller still reaches the gather it runs after the reward functions; raise
-    ``errors[0]`` after it with `raise_on_every_process`, on every process. Any other exception the function raises
-    is a failed call (with `failures`): its completions are unscored (None), ``failures[name]`` says why, and the
-    caller's `FailureGuard` counts the step (`record_reward_failures`).
-
-    With `is_async`, the wrapper is async too, so the caller awaits it; with ``failures=None``, the function's
-    exceptions propagate.
-    """
+    A contract error (or `RewardComponentFailure`) is appended to `errors` and the output is None for every completion,
+    so the caller still reaches its gather; it raises ``errors[0]`` after it with `raise_on_every_process`. Any other
+    exception is a failed call with `failures` (its completions unscored, ``failures[name]`` the cause, counted by the
+    caller's `FailureGuard`), and propagates with ``failures=None``."""
 
     def check(out: Any, prompts: Sequence[Any]) -> list[float | None]:
         try:
@@ -282,12 +251,9 @@ def record_reward_failures(
     causes: Mapping[str, str],
     default_cause: str = "returned None/NaN or an out-of-range value for every completion",
 ) -> None:
-    """One step's outcome for each guarded reward function: `failed[name]` (decided on every process's completions,
-    so every process records the same and stops at the same step), with this process's cause when it has one.
-
-    Raises:
-        RewardComponentFailure: when a function failed for its guard's limit of consecutive steps.
-    """
+    """Record one step's outcome in each guard: `failed[name]` (decided on every process's completions, so every
+    process stops at the same step), with this process's cause when it has one; raises `RewardComponentFailure` at a
+    guard's limit."""
     for name, guard in guards.items():
         guard.record(bool(failed.get(name, False)), causes.get(name, default_cause))
 
@@ -329,13 +295,9 @@ def validate_dense_rewards(
     name: str = "reward function",
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> list[list[float]]:
-    """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; None, NaN and
-    out-of-range tokens (beyond +-`limit`, +-inf) -> NaN, which `collect_dense_rewards` counts and uses as 0).
-
-    Raises:
-        RewardTypeError: naming `name` and the completion when the output is not a list of rows of numbers.
-        RewardContractError: naming `name` when the number of rows or a row's length does not match.
-    """
+    """Check a dense reward function's output and return it as lists of floats: None rows -> zeros; None, NaN and
+    out-of-range tokens (beyond +-`limit`, +-inf) -> NaN, which `collect_dense_rewards` counts and uses as 0. Raises
+    `RewardTypeError` / `RewardContractError` naming `name` and the completion."""
     subject = f"Dense {name}"
     rows = _as_list(rewards, subject, "one list (or None) per completion")
     if len(rows) != len(completion_lengths):
@@ -383,19 +345,9 @@ def collect_dense_rewards(
     handles: Sequence[Any] | None = None,
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> DenseRewards:
-    """Call every dense reward function through `call(func)` and sum their rows under the contract.
-
-    The trainer owns `call` (which keyword arguments a function gets, and how an async one is awaited); this
-    function owns what the answers mean, so the two trainers cannot drift apart.
-
-    Args:
-        funcs, names, weights: The dense reward functions, their names and weights (same order).
-        completion_lengths: Tokens per completion.
-        call: Invokes one function on the batch and returns its raw output; ``call(func, prefetched=h)`` adds the
-            keyword argument.
-        handles: Per function, what its `prefetch` returned (None: not prefetched, called without ``prefetched``).
-        limit: The reward bound (`max_abs_reward`): a token reward beyond it counts as NaN.
-    """
+    """Call every dense reward function through the trainer's `call(func)` (``call(func, prefetched=h)`` with its
+    `prefetch` handle in `handles`) and sum their weighted rows under the contract; a function that raises gives no
+    dense reward this step (its cause in `DenseRewards.failures`). `limit` is `max_abs_reward`."""
     total = [[0.0] * n for n in completion_lengths]
     metrics: dict[str, float] = {}
     failures: dict[str, str] = {}
@@ -436,11 +388,8 @@ def collect_dense_rewards(
 
 @dataclass
 class PendingDenseRewards:
-    """A batch's dense rewards whose functions were prefetched but not yet called; `collect` calls them.
-
-    Built by `start_dense_rewards`; the trainer keeps it across its forward passes and collects when the token
-    rewards are needed. `collect` is idempotent (the functions are called once).
-    """
+    """A batch's prefetched dense rewards, not yet collected (`start_dense_rewards`); `collect` calls the functions
+    once."""
 
     funcs: Sequence[Callable[..., Any]]
     names: Sequence[str]
@@ -469,10 +418,8 @@ def start_dense_rewards(
     prefetch: Callable[[Callable[..., Any]], Any],
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> PendingDenseRewards:
-    """Prefetch every dense function that has a `prefetch`, through the trainer's `prefetch(func)` (the arguments
-    `call(func)` will pass; it returns the handle, later passed as ``prefetched=``), and return the pending rewards,
-    to `collect` later. The other arguments are those of `collect_dense_rewards`.
-    """
+    """Prefetch every dense function that has a `prefetch` through the trainer's `prefetch(func)` (its handle is
+    later passed as ``prefetched=``); the other arguments are those of `collect_dense_rewards`."""
     handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
     lengths = list(completion_lengths)
     return PendingDenseRewards(list(funcs), list(names), list(weights), lengths, call, handles, limit)
