@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LOGPS_FORWARD_SNIPPETS", "MIRRORED", "Mirrored"]
-
 
 @dataclass(frozen=True)
 class Mirrored:

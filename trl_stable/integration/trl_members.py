@@ -8,22 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = [
-    "CONFIG_NAME_ATTRIBUTE",
-    "ENGINE_MEMBERS",
-    "GRPO_BATCH_KEYS",
-    "GRPO_MEMBERS",
-    "GRPO_OPTIONAL_BATCH_KEYS",
-    "GRPO_PADDING",
-    "HELPER_MEMBERS",
-    "LOGPS_PARAMS",
-    "PPO_MEMBERS",
-    "REF_ADAPTER_NAME",
-    "TRANSFORMERS_MEMBERS",
-    "VLLM_MEMBERS",
-    "Member",
-]
-
 
 @dataclass(frozen=True)
 class Member:

@@ -18,17 +18,6 @@ from torch import nn
 from trl_stable.moe.layout import mask_routing, pad_routing, unpad_routing
 from trl_stable.moe.replay import RoutingReplay
 
-__all__ = [
-    "ROUTED_EXPERTS_KEY",
-    "ROUTING_REPLAY_HELP",
-    "ROUTING_REPLAY_MODES",
-    "batch_routing",
-    "RolloutRouting",
-    "RoutingHook",
-    "SampledRouting",
-    "check_routing_replay_mode",
-]
-
 ROUTING_REPLAY_MODES: tuple[str, ...] = ("off", "R2", "R3")
 ROUTED_EXPERTS_KEY = "routed_experts"
 ROUTING_REPLAY_HELP = (

@@ -22,8 +22,6 @@ from trl_stable.monitoring.metric_names import (
     token_filter_metric,
 )
 
-__all__ = ["MismatchStats", "behaviour_filter_metrics", "mismatch_stats"]
-
 
 @dataclass(frozen=True)
 class MismatchStats:

@@ -33,15 +33,6 @@ from trl_stable.monitoring.metric_names import (
     critic_step_ratios,
 )
 
-__all__ = [
-    "Stat",
-    "dense_reward_stats",
-    "has_own_reduction",
-    "logged_metric_stat",
-    "reduce_metrics",
-    "step_mask_stats",
-]
-
 _KINDS = ("mean", "sum", "min", "max", "std")
 Number = float | int | torch.Tensor
 
