@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed as _accelerate_set_seed
+from accelerate.utils import set_seed  # seeds random, numpy and torch (all devices), as trl.core.set_seed did
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -43,11 +43,6 @@ __all__ = [
     "query_batch_span",
     "set_seed",
 ]
-
-
-def set_seed(seed: int) -> None:
-    """Seed `random`, `numpy` and `torch` (all devices), as `trl.core.set_seed` did."""
-    _accelerate_set_seed(seed)
 
 
 class LengthSampler(_InclusiveLengthSampler):
@@ -219,8 +214,17 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         """
         if isinstance(pretrained_model_name_or_path, nn.Module):
             model = pretrained_model_name_or_path
-        else:
-            kwargs = _loading_kwargs(kwargs)
+        else:  # TRL 0.x's loading flags in today's transformers spelling
+            load_8bit, load_4bit = kwargs.pop("load_in_8bit", False), kwargs.pop("load_in_4bit", False)
+            if load_8bit or load_4bit:
+                from transformers import BitsAndBytesConfig
+
+                kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_8bit, load_in_4bit=load_4bit)
+            # RELC's PEFT script maps the model to GPU `local_process_index`; on a CPU machine that index is no device
+            device_map = kwargs.get("device_map")
+            cpu_only = isinstance(device_map, dict) and not torch.cuda.is_available()
+            if cpu_only and any(isinstance(v, int) for v in device_map.values()):
+                kwargs.pop("device_map")
             model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if peft_config is not None:
             from peft import get_peft_model
@@ -255,22 +259,6 @@ class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
 
 
 AutoModelForSeq2Seq = AutoModelForSeq2SeqLMWithValueHead  # the name RELC's sentiment script imports
-
-
-def _loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """TRL 0.x loading flags in today's transformers spelling."""
-    kwargs = dict(kwargs)
-    load_8bit, load_4bit = kwargs.pop("load_in_8bit", False), kwargs.pop("load_in_4bit", False)
-    if load_8bit or load_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_8bit, load_in_4bit=load_4bit)
-    device_map = kwargs.get("device_map")
-    if isinstance(device_map, dict) and not torch.cuda.is_available():
-        # RELC's PEFT script maps the model to GPU `local_process_index`; on a CPU machine that index is no device
-        if any(isinstance(v, int) for v in device_map.values()):
-            kwargs.pop("device_map")
-    return kwargs
 
 
 def create_reference_model(
