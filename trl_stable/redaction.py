@@ -29,23 +29,10 @@ __all__ = [
 REDACTED = "<redacted>"
 
 _SECRET_SUFFIXES = ("_token", "_key", "_secret", "_password", "_passwd", "_credentials", "_apikey")
-_SECRET_NAMES = frozenset(
-    {
-        "token",
-        "key",
-        "secret",
-        "password",
-        "passwd",
-        "credentials",
-        "api_key",
-        "apikey",
-        "auth",
-        "authorization",
-        "bearer",
-        "cookie",
-        "perspective_api",  # RELC's flag for the Perspective API key
-    }
-)
+_SECRET_NAMES = frozenset({
+    "token", "key", "secret", "password", "passwd", "credentials", "api_key", "apikey", "auth", "authorization",
+    "bearer", "cookie", "perspective_api",  # perspective_api: RELC's flag for the Perspective API key
+})  # fmt: skip
 _SECRET_PARTS = ("password", "secret", "api_key", "apikey", "authorization", "credential", "access_token")
 # Named like secrets, hold none: tokenizer special tokens, and fields that point at a secret (a variable's name, a
 # file) rather than hold it.
