@@ -203,15 +203,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | nn.Module, *model_args: Any, peft_config: Any | None = None, **kwargs
     ) -> AutoModelForCausalLMWithValueHead:
-        """Load (or wrap) a causal LM and put a fresh value head on it (seeded by the global RNG, as in TRL 0.x:
-        call `set_seed` first for a reproducible head).
-
-        Args:
-            pretrained_model_name_or_path: A name/path, or a loaded causal LM (e.g. loaded in bfloat16 first).
-            peft_config: A `peft.PeftConfig`: the LM becomes a PEFT model (the trainer's reference is then the LM
-                with its adapter disabled).
-            kwargs: For `AutoModelForCausalLM.from_pretrained` (``device_map``, ``load_in_8bit``, dtype, ...).
-        """
+        """Load (or wrap) a causal LM and put a fresh value head on it, seeded by the global RNG as in TRL 0.x (call
+        `set_seed` first for a reproducible head). `pretrained_model_name_or_path` may be a loaded LM; with
+        `peft_config` it becomes a PEFT model; `kwargs` go to `AutoModelForCausalLM.from_pretrained` (``device_map``,
+        ``load_in_8bit``, dtype, ...)."""
         if isinstance(pretrained_model_name_or_path, nn.Module):
             model = pretrained_model_name_or_path
         else:  # TRL 0.x's loading flags in today's transformers spelling
@@ -334,9 +329,9 @@ class PPOTrainer(_StablePPOTrainer):
         self.current_step = 0
 
     def prepare_dataloader(self, dataset: Any, data_collator: Callable | None = None) -> torch.utils.data.DataLoader:
-        """A shuffled `DataLoader` of `config.batch_size` rows (last incomplete batch dropped), prepared by the
-        accelerator (each process gets its own rows). A `datasets.Dataset` keeps only the columns the model's
-        forward takes plus "label", "query" and "response" (with `remove_unused_columns`), as the fork did."""
+        """A shuffled `DataLoader` of `config.batch_size` rows per process (last incomplete batch dropped), prepared by
+        the accelerator; with `remove_unused_columns`, a `datasets.Dataset` keeps only the columns the model's forward
+        takes plus "label", "query" and "response", as the fork did."""
         if self.config.remove_unused_columns and hasattr(dataset, "column_names"):
             keep = set(inspect.signature(self.unwrapped().policy.forward).parameters) | {"label", "query", "response"}
             unused = [c for c in dataset.column_names if c not in keep]
@@ -486,10 +481,8 @@ class PPOTrainer(_StablePPOTrainer):
         return dropped
 
     def save_pretrained(self, save_directory: str) -> None:
-        """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`.
-
-        No collective runs inside, so RELC's ``if accelerator.is_main_process: ppo_trainer.save_pretrained(...)``
-        works with several processes; called on every process, only the main one writes."""
+        """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`, on the
+        main process only and with no collective inside, so RELC's ``if accelerator.is_main_process:`` call works."""
         if self.accelerator.is_main_process:
             self._save(save_directory)
 

@@ -449,31 +449,26 @@ class LLMJudge:
 
 
 class ArenaReward:
-    """GAR as a TRL reward function: groups the batch's completions by prompt and runs one arena per group.
+    """GAR as a TRL reward function (``reward_funcs=[ArenaReward(judge, pairing="swiss")]``): one arena per prompt
+    of the batch, every judge call of a round across all arenas at once. Arena k of call c is seeded with
+    ``seed + c * 100003 + k``, so Swiss round-1 pairings change from step to step, reproducibly.
 
-    ``reward_funcs=[ArenaReward(judge, pairing="swiss")]`` in a GRPO trainer. Every judge call of a round, across
-    all groups of the batch, runs concurrently. Arena k of call c is seeded with ``seed + c * 100003 + k`` so Swiss
-    round-1 pairings change from step to step but are reproducible.
-
-    With several processes TRL scores each process's slice of the batch, so keep ``per_device_train_batch_size``
-    a multiple of ``num_generations``: a group split across processes would play as two smaller arenas. Groups are
-    found by prompt text (a reward function is not told ``num_generations``), so a prompt drawn twice into one
-    batch plays one arena of 2G completions: rewards stay in [0, 1] and comparable, at the cost of more calls.
+    Groups are found by prompt text (a reward function is not told ``num_generations``): a prompt drawn twice into one
+    batch plays one arena of 2G completions, and with several processes ``per_device_train_batch_size`` should be a
+    multiple of ``num_generations``, as a group split across processes plays as two smaller arenas.
 
     Args:
         judge: A pairwise judge (see `gar_rewards`) or an `LLMJudge`.
         pairing / rounds / both_orders: See `gar_rewards`.
         seed: Base seed.
         max_workers: Judge calls in flight at once (ignored by a ``judge_batch`` judge, which batches itself).
-        max_failing_steps: A dead judge (every call of a step failed: 401, 500, garbage answers, an exception)
-            gives every completion 0.5, a constant reward the run would train on for ever; after this many such steps
-            in a row the call raises `trl_stable.rewards.failure_guard.RewardComponentFailure`, naming the judge's
-            cause (each one warns). None: never stop.
+        max_failing_steps: A dead judge (every call of a step failed) gives every completion 0.5, a constant reward;
+            after this many such steps in a row the call raises `RewardComponentFailure` naming the judge's cause
+            (each one warns). None: never stop.
 
     Attributes:
-        judge_calls / failed_calls: Cumulative counts; per call they also go to the trainer's logs as
-        ``arena/judge_calls`` and ``arena/failed_judge_calls`` (through TRL's ``log_metric``). Checkpoints keep them
-        and the failure guard (`checkpoint_state`).
+        judge_calls / failed_calls: Cumulative counts, also logged per call as ``arena/judge_calls`` and
+        ``arena/failed_judge_calls``; checkpoints keep them and the failure guard (`checkpoint_state`).
     """
 
     def __init__(

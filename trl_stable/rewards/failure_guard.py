@@ -1,7 +1,5 @@
-"""A stop guard for reward components that can fail wholesale (a reward function that raises or returns no usable
-value for any completion, an arena judge whose every call fails, the LLM critic): one failing step costs that step
-its reward, with a warning; a component that keeps failing would train on nothing (or on constant draws) for ever.
-"""
+"""A stop guard for reward components that can fail wholesale (a reward function, an arena judge, the LLM critic):
+one failing step costs that step its reward, with a warning; a component that keeps failing stops the run."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Reward models (sequence classifiers) as reward functions: one scoring path, TRL's.
-
-trl_stable's GRPOTrainer leaves reward models to TRL (`GRPOTrainer.__init__` resolves the tokenizer and pad token,
-`_calculate_rewards` scores); PPOTrainer calls `prepare_reward_model` and `reward_model_scores`, which repeat those
-steps (a test scores one model through both trainers), so the same reward model gives the same numbers in both.
-"""
+"""Reward models (sequence classifiers) as reward functions, scored as TRL's GRPO scores them: GRPO leaves them to
+TRL, PPOTrainer repeats TRL's steps here (a test scores one model through both trainers), so the numbers agree."""
 
 from __future__ import annotations
 
