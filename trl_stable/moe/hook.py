@@ -1,8 +1,6 @@
-"""Routing replay as a hook object the trainers call at named points of their step (the table of
-docs/routing_replay.md): nothing is wrapped behind the trainer's back and nothing is inferred from the order of calls.
-
-The routing tensor travels in the trainer's batch under ``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on
-padding), so shuffling and mini-batch splitting keep it aligned with its tokens.
+"""Routing replay as a hook object the trainers call at named points of their step (docs/routing_replay.md, "Custom
+loops"): nothing is wrapped behind the trainer's back. The routing tensor travels in the batch under
+``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on padding), so shuffles and splits keep it aligned.
 """
 
 from __future__ import annotations
