@@ -72,13 +72,9 @@ def _name(value: Any) -> str:
 
 
 def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
-    """Check each field of `config` named in `bounds` against its [`Bound`].
-
-    Raises:
-        TypeError: A value is not a number (a str, a bool, a list), or not an int where the bound wants one.
-        ValueError: A value is NaN, infinite or out of range; the message names the field, the valid values and the
-            bound's fix.
-    """
+    """Check each field of `config` named in `bounds` against its [`Bound`]: TypeError for a value that is not a number
+    (or not an int where the bound wants one), ValueError for NaN, inf or out of range, naming the field, the valid
+    values and the bound's fix."""
     for name, bound in bounds.items():
         value = getattr(config, name)
         if value is None and bound.optional:
@@ -93,12 +89,9 @@ def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
 
 
 def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
-    """Refuse a NaN or infinite float in any dataclass field of `config` (in a list or tuple too, e.g.
-    ``reward_weights``), except the fields in `allow_infinite`, where +-inf means something and only NaN is refused.
-
-    Raises:
-        ValueError: naming the field (and the entry of a list).
-    """
+    """Refuse (ValueError, naming the field and the list entry) a NaN or infinite float in any dataclass field of
+    `config`, in a list or tuple too (``reward_weights``); in `allow_infinite`, where +-inf means something, only
+    NaN."""
     allow_infinite = set(allow_infinite)
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
@@ -140,15 +133,9 @@ class Dependent:
 
 
 def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callable[[str], None] | None = None) -> None:
-    """Refuse a dependent field set while the option it needs is off: the run would ignore it, silently.
-
-    Args:
-        warn: Say it with this instead of refusing (e.g. ``logger.warning``), where callers set such fields on
-            purpose before they choose the option (a script's defaults for several backends).
-
-    Raises:
-        ValueError: naming the fields set, the option they need, and both fixes (without `warn`).
-    """
+    """Refuse (ValueError naming the fields set, the option they need and both fixes) a dependent field set while the
+    option it needs is off, since the run would ignore it; with `warn` (e.g. ``logger.warning``) say it instead, for
+    callers that set such fields on purpose before choosing the option."""
     for dep in dependents:
         if dep.active:
             continue
@@ -206,13 +193,10 @@ _NO_KWARGS_SCHEDULES = ("constant", "constant_with_warmup")
 
 
 def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
-    """The `TrainingArguments` fields that only act together with another one, as [`Dependent`]s for
-    [`check_dependents`] (call it after `TrainingArguments.__post_init__`, which resolves the strategies).
-
-    `transformers.Trainer` ignores each of these, without a word, when the option it needs is off: `warmup_steps` under
-    the "constant" schedule, `eval_steps` without step-wise evaluation, `run_name` without a tracker that names runs,
-    `optim_target_modules` without a GaLore / APOLLO optimizer, and so on.
-    """
+    """The `TrainingArguments` fields that only act together with another one, which `transformers.Trainer` ignores
+    without a word otherwise (`warmup_steps` under "constant", `eval_steps` without step-wise evaluation, ...), as
+    [`Dependent`]s for [`check_dependents`]; call it after `TrainingArguments.__post_init__` resolved the
+    strategies."""
     schedule = _name(config.lr_scheduler_type)
     evaluates = _name(config.eval_strategy) != "no"
     report_to = set(config.report_to or [])

@@ -107,14 +107,9 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
 
 
 def load_tools(value: Any) -> Any:
-    """Tools given as a JSON string or the path of a JSON file become the object they encode; the result is checked
-    (every tool a name or a spec with a name, see `normalize_signatures`) and returned as given, so a config can
-    refuse a bad tool list when it is built rather than at the first tool call.
-
-    Raises:
-        ValueError: when a string is neither valid JSON nor a readable JSON file, when the tools are not a list of
-            names / specs or a ``{name: signature}`` dict (e.g. a number), or when a spec has no name.
-    """
+    """Tools given as a JSON string or a JSON file's path decoded, checked (`normalize_signatures`) and returned as
+    given, so a config refuses a bad tool list when it is built; ValueError for an unreadable string, tools that are
+    no list of names / specs or ``{name: signature}`` dict, or a spec without a name."""
     if isinstance(value, str):
         try:
             if os.path.isfile(value):

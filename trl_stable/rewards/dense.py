@@ -1,8 +1,5 @@
-"""The reward-function contract shared by the GRPO and PPO trainers: sequence rewards, dense rewards, NaN/None/inf.
-
-A dense (per-token) reward function has TRL's signature, is marked with `dense_reward`, and returns one list per
-completion; it may have a ``prefetch`` method that starts its work early. What every value means, the bound
-`max_abs_reward`, what the trainers do with a completion no function applies to, and the prefetch protocol:
+"""The reward-function contract shared by the GRPO and PPO trainers: sequence rewards, dense rewards (functions
+marked with `dense_reward`, one list per completion, an optional ``prefetch``), NaN/None/inf and `max_abs_reward`:
 docs/critic_rewards.md, "Reward-function contract (GRPO and PPO)".
 """
 

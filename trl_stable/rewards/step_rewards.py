@@ -1,9 +1,6 @@
 """Intermediate step rewards for agent tasks: one agent step scored against the ground-truth step on tool name,
-arguments, reasoning and plan, each in [0, 1] (dimensions, default weights and penalties: docs/agent_steps.md).
-
-reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals; the weights sum to 1, so a perfect answer scores
-exactly 1.0 (a maximum of 0.8 would cap every perfect answer and blur group-normalized advantages). Each dimension is
-also its own reward function (`StepReward.reward_funcs`), so GDPO normalizes each within the group separately.
+arguments, reasoning and plan, each in [0, 1], weighted to sum to exactly 1.0 for a perfect answer, plus penalties;
+each dimension is also its own reward function for GDPO (dimensions, weights, penalties: docs/agent_steps.md).
 """
 
 from __future__ import annotations
