@@ -277,14 +277,9 @@ def _policy_of(model: Any) -> Any:
 
 
 class PPOTrainer(_StablePPOTrainer):
-    """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO: ``PPOTrainer(config, model, ref_model, tokenizer,
-    dataset=..., optimizer=..., data_collator=..., num_shared_layers=..., lr_scheduler=...)``.
-
-    Everything of `trl_stable.PPOTrainer` is there (`accelerator`, `current_device`, `log_stats`, ...), plus
-    `config` (the RELC config), `dataloader` (over `dataset`: `batch_size` rows per process, shuffled, last
-    incomplete batch dropped, prepared for the processes), the fork's `generate` and `step` signatures and
-    `save_pretrained`.
-    """
+    """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO, with the fork's constructor, `generate`, `step` and
+    `save_pretrained`, plus `config` (the RELC config) and `dataloader` (over `dataset`, see `prepare_dataloader`);
+    everything of `trl_stable.PPOTrainer` is there too."""
 
     def __init__(
         self,
@@ -380,16 +375,12 @@ class PPOTrainer(_StablePPOTrainer):
         response_masks: list[torch.Tensor] | None = None,
         **stable_kwargs: Any,
     ) -> dict[str, float]:
-        """The fork's ``step(queries, responses, scores)``.
-
-        Each entry of `scores` is a scalar (a 0-dim tensor or a number: the sequence reward, on the last response
-        token) or, as RELC's scripts build them, a per-token row of ``len(query) + len(response) - 1`` rewards,
-        one per predicted token of query + response. Only its last ``len(response)`` entries (the response tokens)
-        reach PPO: the fork masked the query positions out as well. None marks a sample without a reward (dropped).
-
-        trl_stable's keywords (``token_rewards=``, ``turn_ids=``, ...) are passed through to
-        `trl_stable.PPOTrainer.step`, with `scores` then in its meaning.
-        """
+        """The fork's ``step(queries, responses, scores)``: each score is a scalar (the sequence reward, on the last
+        response token), None (a sample without a reward: dropped) or, as RELC's scripts build them, a row of
+        ``len(query) + len(response) - 1`` rewards, one per predicted token, of which only the response's last
+        ``len(response)`` reach PPO (the fork masked the query positions too). trl_stable's keywords
+        (``token_rewards=``, ``turn_ids=``, ...) pass through to `trl_stable.PPOTrainer.step`, with `scores` in its
+        meaning."""
         if stable_kwargs:
             return super().step(queries, responses, scores=scores, **stable_kwargs)
         if response_masks is not None:
