@@ -170,14 +170,10 @@ def query_batch_span(
     failed_as: str | None = None,
     failed_calls: str | None = None,
 ) -> list[str | None]:
-    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
-    (temperature 0) and return its answer text, in order. The call goes through trl_stable's `OpenAICritic`
-    (retries with backoff, a per-request timeout, a deadline per batch), so it never raises; a call that failed
-    after its retries is `failed_as` (None, as in the fork).
-
-    What RELC's own parsers make of a failed call (None or ``""``), and ``failed_calls="drop"`` (or
-    ``TRL_STABLE_RELC_FAILED_CALLS=drop``), which leaves its sample out of the next `PPOTrainer.step`:
-    docs/coming_from_relc.md, "A failed critic call".
+    """`trl.extras.openai_scores.query_batch_span`: each prompt's answer from an OpenAI-compatible critic
+    (temperature 0, trl_stable's `OpenAICritic`: retries, timeouts, never raises), in order; a call that failed after
+    its retries is `failed_as`. What RELC's parsers make of that, and ``failed_calls="drop"``, which leaves its sample
+    out of the next `PPOTrainer.step`: docs/coming_from_relc.md, "A failed critic call".
 
     Args:
         queries: The full critic prompts.

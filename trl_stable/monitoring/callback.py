@@ -226,9 +226,8 @@ class HealthMonitor(TrainerCallback):
         return control
 
     def _apply_virtual_samples(self, args, state, events: list[HealthEvent]) -> None:
-        """Switch the virtual-samples remedy with the zero-std alarm, and record each switch as a configuration change
-        (``{attr: {"before": ..., "after": ...}}``) in the health file and the log. The arguments are left alone: the
-        trainer reads `remedy_active` (trl_stable.GRPOTrainer trains with its re-validated remedy configuration)."""
+        """Switch the virtual-samples remedy with the zero-std alarm, recording each switch as a configuration change
+        (``{attr: {"before", "after"}}``) in the health file and the log; the trainer reads `remedy_active`."""
         if not self.config.remedy_virtual_samples:
             return
         attr, value = self.config.virtual_samples_attr, self.config.virtual_samples_value
