@@ -132,10 +132,9 @@ def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
 def reward_numbers(values: Any, subject: str, where: Callable[[int], str], expected: str) -> list[float]:
     """The entries of `values` (a list, tuple, generator or 1-D tensor / array) as floats under `reward_number`;
     `where(i)` names entry i, `expected` what `subject` should return when `values` is no such container."""
-    if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex:
+    real_tensor = isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex
+    if real_tensor or isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
         return [_float32_range(float(v)) for v in values.tolist()]  # one device sync, not one per entry
-    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
-        return [_float32_range(float(v)) for v in values.tolist()]
     return [reward_number(v, subject, where(i)) for i, v in enumerate(_as_list(values, subject, expected))]
 
 
