@@ -36,6 +36,7 @@ os.environ.setdefault("OPENAI_API_KEY", "sk-bench-dummy")
 from fake_openai_server import Action, FakeOpenAIServer, hang, status  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from trl_stable.masking.token_offsets import _incremental_offsets, _stream_offsets  # noqa: E402
 from trl_stable.rewards import (  # noqa: E402
     CriticIntrinsicReward,
     CriticRewardConfig,
@@ -46,7 +47,6 @@ from trl_stable.rewards import (  # noqa: E402
 )
 from trl_stable.testing import build_tokenizer  # noqa: E402
 from trl_stable.testing.kit import corpus  # noqa: E402
-from trl_stable.token_offsets import _incremental_offsets, _stream_offsets  # noqa: E402
 
 LEXICON = LexiconCritic("sentiment")
 

@@ -102,3 +102,9 @@ def test_monitoring_imports_no_trainer_internals():
     assert not {"trainers", "integration", "trl_internals"} & set(graph.get("monitoring", {})), dict(
         graph["monitoring"]
     )
+
+
+def test_no_loose_top_level_modules():
+    """Every module lives in the package of its concept; the top level holds only the public entry point."""
+    loose = sorted(path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py")
+    assert loose == [], loose

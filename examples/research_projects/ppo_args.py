@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import tyro
 from embedded import is_embedded
+from transformers.trainer_utils import SaveStrategy
 
 # Paper mode keeps trl_stable.PPOConfig's defaults (learning rate 1.41e-5 as RELC's commands pass it, init KL
 # coefficient 0.2, batch 16), with the mini-batch following the batch; these learn within minutes on the embedded
@@ -74,9 +75,29 @@ def epochs_for(run: RunArgs, embedded: bool) -> int:
 
 
 def loop_ppo_config(ppo, output_dir: str, **overrides: Any):
-    """The PPOConfig a step loop runs with: its own progress bar and checkpoints instead of the trainer's."""
+    """The PPOConfig a step loop runs with: the script's progress bar (shown unless `--ppo_config.disable_tqdm`)
+    and `--save_freq` checkpoints instead of the trainer's. A trainer save schedule given anyway is refused by name:
+    the loop would override it."""
+    given = [
+        f"--ppo_config.{name} {getattr(ppo, name)}"
+        for name, default in (("save_strategy", SaveStrategy.STEPS), ("save_steps", 500))
+        if getattr(ppo, name) != default
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: this script saves its own resumable checkpoints (the run history and the critic's "
+            "counters with the trainer's); use --save_freq N instead."
+        )
     return replace(ppo, output_dir=output_dir, disable_tqdm=True, save_strategy="no", **overrides)
 
 
-def default_save_path(task: str, intrinsic: bool, given: str | None) -> str:
-    return given or str(Path("outputs") / task / ("ppo_intrinsic" if intrinsic else "ppo_baseline"))
+def default_save_path(task: str, intrinsic: bool, given: str | None, ppo=None) -> str:
+    """Where the run saves: `--model_save_path` (RELC's flag) or `--ppo_config.output_dir`, else
+    outputs/<task>/<run>."""
+    output_dir = None if ppo is None or ppo.output_dir in (None, "trainer_output") else ppo.output_dir
+    if given and output_dir and os.path.abspath(given) != os.path.abspath(output_dir):
+        raise ValueError(
+            f"--model_save_path {given} and --ppo_config.output_dir {output_dir} name two places for one run; "
+            "give one of them."
+        )
+    return given or output_dir or str(Path("outputs") / task / ("ppo_intrinsic" if intrinsic else "ppo_baseline"))

@@ -21,14 +21,18 @@ class StepLog:
         total: The run's number of steps.
         start: The steps already taken (a resumed run's).
         history: Their rows, continued from there.
+        show_progress: Show the bar (`not --ppo_config.disable_tqdm`).
     """
 
-    def __init__(self, trainer, task: str, total: int, start: int = 0, history: Sequence[dict] = ()):
+    def __init__(
+        self, trainer, task: str, total: int, start: int = 0, history: Sequence[dict] = (), show_progress: bool = True
+    ):
         self.trainer = trainer
         self.history = list(history)
         # the bar below shows the run; Trainer's printer (its display under disable_tqdm) would print every log dict
         trainer.remove_callback(PrinterCallback)
-        disable = not trainer.accelerator.is_local_main_process
+        # the loop's config sets disable_tqdm for the trainer's own bar; the user's choice is in `show_progress`
+        disable = not (show_progress and trainer.accelerator.is_local_main_process)
         self.bar = tqdm(total=total, initial=start, desc=f"PPO {task}", disable=disable)
 
     def record(

@@ -13,13 +13,13 @@ from typing import Any
 
 from reward_curve import plot_reward_curve
 
-from trl_stable.redaction import redact
+from trl_stable.settings.secrets import redact
 
 
 def save_run_args(args: Any, save_path: str) -> None:
     """`run_args.json`: the run's arguments with every secret field (`hub_token`, `perspective_api`, any `*_token` /
-    `*_key` / `*_secret`, see `trl_stable.redaction.is_secret_name`) replaced by "<redacted>", credentials in URLs
-    (``http://user:key@host``) removed."""
+    `*_key` / `*_secret`, see `trl_stable.settings.secrets.is_secret_name`) replaced by "<redacted>", credentials in
+    URLs (``http://user:key@host``) removed."""
     os.makedirs(save_path, exist_ok=True)
     with open(os.path.join(save_path, "run_args.json"), "w", encoding="utf-8") as f:
         json.dump(redact(args), f, indent=2, default=str)

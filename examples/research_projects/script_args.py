@@ -18,7 +18,7 @@ import tyro
 import yaml
 from relc_flags import warn_ignored_relc_flags
 
-from trl_stable.redaction import redact_argv
+from trl_stable.settings.secrets import redact_argv
 
 T = TypeVar("T")
 

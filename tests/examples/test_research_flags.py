@@ -176,11 +176,50 @@ def test_every_ppo_flag_lands_in_ppo_config(load_script, tmp_path):
     assert config.output_dir == str(tmp_path)
 
 
+def test_trainer_settings_the_loop_would_override_are_honoured_or_refused(load_script, tmp_path):
+    """A step loop saves its own checkpoints and draws its own bar: --ppo_config.output_dir is where it saves,
+    --ppo_config.disable_tqdm hides its bar, a trainer save schedule and a critic task of another script are refused
+    by name instead of being overridden."""
+    from critic_rewards import build_intrinsic_reward
+    from ppo_args import default_save_path, loop_ppo_config
+    from run_log import StepLog
+    from script_args import parse_script_args
+
+    from trl_stable.testing import build_causal_lm, build_tokenizer
+
+    sentiment = load_script("sentiment/ppo_intrinsic.py", "sentiment_ppo_intrinsic")
+
+    def parse(*argv):
+        return parse_script_args(sentiment.ScriptArguments, list(argv))
+
+    out = str(tmp_path / "run")
+    assert default_save_path("sentiment", True, None, parse().ppo_config) == "outputs/sentiment/ppo_intrinsic"
+    assert default_save_path("sentiment", True, None, parse("--ppo_config.output_dir", out).ppo_config) == out
+    assert default_save_path("sentiment", True, out, parse("--ppo_config.output_dir", out).ppo_config) == out
+    with pytest.raises(ValueError, match="--model_save_path elsewhere and --ppo_config.output_dir"):
+        default_save_path("sentiment", True, "elsewhere", parse("--ppo_config.output_dir", out).ppo_config)
+    for flags in (("--ppo_config.save_strategy", "epoch"), ("--ppo_config.save_steps", "10")):
+        with pytest.raises(ValueError, match=f"{flags[0]} .*use --save_freq N instead"):
+            loop_ppo_config(parse(*flags).ppo_config, out)
+    args = parse("--ppo_config.disable_tqdm", "True", "--ppo_config.output_dir", out)
+    tokenizer = build_tokenizer()
+    model = build_causal_lm("gpt2", tokenizer)
+    trainer = sentiment.PPOTrainer(model, args=loop_ppo_config(args.ppo_config, out), processing_class=tokenizer)
+    assert StepLog(trainer, "sentiment", 3, show_progress=not args.ppo_config.disable_tqdm).bar.disable
+    assert not StepLog(trainer, "sentiment", 3).bar.disable
+    with pytest.raises(ValueError, match="--critic_task toxicity: this script's task is sentiment"):
+        build_intrinsic_reward(
+            parse("--use_intrinsic_reward", "--critic_task", "toxicity", "--critic_lexicon", "vader").critic,
+            "sentiment",
+            None,
+        )
+
+
 def test_secrets_are_redacted_from_run_args_and_argv(tmp_path):
     from run_saving import save_run_args
 
-    from trl_stable.redaction import redact_argv
     from trl_stable.rewards import CriticRewardConfig
+    from trl_stable.settings.secrets import redact_argv
 
     argv = ["script.py", "--perspective_api", "KEY-1", "--perspective_api=KEY-2", "--model_name", "gpt2"]
     redact_argv(argv)

@@ -413,8 +413,8 @@ def test_private_attributes_we_read(trained, member):
 
 def test_logits_processor_patch_point_returns_a_list():
     assert hasattr(transformers.GenerationMixin, "_get_logits_processor")
-    from trl_stable.sampler_logprobs import record_sampler_logps
     from trl_stable.testing import build_tokenizer
+    from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
     tokenizer = build_tokenizer()
     model = build_causal_lm("qwen2", tokenizer, seed=0).eval()

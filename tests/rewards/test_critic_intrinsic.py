@@ -598,7 +598,7 @@ def test_checkpoint_state_continues_the_counters(tokenizer):
     ],
 )
 def test_backend_fields_the_backend_ignores_are_named(tokenizer, monkeypatch, caplog, fields, named, needs):
-    from trl_stable.config_checks import check_dependents
+    from trl_stable.settings.checks import check_dependents
 
     monkeypatch.setenv("OPENAI_API_KEY", DUMMY_KEY)
     if fields.get("critic_backend") == "transformers":

@@ -242,7 +242,7 @@ def test_api_key_never_leaks(server, caplog, tmp_path):
 def test_repr_masks_credentials_in_base_url(server):
     critic = make(server)
     critic.base_url = f"http://user:{DUMMY_KEY}@127.0.0.1:1/v1"
-    # the one URL rule of trl_stable.redaction: the credentials go, the server stays
+    # the one URL rule of trl_stable.settings.secrets: the credentials go, the server stays
     assert DUMMY_KEY not in repr(critic) and "user" not in repr(critic) and "'http://127.0.0.1:1/v1'" in repr(critic)
 
 

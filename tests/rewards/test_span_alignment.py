@@ -138,7 +138,7 @@ def _check_offsets(text, offsets):
 def test_stream_and_prefix_decoding_agree_on_random_token_sequences(tokenizer):
     import random
 
-    from trl_stable.token_offsets import _incremental_offsets, _stream_offsets
+    from trl_stable.masking.token_offsets import _incremental_offsets, _stream_offsets
 
     rng = random.Random(0)
     checked_equal = 0
@@ -192,7 +192,7 @@ class _OffsetMappingOnly(_SlowTokenizer):
 
 
 def test_offset_mapping_path_and_its_guard(tokenizer, monkeypatch):
-    import trl_stable.token_offsets as sa
+    import trl_stable.masking.token_offsets as sa
 
     text = " The great film, the great day"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -264,7 +264,7 @@ def merged_byte_tokenizer():
 @pytest.mark.parametrize("path", ["stream", "prefix"])
 def test_token_holding_a_whole_char_and_part_of_the_next(path):
     # "Ġ"+byte1(è) then byte2(è)+"s": the first token holds " " and half of "è", so the span "ès" must reach it.
-    from trl_stable.token_offsets import _incremental_offsets, _stream_offsets
+    from trl_stable.masking.token_offsets import _incremental_offsets, _stream_offsets
 
     tok = merged_byte_tokenizer()
     ids = tok("x ès aès", add_special_tokens=False)["input_ids"]
@@ -298,7 +298,7 @@ def test_sentencepiece_style_tokenizer_with_byte_fallback():
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    from trl_stable.token_offsets import _incremental_offsets, _stream_offsets
+    from trl_stable.masking.token_offsets import _incremental_offsets, _stream_offsets
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
     for t in ["▁", "t", "r", "s", "b", "i", "e", "n", "x", "▁t", "▁b", "ie", "▁bie", "▁bien"]:

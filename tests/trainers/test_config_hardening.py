@@ -10,8 +10,8 @@ import pytest
 from tiny_configs import tiny_grpo_args
 
 from trl_stable import PPOConfig
-from trl_stable.config_checks import Bound
 from trl_stable.rewards import CriticRewardConfig
+from trl_stable.settings.checks import Bound
 
 NAN, INF = math.nan, math.inf
 

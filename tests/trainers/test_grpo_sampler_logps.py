@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.testing import build_causal_lm
+from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 
 @pytest.mark.parametrize(

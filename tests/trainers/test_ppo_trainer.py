@@ -399,3 +399,107 @@ def test_truncated_share_is_logged(tmp_path, tokenizer):
     responses = [torch.tensor([5, 6, eos]), torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10]), torch.tensor([11, 12])]
     trainer.step(_queries(tokenizer), responses, [[0.0] * len(r) for r in responses], scores=[1.0, 0.0, 0.5, 0.2])
     assert trainer.state.log_history[-1]["tokens/truncated_frac"] == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------ bad token ids, turn ids and sampler log-probs
+def _guarded_model(model):
+    """`model`, failing the test when called: each refusal below comes before any forward."""
+
+    def fail(module, args, kwargs):
+        raise AssertionError(f"{type(module).__name__} ran before the bad input was refused")
+
+    model.register_forward_pre_hook(fail, with_kwargs=True)
+    return model
+
+
+def _gpt2_trainer(tmp_path, tokenizer, **kw):
+    model = _guarded_model(build_causal_lm("gpt2", tokenizer, seed=0))
+    return PPOTrainer(model, args=_args(tmp_path, **kw), processing_class=tokenizer)
+
+
+RESPONSES = [torch.tensor([5, 6, 7])] * 4
+
+
+@pytest.mark.parametrize("where", ["above", "at", "negative"])
+def test_step_refuses_a_token_id_outside_the_vocabulary(tmp_path, tokenizer, where):
+    trainer = _gpt2_trainer(tmp_path, tokenizer)
+    vocab = trainer.policy.get_input_embeddings().num_embeddings
+    value = {"above": vocab + 3, "at": vocab, "negative": -1}[where]
+    responses = [*RESPONSES[:1], torch.tensor([5, value, 7]), *RESPONSES[2:]]
+    message = (
+        rf"responses\[1\] holds token id {value} at position 1, outside \[0, {vocab}\).*from this tokenizer/model"
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.step(_queries(tokenizer), responses, scores=[1.0] * 4)
+    queries = _queries(tokenizer)
+    queries[2] = torch.cat([queries[2], torch.tensor([value])])
+    with pytest.raises(ValueError, match=rf"queries\[2\] holds token id {value} at position {len(queries[2]) - 1}"):
+        trainer.step(queries, RESPONSES, scores=[1.0] * 4)
+
+
+def test_step_refuses_float_token_ids(tmp_path, tokenizer):
+    trainer = _gpt2_trainer(tmp_path, tokenizer)
+    queries = _queries(tokenizer)
+    queries[0] = torch.tensor([5.7, 6.2])  # was truncated to [5, 6] without a word
+    with pytest.raises(ValueError, match=r"queries\[0\] has dtype torch.float32; token ids are integers"):
+        trainer.step(queries, RESPONSES, scores=[1.0] * 4)
+    responses = [*RESPONSES[:3], torch.tensor([5.0, 6.0], dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"responses\[3\] has dtype torch.float64"):
+        trainer.step(_queries(tokenizer), responses, scores=[1.0] * 4)
+
+
+def test_generate_refuses_bad_token_ids(tmp_path, tokenizer):
+    trainer = _gpt2_trainer(tmp_path, tokenizer)
+    vocab = trainer.policy.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"query_tensor\[1\] holds token id {vocab + 3} at position 0, outside"):
+        trainer.generate([torch.tensor([5]), torch.tensor([vocab + 3])])
+    with pytest.raises(ValueError, match=r"query_tensor has dtype torch.float32; token ids are integers"):
+        trainer.generate(torch.tensor([5.0, 6.0]))
+
+
+@pytest.mark.parametrize("bad", ["id", "float"])
+def test_train_dataset_input_ids_are_checked_at_start_up_naming_the_row(tmp_path, tokenizer, bad):
+    model = build_causal_lm("gpt2", tokenizer, seed=0)
+    vocab = model.get_input_embeddings().num_embeddings
+    if bad == "id":
+        rows, message = [[5, 6], [7, 8], [9, 10], [12, vocab + 3]], rf"row 3 holds token id {vocab + 3} at position 1"
+    else:  # arrow stores the column as floats
+        rows, message = [[5.0, 6.0], [7.0, 8.5]], "row 0 has dtype torch.float32; token ids are integers"
+    with pytest.raises(ValueError, match=f"the input_ids of train_dataset {message}"):
+        PPOTrainer(
+            _guarded_model(model),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=_args(tmp_path, max_steps=1),
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"input_ids": rows}),
+        )
+
+
+def test_turn_ids_must_be_integers(tmp_path, tokenizer):
+    trainer = _gpt2_trainer(tmp_path, tokenizer)
+    turns = [[0, 0, 1]] * 3 + [[0, 0.5, 1]]
+    with pytest.raises(ValueError, match=r"turn_ids\[3\] has dtype torch.float32; turn ids are integers"):
+        trainer.step(_queries(tokenizer), RESPONSES, scores=[1.0] * 4, turn_ids=turns)
+
+
+@pytest.mark.parametrize(("value", "shown"), [(0.25, "0.25"), (float("inf"), "inf"), (float("-inf"), "-inf")])
+def test_sampler_logprobs_must_be_log_probabilities(tmp_path, tokenizer, value, shown):
+    trainer = _gpt2_trainer(tmp_path, tokenizer, use_decoupled_loss=True)
+    sampler = [torch.full((3,), -2.0) for _ in range(4)]
+    sampler[2][1] = value
+    with pytest.raises(ValueError, match=rf"sampler_logprobs\[2\] holds {shown} at position 1.*finite and <= 0"):
+        trainer.step(_queries(tokenizer), RESPONSES, scores=[1.0] * 4, sampler_logprobs=sampler)
+
+
+def test_sampler_logprobs_nan_means_not_reported(tmp_path, tokenizer):
+    # vLLM's None (and TRL's GRPO's NaN): that token is left uncorrected, weight 1
+    trainer = PPOTrainer(
+        build_causal_lm("gpt2", tokenizer, seed=0),
+        args=_args(tmp_path, use_decoupled_loss=True),
+        processing_class=tokenizer,
+    )
+    batch, _ = trainer.rollout_pass(trainer.make_batch(_queries(tokenizer), RESPONSES))
+    sampler = [batch["old_logprobs"][i, :3].clone() for i in range(4)]
+    sampler[1][0] = float("nan")
+    stats = trainer.step(_queries(tokenizer), RESPONSES, scores=[1.0] * 4, sampler_logprobs=sampler)
+    assert stats["behaviour_weight/mean"] == pytest.approx(1.0) and stats["behaviour_weight/min"] == pytest.approx(1.0)

@@ -219,7 +219,7 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
         "patch",
         ("generation_config",),
         "a LogitsProcessorList; trl_stable appends its sampler-log-prob recorder last",
-        ("trl_stable/sampler_logprobs.py",),
+        ("trl_stable/trainers/sampler_logprobs.py",),
     ),
     Member(
         "transformers.trainer_utils",

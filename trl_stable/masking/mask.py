@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from trl_stable.masking.token_offsets import char_span_to_tokens, encode_with_offsets, token_char_offsets
 from trl_stable.masking.validation import StepVerdict, normalize_signatures, validate_step
-from trl_stable.token_offsets import char_span_to_tokens, encode_with_offsets, token_char_offsets
 
 
 @dataclass
@@ -67,7 +67,7 @@ def check_step(step: Any, where: str, num_tokens: int, text: str | None) -> None
 
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
     """The decoded text of `ids`, special tokens kept (a step marker can be one), and each token's character span
-    in it: `trl_stable.token_offsets.token_char_offsets`. Used where only ids are known (RL completions)."""
+    in it: `trl_stable.masking.token_offsets.token_char_offsets`. Used where only ids are known (RL completions)."""
     return token_char_offsets(tokenizer, ids, skip_special_tokens=False)
 
 

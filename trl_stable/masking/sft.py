@@ -14,9 +14,9 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from trl_stable.integration.hf_names import model_name_of
 from trl_stable.masking.mask import StepSpanError, build_step_loss_mask
+from trl_stable.masking.token_offsets import encode_with_offsets
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
-from trl_stable.token_offsets import encode_with_offsets
 
 logger = logging.getLogger(__name__)
 

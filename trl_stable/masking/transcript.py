@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_stable.masking.mask import StepMask, build_step_loss_mask
+from trl_stable.masking.token_offsets import encode_with_offsets
 from trl_stable.masking.validation import find_tool_call_spans, parse_tool_call
-from trl_stable.token_offsets import encode_with_offsets
 
 DEFAULT_CODE_TOOLS = ("python", "code_interpreter", "execute_code", "run_code", "ipython", "exec", "bash", "shell")
 TOOL_ROLES = ("tool", "ipython", "function", "observation")

@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl_stable.config_checks import Dependent, check_dependents
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
 from trl_stable.monitoring.health import HealthConfig
+from trl_stable.settings.checks import Dependent, check_dependents
 
 
 def _shortcut(name: str, help: str | None = None) -> Any:

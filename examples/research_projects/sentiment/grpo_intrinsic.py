@@ -45,7 +45,7 @@ from sentiment_task import load_review_texts, sentiment_model, sentiment_scorer 
 
 from trl_stable import GRPOConfig  # noqa: E402
 from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticRewardConfig  # noqa: E402
-from trl_stable.redaction import redact_argv  # noqa: E402
+from trl_stable.settings.secrets import redact_argv  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PPO_SCRIPT = Path(__file__).resolve().parent / "ppo_intrinsic.py"

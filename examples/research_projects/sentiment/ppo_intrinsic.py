@@ -13,8 +13,8 @@ The embedded environment reward is VADER's compound score; the embedded critic r
 `--critic_lexicon afinn`), so it is not the reward densified, and its per-sample absolute sum is bounded by a
 quarter of the reward's range (`--intrinsic_reward_max_sum 0.5`). `--critic_lexicon vader
 --intrinsic_reward_max_sum None` is the earlier setting (critic = reward lexicon, RELC's unbounded +-0.5 per token).
-The adaptive KL controller aims at a KL of 6 with a horizon the 160-step run can follow (`--ppo_config.horizon 512`,
-`--ppo_config.init_kl_coef 0.3`; `EMBEDDED_KL`). At the end the run prints a side-by-side of its first and last
+The adaptive KL controller aims at a KL of 6 with a horizon the 160-step run can follow (`--ppo_config.horizon 256`,
+`--ppo_config.init_kl_coef 0.4`; `EMBEDDED_KL`). At the end the run prints a side-by-side of its first and last
 steps: reward, KL and how far it ended from its target, distinct-2 of the rollouts and two continuations before /
 after.
 
@@ -71,11 +71,10 @@ from trl_stable.compat.relc_critic import RelcCriticRewardConfig as CriticReward
 EMBEDDED_CRITIC = {"critic_lexicon": "afinn", "intrinsic_reward_max_sum": 0.5}
 # The embedded run's KL controller (target 6): Ziegler et al.'s horizon of 10000 samples is ~5 horizons of a paper
 # run (about 48k samples) but 4 times the whole embedded run (160 steps x 16 = 2560 samples), where the coefficient
-# could move by 5% at most and every arm's KL overshot to 10-11. A horizon of 512 gives the embedded run the paper's
-# 5 horizons (the coefficient can move 2.7x). Measured on seeds 0-2 (last 20 steps): horizons of 1000-10000 ended at
-# a KL of 7.8-11, horizons of 250-512 with an initial coefficient of 0.2-0.3 at 6.4-7.8 (0.1: 9.5-9.8); 0.3 with 512
-# ends at 6.7-7.4, the coefficient settling at 0.27-0.29.
-EMBEDDED_KL = {"init_kl_coef": 0.3, "horizon": 512.0}
+# could move by 5% at most and every arm's KL overshot to 10-11. A horizon of 256 lets the coefficient move up to
+# 7.3x within the run. Measured on seeds 0-2 (KL over the last 20 steps): init 0.3 / horizon 512 ended at 7.5-8.1,
+# 0.3 / 256 at 7.1-7.6, 0.4 / 512 at 5.8-7.4, 0.5 / 512 at 6.2-7.7, 0.4 / 256 at 6.7-7.0 (the narrowest).
+EMBEDDED_KL = {"init_kl_coef": 0.4, "horizon": 256.0}
 # The openings of the before/after samples: not training prompts (the warmed-up policy continues those from memory,
 # before and after alike), the first two neutral prompts of eval_scripts/neutral_prompts.jsonl.
 PREVIEW_PROMPTS = ("The movie starts with", "The film is about")
@@ -171,7 +170,7 @@ def main(args: ScriptArguments) -> list[dict]:
     reward_model = sentiment_model(args.reward_model, embedded)
     sentiment = sentiment_scorer(reward_model)
     texts = load_review_texts(args.query_dataset, embedded)
-    save_path = default_save_path("sentiment", args.critic.use_intrinsic_reward, args.model_save_path)
+    save_path = default_save_path("sentiment", args.critic.use_intrinsic_reward, args.model_save_path, ppo)
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "sentiment", embedded)
     prompts = truncate_queries(tokenizer, texts, args.min_query_tokens, args.max_query_tokens, ppo.seed)
     trainer = PPOTrainer(model, args=loop_ppo_config(ppo, save_path), processing_class=tokenizer)
@@ -182,7 +181,7 @@ def main(args: ScriptArguments) -> list[dict]:
     start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
     epochs = epochs_for(args, embedded)
     batches = PromptBatches(prompts, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = StepLog(trainer, "sentiment", len(batches), start, history)
+    log = StepLog(trainer, "sentiment", len(batches), start, history, show_progress=not ppo.disable_tqdm)
     preview_prompts = list(PREVIEW_PROMPTS)
     before = sample_preview(trainer, tokenizer, preview_prompts, ppo.max_new_tokens, seed=ppo.seed)
 

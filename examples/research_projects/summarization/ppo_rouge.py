@@ -155,7 +155,7 @@ def main(args: SummarizationArguments) -> list[dict]:
     """Train; returns the per-step reward history."""
     ppo = args.ppo_config
     embedded = is_embedded(ppo.model_name, args.offline)
-    save_path = default_save_path("summarization", args.critic.use_intrinsic_reward, args.model_save_path)
+    save_path = default_save_path("summarization", args.critic.use_intrinsic_reward, args.model_save_path, ppo)
     if embedded and ppo.model_name is None:
         # the embedded policy cannot summarize until it has seen a few (article, summary) pairs: sft_warmstart.py's
         # training first, into <save_path>/sft_warmstart
@@ -182,7 +182,7 @@ def main(args: SummarizationArguments) -> list[dict]:
     start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
     epochs = epochs_for(args, embedded)
     batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = StepLog(trainer, "summarization", len(batches), start, history)
+    log = StepLog(trainer, "summarization", len(batches), start, history, show_progress=not ppo.disable_tqdm)
 
     # RELC summarization: summarize each article, reward the mean ROUGE F-measure against the reference, let the
     # critic label good and bad spans of the summary, PPO step

@@ -153,7 +153,7 @@ def main(args: ToxicityArguments) -> list[dict]:
     embedded = is_embedded(ppo.model_name, args.offline)
     prompts = load_prompts(args, embedded)
     _, toxicity = build_toxicity_fn(args, embedded)
-    save_path = default_save_path("toxicity", args.critic.use_intrinsic_reward, args.model_save_path)
+    save_path = default_save_path("toxicity", args.critic.use_intrinsic_reward, args.model_save_path, ppo)
     model, tokenizer = load_policy(ppo.model_name, ppo.seed, args, "toxicity", embedded)
     records = tokenize_queries(tokenizer, prompts)
     config = loop_ppo_config(ppo, save_path)
@@ -166,7 +166,7 @@ def main(args: ToxicityArguments) -> list[dict]:
     start, history = resume_run(trainer, ppo.resume_from_checkpoint, save_path, critic)
     epochs = epochs_for(args, embedded)
     batches = PromptBatches(records, trainer.accelerator, ppo.batch_size, epochs, ppo.max_steps, ppo.seed)
-    log = StepLog(trainer, "toxicity", len(batches), start, history)
+    log = StepLog(trainer, "toxicity", len(batches), start, history, show_progress=not ppo.disable_tqdm)
 
     # RELC detox: continue a toxic prompt, reward 1 - toxicity of the continuation, let the critic name the toxic
     # spans (their tokens get --negative_reward_value), PPO step

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from trl_stable.token_offsets import decode_response, token_char_offsets  # noqa: F401  (re-exported)
+from trl_stable.masking.token_offsets import decode_response, token_char_offsets  # noqa: F401  (re-exported)
 
 Offsets = Sequence[tuple[int, int]]
 

@@ -4,7 +4,7 @@ answers become (`CriticRewardConfig`, which includes the first, so every field i
 Every numeric field is checked against its range when the config is built. Whether a backend field applies
 (`CriticBackendConfig.backend_dependents`: `critic_base_url` only with the OpenAI-compatible backend, `critic_model`
 only with an LLM, ...) is checked when the backend is built (`trl_stable.rewards.critic.factory`), by the shared
-rule of `trl_stable.config_checks`: scripts choose the backend late (a paper-mode default, a backend object).
+rule of `trl_stable.settings.checks`: scripts choose the backend late (a paper-mode default, a backend object).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from trl_stable.config_checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
-from trl_stable.redaction import SecretsNotPickled
 from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
 from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
 from trl_stable.rewards.critic.templates import default_prompt_file
 from trl_stable.rewards.critic.transport import TRANSPORTS
+from trl_stable.settings.checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
+from trl_stable.settings.secrets import SecretsNotPickled
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from trl_stable.config_checks import check_dependents, field_default
-from trl_stable.redaction import redact
 from trl_stable.rewards.critic.backend import CriticBackend
 from trl_stable.rewards.critic.config import CriticBackendConfig, CriticRewardConfig
 from trl_stable.rewards.critic.lexicon import LexiconCritic
 from trl_stable.rewards.critic.local import TransformersCritic
 from trl_stable.rewards.critic.openai_critic import OpenAICritic
+from trl_stable.settings.checks import check_dependents, field_default
+from trl_stable.settings.secrets import redact
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trl_stable.redaction import Secret, check_env_var_name, redact_text
 from trl_stable.rewards.critic.backend import CriticBackend
 from trl_stable.rewards.critic.cache import AnswerCache, cache_key
 from trl_stable.rewards.critic.jobs import CriticJob
@@ -33,6 +32,7 @@ from trl_stable.rewards.critic.transport import (
     SDKChatClient,
     parse_retry_after,
 )
+from trl_stable.settings.secrets import Secret, check_env_var_name, redact_text
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,13 @@ from typing import Any
 
 import trl
 
-from trl_stable.config_checks import (
+from trl_stable.core import NORMALIZATION_PRESETS
+from trl_stable.core.estimators import is_sequence_level
+from trl_stable.moe.hook import ROUTING_REPLAY_HELP, check_routing_replay_mode
+from trl_stable.monitoring.callback import health_config_from_args
+from trl_stable.monitoring.integration import HealthArguments
+from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.checks import (
     Bound,
     Dependent,
     check_all_finite,
@@ -18,13 +24,7 @@ from trl_stable.config_checks import (
     check_training_length,
     training_argument_bounds,
 )
-from trl_stable.core import NORMALIZATION_PRESETS
-from trl_stable.core.estimators import is_sequence_level
-from trl_stable.moe.hook import ROUTING_REPLAY_HELP, check_routing_replay_mode
-from trl_stable.monitoring.callback import health_config_from_args
-from trl_stable.monitoring.integration import HealthArguments
-from trl_stable.redaction import SecretsNotPickled
-from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.secrets import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 

@@ -42,10 +42,6 @@ import trl
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanstd
 
-from trl_stable.config_checks import (
-    Dependent,
-    check_dependents,
-)
 from trl_stable.core import (
     behaviour_weight,
     dense_advantages,
@@ -84,7 +80,10 @@ from trl_stable.rewards.dense import (
     weighted_reward_sum,
 )
 from trl_stable.rewards.failure_guard import FailureGuard
-from trl_stable.sampler_logprobs import record_sampler_logps
+from trl_stable.settings.checks import (
+    Dependent,
+    check_dependents,
+)
 from trl_stable.trainers.checkpoints import check_checkpoint_names
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
@@ -118,6 +117,7 @@ from trl_stable.trainers.prompt_checks import (
     raise_together,
     too_long_error,
 )
+from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 logger = logging.getLogger(__name__)
 

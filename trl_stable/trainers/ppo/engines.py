@@ -1,11 +1,6 @@
-"""PPOTrainer under accelerate's engines: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 (set up by `Trainer`).
-
-What each engine changes for PPO: generation needs the full parameters (`generation_call`: TRL's
-`unwrap_model_for_generation` under ZeRO-3; under FSDP2 through the root's forward, `PolicyAndValue` holding the value
-head too, with ``synced_gpus``); the reference is placed as TRL's GRPO places it (`prepare_reference`); DeepSpeed owns
-accumulation and clipping and steps inside the backward that closes an optimizer step (`sync_gradients`); and what
-cannot work is refused with the fix (`check_engine`).
-"""
+"""PPOTrainer under accelerate's engines (DDP, DeepSpeed ZeRO-1/2/3, FSDP2, set up by `Trainer`): generation with
+the full parameters, the reference placed as TRL's GRPO places it, DeepSpeed's step inside the closing backward, and
+what cannot work refused with the fix (docs/ppo.md, "Multi-process")."""
 
 from __future__ import annotations
 
@@ -19,22 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Engine",
-    "check_engine",
-    "configure_deepspeed",
-    "generation_call",
-    "is_zero3_partitioned",
-    "prepare_reference",
-    "require_deepspeed_if_asked",
-    "sync_gradients",
-]
-
 
 @dataclass(frozen=True)
 class Engine:
-    """The distributed engine accelerate runs the trainer under: DeepSpeed's ZeRO stage (None without DeepSpeed), the
-    FSDP version (None without FSDP) and the number of processes."""
+    """The engine accelerate runs the trainer under (`zero_stage` / `fsdp_version` None without DeepSpeed / FSDP)."""
 
     zero_stage: int | None = None
     fsdp_version: int | None = None
@@ -42,14 +25,10 @@ class Engine:
 
     @classmethod
     def of(cls, accelerator: Any) -> Engine:
-        state = accelerator.state
-        ds_plugin = getattr(state, "deepspeed_plugin", None)
-        fsdp_plugin = getattr(state, "fsdp_plugin", None)
-        return cls(
-            zero_stage=int(ds_plugin.zero_stage) if ds_plugin is not None else None,
-            fsdp_version=int(getattr(fsdp_plugin, "fsdp_version", 1)) if fsdp_plugin is not None else None,
-            num_processes=int(accelerator.num_processes),
-        )
+        ds_plugin, fsdp_plugin = (getattr(accelerator.state, f"{k}_plugin", None) for k in ("deepspeed", "fsdp"))
+        zero_stage = int(ds_plugin.zero_stage) if ds_plugin is not None else None
+        fsdp_version = int(getattr(fsdp_plugin, "fsdp_version", 1)) if fsdp_plugin is not None else None
+        return cls(zero_stage, fsdp_version, int(accelerator.num_processes))
 
     @property
     def name(self) -> str:
@@ -152,8 +131,8 @@ def prepare_reference(ref_model: nn.Module, accelerator: Any, engine: Engine) ->
 def generation_call(
     model_wrapped: nn.Module, policy: nn.Module, accelerator: Any, engine: Engine
 ) -> Iterator[Callable[..., torch.Tensor]]:
-    """A callable ``sample(input_ids=..., attention_mask=..., **generate_kwargs)`` running the policy's `generate`
-    with the full parameters available, for the life of the context."""
+    """The policy's `generate` with the full parameters available: TRL's `unwrap_model_for_generation` under ZeRO-3,
+    through the FSDP2 root's forward (which holds the value head too) under FSDP, for the life of the context."""
     if engine.is_zero3:
         from trl.models import unwrap_model_for_generation
 

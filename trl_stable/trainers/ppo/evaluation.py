@@ -14,8 +14,6 @@ from transformers.trainer_utils import speed_metrics
 from trl_stable.monitoring.reduction import reduce_metrics
 from trl_stable.rewards.dense import call_on_every_process
 
-__all__ = ["Evaluation", "dense_sums"]
-
 
 def dense_sums(rows: Sequence[Any]) -> torch.Tensor:
     """Each completion's summed dense reward (NaN tokens count 0, as in `step`)."""
@@ -39,21 +37,9 @@ class Evaluation:
     def evaluate(
         self, eval_dataset: Any | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        """Generate a completion for every prompt of `eval_dataset` and score it with the reward functions, with the
-        policy as it is.
-
-        Args:
-            eval_dataset: Default `self.eval_dataset`; a dict is evaluated per name, its metrics prefixed
-                ``{metric_key_prefix}_{name}``.
-            ignore_keys: Not used.
-            metric_key_prefix: The prefix of the metrics.
-
-        Returns:
-            ``{prefix}_reward`` (a completion's weighted sequence score plus its dense reward, what
-            `metric_for_best_model="reward"` reads), ``{prefix}_rewards/<function>/mean``, ``{prefix}_dense/
-            reward_mean``, ``{prefix}_completions/mean_length``, ``{prefix}_critic/...`` and the speed metrics, means
-            over every process's completions (docs/ppo.md, "Evaluation"). They are logged too.
-        """
+        """Generate a completion for every prompt of `eval_dataset` (default `self.eval_dataset`; a dict: per name,
+        prefixed ``{metric_key_prefix}_{name}``) and score it with the reward functions; returns and logs the means
+        over every process's completions (docs/ppo.md, "Evaluation"). `ignore_keys` is not used."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (PPOTrainer(eval_dataset=...) or the argument).")

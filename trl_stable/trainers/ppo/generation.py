@@ -1,6 +1,5 @@
-"""PPO's rollouts through HF `generate` (`PPOTrainer.generate` without vLLM): the queries left-padded in chunks and
-sampled with the engine's full parameters, each response cut after its EOS, with the sampler's log-probs (decoupled
-loss) and MoE routing (R3) recorded on the way. `trl_stable.trainers.ppo.vllm` makes the same `Rollout` with vLLM."""
+"""PPO's rollouts through HF `generate` (`PPOTrainer.generate` without vLLM): left-padded chunks sampled with the
+engine's full parameters, responses cut after EOS, the sampler's log-probs and MoE routing (R3) recorded."""
 
 from __future__ import annotations
 
@@ -11,22 +10,17 @@ from typing import Any
 import torch
 from trl.trainer.utils import pad
 
-from trl_stable.sampler_logprobs import record_sampler_logps
 from trl_stable.trainers.ppo.engines import generation_call
 from trl_stable.trainers.ppo.rollout import Rollout
 from trl_stable.trainers.prompt_checks import first_error, too_long_error
-
-__all__ = ["hf_rollout", "trim_response"]
+from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 
 def trim_response(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """`response` cut after its first EOS (kept)."""
     eos = (response == eos_token_id).nonzero()
-    if len(eos):
-        return response[: int(eos[0]) + 1]
-    # without EOS there is no padding: generate pads only after a finished sequence, and a sampled pad token is a
-    # real action
-    return response
+    # without EOS there is no padding: generate pads only after a finished sequence (a sampled pad token is an action)
+    return response[: int(eos[0]) + 1] if len(eos) else response
 
 
 def hf_rollout(
@@ -62,15 +56,10 @@ def hf_rollout(
                 batch = [q.to(device).long() for q in queries[start : start + chunk]]
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = max(1, int(length_sampler()))
+                lengths, where = [len(q) for q in batch], lambda i, start=start: f"query {start + i}"
+                fix = "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens."
                 too_long = first_error(
-                    too_long_error(
-                        context,
-                        [len(q) for q in batch],
-                        kwargs["max_new_tokens"],
-                        lambda i, start=start: f"query {start + i}",
-                        "Shorten the queries (train() cuts prompts to max_prompt_length) or lower max_new_tokens.",
-                    )
-                    for context in trainer.model_contexts
+                    too_long_error(c, lengths, kwargs["max_new_tokens"], where, fix) for c in trainer.model_contexts
                 )
                 if too_long is not None:
                     raise too_long

@@ -9,8 +9,6 @@ import math
 from accelerate.utils.memory import clear_device_cache
 from transformers.trainer_utils import SaveStrategy
 
-__all__ = ["LoopEvents"]
-
 # transformers' schedules that need the run's length in optimizer steps (the others run without a horizon)
 _HORIZON_FREE_SCHEDULES = ("constant", "constant_with_warmup", "reduce_lr_on_plateau")
 
@@ -36,18 +34,14 @@ class LoopEvents:
         return math.ceil(args.num_train_epochs * steps_per_epoch)
 
     def _scheduler_horizon(self) -> int:
-        """The run's length in optimizer steps, for the learning-rate schedule (1 when it needs none and none is
-        known: the step API without `max_steps`)."""
+        """The run's length in optimizer steps, for the schedule; 1 when it needs none and none is known."""
         args = self.args
         steps = self._max_steps(check=False) if self.train_dataloader is not None else max(args.max_steps, 0)
-        per_step = args.ppo_epochs * (
-            args.batch_size // (args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        )
         if steps:
-            return steps * per_step
-        needs_horizon = (
-            str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)) not in _HORIZON_FREE_SCHEDULES
-        )
+            mini_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            return steps * args.ppo_epochs * (args.batch_size // mini_batch)
+        schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        needs_horizon = schedule not in _HORIZON_FREE_SCHEDULES
         if needs_horizon or 0 < args.warmup_steps < 1:
             what = (
                 f"lr_scheduler_type={args.lr_scheduler_type!r}"

@@ -1,6 +1,5 @@
-"""What the policy loss weighs its tokens by besides the advantages (a `PPOTrainer` mixin): the step mask of
-invalid agent steps (`step_loss_mask`) and the decoupled loss's behavior weights with the IcePop / KPop keep mask
-(`use_decoupled_loss`), each put in the batch with its metrics."""
+"""What the policy loss weighs its tokens by besides the advantages (a `PPOTrainer` mixin): the step mask
+(`step_loss_mask`) and the decoupled loss's behavior weights with the IcePop / KPop keep mask."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import torch
 from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour_weight
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
 from trl_stable.monitoring.reduction import step_mask_stats
-
-__all__ = ["LossWeights"]
 
 
 class LossWeights:

@@ -19,29 +19,9 @@ from trl_stable.integration.hf_names import model_name_of
 from trl_stable.trainers.ppo.engines import is_zero3_partitioned
 from trl_stable.trainers.ppo.value_head import ValueHead
 
-__all__ = [
-    "PPOModels",
-    "PolicyAndValue",
-    "ResponseForwards",
-    "ResponseScores",
-    "add_fused_logprob_head",
-    "enable_activation_checkpointing",
-    "fused_logprob_labels",
-    "fused_scores",
-    "backbone",
-    "build_models",
-    "build_value_head",
-    "check_model_arguments",
-    "create_reference_model",
-    "hidden_size",
-    "load_policy",
-    "prepare_policy",
-    "response_logprobs",
-]
-
 
 def backbone(model: nn.Module) -> nn.Module:
-    """The transformer body (no LM/classification head) of a (possibly PEFT-wrapped) HF model."""
+    """The transformer body (no head) of a (possibly PEFT-wrapped) HF model."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(inner, "base_model", inner)
 
@@ -52,6 +32,12 @@ def hidden_size(model: nn.Module) -> int:
     if size is None:
         raise ValueError(f"Cannot read the hidden size of {type(model).__name__}: its config has no hidden_size.")
     return int(size)
+
+
+def embedding_rows(model: nn.Module | None) -> int | None:
+    """The rows of `model`'s input embedding table (the token ids it takes), None when it has no readable one."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -120,11 +106,6 @@ def prepare_policy(model: nn.Module, peft_config: Any | None, args: Any) -> tupl
     return model, is_peft
 
 
-def _layer_index(name: str) -> int | None:
-    match = re.search(r"\.(?:h|layers|layer|blocks)\.(\d+)\.", name)
-    return int(match.group(1)) if match else None
-
-
 def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | None = None) -> PreTrainedModel:
     """A frozen copy of `policy`. With `num_shared_layers`, the embeddings and the first layers are the policy's own
     parameters (frozen in the policy too) instead of copies, as RELC's `create_reference_model` did."""
@@ -134,7 +115,8 @@ def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | Non
     if num_shared_layers is None:
         return ref.eval()
     names = [name for name, _ in policy.named_parameters()]
-    layer_ids = [_layer_index(n) for n in names]
+    matches = [re.search(r"\.(?:h|layers|layer|blocks)\.(\d+)\.", n) for n in names]
+    layer_ids = [int(m.group(1)) if m else None for m in matches]
     num_layers = 1 + max((i for i in layer_ids if i is not None), default=-1)
     if num_shared_layers > num_layers:
         raise ValueError(f"num_shared_layers={num_shared_layers} but the policy has only {num_layers} layers.")
@@ -205,9 +187,8 @@ def build_value_head(
 
 
 def enable_activation_checkpointing(model: nn.Module, value_backbone: nn.Module | None, is_peft: bool, args) -> None:
-    """Activation checkpointing of the policy (and a separate value model) with `args.activation_checkpointing_kwargs`,
-    the way `transformers.Trainer.train` switches it on (`every_n_layers` and `offload` are its own options, the
-    rest goes to `torch.utils.checkpoint`); non-reentrant unless the kwargs say otherwise."""
+    """Activation checkpointing of the policy (and a separate value model) as `transformers.Trainer.train` switches it
+    on from `args.activation_checkpointing_kwargs`; non-reentrant unless the kwargs say otherwise."""
     kwargs = dict(args.activation_checkpointing_kwargs or {"use_reentrant": False})
     every_n_layers = kwargs.pop("every_n_layers", 1)
     offload = kwargs.pop("offload", False)
@@ -221,10 +202,8 @@ def enable_activation_checkpointing(model: nn.Module, value_backbone: nn.Module 
 
 
 def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
-    """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`): called with ``fused_lm_head=True``
-    and labels it returns their log-probs and the entropies without building the [B, R, V] logits; other calls keep
-    the original forward. Returns whether it was added (a model without output embeddings keeps the logits path); a
-    second patch (a second trainer on the same model) serves fused calls with its own temperature."""
+    """Give `model` TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`: log-probs and entropies without the
+    [B, R, V] logits, with ``fused_lm_head=True`` and labels); False for a model without output embeddings."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "get_output_embeddings") or base.get_output_embeddings() is None:
         return False
@@ -242,9 +221,7 @@ def fused_logprob_labels(input_ids: torch.Tensor, response_ids: torch.Tensor) ->
 
 @dataclass
 class ResponseScores:
-    """A forward pass's view of the response tokens: fp32 log-probs [B, R] (with grad when the pass has it), entropy
-    [B, R] (no grad; a metric), and the raw logits [B, R, V] only when a caller needs whole distributions (full
-    KL)."""
+    """The response tokens' fp32 log-probs [B, R], entropy [B, R] (no grad) and, for full KL, the logits [B, R, V]."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
@@ -252,20 +229,15 @@ class ResponseScores:
 
 
 def fused_scores(out: Any, response_width: int) -> ResponseScores:
-    """`ResponseScores` from a fused-head output (`trl.trainer.utils.FusedCausalLMOutput`, per position of the
-    shifted sequence: the last `response_width` are the response tokens')."""
+    """`ResponseScores` from a fused-head output (the last `response_width` positions are the response)."""
     return ResponseScores(
         out.log_probs[:, -response_width:].float(), out.entropy[:, -response_width:].detach().float()
     )
 
 
 class PolicyAndValue(nn.Module):
-    """The trainable modules in one `nn.Module`, so that DDP (accelerate) wraps and synchronizes them together.
-
-    forward returns the logits and values of the last `logits_to_keep` positions; with `labels` (a policy given the
-    fused head, `add_fused_logprob_head`) the fused output (``log_probs`` / ``entropy`` per position) instead of
-    logits.
-    """
+    """The trainable modules in one `nn.Module`, so that the engine wraps and synchronizes them together; forward
+    returns the logits (with `labels`: the fused head's output) and values of the last `logits_to_keep` positions."""
 
     # read by `transformers.Trainer` on the model it trains (`_issue_warnings_after_load`)
     _keys_to_ignore_on_save = None
@@ -353,35 +325,22 @@ class PolicyAndValue(nn.Module):
         return out.logits[:, -logits_to_keep:], values
 
 
-def response_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `tokens` and the entropy at each position, from raw logits at the sampling `temperature`, by
-    TRL's `selective_log_softmax_and_entropy`. Half-precision logits are upcast one sequence at a time: PPO's ratio
-    needs fp32 log-probs, but the fp32 log-softmax of the whole [B, T, V] batch is never built at once."""
-    if logits.dtype in (torch.float32, torch.float64):
-        rows = [(logits, tokens)]
-    else:
-        rows = [(row.float().unsqueeze(0), row_tokens.unsqueeze(0)) for row, row_tokens in zip(logits, tokens)]
-    parts = [
-        selective_log_softmax_and_entropy(
-            row, row_tokens, entropy_requires_grad=with_entropy_grad, temperature=temperature
-        )
-        for row, row_tokens in rows
-    ]
-    return torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float()
-
-
 def logits_scores(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> ResponseScores:
-    """`ResponseScores` from the logits of the response positions (and any after them, dropped)."""
+    """`ResponseScores` from the logits of the response positions (and any after them, dropped), by TRL's
+    `selective_log_softmax_and_entropy`. Half-precision logits are upcast one sequence at a time: PPO's ratio needs
+    fp32 log-probs, but the fp32 log-softmax of the whole [B, T, V] batch is never built at once."""
     logits = logits[:, : response_ids.shape[1]]
-    logprobs, entropy = response_logprobs(logits, response_ids, temperature)
-    return ResponseScores(logprobs, entropy, logits)
+    if logits.dtype in (torch.float32, torch.float64):
+        rows = [(logits, response_ids)]
+    else:
+        rows = [(row.float().unsqueeze(0), row_ids.unsqueeze(0)) for row, row_ids in zip(logits, response_ids)]
+    kwargs = dict(entropy_requires_grad=False, temperature=temperature)  # the entropy is a metric
+    parts = [selective_log_softmax_and_entropy(row, ids, **kwargs) for row, ids in rows]
+    return ResponseScores(torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).float(), logits)
 
 
 class ResponseForwards:
-    """The policy's and the reference's passes over a batch's response tokens (a `PPOTrainer` mixin); reads
-    `model_wrapped`, `ref_model`, `fused_policy`, `fused_ref`, `engine` and `args.temperature`."""
+    """The policy's and the reference's passes over a batch's response tokens (a `PPOTrainer` mixin)."""
 
     def _forward(
         self, model: nn.Module, batch: dict[str, torch.Tensor], need_logits: bool = False
@@ -422,8 +381,7 @@ class ResponseForwards:
 
 @dataclass
 class PPOModels:
-    """What `build_models` wires up: the trainable `PolicyAndValue`, the reference (None: the adapter-free policy),
-    the tokenizer, the policy's name (None: unknown) and whether the policy is a PEFT model."""
+    """What `build_models` wires up (`ref_model` None: the adapter-free policy; `model_id` None: unknown)."""
 
     wrapper: PolicyAndValue
     ref_model: nn.Module | None
@@ -435,9 +393,7 @@ class PPOModels:
 def build_models(
     model: str | nn.Module, args: Any, tokenizer: Any, ref_model: Any, value_model: Any, peft_config: Any
 ) -> PPOModels:
-    """`PPOTrainer`'s models from its arguments (see its Args): the policy loaded by name and wrapped in its
-    adapter, the tokenizer (loaded by the policy's name when None; pad = EOS when it has none), the reference and the
-    value head."""
+    """`PPOTrainer`'s models from its arguments (see its Args); the tokenizer's pad token is EOS when it has none."""
     model_id = model if isinstance(model, str) else model_name_of(model)
     check_model_arguments(args, model, ref_model)
     if isinstance(model, str):

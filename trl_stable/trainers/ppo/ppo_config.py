@@ -12,7 +12,10 @@ from accelerate.utils import get_int_from_env
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
 
-from trl_stable.config_checks import (
+from trl_stable.core.kl import kl_estimator_names
+from trl_stable.monitoring.integration import PPOHealthArguments
+from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.checks import (
     Bound,
     Dependent,
     check_all_finite,
@@ -23,10 +26,7 @@ from trl_stable.config_checks import (
     training_argument_bounds,
     training_argument_dependents,
 )
-from trl_stable.core.kl import kl_estimator_names
-from trl_stable.monitoring.integration import PPOHealthArguments
-from trl_stable.redaction import SecretsNotPickled
-from trl_stable.rewards.dense import DEFAULT_MAX_ABS_REWARD
+from trl_stable.settings.secrets import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
@@ -83,7 +83,7 @@ _FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
 _GRADIENT_ACCUMULATION_KWARGS = ("sync_each_batch",)
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
-# `trl_stable.config_checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
+# `trl_stable.settings.checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
 PPO_BOUNDS: dict[str, Bound] = {
     "num_shared_layers": Bound(low=0, integer=True, optional=True, fix="None copies every layer."),
     "batch_size": Bound(low=1, integer=True),
@@ -121,21 +121,13 @@ PPO_BOUNDS: dict[str, Bound] = {
 
 @dataclass
 class PPOConfig(
-    SecretsNotPickled,
-    TrainingArguments,
-    PPOHealthArguments,
-    DecoupledLossArguments,
-    StepMaskArguments,
-    VLLMArguments,
+    SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments
 ):
     r"""Configuration for [`PPOTrainer`]: PPO with a value model and per-token (dense) rewards.
 
-    Every field of [`~transformers.TrainingArguments`] plus the fields of the RELC-era `trl.PPOConfig`, with their
-    meanings and defaults. One step (`state.global_step`) is one PPO iteration: a rollout of `batch_size` samples per
-    process, then `ppo_epochs` shuffled passes over it in mini-batches of `per_device_train_batch_size *
-    gradient_accumulation_steps` samples (one optimizer step each), computed in micro-batches of
-    `per_device_train_batch_size` (RELC's `mini_batch_size`). The per-token reward is
-    ``r_t = -kl_coef * KL_t + sum_j w_j * dense_j[t] + [t == last] * score``, the advantages GAE's (`docs/ppo.md`).
+    Every field of [`~transformers.TrainingArguments`] plus those of the RELC-era `trl.PPOConfig`, with their
+    meanings and defaults; one step (`state.global_step`) is one PPO iteration (`docs/ppo.md`, "How one PPO step
+    works", and its configuration reference).
 
     Defaults differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
     `lr_scheduler_type` "constant", `per_device_train_batch_size` 16, `average_tokens_across_devices` and

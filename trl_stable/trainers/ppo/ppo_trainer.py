@@ -1,19 +1,9 @@
 """PPO with a value model and per-token (dense) rewards, a `transformers.Trainer` (through TRL's base trainer).
 
-The PPO iteration and its training loop are ours, the rest is `Trainer`'s, as in TRL's last PPOTrainer (TRL 1.16 has
-none). It runs through `train()` over a prompt dataset scored by reward functions, or through the RELC-era step API:
-``responses = trainer.generate(queries, return_prompt=False)``, then ``trainer.step(queries, responses, rewards)``.
-One PPO step, top to bottom in `step`:
-
-1. **rollout** (`generate`): sample responses; the `Rollout` carries the sampler's log-probs and MoE routing.
-2. **rollout pass** (`rollout_pass`): under no grad, the rollout policy's log-probs and values, the reference log-probs
-   and the per-token KL.
-3. **rewards and advantages** (`compute_advantages`): $r_t = -\\beta\\, KL_t + d_t + s\\cdot[t = last]$
-   (`core.compose_token_rewards`), then GAE over tokens or turns (`core.estimators`).
-4. **update** (`update`): `ppo_epochs` passes over shuffled mini-batches with the clipped (or decoupled) policy loss
-   and the clipped value loss; one optimizer step per mini-batch.
-
-Trainer's plumbing is in the mixins the class is built from, one module each.
+The PPO iteration and its loop are ours, the rest is `Trainer`'s; it runs through `train()` or the RELC-era step API
+(``generate`` then ``step``). One step, top to bottom in `step` (docs/ppo.md, "How one PPO step works"): rollout
+(`generate`), rollout pass (`rollout_pass`: old, reference log-probs, values, KL), rewards and advantages
+(`compute_advantages`), update (`update`: `ppo_epochs` passes of clipped policy and value losses).
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ from transformers.optimization import GreedyLR
 from transformers.trainer_utils import TrainOutput
 from trl.trainer.base_trainer import _BaseTrainer
 
-from trl_stable.config_checks import field_default
 from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
 from trl_stable.core.gae import count_turns, relative_position_lambda, vapo_lambda
 from trl_stable.core.kl import AdaptiveKLController, FixedKLController, full_kl, kl_estimate
@@ -50,6 +39,7 @@ from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 from trl_stable.rewards.dense import call_on_every_process
 from trl_stable.rewards.failure_guard import FailureGuard
+from trl_stable.settings.checks import field_default
 from trl_stable.trainers.checkpoints import MarkedCheckpoints, check_checkpoint_names
 from trl_stable.trainers.ppo.engines import (
     Engine,
@@ -68,6 +58,7 @@ from trl_stable.trainers.ppo.models import (
     ResponseForwards,
     add_fused_logprob_head,
     build_models,
+    embedding_rows,
     is_quantized,
 )
 from trl_stable.trainers.ppo.ppo_config import PPOConfig
@@ -75,7 +66,13 @@ from trl_stable.trainers.ppo.prompts import PromptData, collate_rows
 from trl_stable.trainers.ppo.rewards import RewardFunctions, guard_reward_failures
 from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout
 from trl_stable.trainers.ppo.saving import SaveAndResume
-from trl_stable.trainers.ppo.step_inputs import check_step_inputs, make_batch, resolve_token_rewards, trim_micro_batch
+from trl_stable.trainers.ppo.step_inputs import (
+    check_step_inputs,
+    check_token_ids,
+    make_batch,
+    resolve_token_rewards,
+    trim_micro_batch,
+)
 from trl_stable.trainers.ppo.step_rewards import StepRewards
 from trl_stable.trainers.ppo.tables import Tables
 from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
@@ -84,6 +81,7 @@ from trl_stable.trainers.prompt_checks import model_context
 logger = logging.getLogger(__name__)
 
 __all__ = ["PPOTrainer"]
+
 
 PPO_CITATION = """\
 @article{schulman2017proximal,
@@ -109,41 +107,23 @@ class PPOTrainer(
     _BaseTrainer,
 ):
     """PPO trainer with a value model, a reference model and per-token rewards; a `transformers.Trainer`, `args`
-    honored as `Trainer` honors them (`docs/ppo.md`).
+    honored as `Trainer` honors them (`docs/ppo.md` describes every argument).
 
     Args:
-        model: The policy: a causal LM, or its name/path (loaded with `args.model_init_kwargs`). None:
-            `args.model_name`.
-        reward_funcs: Reward function(s) for `train()` and `evaluate()`: a sequence-classification model or its name,
-            a callable with TRL's signature ``f(prompts, completions, completion_ids, **columns) -> list[float |
-            None]``, or a dense callable (`trl_stable.rewards.dense_reward`) returning per-token rewards, called after
-            the sequence-level ones with their weighted sum as ``env_rewards``. Combined with `args.reward_weights`
-            under `trl_stable.rewards.dense`'s contract, as in GRPO. Not needed for the step API.
+        model: The policy: a causal LM or its name/path (loaded with `args.model_init_kwargs`; None: `model_name`).
+        reward_funcs: For `train()` / `evaluate()`: sequence-classification models (or names), callables with TRL's
+            signature, or dense callables (`trl_stable.rewards.dense_reward`), weighted by `args.reward_weights`.
         args: A `PPOConfig`. None: defaults with `output_dir="ppo_output"`.
-        train_dataset: Prompts for `train()`: a "prompt" column (text or chat messages) or an "input_ids" column;
-            other columns are passed to the reward functions as keyword lists.
-        eval_dataset: Prompts for `evaluate()` (same columns), or a dict of them (each evaluated under its name).
-        processing_class: The tokenizer (left padding is used for generation). None: loaded from the model name.
-        ref_model: The frozen reference. None: the policy with its adapter disabled under PEFT, else a frozen copy of
-            the policy sharing its first `args.num_shared_layers` layers.
-        value_model: None: a scalar value head on the policy's last hidden state (RELC's shared backbone). A
-            `ValueHead`: that head on the policy. A causal LM, base model or 1-label sequence classifier: a separate
-            critic (its 1-output `score` head reused).
+        train_dataset: Prompts for `train()`: a "prompt" or "input_ids" column; other columns go to the rewards.
+        eval_dataset: Prompts for `evaluate()`, or a dict of them (each evaluated under its name).
+        processing_class: The tokenizer (left padding for generation). None: loaded from the model name.
+        ref_model: The frozen reference. None: the adapter-free policy under PEFT, else a frozen copy of the policy.
+        value_model: None: a value head on the policy's last hidden state; a `ValueHead`; or a separate critic.
         reward_processing_classes: Tokenizers of the reward models, in `reward_funcs` order (None: loaded by name).
         callbacks: `transformers.TrainerCallback`s, called as `Trainer` calls them.
         optimizers: (optimizer, lr_scheduler); None entries are built by `Trainer` from `args`.
         peft_config: A `peft.PeftConfig`: train a LoRA adapter (+ the value head) instead of the full policy.
-        lam_fn: ``lam_fn(lengths: LongTensor[B]) -> Tensor[B]``, GAE's lambda per sequence from its effective length
-            (action tokens, or turns with `turn_ids`; 0 for a dropped sample), instead of `args.lam` /
-            `args.lam_schedule` (which must then be left unset).
-
-    Example:
-        ```python
-        trainer = PPOTrainer(model, args=PPOConfig(output_dir="out", batch_size=8, per_device_train_batch_size=8))
-        responses = trainer.generate(queries, return_prompt=False)
-        token_rewards = [[0.0] * (len(r) - 1) + [score] for r, score in zip(responses, scores)]
-        stats = trainer.step(queries, responses, token_rewards)
-        ```
+        lam_fn: ``lam_fn(lengths: LongTensor[B]) -> Tensor[B]``, GAE's lambda per sequence, instead of `args.lam`.
     """
 
     _tag_names = ["trl", "ppo", "trl_stable"]
@@ -222,10 +202,9 @@ class PPOTrainer(
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator, self.engine)
+        coef = args.init_kl_coef
         self.kl_ctl = (
-            AdaptiveKLController(args.init_kl_coef, args.target, args.horizon)
-            if args.adap_kl_ctrl
-            else FixedKLController(args.init_kl_coef)
+            AdaptiveKLController(coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(coef)
         )
         self.running = RunningMoments()
         self.lam_fn = lam_fn
@@ -237,6 +216,8 @@ class PPOTrainer(
         # a length they cannot take fails here or before `generate`, not as an IndexError inside a forward.
         contexts = (model, models.wrapper.value_backbone, ref_model)
         self.model_contexts = [model_context(m) for m in contexts if m is not None]
+        # likewise a token id none of their embedding tables holds (`check_token_ids`)
+        self.vocab_size = min((n for n in map(embedding_rows, contexts) if n is not None), default=None)
         self._check_prompts_at_start(train_dataset)
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
@@ -270,10 +251,8 @@ class PPOTrainer(
         kl = f"{args.kl_penalty}, {'adaptive' if args.adap_kl_ctrl else 'fixed'} coef {args.init_kl_coef}"
         loss = "decoupled" if args.use_decoupled_loss else "clip"
         if args.token_filter:
-            lower, upper = args.filter_bounds
-            loss += (
-                f", filter={args.token_filter}[{lower}, {upper}] {args.token_filter_level}/{args.token_filter_action}"
-            )
+            bounds, how = list(args.filter_bounds), f"{args.token_filter_level}/{args.token_filter_action}"
+            loss += f", filter={args.token_filter}{bounds} {how}"
         return (
             f"trl_stable PPO: advantages=gae ({lam}, gamma={args.gamma}, whiten={args.whiten_advantages}; "
             "turn_gae for steps with turn_ids), "
@@ -293,21 +272,21 @@ class PPOTrainer(
 
         Args:
             query_tensor: One 1-D LongTensor of prompt ids, or a list of them (no padding).
-            length_sampler: Called once per generation chunk for its `max_new_tokens` (e.g. `LengthSampler`).
-                None: `args.min_new_tokens`/`args.max_new_tokens`.
+            length_sampler: Called per generation chunk for its `max_new_tokens` (None: `args.min_new_tokens`).
             return_prompt: Prepend the query to each returned sequence (the old TRL default); RELC passes False.
             batch_size: Generate in chunks of this many queries (None: `args.generation_batch_size` or all).
             generation_kwargs: Override `generate` arguments (top_k, top_p, temperature, do_sample, ...).
 
         Returns:
-            For a list of queries, a `Rollout`: a list of 1-D LongTensors (each response cut after its EOS (kept), on
-            the trainer's device) that also carries the sampler's log-probs (with `use_decoupled_loss`) and MoE
-            routing (with ``routing_replay="R3"``) for `step`. For one query, its tensor.
+            For a list, a `Rollout`: the responses (cut after EOS) with the sampler's log-probs and routing `step`
+            reads. For one query, its tensor.
         """
         single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
         queries = [query_tensor] if single else list(query_tensor)
-        if any(len(q) == 0 for q in queries):
-            raise ValueError("Every query needs at least one token (e.g. a BOS token).")
+        for i, q in enumerate(queries):
+            check_token_ids(q, "query_tensor" if single else f"query_tensor[{i}]", self.vocab_size)
+            if len(q) == 0:
+                raise ValueError("Every query needs at least one token (e.g. a BOS token).")
         args = self.args
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
@@ -336,34 +315,31 @@ class PPOTrainer(
         sampler_logprobs: list[torch.Tensor] | None = None,
         extra_logs: dict[str, float] | None = None,
     ) -> dict[str, float]:
-        """Run one PPO iteration on a batch of `args.batch_size` samples and return its statistics.
-
-        The per-token reward is ``-kl_coef * KL + token_rewards + score@last``. A NaN, None or infinite reward marks a
-        sample without one, which `args.nan_reward_action` drops or keeps with advantage 0 (with a warning); a value
-        that is not a number raises `trl_stable.rewards.dense.RewardTypeError` on every process. The step is logged,
-        evaluated and checkpointed as `Trainer` does after an optimizer step.
+        """Run one PPO iteration on `args.batch_size` samples and return its statistics (docs/ppo.md, "Driving it
+        step by step"): per-token reward ``-kl_coef * KL + token_rewards + score@last``; a NaN, None or infinite
+        reward marks a sample without one (`args.nan_reward_action`).
 
         Args:
             queries: Prompt ids, one 1-D LongTensor per sample.
-            responses: Response ids, one per sample: the `Rollout` of ``generate(return_prompt=False)`` (it carries
-                the sampler's log-probs and routing), or plain tensors.
-            token_rewards: Per-token rewards, one row of ``len(responses[i])`` entries per sample (optional with
-                `scores`); or a zero-argument callable returning them (or None), called after the rollout pass so
-                slow rewards (a critic's requests in flight) overlap the forwards.
+            responses: Response ids, one per sample: the `Rollout` of ``generate(return_prompt=False)``, or tensors.
+            token_rewards: One row of ``len(responses[i])`` rewards per sample, or a zero-argument callable returning
+                them, called after the rollout pass.
             scores: One sequence-level score per sample, added on the last response token after score scaling.
-            turn_ids: Multi-turn agents: per response token its assistant turn (0, 1, ..., non-decreasing), or -1
-                for tokens that are no action (tool output, no loss); switches to turn-level GAE.
-            sampler_logprobs: With `use_decoupled_loss`, the sampler's log-prob of each response token (None: from
-                the `Rollout`).
-            extra_logs: Merged into the step's logs after deferred rewards are resolved (so they may add to it);
-                `trl_stable.monitoring.reduction.Stat` values are reduced over processes.
-
-        Returns:
-            The step's statistics (objective/kl, loss/policy, loss/value, policy/clipfrac, ...).
+            turn_ids: Per response token its assistant turn (0, 1, ..., -1: no action); switches to turn-level GAE.
+            sampler_logprobs: With `use_decoupled_loss`, the sampler's log-prob per response token (None: `Rollout`'s).
+            extra_logs: Merged into the step's logs after deferred rewards are resolved (`Stat` values are reduced).
         """
         args = self.args
         sampler_logprobs, routing, deferred = check_step_inputs(
-            args, self.routing.mode, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
+            args,
+            self.routing.mode,
+            self.vocab_size,
+            queries,
+            responses,
+            token_rewards,
+            scores,
+            turn_ids,
+            sampler_logprobs,
         )
         if not self._train_begun:
             self._begin(max_steps=max(args.max_steps, 0))
@@ -377,7 +353,8 @@ class PPOTrainer(
         # requests in flight) are waited for after them.
         batch, rollout_logs = self.rollout_pass(batch)
         if deferred is not None:
-            token_rewards = self._resolve_token_rewards(deferred, responses)
+            # checked; a contract error seen by one process stops every process
+            token_rewards = call_on_every_process(self.accelerator, resolve_token_rewards, deferred, responses)
             if token_rewards is None and scores is None:
                 raise ValueError("step()'s deferred token_rewards returned None and no `scores` were given.")
         batch, reward_logs = self._drop_broken_rewards(batch, token_rewards, scores)
@@ -408,10 +385,6 @@ class PPOTrainer(
     def make_batch(self, queries, responses, turn_ids=None, routing=None) -> dict[str, torch.Tensor]:
         """`step`'s batch (`trl_stable.trainers.ppo.step_inputs.make_batch`) on the trainer's pad token and device."""
         return make_batch(queries, responses, self.pad_token_id, self.accelerator.device, turn_ids, routing)
-
-    def _resolve_token_rewards(self, deferred: Callable[[], Any], responses) -> Any:
-        """Deferred token rewards, checked; a contract error seen by one process stops every process."""
-        return call_on_every_process(self.accelerator, resolve_token_rewards, deferred, responses)
 
     # ------------------------------------------------------------------ 2. rollout pass
     @torch.no_grad()
@@ -471,15 +444,8 @@ class PPOTrainer(
         mask, valid = batch["response_mask"], batch["valid"]
         kl = batch["kl"] * mask
         kl_coef = self.kl_ctl.value
-        parts = compose_token_rewards(
-            kl,
-            kl_coef,
-            batch["dense_rewards"],
-            batch.get("scores"),
-            mask,
-            whiten=args.whiten_rewards,
-            reduce_sum=self._reduce_sum,
-        )
+        whiten = dict(whiten=args.whiten_rewards, reduce_sum=self._reduce_sum)
+        parts = compose_token_rewards(kl, kl_coef, batch["dense_rewards"], batch.get("scores"), mask, **whiten)
         values = batch["values"] * mask
         last = last_action_index(mask)
         ended = batch["response_ids"].gather(1, last.unsqueeze(1)).squeeze(1) == self.eos_token_id
@@ -603,14 +569,9 @@ class PPOTrainer(
         old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
         policy_mask = mask * mb["step_keep"] if "step_keep" in mb else mask  # invalid agent steps: no policy gradient
         if "behaviour_weight" in mb:
+            weight, keep = mb["behaviour_weight"], mb["behaviour_keep"]
             pg_loss = decoupled_ppo_loss(
-                logprobs,
-                old_logprobs,
-                mb["behaviour_weight"],
-                advantages,
-                policy_mask,
-                mb["behaviour_keep"],
-                eps_low=args.cliprange,
+                logprobs, old_logprobs, weight, advantages, policy_mask, keep, eps_low=args.cliprange
             )
         else:
             pg_loss = pre_mask_token_mean(
@@ -649,17 +610,10 @@ class PPOTrainer(
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
-        """Train over `train_dataset`: each batch of `batch_size` prompts is generated from, scored with
-        `reward_funcs` and trained on with `step`, for `args.max_steps` steps (or `args.num_train_epochs` passes).
-        Logging, evaluation and checkpoints follow `args` as in `transformers.Trainer`.
-
-        Args:
-            resume_from_checkpoint: A checkpoint directory, or True for the newest complete one in `args.output_dir`
-                (newer incomplete ones are skipped and logged); None: `args.resume_from_checkpoint`. Restores
-                everything the run needs to continue bit for bit (docs/reliability.md).
-            trial: Not supported (PPOTrainer runs no hyperparameter search).
-            ignore_keys_for_eval: Not used (PPO's evaluation returns reward metrics).
-        """
+        """Train over `train_dataset` (generate, score with `reward_funcs`, `step`) for `args.max_steps` steps or
+        `args.num_train_epochs` passes, logging, evaluating and saving as `transformers.Trainer` does.
+        `resume_from_checkpoint` (True: the newest complete one) continues bit for bit (docs/reliability.md); `trial`
+        is refused and `ignore_keys_for_eval` unused."""
         if trial is not None:
             raise ValueError("PPOTrainer does not run hyperparameter searches: call train() without `trial`.")
         args = self.args

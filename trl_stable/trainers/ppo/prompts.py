@@ -12,14 +12,13 @@ import torch
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import seed_worker
 
+from trl_stable.trainers.ppo.step_inputs import check_token_ids
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
     empty_prompt_error,
     too_long_error,
 )
-
-__all__ = ["PromptData", "collate_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,9 @@ class PromptData:
         prompts, ids = [], []
         for where, row in zip(wheres, rows):
             if "input_ids" in row and row["input_ids"] is not None:
-                q = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
+                q = torch.as_tensor(row["input_ids"]).reshape(-1)
+                if len(q):
+                    check_token_ids(q, f"the input_ids of {where}", self.vocab_size)
                 prompt = row.get("prompt", tok.decode(q, skip_special_tokens=True))
             elif "prompt" in row:
                 prompt = row["prompt"]
@@ -101,18 +102,23 @@ class PromptData:
             if max_len is not None and len(q) > max_len:
                 q = q[-max_len:]
             prompts.append(prompt)
-            ids.append(q)
+            ids.append(q.long())
         return prompts, ids
 
     def _check_prompts_at_start(self, train_dataset: Any) -> None:
-        """The generation length against each model's context, no missing or empty prompt and, with a learned
-        position table the config does not keep prompts within, every train prompt's length (each row tokenized once,
-        here, rather than failing at its batch)."""
+        """The generation length against each model's context, the prompt column and its token ids and, with a learned
+        position table the config does not keep prompts within, every train prompt's length (once, here)."""
         args = self.args
         generation = (args.generation_kwargs or {}).get("max_new_tokens", args.max_new_tokens)
         for context in self.model_contexts:
             check_generation_budget(context, generation, "max_new_tokens", args.max_prompt_length)
         check_prompt_column(train_dataset, alternatives=("input_ids",))
+        if "input_ids" in (getattr(train_dataset, "column_names", None) or ()):  # read at once, as check_prompt_column
+            for i, row in enumerate(train_dataset["input_ids"]):
+                if row is not None and len(row):
+                    check_token_ids(
+                        torch.as_tensor(row).reshape(-1), f"the input_ids of train_dataset row {i}", self.vocab_size
+                    )
         learned = [c for c in self.model_contexts if c.learned]
         if train_dataset is None or not learned or not hasattr(train_dataset, "__len__"):
             return
@@ -120,13 +126,8 @@ class PromptData:
         longest = context.limit - generation
         if args.max_prompt_length is not None and args.max_prompt_length <= longest:
             return  # train() cuts every prompt to a length that fits
-        logger.info(
-            "max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.",
-            args.max_prompt_length,
-            generation,
-            context.describe(),
-            len(train_dataset),
-        )
+        shown = (args.max_prompt_length, generation, context.describe(), len(train_dataset))
+        logger.info("max_prompt_length=%s and max_new_tokens=%d can pass %s: checking the %d train prompts.", *shown)
         lengths = []
         for chunk in range(0, len(train_dataset), 256):
             indices = range(chunk, min(chunk + 256, len(train_dataset)))

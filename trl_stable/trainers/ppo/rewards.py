@@ -1,6 +1,5 @@
 """PPO's reward functions for `train()` and `evaluate()`, called with TRL's signature under the reward contract of
-`trl_stable.rewards.dense` (GRPO gets it through TRL's own reward calling); reward models are scored with TRL's
-tokenization (`trl_stable.rewards.reward_models`)."""
+`trl_stable.rewards.dense`."""
 
 from __future__ import annotations
 
@@ -35,16 +34,13 @@ from trl_stable.rewards.dense import (
 from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 
-__all__ = ["BatchRewards", "PendingRewards", "RewardFunctions", "guard_reward_failures"]
-
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class BatchRewards:
-    """A batch's rewards: `scores` [N] float64 (the weighted sequence-level sum, NaN where none applies; None without
-    sequence-level functions), `dense` (None without dense functions), their `metrics` (this process's values) and
-    `stats` (as this process's `Stat` shares), and `per_func`, each sequence-level function's [N] values by name."""
+    """A batch's rewards: `scores` [N] float64 (the weighted sequence-level sum, NaN where none applies), `dense`,
+    their `metrics` (this process's values) and `stats` (`Stat` shares), each sequence-level function's `per_func`."""
 
     scores: torch.Tensor | None
     dense: DenseRewards | None
@@ -56,8 +52,7 @@ class BatchRewards:
 @dataclass
 class PendingRewards:
     """A batch's rewards with the sequence-level part computed and the dense functions prefetched, called by `result`
-    (`train()` hands `token_rewards` to `step` as deferred rewards, so a critic's latency hides behind the forwards).
-    `metrics` and `stats` are completed in place when the dense rewards are collected."""
+    (`train()` defers `token_rewards` to `step`, so a critic's latency hides behind the forwards)."""
 
     scores: torch.Tensor | None
     pending_dense: PendingDenseRewards | None
@@ -105,17 +100,8 @@ class PendingRewards:
 
 
 class RewardFunctions:
-    """Reward functions (sequence-level callables and models, dense callables) with their weights and tokenizers.
-
-    Args:
-        reward_funcs: A callable with TRL's reward signature, a sequence-classification model (or its name), a dense
-            callable (`trl_stable.rewards.dense_reward`), or a list of these.
-        weights: One weight per function (None: all 1).
-        processing_classes: Tokenizers of the reward models (None entries: loaded by the model's name, as TRL's GRPO
-            does).
-        policy_tokenizer: The policy's tokenizer.
-        limit: The largest reward magnitude taken (`max_abs_reward`); beyond it a value counts as NaN.
-    """
+    """Reward functions (`PPOTrainer`'s `reward_funcs`) with their weights, tokenizers (None entries: loaded by the
+    model's name, as TRL's GRPO does) and the largest reward magnitude taken (`max_abs_reward`)."""
 
     def __init__(
         self,
@@ -137,14 +123,22 @@ class RewardFunctions:
             if not (isinstance(func, nn.Module) or callable(func)):
                 raise ValueError(f"A reward function must be a callable, an nn.Module or a model name; got {func!r}.")
         if weights is not None and len(weights) != len(funcs):
-            n = len(funcs)
             raise ValueError(
-                f"reward_weights has {len(weights)} entries for {n} reward functions; give one per function."
+                f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; give one per function."
             )
         self.funcs = funcs
         self.names = [self._name(f) for f in funcs]
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
-        self.processing_classes = self._processing_classes(processing_classes, policy_tokenizer)
+        if processing_classes is None:
+            processing_classes = [None] * len(funcs)
+        elif not isinstance(processing_classes, (list, tuple)):
+            processing_classes = [processing_classes]
+        if len(processing_classes) != len(funcs):
+            raise ValueError("reward_processing_classes must have one entry per reward function.")
+        self.processing_classes = [
+            prepare_reward_model(func, proc, policy_tokenizer) if isinstance(func, nn.Module) else proc
+            for func, proc in zip(funcs, processing_classes)
+        ]
         self.tokenizer = policy_tokenizer
         self.limit = limit  # the contract's bound on reward magnitudes (`max_abs_reward`)
         self.loop = reward_event_loop(funcs)  # async reward functions run here, as on TRL's reward loop in GRPO
@@ -161,18 +155,6 @@ class RewardFunctions:
         if isinstance(func, nn.Module):
             return model_name_of(func) or type(func).__name__
         return get_callable_name(func)
-
-    def _processing_classes(self, classes: Any, policy_tokenizer: Any) -> list[Any]:
-        if classes is None:
-            classes = [None] * len(self.funcs)
-        elif not isinstance(classes, (list, tuple)):
-            classes = [classes]
-        if len(classes) != len(self.funcs):
-            raise ValueError("reward_processing_classes must have one entry per reward function.")
-        return [
-            prepare_reward_model(func, proc, policy_tokenizer) if isinstance(func, nn.Module) else proc
-            for func, proc in zip(self.funcs, classes)
-        ]
 
     def to(self, device: torch.device) -> RewardFunctions:
         for func in self.funcs:
@@ -237,16 +219,11 @@ class RewardFunctions:
         dense = None
         if dense_idx:
             env = scores.tolist() if scores is not None else [0.0] * n
-            dense_kwargs = dict(
-                env_rewards=env,
-                trainer_state=trainer_state,
-                log_metric=metrics.__setitem__,  # TRL's hook: e.g. the critic's critic/* per-step metrics
-                **kwargs,
-            )
+            # log_metric: TRL's hook (e.g. the critic's critic/* per-step metrics)
+            dense_kwargs = dict(env_rewards=env, trainer_state=trainer_state, log_metric=metrics.__setitem__, **kwargs)
+            picked = [[values[i] for i in dense_idx] for values in (self.funcs, self.names, self.weights)]
             dense = start_dense_rewards(
-                [self.funcs[i] for i in dense_idx],
-                [self.names[i] for i in dense_idx],
-                [self.weights[i] for i in dense_idx],
+                *picked,
                 [len(r) for r in responses],
                 call=lambda func, **extra: call_reward_func(func, self.loop, **dense_kwargs, **extra),
                 # the same arguments as the later call: the prompt a critic sends must be the one it answers
@@ -264,9 +241,9 @@ def guard_reward_failures(
     failures: dict[str, str],
     everywhere: bool = True,
 ) -> None:
-    """Count a step in which a reward function failed wholesale (`reward_max_failing_steps`): with `values` [N, K],
-    when it gave no usable value for any completion (of every process, with `everywhere`); otherwise when its call
-    raised on some process. Decided on every process's outcome, so every process stops at the same step."""
+    """Count a step in which a reward function failed wholesale (`reward_max_failing_steps`): no usable value in
+    `values` [N, K] (on every process, with `everywhere`), or else its call raised on some process; decided on every
+    process's outcome, so every process stops at the same step."""
     if not names:
         return
     if values is not None:

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["LengthSampler", "Rollout"]
-
 
 class LengthSampler:
     """Draw a generation length uniformly from [min_value, max_value] (inclusive), as RELC's scripts did."""
@@ -23,17 +21,13 @@ class LengthSampler:
 
 class Rollout(list):
     """What `PPOTrainer.generate` sampled: a list of response tensors (what old TRL returned) that also carries what
-    the step needs from the sampler, so ``trainer.step(queries, trainer.generate(queries), rewards)`` passes it on
-    explicitly.
+    the step needs from the sampler.
 
     Attributes:
         queries: The prompts the responses were sampled from (1-D LongTensors).
-        sampler_logprobs: Per response, the sampler's log-prob of each response token (decoupled loss, mismatch
-            monitor); None when not recorded.
-        routing: Per sample, the routing the sampler's MoE routers chose for its query + response tokens
-            ([tokens, layers, k], routing replay R3); None when not recorded.
-        with_prompt: Whether each entry is query + response (``generate(return_prompt=True)``) instead of the
-            response alone; `step` takes responses alone.
+        sampler_logprobs: Per response, the sampler's log-prob of each token; None when not recorded.
+        routing: Per sample, the sampler's MoE routing of its query + response ([tokens, layers, k], R3), or None.
+        with_prompt: Whether each entry is query + response (``generate(return_prompt=True)``).
     """
 
     def __init__(

@@ -1,6 +1,5 @@
-"""PPO's files in `transformers.Trainer`'s saving and resume (a `PPOTrainer` mixin): the policy, value head and a
-separate critic where Trainer saves and loads a model, PPO's state in each checkpoint, the step API's
-`save_checkpoint` / `load_checkpoint`, and the model card's value-head section."""
+"""PPO's files in `transformers.Trainer`'s saving and resume (a `PPOTrainer` mixin), the step API's checkpoints and
+the model card's value-head section."""
 
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from trl_stable.trainers.checkpoints import (
 )
 from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 
-__all__ = ["VALUE_MODEL_DIR", "SaveAndResume"]
-
 logger = logging.getLogger(__name__)
 
 VALUE_MODEL_DIR = "value_model"
@@ -37,9 +34,8 @@ class SaveAndResume:
     """`PPOTrainer`'s save and resume; the checkpoint folder itself is `MarkedCheckpoints`' (both trainers')."""
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """What `save_model` and checkpoints write: the policy (full model or LoRA adapter), the value head (and a
-        separate value model under `value_model/`), the tokenizer and the training arguments. `state_dict`: the
-        gathered weights of the whole `PolicyAndValue` (ZeRO-3, FSDP)."""
+        """The policy (or LoRA adapter), value head (a separate value model under `value_model/`), tokenizer and
+        arguments; `state_dict`: the gathered weights of the whole `PolicyAndValue` (ZeRO-3, FSDP)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
@@ -61,8 +57,7 @@ class SaveAndResume:
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # `PPOConfig` pickles without secrets
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """Load what `_save` wrote: the policy through Trainer's loader, then the value head / value model (under
-        FSDP, Trainer's loader reads the engine's own files)."""
+        """Load what `_save` wrote, through Trainer's loader (under FSDP it reads the engine's own files)."""
         if self.is_fsdp_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model or self.model_wrapped)
         unwrapped = self.unwrapped()
@@ -88,8 +83,7 @@ class SaveAndResume:
         return None
 
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(shared, per-process) state for a checkpoint: the KL coefficient, running score statistics and reward
-        guards; this process's mini-batch shuffling stream."""
+        """(shared, per-process) checkpoint state: KL coefficient, score statistics, reward guards; shuffling."""
         guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
         shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict(), "reward_guards": guards}
         return shared, {"shuffle": self.shuffle_generator.get_state()}
@@ -104,8 +98,7 @@ class SaveAndResume:
             self.shuffle_generator.set_state(per_process["shuffle"])
 
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
-        """(name, function) of the reward functions whose checkpoint state is saved: the trainer's and those a
-        step-API loop registered with `save_checkpoint` / `load_checkpoint`."""
+        """The reward functions whose state is saved: the trainer's and those a step-API loop registered."""
         extra = [(getattr(f, "__name__", type(f).__name__), f) for f in self._step_api_reward_funcs]
         return [*zip(self.rewards.names, self.rewards.funcs), *extra]
 
@@ -115,8 +108,7 @@ class SaveAndResume:
                 self._step_api_reward_funcs.append(func)
 
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | None) -> CheckpointInfo | None:
-        """The checkpoint to resume from (`trl_stable.trainers.checkpoints.resolve_checkpoint`): True takes the newest
-        complete one in `args.output_dir`; a folder is checked."""
+        """The checkpoint to resume from (True: the newest complete one in `args.output_dir`; a folder is checked)."""
         return resolve_checkpoint(
             resume_from_checkpoint,
             self.args.output_dir,
@@ -125,8 +117,7 @@ class SaveAndResume:
         )
 
     def _load_checkpoint(self, info: CheckpointInfo) -> None:
-        """Restore a checkpoint the way Trainer's resume reads it (weights, optimizer, scheduler, scaler, state,
-        callbacks, RNG), then trl_stable's state (`trl_stable.trainers.checkpoints`, `_trainer_checkpoint_state`)."""
+        """Restore a checkpoint as Trainer's resume reads it, then trl_stable's state (`_trainer_checkpoint_state`)."""
         path = info.path
         if self.is_deepspeed_enabled:
             deepspeed_load_checkpoint(self.model_wrapped, path, load_module_strict=not self.is_peft)
@@ -146,16 +137,9 @@ class SaveAndResume:
             self._load_trainer_checkpoint_state(stable["shared"], stable["per_process"])
 
     def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
-        """Save a resumable checkpoint now, as `train()` saves one per `save_strategy`; call it on every process.
-
-        Args:
-            output_dir: Must be None or the folder it writes, ``args.output_dir/checkpoint-{global_step}``.
-            reward_funcs: Reward functions the trainer does not hold (a step-API loop's critic) whose
-                ``checkpoint_state()`` is saved too; they stay registered, and `load_checkpoint` restores them.
-
-        Returns:
-            The checkpoint folder.
-        """
+        """Save a resumable checkpoint now, as `train()` does per `save_strategy`, on every process; returns the
+        folder, ``args.output_dir/checkpoint-{global_step}`` (`output_dir` must be None or it). `reward_funcs` the
+        trainer does not hold (a step-API loop's critic) have their ``checkpoint_state()`` saved too."""
         final = os.path.join(self._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if output_dir is not None and os.path.normpath(output_dir) != os.path.normpath(final):
             raise ValueError(
@@ -168,13 +152,8 @@ class SaveAndResume:
         return final
 
     def load_checkpoint(self, checkpoint_dir: str | CheckpointInfo, reward_funcs: Sequence[Any] = ()) -> None:
-        """Restore everything `save_checkpoint` wrote, for the step API (`train(resume_from_checkpoint=...)` does it
-        itself). The folder must be a complete checkpoint; ValueError names what is missing and the fix.
-
-        Args:
-            checkpoint_dir: The checkpoint folder.
-            reward_funcs: As in `save_checkpoint`.
-        """
+        """Restore everything `save_checkpoint` wrote into a complete `checkpoint_dir` (ValueError names what is
+        missing); `reward_funcs` as in `save_checkpoint`."""
         self._track(reward_funcs)
         info = checkpoint_dir
         if not isinstance(info, CheckpointInfo):

@@ -1,5 +1,5 @@
-"""What `PPOTrainer.step` makes of its arguments: each checked against the batch, the sampler's record taken from the
-`Rollout`, and the samples padded into one batch dict (and trimmed per micro-batch in the update)."""
+"""What `PPOTrainer.step` makes of its arguments: each checked, the sampler's record taken from the `Rollout`, and the
+samples padded into one batch dict (trimmed per micro-batch in the update)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,47 @@ from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, batch_routing
 from trl_stable.rewards.dense import RewardContractError, RewardTypeError
 from trl_stable.trainers.ppo.rollout import Rollout
 
-__all__ = ["check_per_token", "check_step_inputs", "make_batch", "resolve_token_rewards", "trim_micro_batch"]
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def check_token_ids(ids: Any, where: str, vocab_size: int | None) -> None:
+    """`ids` must be a 1-D integer tensor of ids in [0, vocab_size): else ValueError naming `where`, the position, the
+    value and the fix (an id outside the embedding table is an IndexError inside the model's first layer)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        raise ValueError(f"{where} must be a 1-D LongTensor of token ids, got {ids!r:.60}.")
+    if ids.dtype not in _INTEGER_DTYPES:
+        raise ValueError(f"{where} has dtype {ids.dtype}; token ids are integers: pass a LongTensor of token ids.")
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero() if vocab_size is not None else []
+    if len(bad):
+        position = int(bad[0])
+        raise ValueError(
+            f"{where} holds token id {int(ids[position])} at position {position}, outside [0, {vocab_size}) (the "
+            "vocabulary of the model's input embeddings): pass token ids from this tokenizer/model."
+        )
+
+
+def _check_values(name: str, rows) -> None:
+    """`turn_ids` rows hold integers; `sampler_logprobs` rows log-probabilities: finite and <= 0, NaN where the
+    sampler gave none (as vLLM's None, and TRL's GRPO, which leaves such a token uncorrected)."""
+    for i, row in enumerate(rows):
+        try:
+            values = torch.as_tensor(row)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{name}[{i}] is not a row of numbers ({err}).") from None
+        if name == "turn_ids" and values.dtype not in _INTEGER_DTYPES:
+            raise ValueError(
+                f"turn_ids[{i}] has dtype {values.dtype}; turn ids are integers (the assistant turn 0, 1, ... of "
+                "each response token, -1 for tokens that are no action)."
+            )
+        if name == "sampler_logprobs":
+            bad = (values.isinf() | (values > 0)).nonzero()
+            if len(bad):
+                t = int(bad[0])
+                raise ValueError(
+                    f"sampler_logprobs[{i}] holds {float(values[t]):.6g} at position {t}, which is no log-probability "
+                    "(finite and <= 0; NaN marks one the sampler did not report): pass the sampler's log-probs of "
+                    "the sampled tokens, not logits or probabilities."
+                )
 
 
 def is_sized(value: Any) -> bool:
@@ -79,10 +119,13 @@ def check_per_token(name: str, rows, responses) -> None:
             )
 
 
-def check_step_inputs(args, routing_mode: str, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs):
-    """Check `step()`'s arguments: one entry per sample in each, `args.batch_size` samples, 1-D non-empty queries and
-    responses, the sampler's record where the loss or routing replay needs it. Returns the sampler's log-probs and
-    routing (from the arguments or the `Rollout`) and the deferred token rewards (a callable `token_rewards`)."""
+def check_step_inputs(
+    args, routing_mode: str, vocab_size, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs
+):
+    """Check `step()`'s arguments: one entry per sample in each, `args.batch_size` samples, non-empty queries and
+    responses of token ids in [0, vocab_size), integer turn ids, the sampler's log-probs where the loss or routing
+    replay needs them. Returns the sampler's log-probs and routing (from the arguments or the `Rollout`) and the
+    deferred token rewards (a callable `token_rewards`)."""
     sampler_logprobs, routing = _sampler_record(
         queries, responses, sampler_logprobs, args.use_decoupled_loss, routing_mode
     )
@@ -90,12 +133,8 @@ def check_step_inputs(args, routing_mode: str, queries, responses, token_rewards
     token_rewards = None if deferred else token_rewards
     n = len(queries)
     lengths = {"queries": n, "responses": len(responses)}
-    for name, value in (
-        ("token_rewards", token_rewards),
-        ("scores", scores),
-        ("turn_ids", turn_ids),
-        ("sampler_logprobs", sampler_logprobs),
-    ):
+    per_sample = dict(token_rewards=token_rewards, scores=scores, turn_ids=turn_ids, sampler_logprobs=sampler_logprobs)
+    for name, value in per_sample.items():
         if value is not None:
             if not is_sized(value):
                 raise RewardTypeError(
@@ -109,17 +148,15 @@ def check_step_inputs(args, routing_mode: str, queries, responses, token_rewards
     if token_rewards is None and scores is None and deferred is None:
         raise ValueError("step() needs `token_rewards`, `scores` or both.")
     for i, (q, r) in enumerate(zip(queries, responses)):
-        if not isinstance(q, torch.Tensor) or not isinstance(r, torch.Tensor) or q.dim() != 1 or r.dim() != 1:
-            raise ValueError(f"queries[{i}] and responses[{i}] must be 1-D LongTensors.")
+        check_token_ids(q, f"queries[{i}]", vocab_size)
+        check_token_ids(r, f"responses[{i}]", vocab_size)
         if len(q) == 0 or len(r) == 0:
             raise ValueError(f"Sample {i} has an empty query or response.")
-    for name, rows in (
-        ("token_rewards", token_rewards),
-        ("turn_ids", turn_ids),
-        ("sampler_logprobs", sampler_logprobs),
-    ):
-        if rows is not None:
-            check_per_token(name, rows, responses)
+    for name in ("token_rewards", "turn_ids", "sampler_logprobs"):
+        if per_sample[name] is not None:
+            check_per_token(name, per_sample[name], responses)
+            if name != "token_rewards":
+                _check_values(name, per_sample[name])
     return sampler_logprobs, routing, deferred
 
 

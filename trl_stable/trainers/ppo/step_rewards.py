@@ -1,6 +1,5 @@
-"""The rewards `PPOTrainer.step` is given, put in its batch (a `PPOTrainer` mixin): each value under the reward
-contract's number rule (`trl_stable.rewards.dense`), samples without a usable reward dropped or zeroed
-(`nan_reward_action`), and the scores scaled over every process (`use_score_scaling`, `score_clip`)."""
+"""The rewards `PPOTrainer.step` is given, put in its batch (a `PPOTrainer` mixin): samples without a usable reward
+dropped or zeroed (`nan_reward_action`), the scores scaled over every process (`use_score_scaling`, `score_clip`)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,9 @@ from trl_stable.core.score_scaling import scale_scores as scale_with_moments
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 from trl_stable.rewards.dense import RewardContractError, raise_on_every_process, reward_numbers
 
-__all__ = ["StepRewards"]
-
 
 class StepRewards:
-    """`PPOTrainer`'s step rewards; reads `args`, `accelerator` and the running score statistics `running`."""
+    """`PPOTrainer`'s step rewards; reads `args`, `accelerator` and `running`."""
 
     def _drop_broken_rewards(self, batch, token_rewards, scores) -> tuple[dict, dict[str, float]]:
         """Put the rewards in the batch (`dense` [B, R], `scores` [B] after score scaling, `valid` [B]) and take the
@@ -92,8 +89,7 @@ class StepRewards:
         return bad
 
     def scale_scores(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """`core.scale_scores` after merging every process's valid scores into the running statistics (with
-        `use_score_scaling`); `score_clip` last."""
+        """`core.scale_scores` over every process's valid scores (with `use_score_scaling`); `score_clip` last."""
         args = self.args
         running = None
         if args.use_score_scaling:

@@ -10,16 +10,13 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-__all__ = ["Tables"]
-
 
 class Tables:
     """`PPOTrainer`'s tables; `self.tables` holds the latest table per name (main process)."""
 
     def log_table(self, name: str, columns: dict[str, list[Any]]) -> None:
-        """Log a table (equal-length columns, already gathered from every process) the way TRL's GRPO logs its
-        `completions` table: on the main process, straight to the wandb / trackio run when `report_to` names one
-        (tables do not fit `on_log`'s scalar dicts), and kept in `self.tables[name]` for other consumers."""
+        """Log a table (equal-length columns, gathered from every process) as TRL's GRPO logs `completions`: on the
+        main process, to the wandb / trackio run `report_to` names, and kept in `self.tables[name]`."""
         if not self.accelerator.is_main_process:
             return
         self.tables[name] = {"step": [self.state.global_step] * len(next(iter(columns.values()), [])), **columns}
@@ -64,10 +61,8 @@ class Tables:
         rewards: Any | None = None,
         columns_to_log: Sequence[str] = ("query", "response"),
     ) -> None:
-        """Old TRL's `log_stats`: `step()` already logged `stats`; this logs the `rewards` of every process
-        (env/reward_mean, env/reward_std) and the game log, a table of `columns_to_log` from `batch` and the reward
-        of each sample, gathered from every process (`self.tables["game_log"]`, and wandb / trackio when
-        `report_to` names one). Call it on every process: it gathers."""
+        """Old TRL's `log_stats` (`step()` already logged `stats`): env/reward_mean and env/reward_std of every
+        process's `rewards`, and the game log table of `columns_to_log` and rewards. Call it on every process."""
         if rewards is None:
             return
         local = [float(torch.as_tensor(r, dtype=torch.float32).sum()) if r is not None else math.nan for r in rewards]

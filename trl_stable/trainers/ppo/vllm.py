@@ -1,11 +1,6 @@
-"""PPO rollouts through TRL's own vLLM integration (`trl.generation.vllm_generation.VLLMGeneration`, GRPO's helper).
-
-`PPOConfig(use_vllm=True)` builds the helper with GRPO's arguments (colocate or `trl vllm-serve`), syncs the policy's
-weights into it once per PPO step (the helper gathers shards and merges LoRA itself), and makes the `Rollout` HF
-generation makes: responses cut after EOS, vLLM's per-token log-probs (after temperature / top-k / top-p, TRL's
-``processed_logprobs``) as the sampler's. Routing replay R3 takes vLLM's ``routed_experts`` in colocate mode, where the
-installed vLLM can return them (`vllm_routed_experts_support`).
-"""
+"""PPO rollouts through TRL's vLLM helper (`trl.generation.vllm_generation.VLLMGeneration`, GRPO's), built from
+GRPO's arguments, synced once per PPO step; routing replay R3 reads vLLM's ``routed_experts`` (docs/ppo.md, "Rollouts
+through vLLM")."""
 
 from __future__ import annotations
 
@@ -25,8 +20,6 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl_stable.integration.patching import wrapped_method
 from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.rollout import Rollout
-
-__all__ = ["VLLMRollouts", "check_vllm_routing", "vllm_routed_experts_support"]
 
 ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
 
@@ -50,14 +43,9 @@ def vllm_routed_experts_support() -> str | None:
     version = getattr(vllm, "__version__", "of unknown version")
     from vllm.outputs import CompletionOutput
 
-    missing = []
-    if ROUTED_EXPERTS_FLAG not in _field_names(vllm.EngineArgs):
-        missing.append(f"EngineArgs.{ROUTED_EXPERTS_FLAG}")
-    if "routed_experts" not in _field_names(CompletionOutput):
-        missing.append("CompletionOutput.routed_experts")
-    if missing:
-        return f"vLLM {version} does not return routed experts (it has no {' / '.join(missing)})"
-    return None
+    needed = ((vllm.EngineArgs, ROUTED_EXPERTS_FLAG), (CompletionOutput, "routed_experts"))
+    missing = [f"{cls.__name__}.{name}" for cls, name in needed if name not in _field_names(cls)]
+    return f"vLLM {version} does not return routed experts (it has no {' / '.join(missing)})" if missing else None
 
 
 def check_vllm_routing(args: Any) -> None:
@@ -118,22 +106,15 @@ class VLLMRollouts:
         self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
         with _engine_returns_routed_experts(self.return_routing):
+            # GRPO's names: PPOConfig.vllm_<name> is the helper's <name>
+            named = ("mode", "server_base_url", "server_host", "server_port", "server_timeout", "group_port")
+            named += ("tensor_parallel_size", "gpu_memory_utilization", "max_model_length", "enable_sleep_mode")
             self.generation = VLLMGeneration(
                 model=policy,
                 accelerator=accelerator,
                 processing_class=processing_class,
-                mode=args.vllm_mode,
-                server_base_url=args.vllm_server_base_url,
-                server_host=args.vllm_server_host,
-                server_port=args.vllm_server_port,
-                server_timeout=args.vllm_server_timeout,
-                group_port=args.vllm_group_port,
-                tensor_parallel_size=args.vllm_tensor_parallel_size,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                max_model_length=args.vllm_max_model_length,
+                **{name: getattr(args, f"vllm_{name}") for name in (*named, "model_impl")},
                 max_num_seqs=chunk * args.vllm_tensor_parallel_size,
-                enable_sleep_mode=args.vllm_enable_sleep_mode,
-                model_impl=args.vllm_model_impl,
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k,
@@ -195,9 +176,5 @@ def vllm_rollout(
             routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
         sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
     return Rollout(
-        sequences,
-        queries,
-        sampler_logprobs=sampler_logps or None,
-        routing=routing or None,
-        with_prompt=return_prompt,
+        sequences, queries, sampler_logprobs=sampler_logps or None, routing=routing or None, with_prompt=return_prompt
     )

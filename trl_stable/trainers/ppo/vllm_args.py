@@ -1,17 +1,12 @@
-"""vLLM rollout fields of trl_stable's PPOConfig (a dataclass mixin, like `StepMaskArguments`).
-
-The names and defaults are those of `trl.GRPOConfig`, so a GRPO user's vLLM settings carry over to PPO unchanged;
-`trl_stable.trainers.ppo.vllm` hands them to TRL's own vLLM helper (`trl.generation.vllm_generation.VLLMGeneration`).
-"""
+"""vLLM rollout fields of trl_stable's PPOConfig (a dataclass mixin), with `trl.GRPOConfig`'s names and defaults so
+a GRPO user's vLLM settings carry over; `trl_stable.trainers.ppo.vllm` hands them to TRL's vLLM helper."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from trl_stable.config_checks import Dependent, check_dependents
-
-__all__ = ["VLLMArguments"]
+from trl_stable.settings.checks import Dependent, check_dependents
 
 _MODES = ("server", "colocate")
 

@@ -1,5 +1,5 @@
-"""trl_stable.redaction: which fields are secrets, their redaction in written configs, pickles and command lines, and
-the refusal of a key typed where an environment variable's name belongs."""
+"""trl_stable.settings.secrets: which fields are secrets, their redaction in written configs, pickles and command
+lines, and the refusal of a key typed where an environment variable's name belongs."""
 
 import copy
 import io
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trl_stable import GRPOConfig, PPOConfig
-from trl_stable.redaction import (
+from trl_stable.rewards import CriticRewardConfig
+from trl_stable.settings.secrets import (
     REDACTED,
     SecretsNotPickled,
     check_env_var_name,
@@ -20,7 +21,6 @@ from trl_stable.redaction import (
     redact_argv,
     redact_text,
 )
-from trl_stable.rewards import CriticRewardConfig
 
 KEY = "sk-proj-Zx81kQ7vLm20PqRt55Ws"
 

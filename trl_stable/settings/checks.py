@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trl_stable.redaction import redact
+from trl_stable.settings.secrets import redact
 
 
 @dataclass(frozen=True)

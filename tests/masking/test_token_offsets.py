@@ -1,7 +1,7 @@
-"""`trl_stable.token_offsets`: the one token -> character mapping that critic spans and agent steps share."""
+"""`trl_stable.masking.token_offsets`: the one token -> character mapping that critic spans and agent steps share."""
 
 from trl_stable.masking import decode_offsets
-from trl_stable.token_offsets import char_span_to_tokens, encode_with_offsets, token_char_offsets
+from trl_stable.masking.token_offsets import char_span_to_tokens, encode_with_offsets, token_char_offsets
 
 
 def test_special_tokens_are_skipped_for_critic_text_and_kept_for_step_markers(tokenizer):
