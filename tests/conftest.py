@@ -26,3 +26,12 @@ def tokenizer():
     from trl_stable.testing import build_tokenizer
 
     return build_tokenizer()
+
+
+def pytest_collection_finish(session):
+    """Freeze the objects of the imported libraries out of the garbage collector's reach: `transformers.Trainer`
+    calls `gc.collect()` at every `train()` (accelerate's `free_memory`), which otherwise walks all of torch's,
+    transformers' and TRL's objects each time (a quarter second a tiny run). Later objects are collected as before."""
+    import gc
+
+    gc.freeze()

@@ -87,4 +87,4 @@ def test_start_up_line_names_the_paths(tokenizer, tmp_path, caplog):
         "trl_stable GRPO: advantages=rloo (trl_stable), loss=dapo (TRL, sequence-level IS), decoupled=on, "
         "filter=icepop[0.5,5.0] token/mask, routing=off"
     ]
-    assert trainer.describe_paths() == lines[0]
+    assert trainer.describe() == lines[0]

@@ -1,15 +1,9 @@
 """Every field of `PPOConfig` does something, or is refused by name with what to use instead (issue 21, item 3).
 
 `TABLE` has one entry per field of ``dataclasses.fields(PPOConfig)``, and `test_table_covers_every_field` fails,
-naming it, for a field a new transformers, TRL or trl_stable adds. An entry is one of:
-
-- `Effect(value, probe, check)`: the probe (a tiny run, `PROBES`) is run twice, with the fields of the probe at their
-  table values and without them; `check` must pass on the first run and fail on the second, so each check shows an
-  effect that is absent at the default. Probes group fields where one run honestly shows several effects.
-- `Refused(value, fix)`: ``PPOConfig(field=value)`` (or, ``at="trainer"``, building the trainer) raises a ValueError
-  whose message names the field and says what to use instead (`fix`, a piece of the message).
-- `Dependent(value, needs, effect)`: a setting that only acts together with another option is refused without it
-  (the message names the field and the option, `needs`), and `effect` shows what it does with the option on.
+naming it, for a field a new transformers, TRL or trl_stable adds. The kinds of entry (`Effect`, `Refused`,
+`Dependent`), the probes and entries of the `TrainingArguments` fields PPO honours as `transformers.Trainer` does, and
+the tests that enumerate the table are shared with GRPO's table (`setting_table.py`, which says what each kind shows).
 
 Fields that act only on hardware or launches this machine lacks (CUDA, several processes or nodes) show that the value
 reaches the component that uses it (accelerate's plugin or state, the DeepSpeed config, TrainingArguments' own
@@ -19,53 +13,50 @@ the same table in words.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import datetime
 import math
-import os
-import signal
 from collections.abc import Callable
-from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
-import transformers
-import transformers.integrations.integration_utils as integrations
-import transformers.trainer
-import transformers.training_args
 from accelerate.utils import DynamoBackend, set_seed
 from datasets import Dataset
+from setting_table import (
+    PROMPTS,
+    TMP,
+    UNSUPPORTED,
+    Ctx,
+    Dependent,
+    Effect,
+    Kit,
+    Recorder,
+    Refused,
+    Run,
+    StepCounter,
+    id_reward,
+    isolated,
+    length_reward,
+    record_method,
+    table_tests,
+    tracked,
+    training_argument_entries,
+    training_argument_probes,
+)
+from setting_table import check as _assert
+from setting_table import dependent as _dependent
+from setting_table import stat as _stat
 from test_ppo_vllm import FakeGeneration
 from tiny_configs import step_logs
-from transformers import AutoModelForCausalLM, TrainerCallback
-from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
-from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-from transformers.utils import is_torch_tf32_available
 
 import trl_stable.trainers.ppo.loop_events as ppo_loop_events
 import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.testing import MOE_FAMILIES, build_causal_lm, save_tiny
-from trl_stable.trainers.checkpoints import MARKER_FILE
 from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.value_head import ValueHead
 
-PROMPTS = [
-    "The movie was",
-    "A story about a dog",
-    "I think that",
-    "We saw the long film yesterday",
-    "Nobody",
-    "The plot of the film was thin",
-    "Great acting and",
-    "She said",
-]
 # Every probe's config: 4 prompts per step in one micro-batch, one PPO epoch, 4 new tokens, one step.
 BASE = dict(
     batch_size=4,
@@ -78,88 +69,6 @@ BASE = dict(
     disable_tqdm=True,
     save_strategy="no",
 )
-SECRET = "hf_FieldTableSecret0123456789"
-TMP = "<tmp>"  # a table value under the run's temporary folder
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(c)) for c in completion_ids]
-
-
-def id_reward(completion_ids, **kwargs):
-    return [sum(c) / 1000.0 for c in completion_ids]
-
-
-# ---------------------------------------------------------------------------------------------------- the table kinds
-@dataclass
-class Run:
-    """What a probe observed: the config, the trainer (None for config-only probes), `train()`'s output and
-    whatever the probe recorded."""
-
-    args: PPOConfig
-    trainer: PPOTrainer | None = None
-    output: Any = None
-    seen: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def logs(self) -> list[dict]:
-        return step_logs(self.trainer)
-
-
-@dataclass(frozen=True)
-class Effect:
-    value: Any
-    probe: str
-    check: Callable[[Run], None]
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Refused:
-    value: Any
-    fix: str
-    at: str = "config"  # "config": PPOConfig raises; "trainer": PPOTrainer(...) raises (on this machine)
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Dependent:
-    value: Any
-    needs: str
-    effect: Effect | None
-    off: dict = field(default_factory=dict)  # settings that switch the option off, where the defaults do not
-    note: str = ""
-
-
-@dataclass
-class Ctx:
-    tmp: Path
-    tokenizer: Any
-    monkeypatch: pytest.MonkeyPatch
-
-
-PROBES: dict[str, Callable[[Ctx, dict], Run]] = {}
-
-
-def probe(*names: str):
-    """Register a probe under `names`: each name is a separate pair of runs, for fields that cannot share one."""
-
-    def register(fn):
-        PROBES.update(dict.fromkeys(names, fn))
-        return fn
-
-    return register
-
-
-def _resolve(value: Any, ctx: Ctx) -> Any:
-    if isinstance(value, str) and value.startswith(TMP):
-        return str(ctx.tmp) + value[len(TMP) :]
-    return value
-
-
-def config(ctx: Ctx, fields: dict, **base) -> PPOConfig:
-    merged = {"output_dir": str(ctx.tmp / "out"), **BASE, **base, **fields}
-    return PPOConfig(**{k: _resolve(v, ctx) for k, v in merged.items()})
 
 
 def build(ctx: Ctx, args: PPOConfig, model=None, rewards=(length_reward,), dataset=None, **kwargs) -> PPOTrainer:
@@ -170,31 +79,27 @@ def build(ctx: Ctx, args: PPOConfig, model=None, rewards=(length_reward,), datas
     )
 
 
-def train(ctx: Ctx, fields: dict, **base) -> Run:
-    trainer = build(ctx, config(ctx, fields, **base))
-    return Run(trainer.args, trainer, trainer.train())
+def _refusal_build(ctx: Ctx, args: PPOConfig) -> PPOTrainer:
+    """A policy by name with a LoRA adapter: how the quantization settings are used."""
+    from peft import LoraConfig
+
+    path = save_tiny(ctx.tmp / "policy", build_causal_lm("qwen2", ctx.tokenizer, seed=0), ctx.tokenizer)
+    return PPOTrainer(
+        path, args=args, processing_class=ctx.tokenizer, peft_config=LoraConfig(r=2, target_modules="all-linear")
+    )
 
 
-def record_method(ctx: Ctx, obj: Any, name: str, seen: list, keep: Callable = lambda args, kwargs, out: out):
-    """Wrap `obj.name` (an instance attribute, undone after the run) to append `keep(args, kwargs, output)`."""
-    original = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(keep(args, kwargs, out))
-        return out
-
-    ctx.monkeypatch.setattr(obj, name, wrapper)
-
-
-class Recorder(TrainerCallback):
-    """Records the learning rate of each optimizer step."""
-
-    def __init__(self):
-        self.lrs = []
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.lrs.append(optimizer.param_groups[0]["lr"])
+KIT = Kit(
+    config_cls=PPOConfig,
+    base=BASE,
+    build=build,
+    model=lambda trainer: trainer.policy,
+    trained=lambda trainer: trainer.unwrapped(),
+    train_loader=lambda trainer: trainer.train_dataloader,
+    clear_cache_module=ppo_loop_events,
+    refusal_build=_refusal_build,
+)
+PROBES = training_argument_probes()
 
 
 def forward_sizes(trainer: PPOTrainer, seen: list) -> None:
@@ -208,50 +113,17 @@ def forward_sizes(trainer: PPOTrainer, seen: list) -> None:
     trainer.unwrapped().register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def checkpoints(folder) -> list[str]:
-    return sorted((p.name for p in Path(folder).glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
-
-
 # ---------------------------------------------------------------------------------------------------- probes
-@probe("adam", "optim", "compile", "seed", "reference")
+@PROBES.register("compile", "seed", "reference")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))  # built, not trained (compilation is lazy: a forward would compile)
+    trainer = ctx.build(ctx.config(fields))  # built, not trained (compilation is lazy: a forward would compile)
     return Run(trainer.args, trainer)
 
 
-def _param_group(run: Run, decay: bool = True) -> dict:
-    groups = run.trainer.optimizer.param_groups
-    return groups[0] if decay else groups[-1]
-
-
-@probe("schedule")
-def _(ctx, fields):
-    recorder = Recorder()
-    args = config(ctx, fields, learning_rate=1e-3, max_steps=3, per_device_train_batch_size=2)
-    trainer = build(ctx, args, callbacks=[recorder])
-    run = Run(args, trainer, trainer.train())
-    run.seen["lrs"] = recorder.lrs  # 3 PPO steps x 2 mini-batches = 6 optimizer steps
-    return run
-
-
-def _cosine(step: int, warmup: int, total: int, peak: float, min_lr: float) -> float:
-    """transformers' cosine-with-min-lr schedule after the warm-up, by hand."""
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _check_cosine(run: Run, min_lr: float | None = None):
-    kwargs = run.args.lr_scheduler_kwargs or {}
-    min_lr = kwargs.get("min_lr", 0.0) if min_lr is None else min_lr
-    warmup, lrs = int(run.args.warmup_steps), run.seen["lrs"]
-    expected = [_cosine(s, warmup, len(lrs), run.args.learning_rate, min_lr) for s in range(warmup, len(lrs))]
-    assert lrs[warmup:] == pytest.approx(expected, rel=1e-6)
-
-
-@probe("batches")
+@PROBES.register("batches")
 def _(ctx, fields):
     recorder, sizes, generated = Recorder(), [], []
-    trainer = build(ctx, config(ctx, fields), callbacks=[recorder])
+    trainer = ctx.build(ctx.config(fields), callbacks=[recorder])
     forward_sizes(trainer, sizes)
     record_method(ctx, trainer, "generate", generated, lambda args, kwargs, out: len(args[0]))
     run = Run(trainer.args, trainer, trainer.train())
@@ -260,34 +132,19 @@ def _(ctx, fields):
     return run
 
 
-@probe("micro")
+@PROBES.register("micro")
 def _(ctx, fields):
     sizes = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     forward_sizes(trainer, sizes)
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["sizes"] = sizes
     return run
 
 
-@probe("epochs")
+@PROBES.register("vf_coef", "activation_checkpointing", "gradient_checkpointing", "step_mask")
 def _(ctx, fields):
-    return train(ctx, fields, max_steps=-1)
-
-
-@probe("steps", "memory", "vf_coef", "activation_checkpointing", "gradient_checkpointing", "step_mask", "plain")
-def _(ctx, fields):
-    return train(ctx, fields)
-
-
-@probe("clip_norm")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields, optim="sgd", learning_rate=1.0))
-    before = torch.cat([p.detach().flatten().clone() for p in trainer.unwrapped().parameters() if p.requires_grad])
-    run = Run(trainer.args, trainer, trainer.train())  # one PPO step, one optimizer step
-    after = torch.cat([p.detach().flatten() for p in trainer.unwrapped().parameters() if p.requires_grad])
-    run.seen["update_norm"] = float((after - before).norm())
-    return run
+    return ctx.train(fields)
 
 
 def _logit_dtypes(trainer: PPOTrainer, seen: list) -> None:
@@ -295,10 +152,10 @@ def _logit_dtypes(trainer: PPOTrainer, seen: list) -> None:
     head.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
 
 
-@probe("precision", "precision_fp16")
+@PROBES.register("precision", "precision_fp16")
 def _(ctx, fields):
     dtypes = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     _logit_dtypes(trainer, dtypes)
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["dtypes"] = set(dtypes)
@@ -314,10 +171,10 @@ def _checkpointed_layers(run: Run) -> list[tuple[bool, dict | None]]:
     ]
 
 
-@probe("cache")
+@PROBES.register("cache")
 def _(ctx, fields):
     outputs = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
 
     def hook(module, args, kwargs, out):
         if torch.is_grad_enabled():
@@ -329,32 +186,9 @@ def _(ctx, fields):
     return run
 
 
-@probe("empty_cache")
+@PROBES.register("nan_filter")
 def _(ctx, fields):
-    calls = []
-    ctx.monkeypatch.setattr(ppo_loop_events, "clear_device_cache", lambda *a, **k: calls.append(1))
-    run = train(ctx, fields, max_steps=2)
-    run.seen["clears"] = len(calls)
-    return run
-
-
-def _logged_steps(run: Run) -> list[int]:
-    return [entry["step"] for entry in run.logs]
-
-
-@probe("log_epoch")
-def _(ctx, fields):
-    return train(ctx, fields, max_steps=-1, num_train_epochs=2)  # 8 prompts, 4 per step: 2 steps an epoch
-
-
-@probe("log_steps")
-def _(ctx, fields):
-    return train(ctx, fields, max_steps=4)
-
-
-@probe("nan_filter")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields, max_steps=2))
+    trainer = ctx.build(ctx.config(fields, max_steps=2))
     original = trainer._train_step
 
     def first_step_nan(rows):  # the loss of a diverged step, as train() collects it
@@ -367,71 +201,21 @@ def _(ctx, fields):
     return Run(trainer.args, trainer, trainer.train())
 
 
-@probe("tokens")
+@PROBES.register("tokens")
 def _(ctx, fields):
     masks = []
-    trainer = build(ctx, config(ctx, fields, max_steps=2))
+    trainer = ctx.build(ctx.config(fields, max_steps=2))
     record_method(ctx, trainer, "make_batch", masks, lambda args, kwargs, out: int(out["attention_mask"].sum()))
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["real_tokens"] = sum(masks)
     return run
 
 
-@probe("log_level")
-def _(ctx, fields):
-    before = transformers.logging.get_verbosity()
-    try:
-        trainer = build(ctx, config(ctx, fields))
-        return Run(trainer.args, trainer, seen={"verbosity": transformers.logging.get_verbosity()})
-    finally:
-        transformers.logging.set_verbosity(before)
-
-
-@probe("multinode")
-def _(ctx, fields):
-    args = config(ctx, fields)
-    # this process as the first process of the second node: global rank 1, local rank 0
-    ctx.monkeypatch.setattr(PPOConfig, "process_index", property(lambda self: 1))
-    ctx.monkeypatch.setattr(PPOConfig, "local_process_index", property(lambda self: 0))
-    seen = dict(should_log=args.should_log, should_save=args.should_save, level=args.get_process_log_level())
-    return Run(args, seen=seen)
-
-
-@probe("callbacks")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))
-    return Run(trainer.args, trainer, seen={"callbacks": [type(c) for c in trainer.callback_handler.callbacks]})
-
-
-class TrackerCallback(TrainerCallback):
-    """Stands in for transformers' TensorBoardCallback (tensorboard is not installed): what reaches a tracker."""
-
-    def __init__(self):
-        self.logged = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logged.append(dict(logs))
-
-
-@probe("tracker")
-def _(ctx, fields):
-    ctx.monkeypatch.setitem(integrations.INTEGRATION_TO_CALLBACK, "tensorboard", TrackerCallback)
-    run = train(ctx, fields)
-    trackers = [c for c in run.trainer.callback_handler.callbacks if isinstance(c, TrackerCallback)]
-    run.seen["tracked"] = [entry for tracker in trackers for entry in tracker.logged]
-    return run
-
-
-def _tracked(run: Run):
-    assert run.args.report_to == ["tensorboard"]
-    assert any("loss/total" in entry for entry in run.seen["tracked"])  # PPO's step statistics reach the tracker
-
-
-@probe("eval")
+@PROBES.register("eval")
 def _(ctx, fields):
     batches = []
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:3]})
-    trainer = build(ctx, config(ctx, fields, max_steps=4), eval_dataset=eval_dataset)
+    trainer = ctx.build(ctx.config(fields, max_steps=4), eval_dataset=eval_dataset)
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["evals"] = [entry["step"] for entry in trainer.state.log_history if "eval_reward" in entry]
     record_method(ctx, trainer, "generate", batches, lambda args, kwargs, out: len(args[0]))
@@ -440,136 +224,24 @@ def _(ctx, fields):
     return run
 
 
-@probe("eval_batches")
+@PROBES.register("eval_batches")
 def _(ctx, fields):
     batches = []
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:3]})
-    trainer = build(ctx, config(ctx, fields, per_device_eval_batch_size=2), eval_dataset=eval_dataset)
+    trainer = ctx.build(ctx.config(fields, per_device_eval_batch_size=2), eval_dataset=eval_dataset)
     record_method(ctx, trainer, "generate", batches, lambda args, kwargs, out: len(args[0]))
     trainer.evaluate()
     return Run(trainer.args, trainer, seen={"eval_batches": batches})
 
 
-@probe("best")
-def _(ctx, fields):
-    base = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, learning_rate=1e-2)
-    trainer = build(
-        ctx,
-        config(ctx, fields, max_steps=4, **base),  # the lowest eval reward is at step 3 of 4
-        rewards=(id_reward,),
-        eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:4]}),
-    )
-    run = Run(trainer.args, trainer, trainer.train())
-    run.seen["eval_rewards"] = {e["step"]: e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e}
-    run.seen["policy"] = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
-    return run
-
-
-def _best_weights_loaded(run: Run):
-    best = run.trainer.state.best_model_checkpoint
-    assert best is not None and not best.endswith(f"checkpoint-{run.trainer.state.global_step}")
-    saved = AutoModelForCausalLM.from_pretrained(best).state_dict()
-    assert all(torch.equal(saved[k], v) for k, v in run.seen["policy"].items())
-
-
-@probe("save")
-def _(ctx, fields):
-    run = train(ctx, fields, max_steps=3, save_strategy="steps")  # every 500 steps: none in 3 steps
-    run.seen["checkpoints"] = checkpoints(run.args.output_dir)
-    return run
-
-
-@probe("save_epoch")
-def _(ctx, fields):
-    run = train(ctx, fields, max_steps=-1, num_train_epochs=2)  # 2 steps an epoch
-    run.seen["checkpoints"] = checkpoints(run.args.output_dir)
-    return run
-
-
-def _saved_files(run: Run, name: str) -> set[str]:
-    return {p.name for p in (Path(run.args.output_dir) / name).iterdir()}
-
-
-@probe("jit")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields, max_steps=3))
-    jit = [c for c in trainer.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)]
-    seen = {"jit": bool(jit)}
-    if jit:
-        manager = jit[0].jit_manager
-        seen["handler"] = signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
-        manager._enable_checkpoint()  # what the SIGTERM handler's timer calls once the grace period has passed
-    run = Run(trainer.args, trainer, trainer.train(), seen)
-    run.seen["checkpoints"] = checkpoints(trainer.args.output_dir)
-    return run
-
-
-class FakeHub:
-    """Stands in for `huggingface_hub.HfApi`: records the calls; uploads "run as future" stay pending until the end
-    of training, as a slow upload would."""
-
-    def __init__(self):
-        self.calls, self.pending = [], []
-
-    def __call__(self):
-        return self
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id, kwargs))
-        return type("RepoUrl", (), {"repo_id": repo_id})()
-
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs["repo_id"], kwargs))
-        job = futures.Future()
-        self.pending.append(job)
-        return job
-
-
-class FinishUploads(TrainerCallback):
-    def __init__(self, hub):
-        self.hub = hub
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for job in self.hub.pending:
-            job.set_result("commit")
-
-
-@probe("hub")
-def _(ctx, fields):
-    hub = FakeHub()
-    ctx.monkeypatch.setattr(transformers.trainer, "hf_api", hub)
-    trainer = build(ctx, config(ctx, fields, max_steps=2, save_strategy="steps", save_steps=1))
-    trainer.add_callback(FinishUploads(hub))
-    run = Run(trainer.args, trainer, trainer.train())
-    run.seen["calls"] = hub.calls
-    return run
-
-
-def _hub_calls(run: Run, kind: str) -> list[dict]:
-    return [kwargs for name, _, kwargs in run.seen["calls"] if name == kind]
-
-
-class StepCounter(TrainerCallback, ExportableState):
-    """A callback with state that a checkpoint saves (`ExportableState`)."""
-
-    def __init__(self, steps: int = 0):
-        self.steps = steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.steps += 1
-
-    def state(self) -> dict:
-        return {"args": {"steps": self.steps}, "attributes": {}}
-
-
-@probe("resume")
+@PROBES.register("resume")
 def _(ctx, fields):
     save = dict(save_strategy="steps", save_steps=1)
-    first = build(ctx, config(ctx, {}, **save), callbacks=[StepCounter()])
+    first = ctx.build(ctx.config({}, **save), callbacks=[StepCounter()])
     epoch0 = [[row["prompt"] for row in batch] for batch in first.train_dataloader]
     first.train()  # one step: checkpoint-1
     counter, steps = StepCounter(), []
-    trainer = build(ctx, config(ctx, fields, max_steps=2, **save), callbacks=[counter])
+    trainer = ctx.build(ctx.config(fields, max_steps=2, **save), callbacks=[counter])
     original = trainer._train_step
 
     def recording(rows):
@@ -583,23 +255,13 @@ def _(ctx, fields):
     return run
 
 
-@probe("determinism")
-def _(ctx, fields):
-    try:
-        trainer = build(ctx, config(ctx, fields))
-        return Run(trainer.args, trainer, seen={"deterministic": torch.are_deterministic_algorithms_enabled()})
-    finally:
-        torch.use_deterministic_algorithms(False)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, False
-
-
 def _first_epoch(run: Run) -> list[str]:
     return [row["prompt"] for batch in run.trainer.train_dataloader for row in batch]
 
 
-@probe("data_seed", "group_by_length")
+@PROBES.register("data_seed", "group_by_length")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields), dataset=_length_dataset())
+    trainer = ctx.build(ctx.config(fields), dataset=_length_dataset())
     return Run(trainer.args, trainer)
 
 
@@ -621,10 +283,10 @@ def _grouped_by(run: Run, column: str) -> bool:
     return all(batch[1:] == sorted(batch[1:], reverse=True) for batch in batches)
 
 
-@probe("accelerator")
+@PROBES.register("accelerator")
 def _(ctx, fields):
     deferred = []
-    trainer = build(ctx, config(ctx, fields, per_device_train_batch_size=2, gradient_accumulation_steps=2))
+    trainer = ctx.build(ctx.config(fields, per_device_train_batch_size=2, gradient_accumulation_steps=2))
     original = trainer.accelerator.no_sync
 
     def no_sync(model):
@@ -645,62 +307,19 @@ def _accelerator_settings(run: Run):
     assert run.seen["deferred_syncs"] == 0  # sync_each_batch: no micro-batch defers the gradient all-reduce
 
 
-@probe("dataloader")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))  # the loader is not iterated: no worker process is started
-    return Run(trainer.args, trainer, seen={"loader": trainer.train_dataloader.base_dataloader})
-
-
-@probe("ddp")
-def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))
-    return Run(trainer.args, trainer, seen={"ddp": trainer.accelerator.ddp_handler})
-
-
-@probe("process_group")
-def _(ctx, fields):
-    created = []
-
-    class RecordingState(transformers.training_args.PartialState):
-        def __init__(self, *args, **kwargs):
-            created.append(kwargs)
-            super().__init__(*args, **kwargs)
-
-    ctx.monkeypatch.setattr(transformers.training_args, "PartialState", RecordingState)
-    args = config(ctx, fields)
-    args.device  # noqa: B018 - the device set-up builds accelerate's PartialState
-    return Run(args, seen={"state_kwargs": created})
-
-
-@probe("fsdp")
-def _(ctx, fields):
-    args = config(ctx, fields)
-    seen = {"plugin": args.fsdp_plugin_args, "refused": ""}
-    if args.fsdp:
-        with pytest.raises(ValueError) as refused:
-            build(ctx, args)
-        seen["refused"] = str(refused.value)
-    return Run(args, seen=seen)
-
-
-@probe("deepspeed")
-def _(ctx, fields):
-    return Run(config(ctx, fields))
-
-
-@probe("by_name")
+@PROBES.register("by_name")
 def _(ctx, fields):
     path = save_tiny(ctx.tmp / "policy", build_causal_lm("qwen2", ctx.tokenizer, seed=0), ctx.tokenizer)
     fields = {k: (path if k == "model_name" else v) for k, v in fields.items()}
     model = None if "model_name" in fields else path
-    args = config(ctx, fields)
+    args = ctx.config(fields)
     trainer = PPOTrainer(model, reward_funcs=[length_reward], args=args, processing_class=ctx.tokenizer)
     return Run(args, trainer, seen={"model_arg": model, "path": path})
 
 
-@probe("dropout")
+@PROBES.register("dropout")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields), model=build_causal_lm("gpt2", ctx.tokenizer, seed=0))  # dropout 0.1
+    trainer = ctx.build(ctx.config(fields), model=build_causal_lm("gpt2", ctx.tokenizer, seed=0))  # dropout 0.1
     return Run(trainer.args, trainer)
 
 
@@ -708,10 +327,10 @@ def _rollout_batches(ctx: Ctx, trainer: PPOTrainer, seen: list) -> None:
     record_method(ctx, trainer, "rollout_pass", seen, lambda args, kwargs, out: out[0])
 
 
-@probe("kl")
+@PROBES.register("kl")
 def _(ctx, fields):
     batches = []
-    trainer = build(ctx, config(ctx, fields, learning_rate=1e-2, max_steps=2))
+    trainer = ctx.build(ctx.config(fields, learning_rate=1e-2, max_steps=2))
     _rollout_batches(ctx, trainer, batches)
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["batches"] = batches
@@ -722,21 +341,21 @@ def _kl_coefs(run: Run) -> list[float]:
     return [entry["objective/kl_coef"] for entry in run.logs]
 
 
-@probe("adaptive")
+@PROBES.register("adaptive")
 def _(ctx, fields):
-    run = train(ctx, fields, learning_rate=1e-2, kl_penalty="abs", max_steps=3)
+    run = ctx.train(fields, learning_rate=1e-2, kl_penalty="abs", max_steps=3)
     return run
 
 
-@probe("update", "ratio", "target_kl")
+@PROBES.register("update", "ratio", "target_kl")
 def _(ctx, fields):
-    return train(ctx, fields, learning_rate=1e-2, ppo_epochs=2, per_device_train_batch_size=2)
+    return ctx.train(fields, learning_rate=1e-2, ppo_epochs=2, per_device_train_batch_size=2)
 
 
-@probe("early_stop_off")
+@PROBES.register("early_stop_off")
 def _(ctx, fields):
     # a learning rate of 1 moves the policy by more than 1.5 x target_kl (6) within a step
-    return train(ctx, fields, learning_rate=1.0, ppo_epochs=4, per_device_train_batch_size=2)
+    return ctx.train(fields, learning_rate=1.0, ppo_epochs=4, per_device_train_batch_size=2)
 
 
 def _advantage_calls(ctx: Ctx, trainer: PPOTrainer, seen: list) -> None:
@@ -751,24 +370,24 @@ def _advantage_calls(ctx: Ctx, trainer: PPOTrainer, seen: list) -> None:
 
 def _gae_run(ctx: Ctx, fields: dict, **base) -> Run:
     calls = []
-    trainer = build(ctx, config(ctx, fields, **base))
+    trainer = ctx.build(ctx.config(fields, **base))
     _advantage_calls(ctx, trainer, calls)
     run = Run(trainer.args, trainer, trainer.train())
     run.seen["call"] = calls[0]
     return run
 
 
-@probe("gae")
+@PROBES.register("gae")
 def _(ctx, fields):
     return _gae_run(ctx, fields)
 
 
-@probe("lam_vapo")
+@PROBES.register("lam_vapo")
 def _(ctx, fields):
     return _gae_run(ctx, fields)
 
 
-@probe("lam_relative")
+@PROBES.register("lam_relative")
 def _(ctx, fields):
     return _gae_run(ctx, fields, lam_schedule="relative_position")
 
@@ -820,9 +439,9 @@ def _check_returns(run: Run, **override):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
-@probe("reward_weights", "gdpo")
+@PROBES.register("reward_weights", "gdpo")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields), rewards=(length_reward, id_reward))
+    trainer = ctx.build(ctx.config(fields), rewards=(length_reward, id_reward))
     return Run(trainer.args, trainer, trainer.train())
 
 
@@ -830,10 +449,10 @@ QUERIES = [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([8, 9, 10]), to
 RAW_SCORES = [1.0, 2.0, 3.0, 5.0]
 
 
-@probe("scores")
+@PROBES.register("scores")
 def _(ctx, fields):
     calls = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     _advantage_calls(ctx, trainer, calls)
     responses = trainer.generate(QUERIES, return_prompt=False)
     trainer.step(QUERIES, responses, scores=RAW_SCORES)
@@ -855,17 +474,17 @@ def _scaled(run: Run, scaling=None, norm=None, clip="args") -> torch.Tensor:
     return out.float()
 
 
-@probe("nan_reward")
+@PROBES.register("nan_reward")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     responses = trainer.generate(QUERIES, return_prompt=False)
     stats = trainer.step(QUERIES, responses, scores=[math.nan, 1.0, 2.0, 3.0])
     return Run(trainer.args, trainer, seen={"stats": stats})
 
 
-@probe("big_reward")
+@PROBES.register("big_reward")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     responses = trainer.generate(QUERIES, return_prompt=False)
     stats = trainer.step(QUERIES, responses, scores=[1.0, 2.0, 50.0, 3.0])
     return Run(trainer.args, trainer, seen={"stats": stats})
@@ -875,9 +494,9 @@ def broken_reward(completions, **kwargs):
     raise KeyError("topic")
 
 
-@probe("failing_reward")
+@PROBES.register("failing_reward")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields, max_steps=2, nan_reward_action="zero"), rewards=(broken_reward,))
+    trainer = ctx.build(ctx.config(fields, max_steps=2, nan_reward_action="zero"), rewards=(broken_reward,))
     run = Run(trainer.args, trainer)
     try:
         run.output = trainer.train()
@@ -888,7 +507,7 @@ def _(ctx, fields):
 
 def _generated(ctx: Ctx, fields: dict, **base) -> Run:
     queries, responses, calls = [], [], []
-    trainer = build(ctx, config(ctx, fields, **base))
+    trainer = ctx.build(ctx.config(fields, **base))
     record_method(
         ctx,
         trainer,
@@ -902,15 +521,15 @@ def _generated(ctx: Ctx, fields: dict, **base) -> Run:
     return run
 
 
-@probe("generation", "generation_kwargs", "length_sampler")
+@PROBES.register("generation", "generation_kwargs", "length_sampler")
 def _(ctx, fields):
     return _generated(ctx, fields)
 
 
-@probe("temperature")
+@PROBES.register("temperature")
 def _(ctx, fields):
     logits = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
 
     def rollout_with_logits(batch):
         with torch.no_grad():  # the policy's raw logits, by a forward of our own, before any update
@@ -939,9 +558,9 @@ def _check_temperature(run: Run, temperature: float):
     torch.testing.assert_close(batch["old_logprobs"][mask], expected[mask], rtol=1e-4, atol=1e-4)
 
 
-@probe("top_k", "top_p")
+@PROBES.register("top_k", "top_p")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     sampled = [trainer.generate(QUERIES, return_prompt=False) for _ in range(2)]
     greedy = []
     for q in QUERIES:
@@ -957,10 +576,10 @@ def _greedy(run: Run):
     assert all(s == run.seen["greedy"] for s in run.seen["sampled"])
 
 
-@probe("fused")
+@PROBES.register("fused")
 def _(ctx, fields):
     labelled = []
-    trainer = build(ctx, config(ctx, fields))
+    trainer = ctx.build(ctx.config(fields))
     trainer.unwrapped().register_forward_pre_hook(
         lambda module, args, kwargs: labelled.append(kwargs.get("labels") is not None), with_kwargs=True
     )
@@ -969,9 +588,9 @@ def _(ctx, fields):
     return run
 
 
-@probe("moe")
+@PROBES.register("moe")
 def _(ctx, fields):
-    trainer = build(ctx, config(ctx, fields), model=build_causal_lm(MOE_FAMILIES[0], ctx.tokenizer, seed=0))
+    trainer = ctx.build(ctx.config(fields), model=build_causal_lm(MOE_FAMILIES[0], ctx.tokenizer, seed=0))
     return Run(trainer.args, trainer, trainer.train())
 
 
@@ -980,7 +599,7 @@ CRAFTED_WEIGHTS = [3.0, 0.3, 1.0, 0.05]
 
 
 def _decoupled(ctx: Ctx, fields: dict, weights: Callable[[int, int], float], **base) -> Run:
-    trainer = build(ctx, config(ctx, fields, **base))
+    trainer = ctx.build(ctx.config(fields, **base))
     responses = list(trainer.generate(QUERIES, return_prompt=False))
     with torch.no_grad():
         rollout, _ = trainer.rollout_pass(trainer.make_batch(QUERIES, responses))
@@ -992,7 +611,7 @@ def _decoupled(ctx: Ctx, fields: dict, weights: Callable[[int, int], float], **b
     return Run(trainer.args, trainer, seen={"stats": stats, "lengths": [len(r) for r in responses]})
 
 
-@probe("decoupled_clamp")
+@PROBES.register("decoupled_clamp")
 def _(ctx, fields):
     return _decoupled(ctx, fields, lambda i, t: CRAFTED_WEIGHTS[i])
 
@@ -1007,7 +626,7 @@ def _clamped_share(run: Run, lower=None, upper=None) -> None:
     assert run.seen["stats"][key] == pytest.approx(out_of_band / sum(lengths))
 
 
-@probe("decoupled_level")
+@PROBES.register("decoupled_level")
 def _(ctx, fields):
     # sample 0: one token far above the band (8) among weights 1, whose geometric mean stays in the band
     return _decoupled(
@@ -1026,18 +645,18 @@ def _masked_share_by_sequence(run: Run):
     assert stats["token_filter/icepop/masked_token_frac"] == pytest.approx((lengths[1] + lengths[3]) / sum(lengths))
 
 
-@probe("health_stop")
+@PROBES.register("health_stop")
 def _(ctx, fields):
     # grad_norm_vanishing (a critical alarm) holds from the first step when any grad norm counts as near zero
     kwargs = {"grad_norm_floor": 1e9, "patience": 1}
-    return train(ctx, fields, max_steps=3, health_monitor_kwargs=kwargs, save_strategy="no")
+    return ctx.train(fields, max_steps=3, health_monitor_kwargs=kwargs, save_strategy="no")
 
 
 def _vllm(ctx: Ctx, fields: dict, **base) -> Run:
     FakeGeneration.instances = []
     ctx.monkeypatch.setattr(ppo_vllm, "VLLMGeneration", FakeGeneration)
     path = save_tiny(ctx.tmp / "policy", build_causal_lm("qwen2", ctx.tokenizer, seed=0), ctx.tokenizer)
-    args = config(ctx, fields, **base)
+    args = ctx.config(fields, **base)
     trainer = PPOTrainer(path, reward_funcs=[length_reward], args=args, processing_class=ctx.tokenizer)
     trainer.generate(QUERIES, return_prompt=False)
     helper = FakeGeneration.instances[0] if FakeGeneration.instances else None
@@ -1046,17 +665,17 @@ def _vllm(ctx: Ctx, fields: dict, **base) -> Run:
     )
 
 
-@probe("vllm_server")
+@PROBES.register("vllm_server")
 def _(ctx, fields):
     return _vllm(ctx, fields)
 
 
-@probe("vllm_host")
+@PROBES.register("vllm_host")
 def _(ctx, fields):
     return _vllm(ctx, fields, use_vllm=True, vllm_mode="server")
 
 
-@probe("vllm_colocate")
+@PROBES.register("vllm_colocate")
 def _(ctx, fields):
     return _vllm(ctx, fields, use_vllm=True)
 
@@ -1068,9 +687,9 @@ def _helper_got(name: str, value: Any) -> Callable[[Run], None]:
     return check
 
 
-@probe("health")
+@PROBES.register("health")
 def _(ctx, fields):
-    return train(ctx, fields, max_steps=2)
+    return ctx.train(fields, max_steps=2)
 
 
 def _seeded_head(seed: int, run: Run) -> torch.Tensor:
@@ -1112,74 +731,15 @@ def _parallelism_config():
     return ParallelismConfig()
 
 
-@probe("tf32")
-def _(ctx, fields):
-    before = torch.backends.cuda.matmul.allow_tf32
-    try:
-        args = config(ctx, fields)
-        return Run(args, seen={"tf32": torch.backends.cuda.matmul.allow_tf32})
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
-# ---------------------------------------------------------------------------------------------------- the table
-def _optimizer_class(run: Run, cls):
-    assert isinstance(run.trainer.optimizer.optimizer, cls)
-
-
-def _loader(attribute: str, value: Any) -> Callable[[Run], None]:
-    def check(run: Run):
-        got = getattr(run.seen["loader"], attribute)
-        assert got == value or (attribute == "multiprocessing_context" and type(got).__name__ == "SpawnContext")
-
-    return check
-
-
-def _ddp(attribute: str, value: Any) -> Callable[[Run], None]:
-    return lambda run: _assert(getattr(run.seen["ddp"], attribute) == value)
-
-
-def _assert(condition: bool):
-    assert condition
-
-
-def _stat(name: str, predicate: Callable[[float], bool]) -> Callable[[Run], None]:
-    def check(run: Run):
-        values = [entry[name] for entry in run.logs if name in entry]
-        assert values and all(predicate(v) for v in values), values
-
-    return check
-
-
 def _health(name: str, value: Any) -> Callable[[Run], None]:
     return lambda run: _assert(
         run.trainer.health_monitor is not None and getattr(run.trainer.health_monitor.config, name) == value
     )
 
 
-def _dependent(value, needs, probe_name=None, check=None, off=None, note=""):
-    effect = None if probe_name is None else Effect(value, probe_name, check)
-    return Dependent(value, needs, effect, off or {}, note)
-
-
-UNSUPPORTED = "Leave it at"
 TABLE: dict[str, Effect | Refused | Dependent] = {
+    **training_argument_entries(),
     # --- TrainingArguments: output and length
-    "output_dir": Effect(
-        f"{TMP}/elsewhere",
-        "save",
-        lambda run: _assert(
-            run.args.output_dir.endswith("elsewhere") and (Path(run.args.output_dir) / "checkpoint-3").is_dir()
-        ),
-    ),
-    "num_train_epochs": _dependent(
-        1.5,
-        "max_steps=-1",
-        "epochs",
-        lambda run: _assert(run.trainer.state.global_step == 3),
-        note="1.5 passes over 8 prompts at 4 per step: 3 PPO steps",
-    ),
-    "max_steps": Effect(2, "steps", lambda run: _assert(run.trainer.state.global_step == 2)),
     # --- batch structure (TRL's PPO mapping: the micro-batch, accumulation, mini-batches)
     "per_device_train_batch_size": Effect(
         2,
@@ -1195,46 +755,6 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
     ),
     "average_tokens_across_devices": Refused(True, UNSUPPORTED),
     # --- optimizer and schedule (Trainer's create_optimizer / create_scheduler)
-    "learning_rate": Effect(3e-3, "adam", lambda run: _assert(_param_group(run)["lr"] == 3e-3)),
-    "weight_decay": Effect(
-        0.05,
-        "adam",
-        lambda run: _assert(
-            (_param_group(run)["weight_decay"], _param_group(run, decay=False)["weight_decay"]) == (0.05, 0.0)
-        ),
-    ),
-    "adam_beta1": Effect(0.8, "adam", lambda run: _assert(_param_group(run)["betas"][0] == 0.8)),
-    "adam_beta2": Effect(0.95, "adam", lambda run: _assert(_param_group(run)["betas"][1] == 0.95)),
-    "adam_epsilon": Effect(1e-6, "adam", lambda run: _assert(_param_group(run)["eps"] == 1e-6)),
-    "optim": Effect("sgd", "optim", lambda run: _optimizer_class(run, torch.optim.SGD)),
-    "optim_args": Effect("momentum=0.9", "optim", lambda run: _assert(_param_group(run).get("momentum") == 0.9)),
-    "optim_target_modules": _dependent(
-        ["attn"],
-        "a GaLore or APOLLO optimizer",
-        note=(
-            "with optim='galore_adamw' transformers builds GaLore on these modules; galore_torch is not installed "
-            "here, and the trainer then raises an ImportError naming it (test_galore_needs_its_package)"
-        ),
-    ),
-    "lr_scheduler_type": Effect("cosine_with_min_lr", "schedule", lambda run: _check_cosine(run)),
-    "lr_scheduler_kwargs": _dependent(
-        {"min_lr": 1e-4},
-        "an lr_scheduler_type that takes arguments",
-        "schedule",
-        lambda run: _check_cosine(run, min_lr=1e-4),
-    ),
-    "warmup_steps": _dependent(
-        2,
-        "a schedule that warms up",
-        "schedule",
-        lambda run: _assert(run.seen["lrs"][:2] == pytest.approx([0.0, run.args.learning_rate / 2])),
-    ),
-    "max_grad_norm": Effect(
-        1e-3,
-        "clip_norm",
-        lambda run: _assert(run.seen["update_norm"] == pytest.approx(run.args.learning_rate * 1e-3, rel=1e-4)),
-        note="SGD with lr 1: one optimizer step moves the weights by exactly the clipped gradient norm",
-    ),
     "label_smoothing_factor": Refused(0.1, UNSUPPORTED),
     # --- precision and memory
     "bf16": Effect(
@@ -1253,24 +773,8 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         ),
         note="this machine has no accelerator: the visible effect is transformers switching pinned memory off",
     ),
-    "fp16": (
-        Effect(
-            True,
-            "precision_fp16",
-            lambda run: _assert(
-                run.trainer.accelerator.mixed_precision == "fp16" and torch.float16 in run.seen["dtypes"]
-            ),
-        )
-        if torch.cuda.is_available()
-        else Refused(True, "Use bf16=True", note="on a CPU accelerate would skip float16 autocast: refused here")
-    ),
     "bf16_full_eval": Refused(True, UNSUPPORTED),
     "fp16_full_eval": Refused(True, UNSUPPORTED),
-    "tf32": (
-        Refused(True, "leave tf32=None", note="this machine has no Ampere GPU; on one, transformers enables TF32")
-        if not is_torch_tf32_available()
-        else Effect(True, "tf32", lambda run: _assert(run.seen["tf32"]))
-    ),
     "activation_checkpointing": Effect(
         True, "activation_checkpointing", lambda run: _assert(run.trainer.policy.is_activation_checkpointing)
     ),
@@ -1317,26 +821,8 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         note="the policy's training passes build a KV cache (rollouts always generate with one)",
     ),
     "neftune_noise_alpha": Refused(5.0, UNSUPPORTED),
-    "torch_empty_cache_steps": Effect(1, "empty_cache", lambda run: _assert(run.seen["clears"] == 2)),
     "auto_find_batch_size": Refused(True, UNSUPPORTED),
     # --- logging
-    "logging_strategy": Effect("epoch", "log_epoch", lambda run: _assert(_logged_steps(run) == [2, 4])),
-    "logging_steps": _dependent(
-        3,
-        "logging_strategy='steps'",
-        "log_steps",
-        lambda run: _assert(3 in _logged_steps(run) and 2 not in _logged_steps(run)),
-        off={"logging_strategy": "epoch"},
-    ),
-    "logging_first_step": Effect(
-        True, "log_steps", lambda run: _assert(1 in _logged_steps(run) and 2 not in _logged_steps(run))
-    ),
-    "log_on_each_node": Effect(
-        False,
-        "multinode",
-        lambda run: _assert(run.seen["should_log"] is False),
-        note="multi-node only: shown on TrainingArguments.should_log of a second node's process",
-    ),
     "logging_nan_inf_filter": Effect(False, "nan_filter", lambda run: _assert(math.isnan(run.output.training_loss))),
     "include_num_input_tokens_seen": Effect(
         "non_padding",
@@ -1346,37 +832,6 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
             and run.trainer.state.log_history[-1]["num_input_tokens_seen"] == run.seen["real_tokens"]
         ),
     ),
-    "log_level": Effect(
-        "error", "log_level", lambda run: _assert(run.seen["verbosity"] == transformers.logging.ERROR)
-    ),
-    "log_level_replica": Effect(
-        "error",
-        "multinode",
-        lambda run: _assert(run.seen["level"] == transformers.logging.ERROR),
-        note="multi-process only: the level of a process that does not log",
-    ),
-    "disable_tqdm": Effect(
-        False,
-        "callbacks",
-        lambda run: _assert(
-            ProgressCallback in run.seen["callbacks"] and PrinterCallback not in run.seen["callbacks"]
-        ),
-    ),
-    "report_to": Effect(
-        "tensorboard",
-        "tracker",
-        _tracked,
-        note="tensorboard is not installed: its callback is replaced by a recorder in the same slot",
-    ),
-    "run_name": _dependent(
-        "ppo-run",
-        "report_to naming a tracker that names its runs",
-        note=("read by the wandb / trackio / mlflow / comet / swanlab callbacks, none installed here"),
-    ),
-    "project": _dependent("my-project", "report_to including 'trackio'", note="trackio is not installed here"),
-    "trackio_space_id": _dependent("me/space", "report_to including 'trackio'"),
-    "trackio_bucket_id": _dependent("me/bucket", "report_to including 'trackio'"),
-    "trackio_static_space_id": _dependent("me/static", "report_to including 'trackio'"),
     # --- evaluation
     "eval_strategy": Effect("steps", "eval", lambda run: _assert(any(s > 0 for s in run.seen["evals"]))),
     "eval_steps": _dependent(
@@ -1397,98 +852,8 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
     "include_for_metrics": Refused(["inputs"], UNSUPPORTED),
     "batch_eval_metrics": Refused(True, UNSUPPORTED),
     # --- checkpoints
-    "save_only_model": Effect(
-        True,
-        "save",
-        lambda run: _assert(
-            run.seen["checkpoints"]
-            and all("optimizer.pt" not in _saved_files(run, c) for c in run.seen["checkpoints"])
-        ),
-    ),
-    "save_strategy": Effect(
-        "epoch", "save_epoch", lambda run: _assert(run.seen["checkpoints"] == ["checkpoint-2", "checkpoint-4"])
-    ),
-    "save_steps": _dependent(
-        1, "save_strategy='steps'", "save", lambda run: _assert("checkpoint-2" in run.seen["checkpoints"])
-    ),
-    "save_on_each_node": Effect(
-        True,
-        "multinode",
-        lambda run: _assert(run.seen["should_save"] is True),
-        note="multi-node only: shown on TrainingArguments.should_save of a second node's process",
-    ),
-    "save_total_limit": Effect(
-        2, "save", lambda run: _assert(run.seen["checkpoints"] == ["checkpoint-2", "checkpoint-3"])
-    ),
-    "enable_jit_checkpoint": Effect(
-        True,
-        "jit",
-        lambda run: _assert(
-            run.seen.get("handler")
-            and run.trainer.state.global_step == 1
-            and "checkpoint-0" in run.seen["checkpoints"]
-            and (Path(run.args.output_dir) / "checkpoint-0" / MARKER_FILE).is_file()
-        ),
-        note="SIGTERM's handler is installed; once it asks for a checkpoint, one is saved and training stops",
-    ),
     # --- the Hub (transformers' hf_api replaced by a recorder)
-    "push_to_hub": Effect(
-        True, "hub", lambda run: _assert(_hub_calls(run, "create_repo") and _hub_calls(run, "upload_folder"))
-    ),
-    "hub_token": Effect(
-        SECRET,
-        "hub",
-        lambda run: _assert(
-            _hub_calls(run, "create_repo")
-            and all(c["token"] == SECRET for c in _hub_calls(run, "create_repo") + _hub_calls(run, "upload_folder"))
-        ),
-    ),
-    "hub_private_repo": Effect(
-        True, "hub", lambda run: _assert(any(c.get("private") is True for c in _hub_calls(run, "create_repo")))
-    ),
-    "hub_model_id": Effect(
-        "someone/ppo-tiny",
-        "hub",
-        lambda run: _assert(run.seen["calls"] and all(repo == "someone/ppo-tiny" for _, repo, _ in run.seen["calls"])),
-    ),
-    "hub_strategy": _dependent(
-        "checkpoint",
-        "push_to_hub=True",
-        "hub",
-        lambda run: _assert(any(c.get("path_in_repo") == "last-checkpoint" for c in _hub_calls(run, "upload_folder"))),
-    ),
-    "hub_always_push": _dependent(
-        True,
-        "push_to_hub=True",
-        "hub",
-        lambda run: _assert(len([c for c in _hub_calls(run, "upload_folder") if "path_in_repo" not in c]) == 2),
-        note="both saves push although the first upload is still running",
-    ),
-    "hub_revision": Effect(
-        "dev",
-        "hub",
-        lambda run: _assert(
-            _hub_calls(run, "upload_folder") and all(c["revision"] == "dev" for c in _hub_calls(run, "upload_folder"))
-        ),
-    ),
     # --- best model
-    "load_best_model_at_end": Effect(True, "best", _best_weights_loaded),
-    "metric_for_best_model": _dependent(
-        "reward",
-        "eval_strategy='steps' or 'epoch'",
-        "best",
-        lambda run: _assert(run.trainer.state.best_metric in run.seen["eval_rewards"].values()),
-    ),
-    "greater_is_better": _dependent(
-        False,
-        "eval_strategy='steps' or 'epoch'",
-        "best",
-        lambda run: _assert(
-            run.trainer.state.best_metric
-            == min(run.seen["eval_rewards"].values())
-            < max(run.seen["eval_rewards"].values())
-        ),
-    ),
     # --- resume
     "ignore_data_skip": Effect(
         True, "resume", lambda run: _assert(run.seen["steps"] and run.seen["steps"][0] == (1, run.seen["epoch0"][0]))
@@ -1507,7 +872,6 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         note="train() without an argument resumes from it (transformers leaves it to your script)",
     ),
     # --- randomness
-    "full_determinism": Effect(True, "determinism", lambda run: _assert(run.seen["deterministic"])),
     "seed": Effect(
         7,
         "seed",
@@ -1543,18 +907,6 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         lambda run: _assert(run.seen["eval_batches"] == [2]),
         note="evaluation only, as in Trainer: a training step always takes exactly batch_size prompts",
     ),
-    "dataloader_num_workers": Effect(1, "dataloader", _loader("num_workers", 1)),
-    "dataloader_pin_memory": Effect(False, "dataloader", _loader("pin_memory", False)),
-    "dataloader_persistent_workers": _dependent(
-        True, "dataloader_num_workers > 0", "dataloader", _loader("persistent_workers", True)
-    ),
-    "dataloader_prefetch_factor": Effect(
-        3, "dataloader", _loader("prefetch_factor", 3), note="without workers transformers refuses it, naming it"
-    ),
-    "dataloader_multiprocessing_context": _dependent(
-        "spawn", "dataloader_num_workers > 0", "dataloader", _loader("multiprocessing_context", "spawn")
-    ),
-    "dataloader_in_order": _dependent(False, "dataloader_num_workers > 0", "dataloader", _loader("in_order", False)),
     "remove_unused_columns": Refused(True, UNSUPPORTED),
     "label_names": Refused(["labels"], UNSUPPORTED),
     "train_sampling_strategy": Effect(
@@ -1569,69 +921,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         "group_by_length",
         lambda run: _assert(_grouped_by(run, "n_tokens") and not _grouped_by(run, "length")),
     ),
-    "ddp_find_unused_parameters": Effect(
-        False,
-        "ddp",
-        _ddp("find_unused_parameters", False),
-        note="multi-process only: reaches accelerate's DDP kwargs handler",
-    ),
-    "ddp_bucket_cap_mb": Effect(7, "ddp", _ddp("bucket_cap_mb", 7)),
-    "ddp_broadcast_buffers": Effect(False, "ddp", _ddp("broadcast_buffers", False)),
-    "ddp_static_graph": Effect(True, "ddp", _ddp("static_graph", True)),
-    "ddp_backend": Refused(
-        "gloo",
-        "leave ddp_backend=None",
-        note="a single process here; under a launcher it reaches torch.distributed's init",
-    ),
-    "ddp_timeout": Effect(
-        77,
-        "process_group",
-        lambda run: _assert(
-            run.seen["state_kwargs"] and run.seen["state_kwargs"][-1]["timeout"] == datetime.timedelta(seconds=77)
-        ),
-        note="multi-process only: reaches accelerate's PartialState, which passes it to init_process_group",
-    ),
-    "fsdp": Effect(
-        True,
-        "fsdp",
-        lambda run: _assert(
-            run.seen["plugin"]
-            and run.seen["plugin"]["fsdp_version"] == 2
-            and "only works in distributed training" in run.seen["refused"]
-        ),
-        note="builds accelerate's FSDP plugin arguments; a single process here, so the trainer refuses it",
-    ),
-    "fsdp_config": _dependent(
-        {"version": 2, "reshard_after_forward": False},
-        "fsdp=True",
-        "fsdp",
-        lambda run: _assert(run.seen["plugin"] and run.seen["plugin"]["reshard_after_forward"] is False),
-    ),
-    "deepspeed": Effect(
-        {
-            "zero_optimization": {"stage": 2},
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "train_batch_size": "auto",
-        },
-        "deepspeed",
-        lambda run: _assert(
-            run.args.deepspeed_plugin is not None
-            and run.args.deepspeed_plugin.zero_stage == 2
-            and run.args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"]
-            == run.args.per_device_train_batch_size
-            and run.args.hf_deepspeed_config.config["gradient_accumulation_steps"]
-            == run.args.gradient_accumulation_steps
-            and run.args.hf_deepspeed_config.config["gradient_clipping"] == run.args.max_grad_norm
-        ),
-        note="PPO's micro-batch, accumulation and clipping fill the DeepSpeed config; the engine itself runs under "
-        "accelerate launch (benchmarks/check_ppo_numbers.py: zero2)",
-    ),
     "debug": Refused("underflow_overflow", "Leave it at ''"),
-    "skip_memory_metrics": Effect(
-        False, "memory", lambda run: _assert("train_mem_cpu_alloc_delta" in run.output.metrics)
-    ),
     "do_train": Refused(True, "trainer.train()", note="a flag for your script, which no trainer reads"),
     "do_eval": Refused(True, "eval_strategy='steps'", note="transformers sets it itself with an eval_strategy"),
     "do_predict": Refused(True, "trainer.evaluate("),
@@ -1663,7 +953,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
         "dropout",
         lambda run: _assert(any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in run.trainer.policy.modules())),
     ),
-    "log_with": Effect("tensorboard", "tracker", _tracked, note="RELC's name of report_to; both at once are refused"),
+    "log_with": Effect("tensorboard", "tracker", tracked, note="RELC's name of report_to; both at once are refused"),
     # --- PPO: batches
     "batch_size": Effect(8, "batches", lambda run: _assert(run.seen["generated"] == [8])),
     "mini_batch_size": Effect(
@@ -1913,108 +1203,7 @@ TABLE: dict[str, Effect | Refused | Dependent] = {
 
 
 # ---------------------------------------------------------------------------------------------------- the tests
-@contextlib.contextmanager
-def isolated():
-    """Undo what a probe's settings change process-wide: environment variables (FSDP, DeepSpeed and determinism
-    set some), transformers' log level, the SIGTERM handler (JIT checkpoints), torch's determinism flags."""
-    verbosity, sigterm = transformers.logging.get_verbosity(), signal.getsignal(signal.SIGTERM)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    with mock.patch.dict(os.environ):
-        try:
-            yield
-        finally:
-            transformers.logging.set_verbosity(verbosity)
-            signal.signal(signal.SIGTERM, sigterm)
-            torch.use_deterministic_algorithms(deterministic)
-
-
-def _run(probe_name: str, tmp: Path, tokenizer, fields: dict) -> Run:
-    tmp.mkdir(parents=True)
-    with isolated(), pytest.MonkeyPatch.context() as monkeypatch:
-        return PROBES[probe_name](Ctx(tmp, tokenizer, monkeypatch), fields)
-
-
-def _entries(kind) -> list[tuple[str, Any]]:
-    return [(name, entry) for name, entry in TABLE.items() if isinstance(entry, kind)]
-
-
-def _effects() -> dict[str, dict[str, Effect]]:
-    """probe name -> {field: its Effect} (a Dependent's effect included)."""
-    groups: dict[str, dict[str, Effect]] = {}
-    for name, entry in TABLE.items():
-        effect = entry if isinstance(entry, Effect) else getattr(entry, "effect", None)
-        if effect is not None:
-            groups.setdefault(effect.probe, {})[name] = effect
-    return groups
-
-
-def test_table_covers_every_field():
-    fields = {f.name for f in dataclasses.fields(PPOConfig)}
-    missing, extra = sorted(fields - set(TABLE)), sorted(set(TABLE) - fields)
-    assert not missing, f"PPOConfig fields with no entry in TABLE (honour or refuse them, then add them): {missing}"
-    assert not extra, f"TABLE entries that are no PPOConfig field: {extra}"
-    assert all(isinstance(entry, (Effect, Refused, Dependent)) for entry in TABLE.values())
-    assert set(_effects()) <= set(PROBES), sorted(set(_effects()) - set(PROBES))
-
-
-def _default(name: str) -> Any:
-    f = PPOConfig.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-@pytest.mark.parametrize("name", [name for name, _ in _entries((Effect, Refused, Dependent))])
-def test_table_values_are_not_the_defaults(name):
-    value = TABLE[name].value
-    assert value != _default(name) and value != BASE.get(name, _default(name)), (name, value)
-
-
-@pytest.mark.parametrize("name", [name for name, entry in _entries(Refused) if entry.at == "config"])
-def test_refused_by_name(tmp_path, name):
-    entry = TABLE[name]
-    with isolated(), pytest.raises(ValueError) as refused:
-        PPOConfig(output_dir=str(tmp_path), **{**BASE, name: entry.value})
-    message = str(refused.value)
-    assert name in message and entry.fix in message, message
-
-
-@pytest.mark.parametrize("name", [name for name, entry in _entries(Refused) if entry.at == "trainer"])
-def test_refused_by_the_trainer_here(tmp_path, tokenizer, name):
-    from peft import LoraConfig
-
-    entry = TABLE[name]
-    path = save_tiny(tmp_path / "policy", build_causal_lm("qwen2", tokenizer, seed=0), tokenizer)
-    args = PPOConfig(output_dir=str(tmp_path / "out"), **{**BASE, name: entry.value})
-    with isolated(), pytest.raises(ValueError) as refused:
-        PPOTrainer(
-            path, args=args, processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules="all-linear")
-        )
-    message = str(refused.value)
-    assert name in message and entry.fix in message, message
-
-
-@pytest.mark.parametrize("name", [name for name, _ in _entries(Dependent)])
-def test_dependent_refused_without_its_option(tmp_path, name):
-    entry = TABLE[name]
-    with isolated(), pytest.raises(ValueError) as refused:
-        PPOConfig(output_dir=str(tmp_path), **{**BASE, **entry.off, name: entry.value})
-    message = str(refused.value)
-    assert name in message and entry.needs in message, message
-
-
-@pytest.mark.parametrize("probe_name", sorted(_effects()))
-def test_effect(tmp_path, tokenizer, probe_name):
-    effects = _effects()[probe_name]
-    run = _run(probe_name, tmp_path / "set", tokenizer, {name: effect.value for name, effect in effects.items()})
-    for name, effect in effects.items():  # before the second run: accelerate's state is process-wide
-        try:
-            effect.check(run)
-        except AssertionError as err:
-            raise AssertionError(f"{name}={effect.value!r} showed no effect on probe {probe_name!r}: {err}") from err
-    default = _run(probe_name, tmp_path / "default", tokenizer, {})
-    for name, effect in effects.items():
-        with pytest.raises(AssertionError):  # the effect is absent when the field is left at its default
-            effect.check(default)
-            pytest.fail(f"{name}: the check passes without the setting too, so it shows nothing")
+globals().update(table_tests(KIT, TABLE, PROBES, Path(__file__).resolve().parents[2] / "docs" / "ppo.md"))
 
 
 # ---------------------------------------------------------------------------------------------------- beyond the table
@@ -2068,32 +1257,32 @@ def test_combinations_refused(tmp_path, kwargs, named):
 
 @pytest.mark.parametrize("optim, cls", [("adafactor", "Adafactor"), ("adagrad", "Adagrad"), ("rmsprop", "RMSprop")])
 def test_optimizers_are_transformers(tmp_path, tokenizer, optim, cls):
-    ctx = Ctx(tmp_path, tokenizer, None)
-    trainer = build(ctx, config(ctx, {"optim": optim}))
+    ctx = Ctx(tmp_path, tokenizer, None, KIT)
+    trainer = ctx.build(ctx.config({"optim": optim}))
     assert type(trainer.optimizer.optimizer).__name__ == cls
 
 
 def test_galore_needs_its_package(tmp_path, tokenizer):
     """optim_target_modules acts with a GaLore optimizer, which transformers builds from galore_torch (not installed
     here: the trainer raises naming it)."""
-    ctx = Ctx(tmp_path, tokenizer, None)
-    args = config(ctx, {"optim": "galore_adamw", "optim_target_modules": ["q_proj"]})
+    ctx = Ctx(tmp_path, tokenizer, None, KIT)
+    args = ctx.config({"optim": "galore_adamw", "optim_target_modules": ["q_proj"]})
     with pytest.raises(ImportError, match="galore"):
-        build(ctx, args)
+        ctx.build(args)
 
 
 def test_sequential_sampling_keeps_the_dataset_order(tmp_path, tokenizer):
-    ctx = Ctx(tmp_path, tokenizer, None)
-    trainer = build(ctx, config(ctx, {"train_sampling_strategy": "sequential"}))
+    ctx = Ctx(tmp_path, tokenizer, None, KIT)
+    trainer = ctx.build(ctx.config({"train_sampling_strategy": "sequential"}))
     assert _first_epoch(Run(trainer.args, trainer)) == PROMPTS
 
 
 def test_optimizer_modes_follow_training_and_evaluation(tmp_path, tokenizer, monkeypatch):
     """Trainer switches an optimizer with train / eval modes (schedule-free optimizers keep two weight sets) to
     train() for its steps and to eval() for evaluate; PPO does too (accelerate's wrapper forwards both)."""
-    ctx = Ctx(tmp_path, tokenizer, monkeypatch)
-    args = config(ctx, {"max_steps": 2, "eval_strategy": "steps", "eval_steps": 1})
-    trainer = build(ctx, args, eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    ctx = Ctx(tmp_path, tokenizer, monkeypatch, KIT)
+    args = ctx.config({"max_steps": 2, "eval_strategy": "steps", "eval_steps": 1})
+    trainer = ctx.build(args, eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}))
     inner, mode, step_modes, eval_modes = trainer.optimizer.optimizer, ["unset"], [], []
     monkeypatch.setattr(inner, "train", lambda: mode.__setitem__(0, "train"), raising=False)
     monkeypatch.setattr(inner, "eval", lambda: mode.__setitem__(0, "eval"), raising=False)
@@ -2120,20 +1309,8 @@ def test_compiled_step(tmp_path, tokenizer):
     """torch_compile: the PPO passes run through the compiled module (TorchDynamo captures graphs). Slow: compiling
     on a CPU takes several seconds even with the eager backend."""
     torch._dynamo.reset()
-    ctx = Ctx(tmp_path, tokenizer, None)
-    trainer = build(ctx, config(ctx, {"torch_compile_backend": "eager"}))
+    ctx = Ctx(tmp_path, tokenizer, None, KIT)
+    trainer = ctx.build(ctx.config({"torch_compile_backend": "eager"}))
     trainer.train()
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0
     assert math.isfinite(step_logs(trainer)[0]["loss/total"])
-
-
-def test_docs_name_every_field():
-    """docs/ppo.md's "Every setting" section names every field, and its counts are the table's."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "ppo.md").read_text(encoding="utf-8")
-    section = text.split("## Every setting: honoured or refused", 1)[1].split("\n## ", 1)[0]
-    named = lambda name: f"`{name}`" in section or f"`{name}=" in section  # noqa: E731
-    missing = [f.name for f in dataclasses.fields(PPOConfig) if not named(f.name)]
-    assert not missing, f"docs/ppo.md does not say what PPO does with {missing}"
-    kinds = [type(entry).__name__ for entry in TABLE.values()]
-    counts = f"{kinds.count('Effect')} fields honoured, {kinds.count('Dependent')} honoured with the option they need"
-    assert counts in section and f"{kinds.count('Refused')} refused" in section

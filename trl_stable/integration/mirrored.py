@@ -335,7 +335,7 @@ MIRRORED: tuple[Mirrored, ...] = (
     ),
     Mirrored(
         # the proximal pass is TRL's old-logprob pass, run by trl_stable when TRL skipped it
-        "trl_stable.trainers.grpo.GRPOTrainer._compute_proximal_logps",
+        "trl_stable.trainers.grpo.decoupled_loss.DecoupledLoss._compute_proximal_logps",
         "trl.GRPOTrainer._generate_and_score_completions",
         (
             "prompt_completion_ids = torch.cat([prompt_ids, completion_ids], dim=1)",
@@ -351,7 +351,7 @@ MIRRORED: tuple[Mirrored, ...] = (
     ),
     Mirrored(
         # the behaviour weight and the token filter reach TRL's loss folded into (B, T) advantages
-        "trl_stable.trainers.grpo.GRPOTrainer._apply_decoupled_loss",
+        "trl_stable.trainers.grpo.decoupled_loss.DecoupledLoss._apply_decoupled_loss",
         "trl.GRPOTrainer._compute_loss",
         ("if advantages.dim() == 1:", "advantages = advantages.unsqueeze(1)"),
         "relies on",
@@ -418,7 +418,7 @@ MIRRORED: tuple[Mirrored, ...] = (
     ),
     Mirrored(
         # each reward's own group z-score, logged as GDPO's per-reward advantage
-        "trl_stable.trainers.grpo.GRPOTrainer._log_per_reward_advantages",
+        "trl_stable.trainers.grpo.advantages.SequenceAdvantages._log_per_reward_advantages",
         "trl.GRPOTrainer._generate_and_score_completions",
         (
             "mean_k = torch.nanmean(grouped, dim=1, keepdim=True)",
@@ -461,13 +461,13 @@ MIRRORED: tuple[Mirrored, ...] = (
         "relies on",
     ),
     Mirrored(
-        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl_stable.trainers.grpo.dense_rewards.DenseRewards._split_dense_reward_funcs",
         "trl.GRPOTrainer._calculate_rewards",
         ("rewards_per_func = torch.zeros(len(prompts), len(self.reward_funcs), device=device)",),
         "relies on",
     ),
     Mirrored(
-        "trl_stable.trainers.grpo.GRPOTrainer._split_dense_reward_funcs",
+        "trl_stable.trainers.grpo.dense_rewards.DenseRewards._split_dense_reward_funcs",
         "trl.GRPOTrainer._generate_and_score_completions",
         (
             "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",

@@ -53,6 +53,10 @@ _CHECKPOINTS_PY = ("trl_stable/trainers/grpo/checkpoints.py",)
 _MARKED_PY = ("trl_stable/trainers/checkpoints.py",)  # both trainers' marked checkpoint save
 _LOGS_PY = ("trl_stable/trainers/grpo/trl_logs.py",)
 _REWARDS_PY = ("trl_stable/trainers/grpo/trl_rewards.py",)
+_ADVANTAGES_PY = ("trl_stable/trainers/grpo/advantages.py",)
+_DECOUPLED_PY = ("trl_stable/trainers/grpo/decoupled_loss.py",)
+_DENSE_PY = ("trl_stable/trainers/grpo/dense_rewards.py",)
+_DYNAMIC_PY = ("trl_stable/trainers/grpo/dynamic_sampling.py",)
 _BATCH_PY = ("trl_stable/trainers/grpo/trl_batch.py",)
 _REWARD_CALLS_PY = ("trl_stable/integration/reward_calls.py",)
 
@@ -110,7 +114,7 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         "multimodal forward keys (`multimodal_forward_keys`); `model` is only called, once per chunk, with the "
         "chunk's `input_ids` and `attention_mask` as keywords and no `position_ids` (`LOGPS_FORWARD_SNIPPETS`), so "
         "`with_mask_position_ids` can add them",
-        _TRAINER_PY,
+        (*_TRAINER_PY, *_DECOUPLED_PY),
     ),
     Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
     Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", _REWARDS_PY),
@@ -136,7 +140,7 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     _attr(
         _GRPO,
         "reward_funcs",
-        (*_TRAINER_PY, *_REWARDS_PY),
+        (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
         "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
         "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
         "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
@@ -144,7 +148,7 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     _attr(
         _GRPO,
         "async_loop",
-        _TRAINER_PY,
+        _DENSE_PY,
         "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
     ),
     _attr(
@@ -165,22 +169,29 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _MARKED_PY),
     # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
     # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
-    _attr(_GRPO, "reward_func_names", _TRAINER_PY, "list[str], aligned with reward_funcs"),
+    _attr(
+        _GRPO, "reward_func_names", (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"
+    ),
     _attr(
         _GRPO,
         "reward_processing_classes",
-        _TRAINER_PY,
+        (*_TRAINER_PY, *_DENSE_PY),
         "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
     ),
-    _attr(_GRPO, "reward_weights", _TRAINER_PY, "[K] float tensor, aligned with reward_funcs"),
+    _attr(
+        _GRPO,
+        "reward_weights",
+        (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+        "[K] float tensor, aligned with reward_funcs",
+    ),
     # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
-    _attr(_GRPO, "num_generations", _TRAINER_PY, "group size in training"),
+    _attr(_GRPO, "num_generations", (*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
     _attr(_GRPO, "max_completion_length", _TRAINER_PY, "int, the completion cap"),
-    _attr(_GRPO, "loss_type", _TRAINER_PY, "str, TRL's loss (named in describe_paths)"),
+    _attr(_GRPO, "loss_type", _TRAINER_PY, "str, TRL's loss (named in describe)"),
     _attr(
         _GRPO,
         "importance_sampling_level",
-        _TRAINER_PY,
+        (*_TRAINER_PY, *_DECOUPLED_PY),
         '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
     ),
     _attr(_GRPO, "use_vllm", _TRAINER_PY, "bool: the sampler is vLLM"),
@@ -443,14 +454,14 @@ VLLM_MEMBERS: tuple[Member, ...] = (
 )
 # Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.
 HELPER_MEMBERS: tuple[Member, ...] = (
-    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _TRAINER_PY),
+    Member("trl.trainer.utils", "nanstd", "call", ("tensor",), "std ignoring NaN", _ADVANTAGES_PY),
     Member(
         "trl.models.utils",
         "disable_gradient_checkpointing",
         "call",
         ("model", "gradient_checkpointing_kwargs"),
         "a context manager (the proximal forward runs without recomputation)",
-        _TRAINER_PY,
+        _DECOUPLED_PY,
     ),
     Member(
         "trl.trainer.utils",

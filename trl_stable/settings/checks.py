@@ -1,6 +1,8 @@
 """Field checks shared by trl_stable's configuration classes (docs/reliability.md, "What is validated"): numbers in
 range ([`Bound`] tables, [`check_bounds`]), no NaN or inf in any field ([`check_all_finite`]), and no setting made
-without the option it needs ([`check_dependents`]). It imports nothing heavy, so the config modules stay light.
+without the option it needs ([`check_dependents`]), or, where TRL accepts such a setting (a drop-in takes every
+`trl.GRPOConfig` TRL takes), a warning instead ([`IgnoredSettingWarning`], [`warn_ignored`]). It imports nothing
+heavy, so the config modules stay light.
 """
 
 from __future__ import annotations
@@ -8,11 +10,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from trl_stable.settings.secrets import redact
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A setting the run ignores in this combination, accepted because TRL accepts it (a script written for
+    `trl.GRPOTrainer` keeps running): the message names the field and what to do instead. Turn it into an error with
+    ``warnings.simplefilter("error", IgnoredSettingWarning)``."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,63 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
             if warn is None:
                 raise ValueError(message)
             warn(message)
+
+
+def ignored_setting(message: str) -> None:
+    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`."""
+    warnings.warn(message, IgnoredSettingWarning, stacklevel=4)
+
+
+def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: str) -> None:
+    """Warn ([`IgnoredSettingWarning`]) about each field of `ignored` that is not at its accepted value.
+
+    Args:
+        ignored: field -> (the value the trainer takes without a word, why it has nothing to apply another one to).
+        trainer: The trainer's name, as the message says it.
+    """
+    for name, (accepted, why) in ignored.items():
+        value = getattr(config, name)
+        if value != accepted and not (accepted == [] and not value):
+            warnings.warn(
+                f"{name}={value!r} is ignored by {trainer}: {why} Leave it at {accepted!r}.",
+                IgnoredSettingWarning,
+                stacklevel=3,
+            )
+
+
+# The launchers' world-size variables (accelerate / torchrun, MPI): none of them set means a process started alone.
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_ddp_backend(config: Any) -> None:
+    """Refuse `ddp_backend` in a process started alone (call it before `TrainingArguments.__post_init__`, whose
+    device set-up would fail on it with torch's "Default process group has not been initialized").
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    sizes = [int(os.environ[key]) for key in _WORLD_SIZE_VARIABLES if os.environ.get(key)]
+    if config.ddp_backend is not None and (sizes[0] if sizes else 1) <= 1:
+        raise ValueError(
+            f"ddp_backend={config.ddp_backend!r} sets the backend of a multi-process run, but this process was "
+            "started alone (WORLD_SIZE unset): launch with `accelerate launch` / `torchrun`, or leave "
+            "ddp_backend=None."
+        )
+
+
+def check_fp16_device(config: Any) -> None:
+    """Refuse `fp16=True` on a CPU, where accelerate trains in float32 without a word (call it after
+    `TrainingArguments.__post_init__`, which resolves the device).
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    if config.fp16 and config.device.type == "cpu":
+        raise ValueError(
+            "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "
+            "loss scaler only on an accelerator (CUDA, XPU, ...). Use bf16=True (with use_cpu=True) on a CPU, or "
+            "run on a GPU."
+        )
 
 
 # The `TrainingArguments` fields trl_stable's trainers read. transformers checks few of them (warmup_steps >= 0, a

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 from trl_stable.integration.hf_names import rng_state_file
+from trl_stable.settings.checks import IgnoredSettingWarning
 from trl_stable.trainers.checkpoints import (
     MarkedCheckpoints,
     load_stable_state,
@@ -46,7 +48,18 @@ class GRPOCheckpoints(MarkedCheckpoints):
         ``resume_from_checkpoint=True`` (newer incomplete ones are skipped and logged), checking an explicit one
         (ValueError naming the folder and the fix when it is incomplete or has no ``trainer_state.json``), and
         restoring trl_stable's state: the health monitor, reward-function counters, the dynamic-sampling refill RNG
-        and the NaN-reward count."""
+        and the NaN-reward count.
+
+        ``args.resume_from_checkpoint`` is, as in transformers and TRL, for your script to pass here: given alone it is
+        not read, and an IgnoredSettingWarning says so."""
+        if resume_from_checkpoint is None and self.args.resume_from_checkpoint is not None:
+            warnings.warn(
+                f"resume_from_checkpoint={self.args.resume_from_checkpoint!r} is not read by trainer.train() (as in "
+                "transformers and TRL, the field is for your script): this run starts from scratch. Call "
+                "trainer.train(resume_from_checkpoint=args.resume_from_checkpoint), or unset it.",
+                IgnoredSettingWarning,
+                stacklevel=2,
+            )
         info = resolve_checkpoint(
             resume_from_checkpoint,
             self.args.output_dir,

@@ -1,4 +1,8 @@
-"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options."""
+"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options.
+
+Every field is honoured, or refused (where `trl.GRPOConfig` accepts it, warned about: `ignored_settings`) by name;
+`docs/grpo.md` lists every field, and `tests/trainers/test_grpo_every_setting.py` shows each one acting.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +23,16 @@ from trl_stable.settings.checks import (
     Dependent,
     check_all_finite,
     check_bounds,
+    check_ddp_backend,
     check_dependents,
+    check_fp16_device,
     check_reward_scale,
     check_training_length,
     training_argument_bounds,
 )
 from trl_stable.settings.secrets import SecretsNotPickled
 from trl_stable.trainers.decoupled_args import DecoupledLossArguments
+from trl_stable.trainers.grpo.ignored_settings import warn_ignored_settings
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
 __all__ = ["GRPO_BOUNDS", "GRPOConfig", "TRL_GRPO_BOUNDS"]
@@ -90,45 +97,8 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
 
     Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
-    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs.
-
-    Parameters:
-        advantage_estimator (`str`, defaults to `"grpo"`):
-            One-name preset: "grpo" (TRL's group mean/std), "dr_grpo" (group mean, no std, `loss_type="dr_grpo"`),
-            "liteppo" (group mean, batch std), "rloo" (leave-one-out group mean, no std), "gdpo" (per-reward group
-            z-scores, TRL's `multi_objective_aggregation="normalize_then_sum"`), "ngrpo" (virtual max-reward samples).
-        advantage_mean_level, advantage_std_level (`str` or `None`):
-            Override the preset: "batch", "group" or "none". None keeps the preset's value.
-        advantage_leave_one_out (`bool` or `None`): Override the preset's leave-one-out mean.
-        advantage_std_unbiased (`bool`, defaults to `True`): Bessel-corrected std for the trl_stable estimators.
-        advantage_eps (`float` or `None`): Added to the std; None = 1e-4 (TRL's), 1e-6 for "ngrpo". With "grpo",
-            setting it (or `advantage_std_unbiased=False`) makes trl_stable compute the group/group advantages.
-        ngrpo_r_max (`float`, defaults to `1.0`), ngrpo_num_virtual (`int`, defaults to `1`): NGRPO's virtual samples.
-        use_decoupled_loss (`bool`, defaults to `False`): AReaL's decoupled PPO loss.
-        token_filter (`str` or `None`): "icepop" or "kpop"; needs `use_decoupled_loss`.
-        token_filter_level (`str`, defaults to `"token"`): "token" or "sequence".
-        token_filter_action (`str`, defaults to `"mask"`): "mask" or "clamp" (IcePop only).
-        token_filter_lower, token_filter_upper (`float` or `None`): The band; None = the filter's default.
-        capture_sampler_logps (`bool`, defaults to `False`): Record the HF sampler's log-probs without the
-            decoupled loss (for mismatch monitoring).
-        dynamic_sampling (`bool`, defaults to `False`): DAPO's zero-variance group filter.
-        dynamic_sampling_max_refills (`int`, defaults to `0`): Extra generation rounds that refill the batch with
-            informative groups (0: the batch shrinks instead).
-        overlong_penalty_tokens (`int` or `None`), overlong_penalty_factor (`float`, defaults to `1.0`): DAPO's soft
-            overlong punishment, added as a reward function named "overlong_penalty".
-        dense_reward_coef (`float`, defaults to `1.0`), dense_reward_gamma (`float`, defaults to `1.0`): Weight and
-            discount of the dense reward-to-go added to the sequence advantage.
-        nan_reward_action (`str`, defaults to `"zero"`): What to do with a completion every reward function scored
-            None/NaN/inf: "zero" is TRL's behavior (advantage 0, outside the group baseline, still in the loss's
-            token count); "drop" (recommended) removes it from the loss (warning + counter; all unscorable raises).
-        step_loss_mask (`bool`, defaults to `False`): Remove the tokens of invalid agent steps (tool calls that are
-            not JSON, name an unknown tool or have wrongly typed arguments) from the policy loss; see
-            `trl_stable.masking.CompletionStepMasker` (assign ``trainer.step_masker`` for environment-reported steps).
-        step_mask_tools (`dict`, `list`, `str` or `None`): Valid tools for `step_loss_mask`: names,
-            ``{name: signature}``, OpenAI tool specs, or a JSON string / file of these; None checks JSON and a name.
-        routing_replay (`str`, defaults to `"off"`): MoE routing replay, "off", "R2" (record in the old-logprob pass,
-            replay in the updates) or "R3" (record in the sampler, replay in the old-logprob pass and the updates);
-            see `trl_stable.moe`.
+    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs. Each field's help
+    says what it does; docs/grpo.md has the reference table and the presets.
     """
 
     advantage_estimator: str = field(
@@ -246,18 +216,16 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
     def __post_init__(self):
         # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).
         check_bounds(self, {**training_argument_bounds(self), **TRL_GRPO_BOUNDS, **GRPO_BOUNDS})
+        check_ddp_backend(self)  # before transformers' device set-up, which fails on it without naming it
         super().__post_init__()
+        check_fp16_device(self)
         self._validate()
+        warn_ignored_settings(self)
 
     def _validate(self) -> None:
         """trl_stable's checks, after TRL's own: `__post_init__` runs them, and `with_changes` on a changed copy."""
         check_all_finite(self)
         check_training_length(self)
-        self._validate_stable_options()
-        self.validate_health_arguments()
-        self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
-
-    def _validate_stable_options(self) -> None:
         check_reward_scale(self)
         check_routing_replay_mode(self.routing_replay)
         self.validate_step_mask_arguments()
@@ -316,6 +284,18 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                     f"{trl_field}={current!r} was set; unset {trl_field} or choose another estimator."
                 )
 
+        generate_every = self.steps_per_generation * self.num_iterations
+        old_logprob_pass = self.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+        if self.routing_replay == "R2" and not (old_logprob_pass or self.use_decoupled_loss):
+            raise ValueError(
+                "routing_replay='R2' records the routing in the old-logprob pass, which this configuration never runs "
+                "(one update per generation batch: TRL skips the pass, the ratio being exactly 1), so the run would "
+                "ignore it. Set num_iterations > 1 (or steps_per_generation > gradient_accumulation_steps, or "
+                "use_decoupled_loss=True), use routing_replay='R3' (the sampler's routing), or unset routing_replay."
+            )
+
         # Decoupled loss and token filters
         if self.use_decoupled_loss and self.loss_type == "sapo":
             raise ValueError(
@@ -370,8 +350,42 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                     "HF generation (use_vllm=False, use_transformers_continuous_batching=False; vLLM returns the "
                     "sampler's log-probs itself)",
                 ),
+                Dependent(
+                    ("advantage_std_unbiased",),
+                    self.advantage_estimator in NORMALIZATION_PRESETS and self._divides_by_std(),
+                    "an advantage std (advantage_estimator 'grpo' or 'liteppo', or advantage_std_level='group' / "
+                    "'batch')",
+                ),
+                Dependent(
+                    ("advantage_eps",),
+                    self.advantage_estimator not in NORMALIZATION_PRESETS or self._divides_by_std(),
+                    "an advantage std (advantage_estimator 'grpo', 'liteppo' or 'ngrpo', or advantage_std_level="
+                    "'group' / 'batch')",
+                ),
+                Dependent(
+                    ("health_mismatch_monitor",),
+                    not self.use_transformers_continuous_batching or self.use_vllm,
+                    "HF generation or vLLM (transformers' continuous batching returns no sampler log-probs)",
+                ),
+                Dependent(
+                    ("health_mismatch_threshold",),
+                    self.health_mismatch_monitor
+                    or self.use_decoupled_loss
+                    or self.use_vllm
+                    or self.capture_sampler_logps,
+                    "a mismatch to watch: health_mismatch_monitor=True (or use_decoupled_loss / use_vllm, which log "
+                    "mismatch/* themselves)",
+                ),
             ),
         )
+        self.validate_health_arguments()
+        self.virtual_samples_config()  # the remedy's configuration is validated now, not first mid-run
+
+    def _divides_by_std(self) -> bool:
+        """Whether a normalization preset (after the advantage_std_level override) divides by a std."""
+        preset = NORMALIZATION_PRESETS.get(self.advantage_estimator, {})
+        level = self.advantage_std_level
+        return (preset.get("std_level") if level is None else _LEVEL_NAMES[level]) is not None
 
     def _own_normalization_requested(self) -> bool:
         """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""
@@ -387,14 +401,9 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         )
 
     def with_changes(self, **changes: Any) -> GRPOConfig:
-        """A copy of this configuration with `changes` to trl_stable's own fields, validated as `__post_init__`
-        validates them (their bounds, then `_validate`: the option combinations, the health settings), so a
-        combination the config refuses raises ValueError here too. This configuration is not changed.
-
-        Only trl_stable's fields: TRL's are validated by TRL's `__post_init__`, which also resets accelerate's
-        process state (transformers' `TrainingArguments` sets the devices up again), so a change to one of them
-        needs a new `GRPOConfig`, built before the trainer.
-        """
+        """A copy with `changes` to trl_stable's own fields, validated as `__post_init__` validates them; this
+        configuration is not changed. TRL's fields need a new `GRPOConfig` (built before the trainer): TRL's
+        `__post_init__` sets accelerate's devices up again."""
         others = sorted(set(changes) - set(_STABLE_DEFAULTS))
         if others:
             raise ValueError(
@@ -412,9 +421,6 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         """The configuration the health monitor's virtual-samples remedy trains with while the zero-std alarm holds:
         this one with ``virtual_samples_attr`` (``advantage_estimator``) set to ``virtual_samples_value``
         (``"ngrpo"``), validated by `with_changes`; None without the remedy (`health_remedy_virtual_samples`).
-
-        `__post_init__` builds it once to refuse a bad combination up front; `GRPOTrainer` builds it again and trains
-        with it while the monitor's `remedy_active` is on. The arguments themselves never change.
 
         Raises:
             ValueError: naming the remedy and the fix, when the change is not a GRPOConfig field, changes nothing, or

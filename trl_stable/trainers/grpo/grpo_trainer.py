@@ -1,58 +1,28 @@
 """trl_stable's GRPOTrainer: TRL's GRPOTrainer plus the stability options of trl_stable.
 
-With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls
-``super()`` and only post-processes when an option asks for it (no extra forward, no RNG draw). The private TRL
-members it overrides or reads are listed, with what it relies on, in `trl_stable.integration.trl_members`.
-
-Data flow of one generation batch (`_generate_and_score_completions`):
-
-1. `_generate_and_score_round` opens a `RolloutRecord` (the one channel for what TRL's hooks compute but TRL does
-   not return) and calls TRL's `_generate_and_score_completions`, which calls, in it:
-   - `_generate_single_turn` / `_generate`: generation; with HF `generate` the sampler's per-token log-probs are
-     recorded when `_needs_sampler_logps()` (they reach the batch as TRL's `sampling_per_token_logps`); R3 records
-     the sampler's routing into the record;
-   - `_get_per_token_logps_and_entropies`: TRL's old-logprob pass (R2 records the routing, R3 replays it); this and
-     every other log-prob pass get position ids from the attention mask while an option compares them with the
-     sampler's (`_positions_from_mask`), so left-padded rows are numbered as the sampler numbered them;
-   - `_calculate_rewards`: TRL's sequence-level rewards, read under `trl_stable.rewards.dense`'s contract (TRL
-     calls the functions through the checking wrappers built at construction, `ContractCheckedRewards`; inf ->
-     NaN), into the record; the dense reward functions are
-     prefetched (`trl_stable.rewards.dense`'s protocol) and their pending call stored in the record. TRL calls it
-     after its old-logprob and reference passes; when a dense function has a prefetch, `_generate` calls it right
-     after generation instead (TRL's own call then gets those rewards), so the critic overlaps those passes.
-2. `_postprocess_generation(output, record)`: routing into the batch, advantages (TRL's, or a registered estimator
-   of `trl_stable.core.estimators`), NaN-reward drop, dynamic sampling, step masks, then the dense rewards are
-   collected (the prefetched requests joined) and the dense advantages added.
-3. Dynamic sampling refills (more rounds of 1-2), then `_apply_decoupled_loss` on the final batch (proximal
-   log-probs via `_compute_proximal_logps`, behaviour weight, IcePop / KPop).
-4. TRL's `_compute_loss`, unchanged, inside the routing hook's `update_pass`: the decoupled term reaches it folded
-   into (B, T) advantages (see `trl_stable.core.fold_behaviour_weight`).
+With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls ``super()``
+and only post-processes when an option asks for it (no extra forward, no RNG draw). One generation batch
+(`_generate_and_score_completions`): TRL's round, whose hooks (generation, the old-logprob pass, the rewards) fill a
+`RolloutRecord`; `_postprocess_generation` (advantages, NaN-reward drop, dynamic sampling, step masks, dense
+advantages); refill rounds (`dynamic_sampling`); the decoupled loss (`decoupled_loss`); then TRL's `_compute_loss`.
+docs/grpo.md ("Extending the trainer") has the override points; the private TRL members used are registered, with
+what is relied on, in `trl_stable.integration.trl_members`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import trl
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import nanstd
 
 from trl_stable.core import (
-    behaviour_weight,
-    dense_advantages,
-    filter_behaviour_weight,
-    fold_behaviour_weight,
-    normalize,
     overlong_penalty,
     zero_variance_groups,
 )
-from trl_stable.core.estimators import AdvantageInputs, get_advantage_estimator
-from trl_stable.integration.reward_calls import call_reward_func
 from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import (
     ROUTED_EXPERTS_KEY,
@@ -60,10 +30,7 @@ from trl_stable.moe.hook import (
     batch_routing,
 )
 from trl_stable.monitoring.integration import attach_health_monitor
-from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.monitoring.reduction import (
-    Stat,
-    dense_reward_stats,
     has_own_reduction,
     reduce_metrics,
     step_mask_stats,
@@ -76,38 +43,31 @@ from trl_stable.rewards.dense import (
     is_dense_reward,
     raise_on_every_process,
     record_reward_failures,
-    start_dense_rewards,
     weighted_reward_sum,
 )
 from trl_stable.rewards.failure_guard import FailureGuard
-from trl_stable.settings.checks import (
-    Dependent,
-    check_dependents,
-)
+from trl_stable.settings.checks import Dependent, check_dependents, ignored_setting
 from trl_stable.trainers.checkpoints import check_checkpoint_names
+from trl_stable.trainers.grpo.advantages import SequenceAdvantages
 from trl_stable.trainers.grpo.checkpoints import GRPOCheckpoints
+from trl_stable.trainers.grpo.decoupled_loss import DecoupledLoss
+from trl_stable.trainers.grpo.dense_rewards import DenseRewards
+from trl_stable.trainers.grpo.dynamic_sampling import DynamicSamplingRefill
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
 from trl_stable.trainers.grpo.trl_batch import (
-    concat_rows,
-    forward_kwargs,
-    loss_mask,
     multimodal_forward_keys,
     num_items_in_batch,
-    num_rows,
     process_slice,
-    select_rows,
-    tokenizer_of,
 )
 from trl_stable.trainers.grpo.trl_logs import (
-    flush_reward_logs,
     flush_reward_metrics,
     log_generation_mismatch,
     log_metric,
     replace_logged_advantages,
     train_mode,
 )
-from trl_stable.trainers.grpo.trl_rewards import ContractCheckedRewards, reward_kwargs
+from trl_stable.trainers.grpo.trl_rewards import ContractCheckedRewards
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,
@@ -135,11 +95,8 @@ def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: floa
 
 @dataclass
 class RolloutRecord:
-    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable.
-
-    TRL keeps the return values of `_calculate_rewards`, `_generate` and its no-grad passes to itself, and its batch
-    dict has no rewards and no sampler routing, so this record is the channel (see `trl_stable.integration`). One
-    record per call, opened by `GRPOTrainer._rollout_record` and dropped when the call returns or raises.
+    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable (TRL keeps
+    their return values to itself); one record per call, opened by `GRPOTrainer._generate_and_score_round`.
 
     Attributes:
         inputs: The call's input rows (what `_calculate_rewards` needs when the rewards are scored early).
@@ -162,7 +119,9 @@ class RolloutRecord:
     routing: torch.Tensor | None = None
 
 
-class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
+class GRPOTrainer(
+    GRPOCheckpoints, SequenceAdvantages, DenseRewards, DynamicSamplingRefill, DecoupledLoss, trl.GRPOTrainer
+):
     """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
     filters, dense rewards, dynamic sampling, overlong penalty, NaN-reward handling and MoE routing replay.
 
@@ -170,12 +129,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         Same as `trl.GRPOTrainer`; `args` may be a `trl_stable.GRPOConfig` (a plain `trl.GRPOConfig` works too, with
         every trl_stable option off). Reward functions marked with `trl_stable.rewards.dense_reward` return per-token
         rewards and are called after the sequence-level ones (see `trl_stable.rewards.dense`).
-
-    Routing replay (``routing_replay``) runs at four named points, all in this class: `_generate_single_turn` /
-    `_generate` (R3: the sampler's routing), `_get_per_token_logps_and_entropies` (TRL's old-logprob pass: R2
-    records, R3 replays; the reference pass is recognised by `forward_passes.is_reference_pass` and never replayed),
-    `_compute_proximal_logps` (trl_stable's own rollout pass, likewise) and `_compute_loss` (the updates replay the
-    routing that travels in the batch under ``"routed_experts"``).
     """
 
     _tag_names = ["trl", "grpo", "trl_stable"]
@@ -198,8 +151,12 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                     ),
                 ),
             )
-        self._rollout: RolloutRecord | None = None  # set only inside `_rollout_record`
+        self._rollout: RolloutRecord | None = None  # set only inside `_generate_and_score_round`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
+        tools = "tools (GRPOTrainer(tools=...), or an environment_factory with tool methods)"
+        check_dependents(
+            self.args, (Dependent(("max_tool_calling_iterations",), bool(self.tools), tools),), ignored_setting
+        )
         check_checkpoint_names(self.args.output_dir)
         self._nan_dropped_total = 0
         self._split_dense_reward_funcs()
@@ -218,7 +175,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         self._reward_contract = ContractCheckedRewards(self.reward_funcs, self.reward_func_names)
         self.reward_funcs = self._reward_contract.funcs
         limit = self._opt("reward_max_failing_steps")
-        self._reward_guards = {
+        self.reward_guards = {
             name: FailureGuard(f"Reward function '{name}'", limit, "reward_max_failing_steps")
             for name in [*self.reward_func_names, *self.dense_reward_func_names]
         }
@@ -238,7 +195,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         self.step_masker = (
             CompletionStepMasker(tools=self._opt("step_mask_tools")) if self._opt("step_loss_mask") else None
         )
-        logger.info(self.describe_paths())
+        logger.info(self.describe())
 
     # ------------------------------------------------------------------ options
     def _opt(self, name: str) -> Any:
@@ -247,8 +204,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     def advantage_args(self) -> Any:
         """The configuration this generation batch's advantages are computed with: `args`, or while the health
-        monitor's virtual-samples remedy is on (`HealthMonitor.remedy_active`), `args.virtual_samples_config()`,
-        validated when the trainer was built. `args` itself is never changed."""
+        monitor's virtual-samples remedy is on, `args.virtual_samples_config()` (`args` is never changed)."""
         if self._virtual_samples_args is not None and self.health_monitor.remedy_active:
             return self._virtual_samples_args
         return self.args
@@ -257,7 +213,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         args = self.advantage_args()
         return args.advantage_settings if isinstance(args, GRPOConfig) else None
 
-    def describe_paths(self) -> str:
+    def describe(self) -> str:
         """One line naming the active advantage, loss, decoupled-loss, filter and routing paths (logged at start)."""
         settings = self._advantage_settings()
         estimator = self._opt("advantage_estimator")
@@ -285,40 +241,9 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             or (self._opt("health_monitor") and self._opt("health_mismatch_monitor"))
         )
 
-    def _positions_from_mask(self) -> bool:
-        """Whether the policy's forwards take position ids derived from the attention mask (`_policy_forward`).
-
-        On whenever trl_stable compares the trainer's log-probs with the sampler's (`_needs_sampler_logps`): HF
-        `generate` and vLLM number a left-padded row from its first real token, TRL's forward from the first column,
-        which on absolute position embeddings (GPT-2) moves the log-probs by up to nats. Off otherwise, so that a run
-        with every trl_stable option at its default keeps TRL's numbers.
-        """
-        return self._needs_sampler_logps()
-
-    def _split_dense_reward_funcs(self) -> None:
-        dense = [i for i, func in enumerate(self.reward_funcs) if is_dense_reward(func)]
-        self.dense_reward_funcs = [self.reward_funcs[i] for i in dense]
-        self.dense_reward_func_names = [self.reward_func_names[i] for i in dense]
-        self.dense_reward_weights = self.reward_weights[dense].clone()
-        if not dense:
-            return
-        keep = [i for i in range(len(self.reward_funcs)) if i not in dense]
-        if not keep:
-            raise ValueError(
-                "Every reward function is dense: GRPO needs at least one sequence-level reward function for the "
-                "group baseline; add one to reward_funcs (the dense rewards are added on top)."
-            )
-        self.reward_funcs = [self.reward_funcs[i] for i in keep]
-        self.reward_func_names = [self.reward_func_names[i] for i in keep]
-        self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
-        self.reward_weights = self.reward_weights[keep].clone()
-
-    def _log(self, name: str, value: float) -> None:
-        log_metric(self, name, value)
-
     def _log_routing(self, prefix: str) -> None:
         for name, value in self.routing.take_metrics(prefix, self.accelerator).items():
-            self._log(name, value)
+            log_metric(self, name, value)
 
     def _check_r3_support(self) -> None:
         """Raise ValueError when this trainer's generation cannot hand R3 the sampler's routing."""
@@ -333,17 +258,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
                 "continuous batching or tool calling. Fix: use routing_replay='R2'."
             )
-
-    # ------------------------------------------------------------------ the per-call record (TRL-imposed channel)
-    @contextmanager
-    def _rollout_record(self, inputs: list[dict[str, Any]]) -> Iterator[RolloutRecord]:
-        """Open the record the hooks of one `_generate_and_score_completions` call fill; always dropped after."""
-        record = RolloutRecord(inputs=inputs)
-        self._rollout = record
-        try:
-            yield record
-        finally:
-            self._rollout = None
 
     # ------------------------------------------------------------------ generation (routing point: sampling)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -454,14 +368,17 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         return out
 
     def _policy_forward(self, model, args: tuple, kwargs: dict[str, Any]):
-        """`model`, or for a text batch while `_positions_from_mask()` a wrapper that adds position ids derived from
+        """`model`, or for a text batch while `_needs_sampler_logps()` a wrapper that adds position ids derived from
         the attention mask to each forward (`forward_passes.with_mask_position_ids`), as the sampler numbered them.
 
         Every pass goes through here (old-logprob, proximal, reference, update), so the ratios between them keep
         comparing like with like. Multimodal batches keep the model's own numbering: models such as Qwen2-VL derive
         3-D (M-RoPE) position ids from the images themselves.
         """
-        if not self._positions_from_mask():
+        # Only while trl_stable compares the trainer's log-probs with the sampler's: HF `generate` and vLLM number a
+        # left-padded row from its first real token, TRL's forward from the first column (on absolute position
+        # embeddings, GPT-2, up to nats apart); with every option off, TRL's numbers.
+        if not self._needs_sampler_logps():
             return model
         if len(args) > 3 or any(kwargs.get(key) is not None for key in multimodal_forward_keys()):
             return model
@@ -498,10 +415,10 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         )
         for name, count in zip(self.reward_func_names, out_of_range.tolist()):
             if count:  # only when a value was clipped, so that a run without one logs exactly what TRL logs
-                self._log(f"rewards/{name}/out_of_range", float(count))
+                log_metric(self, f"rewards/{name}/out_of_range", float(count))
         if self.model.training:  # a function with no usable value for any completion of the gathered batch
             unscored = torch.isnan(rewards_per_func).all(dim=0).tolist()
-            record_reward_failures(self._reward_guards, dict(zip(self.reward_func_names, unscored)), failures)
+            record_reward_failures(self.reward_guards, dict(zip(self.reward_func_names, unscored)), failures)
         if self._opt("nan_reward_action") == "drop" and torch.isnan(rewards_per_func).all(dim=1).all():
             raise ValueError(
                 f"Every reward function ({', '.join(self.reward_func_names)}) returned None/NaN/inf for every "
@@ -522,46 +439,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                 )
         return rewards_per_func
 
-    def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
-        """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
-        num_local = len(prompts)
-        user = rewards_per_func[process_slice(self.accelerator, num_local), : self._num_user_reward_funcs]
-        env_rewards = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
-        kwargs = reward_kwargs(self, inputs)
-        kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
-        kwargs["env_rewards"] = env_rewards.tolist()
-        loop = getattr(self, "async_loop", None)
-        return start_dense_rewards(
-            self.dense_reward_funcs,
-            self.dense_reward_func_names,
-            self.dense_reward_weights.tolist(),
-            [len(ids) for ids in completion_ids_list],
-            call=lambda func, **extra: call_reward_func(func, loop, **kwargs, **extra),
-            prefetch=lambda func: call_reward_func(func.prefetch, loop, **kwargs),  # the call's own arguments
-            limit=self._opt("max_abs_reward"),
-        )
-
-    def _collect_dense_rewards(self, pending: PendingDenseRewards) -> torch.Tensor:
-        """Call the prefetched dense reward functions; their weighted sum [B, T_max] on the local completions.
-
-        Every process calls this together (the dense functions are a trainer setting): a contract error seen by one
-        process stops all, and what the functions logged with ``log_metric`` / ``log_extra`` after TRL's own flush is
-        flushed the same way, so it is logged with this step.
-        """
-        dense = call_on_every_process(self.accelerator, pending.collect)
-        flush_reward_logs(self, len(pending.completion_lengths))
-        if self.model.training:  # a dense function that raised on any process failed this step
-            raised = [float(name in dense.failures) for name in pending.names]
-            raised = self.accelerator.reduce(torch.tensor(raised, device=self.accelerator.device), "sum").tolist()
-            failed = {name: count > 0 for name, count in zip(pending.names, raised)}
-            record_reward_failures(self._reward_guards, failed, dense.failures)
-        # token means over every process's tokens, counts summed: the numbers of one process with the global batch
-        for name, value in reduce_metrics(
-            dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator
-        ).items():
-            self._log(name, value)
-        return dense.as_tensor(device=self.accelerator.device)
-
     # ------------------------------------------------------------------ batch building
     def _generate_and_score_completions(self, inputs):
         output, keep = self._generate_and_score_round(inputs)
@@ -574,8 +451,11 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
 
     def _generate_and_score_round(self, inputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """One TRL generation + scoring round, post-processed; returns the batch and dynamic sampling's [B] keep."""
-        with self._rollout_record(inputs) as record:
+        record = self._rollout = RolloutRecord(inputs=inputs)  # TRL's hooks fill it, during this call only
+        try:
             output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rollout = None
         return self._postprocess_generation(output, record)
 
     def _postprocess_generation(
@@ -616,12 +496,14 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
                     f"loss ({self._nan_dropped_total} so far)."
                 )
                 drop |= unscorable
-            self._log("rewards/nan_dropped", float(count))
-            self._log("rewards/nan_dropped_total", float(self._nan_dropped_total))
+            log_metric(self, "rewards/nan_dropped", float(count))
+            log_metric(self, "rewards/nan_dropped_total", float(self._nan_dropped_total))
         keep = None
         if self._opt("dynamic_sampling"):
             zero_var = zero_variance_groups(weighted_reward_sum(rewards_per_func, self.reward_weights), group_ids)
-            self._log("dynamic_sampling/frac_groups_dropped", zero_var.view(-1, num_generations)[:, 0].float().mean())
+            log_metric(
+                self, "dynamic_sampling/frac_groups_dropped", zero_var.view(-1, num_generations)[:, 0].float().mean()
+            )
             drop |= zero_var
             keep = ~zero_var[local]
             if zero_var.all():
@@ -635,16 +517,7 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             # collected only now, after TRL's scoring round: prefetched critic requests had that long to answer
             record.dense_rewards = self._collect_dense_rewards(record.pending_dense)
         if record.dense_rewards is not None:
-            dense = record.dense_rewards
-            width = output["completion_ids"].size(1)
-            dense = torch.nn.functional.pad(dense, (0, width - dense.size(1)))[:, :width]
-            output["advantages"] = dense_advantages(
-                output["advantages"],
-                dense.to(output["completion_mask"].device),
-                loss_mask(output),
-                coef=self._opt("dense_reward_coef"),
-                gamma=self._opt("dense_reward_gamma"),
-            )
+            output["advantages"] = self._add_dense_advantages(output, record.dense_rewards)
         return output, keep
 
     def _attach_routing(self, output: dict[str, Any], record: RolloutRecord) -> None:
@@ -655,96 +528,6 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
             routing = batch_routing(record.sampled_routing, attention_mask, output["prompt_ids"].shape[1])
         if routing is not None:
             output[ROUTED_EXPERTS_KEY] = routing
-
-    # ------------------------------------------------------------------ dynamic sampling refill
-    def _refill_prompts(self, num_rows: int) -> list[dict[str, Any]]:
-        """`num_rows` rows for one extra generation round: random prompts, each repeated num_generations times."""
-        if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
-            raise ValueError(
-                "dynamic_sampling_max_refills needs a map-style train_dataset to draw new prompts from; set "
-                "dynamic_sampling_max_refills=0 for an IterableDataset."
-            )
-        if not hasattr(self, "_refill_generator"):
-            # its own stream, so the refills neither repeat the main sampler's order nor move it
-            self._refill_generator = torch.Generator().manual_seed(self.args.seed + 1 + self.accelerator.process_index)
-        num_prompts = num_rows // self.num_generations
-        indices = torch.randint(len(self.train_dataset), (num_prompts,), generator=self._refill_generator).tolist()
-        return [dict(self.train_dataset[i]) for i in indices for _ in range(self.num_generations)]
-
-    def _refill_dynamic_sampling(self, output: dict[str, Any], keep: torch.Tensor, num_inputs: int) -> dict[str, Any]:
-        """DAPO's fixed-size dynamic sampling: replace dropped rows by informative rows from extra generations.
-
-        Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
-        prompts; the loop stops when every process has `num_inputs` kept rows or after
-        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows). Every process
-        runs the same rounds, those already full too (their extra rows are not used).
-        """
-        if forward_kwargs(output):
-            raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
-        num_kept = int(keep.sum().item())
-
-        def anyone_short() -> bool:
-            # Decided on every process's count, so all take the same branch: a refill round is full of collectives
-            # (generation, reward gathers), and a process that skipped it alone would leave the others waiting.
-            shortfall = torch.tensor([float(num_inputs - num_kept)], device=self.accelerator.device)
-            return self.accelerator.gather(shortfall).max().item() > 0
-
-        if not anyone_short():
-            return output
-        kept = [select_rows(output, keep)]
-        spare = [select_rows(output, ~keep)]
-        rows_per_round = -(-num_inputs // self.num_generations) * self.num_generations
-        rounds = 0
-        while rounds < self._opt("dynamic_sampling_max_refills") and (rounds == 0 or anyone_short()):
-            more, more_keep = self._generate_and_score_round(self._refill_prompts(rows_per_round))
-            kept.append(select_rows(more, more_keep))
-            spare.append(select_rows(more, ~more_keep))
-            num_kept += int(more_keep.sum().item())
-            rounds += 1
-        self._log("dynamic_sampling/refill_rounds", rounds)
-        filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
-        self._log("dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"])
-        merged = concat_rows(kept + spare, tokenizer_of(self).pad_token_id)
-        merged = select_rows(merged, torch.arange(num_rows(merged)) < num_inputs)
-        merged["num_items_in_batch"] = num_items_in_batch(merged, self.accelerator)
-        return merged
-
-    # ------------------------------------------------------------------ advantages
-    def _compute_sequence_advantages(
-        self, rewards_per_func: torch.Tensor, group_ids: torch.Tensor, settings: dict[str, Any]
-    ) -> torch.Tensor:
-        """Sequence advantages [N] over the gathered batch from the registered estimator (NaN where unscorable)."""
-        params = dict(settings)
-        name = params.pop("estimator")
-        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
-        if name == "ngrpo":
-            r_max = params["r_max"]
-            top = torch.nan_to_num(rewards, nan=r_max).max().item()
-            if top > r_max and not getattr(self, "_warned_ngrpo_r_max", False):
-                self._warned_ngrpo_r_max = True  # once: the virtual sample must carry the best achievable reward
-                logger.warning(
-                    f"A reward ({top:.4g}) exceeds ngrpo_r_max={r_max}; NGRPO's virtual samples should carry the "
-                    "maximum reward: set ngrpo_r_max to it or rescale the rewards."
-                )
-        inputs = AdvantageInputs(
-            rewards,
-            group_ids=group_ids,
-            rewards_per_func=rewards_per_func,
-            reward_weights=self.reward_weights.to(rewards_per_func.device),
-        )
-        advantages = get_advantage_estimator(name)(inputs, **params).advantages
-        self._log_per_reward_advantages(rewards_per_func, group_ids)
-        self._log("advantages/mean", torch.nanmean(advantages).item())
-        self._log("advantages/std", nanstd(advantages).item())
-        return advantages
-
-    def _log_per_reward_advantages(self, rewards_per_func: torch.Tensor, group_ids: torch.Tensor) -> None:
-        """Each reward's own group z-score (GDPO's per-reward advantage), to see which reward drives learning."""
-        for i, name in enumerate(self.reward_func_names):
-            z = normalize(rewards_per_func[:, i], group_ids, mean_level="group", std_level="group", eps=1e-4)
-            self._log(f"advantages/{name}/mean", torch.nanmean(z).item())
-            self._log(f"advantages/{name}/std", nanstd(z).item())
-            self._log(f"advantages/{name}/abs_mean", torch.nanmean(z.abs()).item())
 
     # ------------------------------------------------------------------ loss masks
     def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor, renormalize: bool = True) -> None:
@@ -769,70 +552,8 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer)
         stats = step_mask_stats(self.step_masker.stats())  # each process logs the reasons it saw
         for name, value in reduce_metrics(stats, self.accelerator, names_may_differ=True).items():
-            self._log(name, value)
+            log_metric(self, name, value)
         self._apply_loss_mask(output, keep)
-
-    # ------------------------------------------------------------------ decoupled loss (routing point: rollout)
-    @torch.no_grad()
-    def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient).
-
-        With routing replay it is a rollout pass: R3 replays the batch's (sampler) routing, R2 records the routing of
-        this pass into the batch.
-        """
-        mode = train_mode(self)
-        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        sampled = output.get(ROUTED_EXPERTS_KEY) if self.routing.mode == "R3" else None
-        with ExitStack() as stack:
-            stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
-            rollout = stack.enter_context(self.routing.rollout_pass(attention_mask, sampled))
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                input_ids,
-                attention_mask,
-                output["completion_ids"].size(1),
-                batch_size=batch_size,
-                **forward_kwargs(output),
-            )
-        if self.routing.mode == "R2":
-            output[ROUTED_EXPERTS_KEY] = rollout.routing
-        elif sampled is not None:
-            self._log_routing("routing/rollout_")
-        return logps
-
-    def _apply_decoupled_loss(self, output: dict[str, Any]) -> None:
-        """Fold the behaviour weight and the token filter into (B, T) advantages (see `fold_behaviour_weight`).
-
-        With sequence-level importance sampling (GSPO) a masking filter also leaves TRL's loss mask, so the filtered
-        tokens do not enter the sequence log-ratio, which TRL averages over that mask (as AReaL averages it over the
-        kept tokens). `num_items_in_batch` keeps the pre-filter count, so the dapo/cispo/dr_grpo normalisers stay the
-        pre-mask count; TRL's "grpo"/"bnpo" normalisers read the mask itself and count the kept tokens only.
-        """
-        behav = output.get("sampling_per_token_logps")
-        if behav is None:
-            raise RuntimeError(
-                "use_decoupled_loss=True needs the sampler's per-token log-probs, but the batch has none; a "
-                "rollout_func must return 'logprobs' for its completions."
-            )
-        prox = output.get("old_per_token_logps")
-        if prox is None:
-            prox = self._compute_proximal_logps(output)
-            output["old_per_token_logps"] = prox
-        mask = loss_mask(output)
-        raw_weight = behaviour_weight(prox, behav, mask)
-        name = self._opt("token_filter")
-        lower, upper = self.args.filter_bounds if name else (None, None)
-        weight, keep = filter_behaviour_weight(
-            prox, behav, mask, name, self._opt("token_filter_action"), lower, upper, self._opt("token_filter_level")
-        )
-        output["advantages"] = fold_behaviour_weight(output["advantages"], weight, keep)
-        if keep is not None and self.importance_sampling_level == "sequence":
-            self._apply_loss_mask(output, keep, renormalize=False)
-        metrics = behaviour_filter_metrics(mask, raw_weight, weight, keep, name, gather=self.accelerator.gather)
-        for metric, value in metrics.items():
-            self._log(metric, value)
 
     # ------------------------------------------------------------------ the updates (routing point: update)
     # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)
@@ -846,15 +567,15 @@ class GRPOTrainer(GRPOCheckpoints, trl.GRPOTrainer):
         """(shared, per-process) state for a checkpoint: the NaN-reward count (of the gathered batch, the same on
         every process) and this process's refill RNG (None until the first refill draws from it)."""
         refill = getattr(self, "_refill_generator", None)
-        guards = {name: guard.checkpoint_state() for name, guard in self._reward_guards.items()}
+        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
         shared = {"nan_dropped_total": self._nan_dropped_total, "reward_guards": guards}
         return shared, {"refill_generator": None if refill is None else refill.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self._nan_dropped_total = int(shared["nan_dropped_total"])
         for name, state in shared.get("reward_guards", {}).items():
-            if name in self._reward_guards:
-                self._reward_guards[name].load_checkpoint_state(state)
+            if name in self.reward_guards:
+                self.reward_guards[name].load_checkpoint_state(state)
         if per_process is not None and per_process["refill_generator"] is not None:
             generator = torch.Generator()
             generator.set_state(per_process["refill_generator"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl_stable.settings.checks import Dependent, check_dependents
 
@@ -63,25 +64,7 @@ class VLLMArguments:
         """Raise ValueError, naming the field and the fix, on vLLM settings that cannot work."""
         if self.vllm_mode not in _MODES:
             raise ValueError(f"vllm_mode must be one of {_MODES}, got {self.vllm_mode!r}.")
-        # Every vLLM field but the switch only acts with vLLM on, and each mode reads only its own fields (enumerated
-        # from the fields' help, "Server mode: ..." / "Colocate mode: ...", so a new field is covered).
-        fields = dataclasses.fields(VLLMArguments)
-        settings = tuple(f.name for f in fields if f.name != "use_vllm")
-        server = tuple(f.name for f in fields if f.metadata["help"].startswith("Server mode:"))
-        colocate = tuple(f.name for f in fields if f.metadata["help"].startswith("Colocate mode:"))
-        check_dependents(
-            self,
-            (
-                Dependent(settings, self.use_vllm, "use_vllm=True"),
-                Dependent(server, self.vllm_mode == "server", "vllm_mode='server'"),
-                Dependent(colocate, self.vllm_mode == "colocate", "vllm_mode='colocate'"),
-                Dependent(
-                    ("vllm_server_host", "vllm_server_port"),
-                    self.vllm_server_base_url is None,
-                    "vllm_server_base_url=None (a base URL replaces host and port)",
-                ),
-            ),
-        )
+        check_dependents(self, vllm_dependents(self))
         if not self.use_vllm:
             return  # the ranges of the numeric fields are `PPO_BOUNDS`'
         if getattr(self, "routing_replay", "off") == "R3" and self.vllm_mode == "server":
@@ -91,3 +74,22 @@ class VLLMArguments:
             )
         if getattr(self, "load_in_8bit", False):
             raise ValueError("use_vllm does not support load_in_8bit (vLLM has no in-flight 8-bit); use load_in_4bit.")
+
+
+def vllm_dependents(config: Any, settings: tuple[str, ...] | None = None) -> tuple[Dependent, ...]:
+    """The vLLM fields as [`Dependent`]s: `settings` (default: every `VLLMArguments` field but the switch) only act
+    with vLLM on, and each mode reads only its own fields (enumerated from the fields' help, "Server mode: ..." /
+    "Colocate mode: ...", so a new field is covered)."""
+    fields = dataclasses.fields(VLLMArguments)
+    server = tuple(f.name for f in fields if f.metadata["help"].startswith("Server mode:"))
+    colocate = tuple(f.name for f in fields if f.metadata["help"].startswith("Colocate mode:"))
+    return (
+        Dependent(settings or tuple(f.name for f in fields if f.name != "use_vllm"), config.use_vllm, "use_vllm=True"),
+        Dependent(server, config.vllm_mode == "server", "vllm_mode='server'"),
+        Dependent(colocate, config.vllm_mode == "colocate", "vllm_mode='colocate'"),
+        Dependent(
+            ("vllm_server_host", "vllm_server_port"),
+            config.vllm_server_base_url is None,
+            "vllm_server_base_url=None (a base URL replaces host and port)",
+        ),
+    )
