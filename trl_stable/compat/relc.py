@@ -1,23 +1,10 @@
 """RELC's TRL 0.x API on trl_stable: change a RELC script's `trl` imports to this module and it runs unchanged.
 
 RELC (Cao et al., "Beyond Sparse Rewards", google-research/relc) ships its scripts with a frozen fork of TRL 0.x.
-They import from `trl`, `trl.core`, `trl.extras.openai_scores` and `trl.extras.toxicity_evaluator`; every such name
-is here, with the fork's signature and meaning, built on trl_stable's `PPOTrainer`, critic backends and span
-alignment (no code of the fork is reused):
-
-```python
-from trl_stable.compat.relc import (
-    AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, create_reference_model,
-    query_batch_span, set_seed,
-)
-```
-
-Where the fork's behaviour was a bug, the script keeps running and a warning (once) says what trl_stable does and
-how to switch: a failed critic call is None, as in the fork (see `trl_stable.compat.relc_critic.query_batch_span`
-for what each RELC parser makes of it, and ``TRL_STABLE_RELC_FAILED_CALLS=drop`` to make a failed call contribute
-nothing), and the scripts' substring matching of decoded tokens against critic spans is pointed at
-`trl_stable.rewards.span_token_rewards` (character-offset alignment). `PPOTrainer.step` scales RELC's per-token
-rows as the fork did with ``use_score_scaling`` / ``use_score_norm`` / ``score_clip``.
+Every name they import from `trl`, `trl.core`, `trl.extras.openai_scores` and `trl.extras.toxicity_evaluator` is
+here, with the fork's signature and meaning, built on trl_stable's `PPOTrainer`, critic backends and span alignment
+(no code of the fork is reused). Where the fork's behaviour was a bug, the script keeps running and a warning (once)
+says what trl_stable does and how to switch: docs/coming_from_relc.md.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed as _accelerate_set_seed
+from accelerate.utils import set_seed  # seeds random, numpy and torch (all devices), as trl.core.set_seed did
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -58,12 +45,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------- trl.core
-def set_seed(seed: int) -> None:
-    """Seed `random`, `numpy` and `torch` (all devices), as `trl.core.set_seed` did."""
-    _accelerate_set_seed(seed)
-
-
 class LengthSampler(_InclusiveLengthSampler):
     """`trl.core.LengthSampler`: a length drawn uniformly from ``[min_value, max_value)``.
 
@@ -80,7 +61,6 @@ class LengthSampler(_InclusiveLengthSampler):
         super().__init__(min_value, max_value - 1)
 
 
-# ---------------------------------------------------------------------------------------------------- config
 @dataclass
 class PPOConfig:
     """`trl.PPOConfig` of RELC's TRL 0.x fork: the same fields and defaults (a plain dataclass, so `tyro` builds
@@ -204,7 +184,6 @@ class PPOConfig:
         return _StablePPOConfig(**kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- models
 class AutoModelForCausalLMWithValueHead(nn.Module):
     """`trl.AutoModelForCausalLMWithValueHead`: a causal LM (`pretrained_model`, a PEFT model with `peft_config`)
     and a scalar value head (`v_head`, trl_stable's `ValueHead`) on its last hidden state.
@@ -224,19 +203,23 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | nn.Module, *model_args: Any, peft_config: Any | None = None, **kwargs
     ) -> AutoModelForCausalLMWithValueHead:
-        """Load (or wrap) a causal LM and put a fresh value head on it (seeded by the global RNG, as in TRL 0.x:
-        call `set_seed` first for a reproducible head).
-
-        Args:
-            pretrained_model_name_or_path: A name/path, or a loaded causal LM (e.g. loaded in bfloat16 first).
-            peft_config: A `peft.PeftConfig`: the LM becomes a PEFT model (the trainer's reference is then the LM
-                with its adapter disabled).
-            kwargs: For `AutoModelForCausalLM.from_pretrained` (``device_map``, ``load_in_8bit``, dtype, ...).
-        """
+        """Load (or wrap) a causal LM and put a fresh value head on it, seeded by the global RNG as in TRL 0.x (call
+        `set_seed` first for a reproducible head). `pretrained_model_name_or_path` may be a loaded LM; with
+        `peft_config` it becomes a PEFT model; `kwargs` go to `AutoModelForCausalLM.from_pretrained` (``device_map``,
+        ``load_in_8bit``, dtype, ...)."""
         if isinstance(pretrained_model_name_or_path, nn.Module):
             model = pretrained_model_name_or_path
-        else:
-            kwargs = _loading_kwargs(kwargs)
+        else:  # TRL 0.x's loading flags in today's transformers spelling
+            load_8bit, load_4bit = kwargs.pop("load_in_8bit", False), kwargs.pop("load_in_4bit", False)
+            if load_8bit or load_4bit:
+                from transformers import BitsAndBytesConfig
+
+                kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_8bit, load_in_4bit=load_4bit)
+            # RELC's PEFT script maps the model to GPU `local_process_index`; on a CPU machine that index is no device
+            device_map = kwargs.get("device_map")
+            cpu_only = isinstance(device_map, dict) and not torch.cuda.is_available()
+            if cpu_only and any(isinstance(v, int) for v in device_map.values()):
+                kwargs.pop("device_map")
             model = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if peft_config is not None:
             from peft import get_peft_model
@@ -273,22 +256,6 @@ class AutoModelForSeq2SeqLMWithValueHead(AutoModelForCausalLMWithValueHead):
 AutoModelForSeq2Seq = AutoModelForSeq2SeqLMWithValueHead  # the name RELC's sentiment script imports
 
 
-def _loading_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """TRL 0.x loading flags in today's transformers spelling."""
-    kwargs = dict(kwargs)
-    load_8bit, load_4bit = kwargs.pop("load_in_8bit", False), kwargs.pop("load_in_4bit", False)
-    if load_8bit or load_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_8bit, load_in_4bit=load_4bit)
-    device_map = kwargs.get("device_map")
-    if isinstance(device_map, dict) and not torch.cuda.is_available():
-        # RELC's PEFT script maps the model to GPU `local_process_index`; on a CPU machine that index is no device
-        if any(isinstance(v, int) for v in device_map.values()):
-            kwargs.pop("device_map")
-    return kwargs
-
-
 def create_reference_model(
     model: nn.Module, num_shared_layers: int | None = None, pattern: str | None = None
 ) -> nn.Module:
@@ -309,16 +276,10 @@ def _policy_of(model: Any) -> Any:
     return model.pretrained_model if isinstance(model, AutoModelForCausalLMWithValueHead) else model
 
 
-# ---------------------------------------------------------------------------------------------------- trainer
 class PPOTrainer(_StablePPOTrainer):
-    """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO: ``PPOTrainer(config, model, ref_model, tokenizer,
-    dataset=..., optimizer=..., data_collator=..., num_shared_layers=..., lr_scheduler=...)``.
-
-    Everything of `trl_stable.PPOTrainer` is there (`accelerator`, `current_device`, `log_stats`, ...), plus
-    `config` (the RELC config), `dataloader` (over `dataset`: `batch_size` rows per process, shuffled, last
-    incomplete batch dropped, prepared for the processes), the fork's `generate` and `step` signatures and
-    `save_pretrained`.
-    """
+    """`trl.PPOTrainer` of RELC's fork on trl_stable's PPO, with the fork's constructor, `generate`, `step` and
+    `save_pretrained`, plus `config` (the RELC config) and `dataloader` (over `dataset`, see `prepare_dataloader`);
+    everything of `trl_stable.PPOTrainer` is there too."""
 
     def __init__(
         self,
@@ -363,9 +324,9 @@ class PPOTrainer(_StablePPOTrainer):
         self.current_step = 0
 
     def prepare_dataloader(self, dataset: Any, data_collator: Callable | None = None) -> torch.utils.data.DataLoader:
-        """A shuffled `DataLoader` of `config.batch_size` rows (last incomplete batch dropped), prepared by the
-        accelerator (each process gets its own rows). A `datasets.Dataset` keeps only the columns the model's
-        forward takes plus "label", "query" and "response" (with `remove_unused_columns`), as the fork did."""
+        """A shuffled `DataLoader` of `config.batch_size` rows per process (last incomplete batch dropped), prepared by
+        the accelerator; with `remove_unused_columns`, a `datasets.Dataset` keeps only the columns the model's forward
+        takes plus "label", "query" and "response", as the fork did."""
         if self.config.remove_unused_columns and hasattr(dataset, "column_names"):
             keep = set(inspect.signature(self.unwrapped().policy.forward).parameters) | {"label", "query", "response"}
             unused = [c for c in dataset.column_names if c not in keep]
@@ -414,16 +375,12 @@ class PPOTrainer(_StablePPOTrainer):
         response_masks: list[torch.Tensor] | None = None,
         **stable_kwargs: Any,
     ) -> dict[str, float]:
-        """The fork's ``step(queries, responses, scores)``.
-
-        Each entry of `scores` is a scalar (a 0-dim tensor or a number: the sequence reward, on the last response
-        token) or, as RELC's scripts build them, a per-token row of ``len(query) + len(response) - 1`` rewards,
-        one per predicted token of query + response. Only its last ``len(response)`` entries (the response tokens)
-        reach PPO: the fork masked the query positions out as well. None marks a sample without a reward (dropped).
-
-        trl_stable's keywords (``token_rewards=``, ``turn_ids=``, ...) are passed through to
-        `trl_stable.PPOTrainer.step`, with `scores` then in its meaning.
-        """
+        """The fork's ``step(queries, responses, scores)``: each score is a scalar (the sequence reward, on the last
+        response token), None (a sample without a reward: dropped) or, as RELC's scripts build them, a row of
+        ``len(query) + len(response) - 1`` rewards, one per predicted token, of which only the response's last
+        ``len(response)`` reach PPO (the fork masked the query positions too). trl_stable's keywords
+        (``token_rewards=``, ``turn_ids=``, ...) pass through to `trl_stable.PPOTrainer.step`, with `scores` in its
+        meaning."""
         if stable_kwargs:
             return super().step(queries, responses, scores=scores, **stable_kwargs)
         if response_masks is not None:
@@ -467,10 +424,8 @@ class PPOTrainer(_StablePPOTrainer):
         """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: the rows of every
         process, right-padded with zeros to the longest on their process, update the running mean and std (every
         entry counts, query positions and padding included, as in the fork); each row is divided by the running std
-        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``.
-
-        Differences: a running std of (nearly) 0 leaves the rows unscaled (the fork divided by float32's eps, 1e7
-        times), and the std's floor is 1e-8 instead of float32's eps (1.2e-7): the same numbers to ~1e-7 relative.
+        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``. Two
+        differences from the fork (a std of ~0, the std's floor): docs/coming_from_relc.md.
         """
         args = self.args
         if not args.use_score_scaling and args.score_clip is None:
@@ -517,15 +472,12 @@ class PPOTrainer(_StablePPOTrainer):
         return dropped
 
     def save_pretrained(self, save_directory: str) -> None:
-        """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`.
-
-        No collective runs inside, so RELC's ``if accelerator.is_main_process: ppo_trainer.save_pretrained(...)``
-        works with several processes; called on every process, only the main one writes."""
+        """Save the policy (full model or LoRA adapter), the tokenizer and the value head to `save_directory`, on the
+        main process only and with no collective inside, so RELC's ``if accelerator.is_main_process:`` call works."""
         if self.accelerator.is_main_process:
             self._save(save_directory)
 
 
-# ---------------------------------------------------------------------------------------------------- toxicity
 class RobertaHateSpeechDetector:
     """`trl.extras.toxicity_evaluator.RobertaHateSpeechDetector`: `evaluate(texts)` gives, per text, a 0-dim
     tensor with the classifier's "not hate" logit (class 0), the fork's reward. Loaded in float16 on CUDA only

@@ -1,18 +1,7 @@
-"""RELC's critic on trl_stable: `query_batch_span` (the fork's critic call) with its failure semantics, and RELC's
-settings for trl_stable's own critic reward: its flag spelling, the meaning its scripts give their two reward flags
-per task, and its per-word answer format.
-
-RELC (Cao et al., "Enhancing Reinforcement Learning with Dense Rewards from Language Model Critic", EMNLP 2024;
-google-research/relc) names the flag ``--use_instric_reward``; its toxicity and summarization scripts give
-``--positive_reward_value`` to every token *outside* a bad span; its per-word prompt files (``prompt_[123]shot*.txt``,
-``prompt_toxicity_3shot.txt``, which its code ends with ``Rewards assigned:``) are answered with ``3.  idiot: -1``
-lines. `RelcCriticRewardConfig` is `trl_stable.rewards.CriticRewardConfig` with all three:
-
-```python
-from trl_stable.compat.relc_critic import RelcCriticRewardConfig
-
-config = RelcCriticRewardConfig.from_relc("toxicity", 0.1, -0.5, use_instric_reward=True)
-```
+"""RELC's critic on trl_stable: `query_batch_span` (the fork's critic call) with its failure semantics, and
+`RelcCriticRewardConfig`: `trl_stable.rewards.CriticRewardConfig` with RELC's flag spelling (``--use_instric_reward``),
+the meaning its scripts give their two reward flags per task, and its per-word answer format (``3.  idiot: -1`` lines
+after ``Rewards assigned:``). docs/coming_from_relc.md and docs/critic_rewards.md hold the rules.
 """
 
 from __future__ import annotations
@@ -51,15 +40,9 @@ _WORD_SCORE_RE = re.compile(
 def relc_token_reward_values(
     task: str, positive_reward_value: float, negative_reward_value: float
 ) -> tuple[float, float, float]:
-    """RELC's ``--positive_reward_value`` / ``--negative_reward_value`` of `task` as our three per-token values
-    ``(positive_reward_value, negative_reward_value, outside_span_reward_value)``.
-
-    - sentiment: a token in a positive span gets ``positive``, in a negative span ``negative``, elsewhere 0, so
-      ``(positive, negative, 0.0)``;
-    - toxicity and summarization: the critic names only bad spans (toxic / problematic); a token in one gets
-      ``negative`` and every other token ``positive`` (toxicity script: +0.1 outside, -0.5 inside), so
-      ``(0.0, negative, positive)``.
-    """
+    """RELC's ``--positive_reward_value`` / ``--negative_reward_value`` of `task` as our ``(positive_reward_value,
+    negative_reward_value, outside_span_reward_value)``: sentiment ``(positive, negative, 0.0)``; toxicity and
+    summarization, whose critic names only bad spans, ``(0.0, negative, positive)``."""
     if task not in CRITIC_TASKS:
         raise ValueError(f"task must be one of {CRITIC_TASKS}, got {task!r}.")
     if task == "sentiment":
@@ -187,27 +170,10 @@ def query_batch_span(
     failed_as: str | None = None,
     failed_calls: str | None = None,
 ) -> list[str | None]:
-    """`trl.extras.openai_scores.query_batch_span`: ask an OpenAI-compatible critic each prompt of `queries`
-    (temperature 0) and return its answer text, in order. The call goes through trl_stable's `OpenAICritic`
-    (retries with backoff, a per-request timeout, a deadline per batch), so it never raises; a call that failed
-    after its retries is `failed_as` (None, as in the fork).
-
-    What RELC's own parsers make of a failed call (their code, not ours: it runs unchanged):
-
-    - toxicity: None gives every token of the sample 0 (the parser's own ``span is None`` branch): no intrinsic
-      reward. ``""`` reads as "no toxic span", so every token gets ``--positive_reward_value``: a failed call is
-      rewarded like a flawless answer.
-    - summarization: None stops the script (``"None identified" in span`` is a `TypeError`); ``""`` gives every
-      token ``--positive_reward_value``, as toxicity does.
-    - sentiment: None stops the script the same way; ``""`` gives 0 to every token, but the script's fallback for an
-      answer without "Identified Negative Text Span:" appends that sample's positive part twice, so every later
-      sample of the batch gets the positive rewards of the one before it. ``failed_as="Identified Negative Text
-      Span:"`` gives 0 to every token without that shift.
-
-    With ``failed_calls="drop"`` (or the environment variable ``TRL_STABLE_RELC_FAILED_CALLS=drop``, for a script
-    you do not edit) a failed call contributes nothing: the sample is left out of the next `PPOTrainer.step`, found
-    by its response text in the failed prompt (counted in ``ppo/dropped_samples``). Its environment reward goes
-    with it: RELC's scripts add both into one row, which cannot be split again.
+    """`trl.extras.openai_scores.query_batch_span`: each prompt's answer from an OpenAI-compatible critic
+    (temperature 0, trl_stable's `OpenAICritic`: retries, timeouts, never raises), in order; a call that failed after
+    its retries is `failed_as`. What RELC's parsers make of that, and ``failed_calls="drop"``, which leaves its sample
+    out of the next `PPOTrainer.step`: docs/coming_from_relc.md, "A failed critic call".
 
     Args:
         queries: The full critic prompts.

@@ -7,8 +7,6 @@ from typing import Any
 
 from trl_stable.integration.trl_members import CONFIG_NAME_ATTRIBUTE
 
-__all__ = ["model_name_of", "rng_state_file"]
-
 
 def model_name_of(model: Any) -> str | None:
     """The name or path `model` was loaded from (its config's `CONFIG_NAME_ATTRIBUTE`), None when it has none."""

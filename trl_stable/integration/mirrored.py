@@ -1,24 +1,15 @@
-"""The registry's second table: the TRL / transformers logic trl_stable mirrors (TRL offers no helper for it) or
-relies on, each as a [`Mirrored`] naming trl_stable's side and the TRL lines it stands on ([`MIRRORED`]), plus the
-lines of TRL's log-prob pass the position-id wrapper relies on ([`LOGPS_FORWARD_SNIPPETS`]). The members themselves
-are in `trl_stable.integration.trl_members`; `tests/integration/test_trl_members.py` checks both tables against the
-installed TRL and transformers."""
+"""The registry's second table: the TRL / transformers logic trl_stable mirrors or relies on ([`MIRRORED`]), and the
+lines of TRL's log-prob pass the position-id wrapper relies on (docs/development.md, "TRL internals")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LOGPS_FORWARD_SNIPPETS", "MIRRORED", "Mirrored"]
-
 
 @dataclass(frozen=True)
 class Mirrored:
-    """TRL / transformers logic trl_stable repeats (TRL offers no helper for it) or relies on: where trl_stable does
-    it and the TRL lines it stands on.
-
-    The contract test asserts that every `snippets` line is still in the TRL member's source, so a TRL change to the
-    mirrored logic fails there, naming `ours`; and, with `calls`, that the member makes exactly those calls (as the
-    AST spells them), so a step added to or removed from a method trl_stable repeats whole fails too.
+    """TRL / transformers logic trl_stable repeats (TRL offers no helper for it) or relies on; the contract test
+    checks that every `snippets` line is still in `trl_member`'s source and, with `calls`, its exact calls.
 
     Attributes:
         ours: Dotted path of trl_stable's function, method or class that mirrors or relies on the logic.

@@ -12,8 +12,6 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["call_reward_func", "reward_event_loop"]
-
 
 def call_reward_func(func: Callable[..., Any], loop: asyncio.AbstractEventLoop | None, **kwargs: Any) -> Any:
     """Call a reward function; an async one runs on `loop`, as TRL runs them on its reward event loop.

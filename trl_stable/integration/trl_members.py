@@ -1,43 +1,12 @@
-"""The registry of every private TRL / transformers member trl_stable relies on (the TRL logic it mirrors or relies on
-is the registry's second table, `trl_stable.integration.mirrored`).
-
-trl_stable extends `trl.GRPOTrainer` by overriding some of its private methods and reading some of its private
-attributes; none of them is TRL's public API, and several changed signature or return arity between TRL releases.
-This module names them ([`GRPO_MEMBERS`], [`TRANSFORMERS_MEMBERS`], [`HELPER_MEMBERS`], and for PPO [`PPO_MEMBERS`],
-[`VLLM_MEMBERS`], [`ENGINE_MEMBERS`]), each as a [`Member`], and the keys and padding of TRL's GRPO batch dict. It
-holds data only: the code that uses the members lives where it is used (`used_in`).
-`tests/integration/test_trl_members.py` checks every entry against the installed TRL and transformers, so an upgrade
-fails there, naming the member, instead of deep inside a training step.
-
-The TRL-imposed channel. TRL's `_generate_and_score_completions` calls `_calculate_rewards`, `_generate`,
-`_generate_single_turn` and `_get_per_token_logps_and_entropies` and keeps what they return to itself (the batch dict
-it returns has no rewards, no sampler routing). trl_stable's override therefore opens one per-call record
-(`trl_stable.trainers.grpo.RolloutRecord`, a context manager, reset when the call ends, also on error) that those
-hooks fill; nothing else carries one batch's values between methods.
-
-The version gate (`trl_stable.integration.version`) stays: it turns an unsupported TRL into one clear ImportError at
-import time.
+"""The registry of every private TRL / transformers member trl_stable relies on ([`Member`]), and the keys and padding
+of TRL's GRPO batch dict: data only, checked against the installed versions by `tests/integration/test_trl_members.py`
+(docs/development.md, "TRL internals"). The TRL logic trl_stable mirrors is the second table,
+`trl_stable.integration.mirrored`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-__all__ = [
-    "CONFIG_NAME_ATTRIBUTE",
-    "ENGINE_MEMBERS",
-    "GRPO_BATCH_KEYS",
-    "GRPO_MEMBERS",
-    "GRPO_OPTIONAL_BATCH_KEYS",
-    "GRPO_PADDING",
-    "HELPER_MEMBERS",
-    "LOGPS_PARAMS",
-    "PPO_MEMBERS",
-    "REF_ADAPTER_NAME",
-    "TRANSFORMERS_MEMBERS",
-    "VLLM_MEMBERS",
-    "Member",
-]
 
 
 @dataclass(frozen=True)
@@ -61,6 +30,11 @@ class Member:
     params: tuple[str, ...] = ()
     returns: str = ""
     used_in: tuple[str, ...] = ()
+
+
+def _attr(owner: str, name: str, used_in: tuple[str, ...], returns: str) -> Member:
+    """An attribute trl_stable reads on an instance (checked on a tiny trainer)."""
+    return Member(owner, name, "attribute", returns=returns, used_in=used_in)
 
 
 _GRPO = "trl.GRPOTrainer"
@@ -146,65 +120,41 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", _REWARDS_PY),
     Member(_GRPO, "_log_metric", "call", ("name", "value"), "", _REWARDS_PY),
     # attributes, read on an instance (checked on a tiny trainer)
-    Member(
-        _GRPO,
-        "_metrics",
-        "attribute",
-        returns='{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`',
-        used_in=_LOGS_PY,
+    _attr(
+        _GRPO, "_metrics", _LOGS_PY, '{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`'
     ),
-    Member(
-        _GRPO,
-        "_logs",
-        "attribute",
-        returns='dict with an "advantages" list: the completions table\'s advantage column',
-        used_in=_LOGS_PY,
-    ),
-    Member(
+    _attr(_GRPO, "_logs", _LOGS_PY, 'dict with an "advantages" list: the completions table\'s advantage column'),
+    _attr(
         _GRPO,
         "_pending_metrics",
-        "attribute",
-        returns="defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
-        used_in=_LOGS_PY,
+        _LOGS_PY,
+        "defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
     ),
-    Member(
+    _attr(
         _GRPO,
         "_pending_extra_logs",
-        "attribute",
-        returns="dict of columns reward functions logged with `log_extra`, flushed after the rewards",
-        used_in=_LOGS_PY,
+        _LOGS_PY,
+        "dict of columns reward functions logged with `log_extra`, flushed after the rewards",
     ),
-    Member(_GRPO, "_tokenizer", "attribute", returns="the tokenizer (pad_token_id)", used_in=_BATCH_PY),
-    Member(
+    _attr(_GRPO, "_tokenizer", _BATCH_PY, "the tokenizer (pad_token_id)"),
+    _attr(
         _GRPO,
         "reward_funcs",
-        "attribute",
-        returns="the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
+        (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
+        "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
         "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
         "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
-        used_in=(*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
     ),
-    Member(
+    _attr(
         _GRPO,
         "async_loop",
-        "attribute",
-        returns="the event loop TRL runs async reward functions on (exists only when some reward function is async)",
-        used_in=_DENSE_PY,
+        _DENSE_PY,
+        "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
     ),
-    Member(
-        _GRPO,
-        "environments",
-        "attribute",
-        returns="per-rollout environment instances or None (passed to reward functions)",
-        used_in=_REWARDS_PY,
+    _attr(
+        _GRPO, "environments", _REWARDS_PY, "per-rollout environment instances or None (passed to reward functions)"
     ),
-    Member(
-        _GRPO,
-        "num_generations_eval",
-        "attribute",
-        returns="group size in evaluation",
-        used_in=_TRAINER_PY,
-    ),
+    _attr(_GRPO, "num_generations_eval", _TRAINER_PY, "group size in evaluation"),
     # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
     Member(
         _GRPO,
@@ -219,84 +169,58 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _MARKED_PY),
     # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
     # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
-    Member(
-        _GRPO,
-        "reward_func_names",
-        "attribute",
-        returns="list[str], aligned with reward_funcs",
-        used_in=(*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+    _attr(
+        _GRPO, "reward_func_names", (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"
     ),
-    Member(
+    _attr(
         _GRPO,
         "reward_processing_classes",
-        "attribute",
-        returns="list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
-        used_in=(*_TRAINER_PY, *_DENSE_PY),
+        (*_TRAINER_PY, *_DENSE_PY),
+        "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
     ),
-    Member(
+    _attr(
         _GRPO,
         "reward_weights",
-        "attribute",
-        returns="[K] float tensor, aligned with reward_funcs",
-        used_in=(*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+        (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+        "[K] float tensor, aligned with reward_funcs",
     ),
     # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
-    Member(
-        _GRPO, "num_generations", "attribute", returns="group size in training", used_in=(*_TRAINER_PY, *_DYNAMIC_PY)
-    ),
-    Member(_GRPO, "max_completion_length", "attribute", returns="int, the completion cap", used_in=_TRAINER_PY),
-    Member(_GRPO, "loss_type", "attribute", returns="str, TRL's loss (named in describe)", used_in=_TRAINER_PY),
-    Member(
+    _attr(_GRPO, "num_generations", (*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
+    _attr(_GRPO, "max_completion_length", _TRAINER_PY, "int, the completion cap"),
+    _attr(_GRPO, "loss_type", _TRAINER_PY, "str, TRL's loss (named in describe)"),
+    _attr(
         _GRPO,
         "importance_sampling_level",
-        "attribute",
-        returns='"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
-        used_in=(*_TRAINER_PY, *_DECOUPLED_PY),
+        (*_TRAINER_PY, *_DECOUPLED_PY),
+        '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
     ),
-    Member(_GRPO, "use_vllm", "attribute", returns="bool: the sampler is vLLM", used_in=_TRAINER_PY),
-    Member(
+    _attr(_GRPO, "use_vllm", _TRAINER_PY, "bool: the sampler is vLLM"),
+    _attr(
         _GRPO,
         "use_transformers_continuous_batching",
-        "attribute",
-        returns="bool: the sampler is transformers' continuous batching (no sampler log-probs)",
-        used_in=_TRAINER_PY,
+        _TRAINER_PY,
+        "bool: the sampler is transformers' continuous batching (no sampler log-probs)",
     ),
-    Member(
-        _GRPO, "tools", "attribute", returns="list of tool functions (R3 refuses tool calling)", used_in=_TRAINER_PY
-    ),
-    Member(_GRPO, "rollout_func", "attribute", returns="the user's rollout function or None", used_in=_TRAINER_PY),
-    Member(
+    _attr(_GRPO, "tools", _TRAINER_PY, "list of tool functions (R3 refuses tool calling)"),
+    _attr(_GRPO, "rollout_func", _TRAINER_PY, "the user's rollout function or None"),
+    _attr(
         _GRPO,
         "environment_factories",
-        "attribute",
-        returns="None unless environments make the prompts (then no prompt column is checked)",
-        used_in=_TRAINER_PY,
+        _TRAINER_PY,
+        "None unless environments make the prompts (then no prompt column is checked)",
     ),
-    Member(
+    _attr(
         _GRPO,
         "ref_model",
-        "attribute",
-        returns="the KL reference model, or None (PEFT: the policy with adapters off)",
-        used_in=("trl_stable/trainers/grpo/forward_passes.py",),
+        ("trl_stable/trainers/grpo/forward_passes.py",),
+        "the KL reference model, or None (PEFT: the policy with adapters off)",
     ),
     Member(
         _GRPO, "create_model_card", "call", ("model_name",), "None (writes README.md in output_dir)", _CHECKPOINTS_PY
     ),
-    Member(
-        _GRPO,
-        "use_adaptive_entropy",
-        "attribute",
-        returns="bool: TRL saves its entropy state",
-        used_in=_CHECKPOINTS_PY,
-    ),
-    Member(_GRPO, "entropy_coef", "attribute", returns="float, in TRL's entropy state file", used_in=_CHECKPOINTS_PY),
-    Member(
-        _GRPO,
-        "_last_world_entropy",
-        "attribute",
-        returns="float, in TRL's entropy state file",
-        used_in=_CHECKPOINTS_PY,
-    ),
+    _attr(_GRPO, "use_adaptive_entropy", _CHECKPOINTS_PY, "bool: TRL saves its entropy state"),
+    _attr(_GRPO, "entropy_coef", _CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+    _attr(_GRPO, "_last_world_entropy", _CHECKPOINTS_PY, "float, in TRL's entropy state file"),
 )
 
 TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
@@ -509,12 +433,8 @@ VLLM_MEMBERS: tuple[Member, ...] = (
     Member(
         _VLLM_GENERATION, "sync_weights", "call", (), "None (gathers shards, merges LoRA, loads into vLLM)", _PPO_VLLM
     ),
-    Member(
-        _VLLM_GENERATION,
-        "max_completion_length",
-        "attribute",
-        returns="set per call: `generate` reads it for vLLM's max_tokens",
-        used_in=_PPO_VLLM,
+    _attr(
+        _VLLM_GENERATION, "max_completion_length", _PPO_VLLM, "set per call: `generate` reads it for vLLM's max_tokens"
     ),
     Member(
         _VLLM_GENERATION,

@@ -45,18 +45,15 @@ def step_mask_example(
         )
         result = found.loss_mask(tools=tools, assistant_only=assistant_only, outside_steps=outside_steps, **tag_kwargs)
         input_ids, base_labels = found.input_ids, list(found.input_ids)
-    elif example.get("input_ids") is not None:
-        input_ids = list(example["input_ids"])
-        base_labels = list(example.get("labels") or input_ids)
+    elif example.get("input_ids") is not None or example.get("text") is not None:
+        if example.get("input_ids") is not None:
+            input_ids, offsets = list(example["input_ids"]), None
+            base_labels = list(example.get("labels") or input_ids)
+        else:
+            input_ids, offsets = encode_with_offsets(tokenizer, example["text"])
+            base_labels = list(input_ids)
         result = build_step_loss_mask(
-            input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example.get("text"), tools=tools,
-            outside_steps=outside_steps, **tag_kwargs,
-        )  # fmt: skip
-    elif example.get("text") is not None:
-        input_ids, offsets = encode_with_offsets(tokenizer, example["text"])
-        base_labels = list(input_ids)
-        result = build_step_loss_mask(
-            input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example["text"], offsets=offsets,
+            input_ids, example.get("steps") or [], tokenizer=tokenizer, text=example.get("text"), offsets=offsets,
             tools=tools, outside_steps=outside_steps, **tag_kwargs,
         )  # fmt: skip
     else:

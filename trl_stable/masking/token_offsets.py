@@ -15,8 +15,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["char_span_to_tokens", "decode_response", "encode_with_offsets", "token_char_offsets"]
-
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and character offsets of `text` (no special tokens added), from a fast tokenizer."""
@@ -132,8 +130,7 @@ def token_char_offsets(
     ids = [int(i) for i in completion_ids]
     skip = skip_special_tokens
     special = set(getattr(tokenizer, "all_special_ids", []) or []) if skip else set()
-    keep = [k for k, i in enumerate(ids) if i not in special]
-    kept_ids = [ids[k] for k in keep]
+    kept_ids = [i for i in ids if i not in special]
     text = decode_response(tokenizer, kept_ids, skip)
     kept_offsets = _stream_offsets(tokenizer, kept_ids, text, skip) if kept_ids else []
     if kept_offsets is None and getattr(tokenizer, "is_fast", False):
@@ -149,15 +146,8 @@ def token_char_offsets(
                 kept_offsets = mapped
     if kept_offsets is None:
         kept_offsets = _incremental_offsets(tokenizer, kept_ids, text, skip)
-    offsets: list[tuple[int, int]] = []
-    it = iter(kept_offsets)
-    cursor = 0
-    keep_set = set(keep)
-    for k in range(len(ids)):
-        if k in keep_set:
-            off = next(it)
-            cursor = off[1]
-            offsets.append(off)
-        else:
-            offsets.append((cursor, cursor))
+    offsets, kept, cursor = [], iter(kept_offsets), 0
+    for i in ids:  # a skipped special token: empty, where the text stands after the tokens before it
+        offsets.append(next(kept) if i not in special else (cursor, cursor))
+        cursor = offsets[-1][1]
     return text, offsets

@@ -33,11 +33,8 @@ _EXEC_PATTERNS = (
 
 
 def classify_exec_output(output: str) -> str:
-    """Read an execution outcome from a tool's output: "oom", "timeout", "crash" or "ok".
-
-    Heuristic (the patterns of Python tracebacks, timeouts and out-of-memory kills); when the environment knows
-    the outcome, put it on the tool message as ``exec_status`` instead.
-    """
+    """An execution outcome read from a tool's output by the patterns of tracebacks, timeouts and out-of-memory kills:
+    "oom", "timeout", "crash" or "ok" (an environment that knows the outcome puts ``exec_status`` on the message)."""
     for status, pattern in _EXEC_PATTERNS:
         if pattern.search(output or ""):
             return status
@@ -90,10 +87,8 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwar
 
 
 def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: dict, open_tag: str, close_tag: str):
-    """Append structured tool calls to the assistant content when the template does not render them.
-
-    Either way the calls' ids are kept (as ``_tool_call_ids``) to match tool replies to calls.
-    """
+    """Structured tool calls appended to the assistant content when the template does not render them; either way their
+    ids are kept (``_tool_call_ids``) to match tool replies to calls."""
     if not any(m.get("role") == "assistant" and m.get("tool_calls") for m in messages):
         return [dict(m) for m in messages]
     stripped = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]

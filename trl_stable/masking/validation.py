@@ -62,27 +62,9 @@ class StepVerdict:
 OK = StepVerdict(True)
 
 
-def strip_tool_call_wrapper(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> str:
-    """The JSON payload of a tool-call block: strips the tags and Markdown code fences around it."""
-    payload = text.strip()
-    if open_tag and payload.startswith(open_tag):
-        payload = payload[len(open_tag) :]
-        if close_tag and payload.rstrip().endswith(close_tag):
-            payload = payload.rstrip()[: -len(close_tag)]
-    payload = payload.strip()
-    fence = re.fullmatch(r"```[A-Za-z0-9_-]*\s*\n?(.*?)\n?```", payload, flags=re.DOTALL)
-    if fence:
-        payload = fence.group(1).strip()
-    return payload
-
-
 def _reject_constant(name: str) -> None:
+    """`json.loads`'s NaN / Infinity / -Infinity refused: Python accepts them, JSON (and tool servers) do not."""
     raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)
-
-
-def _strict_json(payload: str) -> Any:
-    """`json.loads` that rejects NaN / Infinity / -Infinity: Python accepts them, JSON (and tool servers) do not."""
-    return json.loads(payload, parse_constant=_reject_constant)
 
 
 def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
@@ -95,9 +77,15 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     Raises:
         ValueError: when the payload (or a string-encoded argument object) is not valid JSON, or is not an object.
     """
-    payload = strip_tool_call_wrapper(text, open_tag, close_tag)
+    payload = text.strip()  # the tags and a Markdown code fence around the JSON payload stripped
+    if open_tag and payload.startswith(open_tag):
+        payload = payload[len(open_tag) :]
+        if close_tag and payload.rstrip().endswith(close_tag):
+            payload = payload.rstrip()[: -len(close_tag)]
+    fence = re.fullmatch(r"```[A-Za-z0-9_-]*\s*\n?(.*?)\n?```", payload.strip(), flags=re.DOTALL)
+    payload = fence.group(1).strip() if fence else payload.strip()
     try:
-        obj = _strict_json(payload)
+        obj = json.loads(payload, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
         raise ValueError(f"tool call is not valid JSON: {err.msg} at position {err.pos}") from err
     if not isinstance(obj, dict):
@@ -108,7 +96,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     arguments: Any = next((obj[k] for k in ARGUMENT_KEYS if k in obj), {})
     if isinstance(arguments, str):
         try:
-            arguments = _strict_json(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments, parse_constant=_reject_constant) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise ValueError(f"tool-call arguments are not valid JSON: {err.msg}") from err
     if arguments is None:
@@ -119,14 +107,9 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
 
 
 def load_tools(value: Any) -> Any:
-    """Tools given as a JSON string or the path of a JSON file become the object they encode; the result is checked
-    (every tool a name or a spec with a name, see `normalize_signatures`) and returned as given, so a config can
-    refuse a bad tool list when it is built rather than at the first tool call.
-
-    Raises:
-        ValueError: when a string is neither valid JSON nor a readable JSON file, when the tools are not a list of
-            names / specs or a ``{name: signature}`` dict (e.g. a number), or when a spec has no name.
-    """
+    """Tools given as a JSON string or a JSON file's path decoded, checked (`normalize_signatures`) and returned as
+    given, so a config refuses a bad tool list when it is built; ValueError for an unreadable string, tools that are
+    no list of names / specs or ``{name: signature}`` dict, or a spec without a name."""
     if isinstance(value, str):
         try:
             if os.path.isfile(value):

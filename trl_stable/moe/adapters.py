@@ -1,10 +1,8 @@
-"""Per-family router adapters: which router classes routing replay supports, and how each family gates.
-
-Every supported transformers 5.x router returns ``(router_logits [N, E], top_k_weights [N, k], top_k_index [N, k])``
-from ``router_logits = hidden @ weight.T``. Replay keeps the router's logits (so the router keeps its gradient),
-replaces the top-k selection by the recorded experts, and recomputes the gating weights with the family's own
-normalisation, written here line for line after the family's ``forward`` so that replaying the indices the router
-would have picked reproduces its output exactly.
+"""Per-family router adapters: which router classes routing replay supports, and each family's gating at fixed
+experts (docs/routing_replay.md). Every supported router returns ``(router_logits, top_k_weights, top_k_index)``;
+replay keeps the logits (and their gradient), swaps the index for the recorded experts and recomputes the weights
+with the family's normalisation, written line for line after its ``forward`` so that replaying the experts the
+router would have picked reproduces its output exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Routing replay as a hook object the trainers call at named points of their step (the table of
-docs/routing_replay.md): nothing is wrapped behind the trainer's back and nothing is inferred from the order of calls.
-
-The routing tensor travels in the trainer's batch under ``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on
-padding), so shuffling and mini-batch splitting keep it aligned with its tokens.
+"""Routing replay as a hook object the trainers call at named points of their step (docs/routing_replay.md, "Custom
+loops"): nothing is wrapped behind the trainer's back. The routing tensor travels in the batch under
+``ROUTED_EXPERTS_KEY`` ([B, S, num_moe_layers, k], -1 on padding), so shuffles and splits keep it aligned.
 """
 
 from __future__ import annotations
@@ -17,17 +15,6 @@ from torch import nn
 
 from trl_stable.moe.layout import mask_routing, pad_routing, unpad_routing
 from trl_stable.moe.replay import RoutingReplay
-
-__all__ = [
-    "ROUTED_EXPERTS_KEY",
-    "ROUTING_REPLAY_HELP",
-    "ROUTING_REPLAY_MODES",
-    "batch_routing",
-    "RolloutRouting",
-    "RoutingHook",
-    "SampledRouting",
-    "check_routing_replay_mode",
-]
 
 ROUTING_REPLAY_MODES: tuple[str, ...] = ("off", "R2", "R3")
 ROUTED_EXPERTS_KEY = "routed_experts"

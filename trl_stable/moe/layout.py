@@ -1,10 +1,8 @@
-"""Layout helpers for routing tensors [B, S, num_layers, k]: padding, per-sequence views, sampler imports.
+"""Layout helpers for routing tensors [B, S, num_layers, k] (-1: no routing, the router keeps its own choice).
 
-Routing rows are indexed by token position, so they must follow every re-padding of the batch. A sampler (HF
-generate, vLLM) and a trainer rarely pad the same way: generate left-pads prompts to the longest prompt of its call
-and keeps running finished rows, vLLM returns one unpadded array per sequence, and the trainer re-pads prompts left
-and completions right. The helpers below go through the unpadded per-sequence form, which every layout agrees on.
--1 marks "no routing": the router keeps its own choice there.
+Routing rows follow every re-padding of the batch; a sampler (generate: left-padded prompts; vLLM: one unpadded
+array per sequence) and the trainer (prompts left, completions right) pad differently, so the helpers go through the
+unpadded per-sequence form, which every layout agrees on.
 """
 
 from __future__ import annotations

@@ -183,15 +183,14 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
 class RoutingReplay:
     """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
 
-    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows equal to -1 (padding,
-    tokens the sampler never fed) fall back to the router's own choice.
+    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows of -1 fall back to the
+    router's own choice.
 
     Args:
-        model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model). Every router of a supported
-            class is hooked; a model without any raises ValueError listing the supported classes.
-        disable_router_jitter: Switch off training-time router input jitter (Mixtral's ``router_jitter_noise``)
-            inside `record` and `replay`. Jitter never changes replayed experts, but it still perturbs the expert
-            inputs and gates, so the replayed pass only matches the recorded one exactly without it.
+        model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model); every router of a supported
+            class is hooked, and a model without any raises ValueError listing the supported classes.
+        disable_router_jitter: Switch off training-time router input jitter (Mixtral's) inside `record` and `replay`,
+            so a replayed pass matches the recorded one exactly.
     """
 
     def __init__(self, model: nn.Module, *, disable_router_jitter: bool = False):
@@ -265,13 +264,8 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def replay(self, routing: torch.Tensor | None = None) -> Iterator[RoutingReplay]:
-        """Forward passes inside use the recorded experts, in batch-row order.
-
-        Args:
-            routing: Optional [B, S, num_layers, k] tensor to replay instead of what was recorded (it replaces the
-                stored routing, as `load` does). Forward calls consume its rows in order: one call on the whole
-                batch, or several calls on consecutive chunks.
-        """
+        """Forward passes inside use the recorded experts (or `routing` [B, S, num_layers, k], which replaces them
+        as `load` does), consuming its rows in batch order: one call on the whole batch, or consecutive chunks."""
         if routing is not None:
             self.load(routing)
         if not self.has_routing:
@@ -306,12 +300,8 @@ class RoutingReplay:
         self._restore_jitter(only_settled=True)
 
     def _restore_jitter(self, only_settled: bool) -> None:
-        """Give back the router jitter switched off by `disable_router_jitter`.
-
-        With `only_settled`, a block whose checkpointed forward still awaits its backward recomputation keeps jitter
-        off (the recomputation, after the context exited, must compute what the forward did); the router hook
-        restores it once that recomputation ran.
-        """
+        """Give back the router jitter `disable_router_jitter` switched off; with `only_settled`, not yet to a block
+        whose checkpointed forward awaits its backward recomputation (the router hook restores it after that)."""
         pending = {id(s.block) for s in self._states if s.recompute_fifo} if only_settled else set()
         for key in [key for key in self._jitter_off if key not in pending]:
             block, attribute, value = self._jitter_off.pop(key)
@@ -348,10 +338,8 @@ class RoutingReplay:
         return torch.stack(per_layer, dim=2)
 
     def load(self, routing: torch.Tensor) -> None:
-        """Import a [B, S, num_layers, k] routing tensor (from `export`, or vLLM's `routed_experts`) to replay.
-
-        Entries of -1 mean "not recorded": those tokens keep the router's own choice.
-        """
+        """Import a [B, S, num_layers, k] routing tensor (from `export`, or vLLM's `routed_experts`) to replay; -1
+        entries keep the router's own choice."""
         routing = torch.as_tensor(routing)
         if routing.dim() != 4 or routing.shape[2] != self.num_layers or routing.shape[3] != self.top_k:
             raise ValueError(
@@ -389,16 +377,9 @@ class RoutingReplay:
         self.clear()
 
     def metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:
-        """Agreement metrics accumulated over replayed passes since the last `reset_metrics`.
-
-        - ``{prefix}agreement``: mean over layers of the share of replayed tokens whose replayed top-k *set* equals
-          the set the current router would pick; ``{prefix}agreement/layer_{i}`` per layer.
-        - ``{prefix}replayed_frac``: share of tokens seen in replay passes whose experts came from the record
-          (the rest were marked -1 and kept the router's choice).
-
-        Empty when no replayed pass ran. With `accelerator` (an `accelerate.Accelerator`; a collective: every process
-        calls it) the counts of every process's tokens are summed first, so the shares are those of the global batch.
-        """
+        """``{prefix}agreement`` (mean over layers, and ``/layer_{i}``) and ``{prefix}replayed_frac`` of the
+        replayed passes since the last `reset_metrics` (docs/routing_replay.md, "Logged metrics"); empty when none
+        ran. With `accelerator` (a collective) the counts of every process are summed first."""
         counts = {
             f"{i}/{what}": Stat.total(getattr(state, what))
             for i, state in enumerate(self._states)

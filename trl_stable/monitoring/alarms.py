@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALARMS", "AlarmSpec", "CRITICAL", "WARNING"]
-
 WARNING = "warning"
 CRITICAL = "critical"
 

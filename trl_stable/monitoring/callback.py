@@ -25,12 +25,8 @@ _ARG_FIELDS = {
 
 
 def health_config_from_args(args: Any) -> HealthConfig | None:
-    """Build the [`HealthConfig`] a trl_stable trainer config asks for; None when `health_monitor` is False.
-
-    Reads `health_monitor` (bool), the `health_*` shortcut fields (`health_reward_max`, `health_mismatch_threshold`,
-    `health_remedy_virtual_samples`, `health_stop_after_critical_steps`) and `health_monitor_kwargs` (a dict of any
-    [`HealthConfig`] field, applied last). Invalid values raise ValueError.
-    """
+    """The [`HealthConfig`] a trl_stable trainer config asks for (`health_monitor`, the `health_*` shortcut fields,
+    then `health_monitor_kwargs`, any [`HealthConfig`] field); None when `health_monitor` is False."""
     if not getattr(args, "health_monitor", True):
         return None
     kwargs = {
@@ -97,9 +93,8 @@ class HealthMonitor(TrainerCallback):
         return self
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The monitor's state for a checkpoint: the tracker's (alarm debouncing, reward window and ceiling,
-        references), the events so far, and the remedy and stop flags. trl_stable's trainers save it with every
-        checkpoint and restore it on resume, so an alarm active at the save is still active on the next step."""
+        """The tracker's state, the events so far and the remedy and stop flags, saved with every checkpoint so an
+        alarm active at the save is still active on the next step."""
         return {
             "tracker": self.tracker.checkpoint_state(),
             "events": [asdict(event) for event in self.events],
@@ -108,10 +103,9 @@ class HealthMonitor(TrainerCallback):
         }
 
     def load_checkpoint_state(self, state: dict[str, Any], args: Any = None) -> None:
-        """Continue from `checkpoint_state()`'s output: with the virtual-samples remedy active at the save, it is
-        active again (`remedy_active`), and a warning says so when `args` (the trainer arguments) has no
-        ``virtual_samples_attr`` field to apply it to. A run the monitor stopped is not stopped again when resumed:
-        resuming after a stop is the user's decision (the alarm stays active and flagged)."""
+        """Continue from `checkpoint_state()`: an active virtual-samples remedy is active again (a warning when
+        `args` has no ``virtual_samples_attr`` field), and a run the monitor stopped is not stopped again (resuming is
+        the user's decision; the alarm stays active and flagged)."""
         self.tracker.load_checkpoint_state(state["tracker"])
         self.events = [HealthEvent(**event) for event in state["events"]]
         self.remedy_active = state["remedy_active"]
@@ -125,8 +119,8 @@ class HealthMonitor(TrainerCallback):
             )
 
     def _drop_records_after(self, step: int) -> None:
-        """Remove the records of steps after `step` from the health file: a run resumed from the checkpoint of
-        `step` redoes them, and a killed run may have logged them (or half a line) after that checkpoint."""
+        """Remove the health file's records of steps after `step` (and a half-written line): a run resumed from the
+        checkpoint of `step` redoes them."""
         if self.health_path is None or not os.path.isfile(self.health_path):
             return
         kept, dropped = [], 0
@@ -232,9 +226,8 @@ class HealthMonitor(TrainerCallback):
         return control
 
     def _apply_virtual_samples(self, args, state, events: list[HealthEvent]) -> None:
-        """Switch the virtual-samples remedy with the zero-std alarm, and record each switch as a configuration change
-        (``{attr: {"before": ..., "after": ...}}``) in the health file and the log. The arguments are left alone: the
-        trainer reads `remedy_active` (trl_stable.GRPOTrainer trains with its re-validated remedy configuration)."""
+        """Switch the virtual-samples remedy with the zero-std alarm, recording each switch as a configuration change
+        (``{attr: {"before", "after"}}``) in the health file and the log; the trainer reads `remedy_active`."""
         if not self.config.remedy_virtual_samples:
             return
         attr, value = self.config.virtual_samples_attr, self.config.virtual_samples_value

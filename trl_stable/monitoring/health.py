@@ -566,11 +566,8 @@ class HealthTracker:
         }
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Continue from `checkpoint_state()`'s output: the next `update` behaves as it would have in the saved run.
-
-        Alarms this tracker has but the saved one had not (disabled then) start from rest; saved alarms disabled now
-        are ignored.
-        """
+        """Continue from `checkpoint_state()`'s output, as the saved run would have; alarms disabled then start from
+        rest, saved alarms disabled now are ignored."""
         for name, saved in state["alarms"].items():
             if name in self.states:
                 self.states[name] = _AlarmState(**saved)

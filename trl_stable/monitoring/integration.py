@@ -12,8 +12,6 @@ from trl_stable.monitoring.callback import HealthMonitor, health_config_from_arg
 from trl_stable.monitoring.health import HealthConfig
 from trl_stable.settings.checks import Dependent, check_dependents
 
-__all__ = ["HealthArguments", "PPOHealthArguments", "attach_health_monitor"]
-
 
 def _shortcut(name: str, help: str | None = None) -> Any:
     """The `health_<name>` trainer-argument field: `HealthConfig.<name>`'s default and, unless `help` says it for a

@@ -5,29 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = [
-    "ARENA_FAILED_JUDGE_CALLS",
-    "ARENA_JUDGE_CALLS",
-    "BEHAVIOUR_WEIGHT_MAX",
-    "BEHAVIOUR_WEIGHT_MEAN",
-    "BEHAVIOUR_WEIGHT_MIN",
-    "CLAMPED_TOKEN_FRAC",
-    "CRITIC_STAGE_SECONDS",
-    "CRITIC_STEP_PREFIX",
-    "CRITIC_STEP_RATIOS",
-    "CRITIC_WAIT_SECONDS",
-    "MASKED_FRACTION_KEYS",
-    "MASKED_SEQ_FRAC",
-    "MASKED_TOKEN_FRAC",
-    "MAX_LOGGED_METRICS",
-    "MISMATCH_ABS_DIFF_MAX",
-    "MISMATCH_ABS_DIFF_MEAN",
-    "SUMMED_LOGGED_METRICS",
-    "TOKEN_FILTERS",
-    "critic_step_ratios",
-    "token_filter_metric",
-]
-
 # The behaviour weight w = exp(logp_prox - logp_sampler) of the decoupled loss, before any clamp.
 BEHAVIOUR_WEIGHT_MEAN = "behaviour_weight/mean"
 BEHAVIOUR_WEIGHT_MAX = "behaviour_weight/max"

@@ -22,8 +22,6 @@ from trl_stable.monitoring.metric_names import (
     token_filter_metric,
 )
 
-__all__ = ["MismatchStats", "behaviour_filter_metrics", "mismatch_stats"]
-
 
 @dataclass(frozen=True)
 class MismatchStats:
@@ -180,21 +178,11 @@ def behaviour_filter_metrics(
     *,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """The decoupled loss's behaviour weight and what its IcePop / KPop filter did, over all processes' tokens.
-
-    Both trainers log these under the names of `trl_stable.monitoring.metric_names`: the mean / max / min of the raw
-    weight w = exp(logp_prox - logp_sampler) (before any clamp) over the masked tokens, and, with a filter, the
-    share of tokens (and of sequences) it masked, or with ``action="clamp"`` the share of tokens whose weight it
-    changed.
-
-    Args:
-        mask: [B, T] loss mask.
-        raw_weight: [B, T] behaviour weight before the filter.
-        weight: [B, T] weight after the filter (clamped, or equal to `raw_weight`).
-        keep: [B, T] bool keep-mask of a masking filter; None for no filter or a clamp.
-        filter_name: "icepop", "kpop" or None.
-        gather: Concatenates a tensor's rows over processes (``accelerator.gather``); None for one process.
-    """
+    """The decoupled loss's behaviour weight and what its IcePop / KPop filter did, over every process's tokens
+    (`gather`: ``accelerator.gather``; None for one process), under the names of `trl_stable.monitoring.metric_names`:
+    the mean / max / min over the tokens of `mask` of `raw_weight` (before the filter), and with a filter the share
+    of tokens (and sequences) its keep-mask `keep` masked, or with a clamp (`keep` None) the share of tokens whose
+    `weight` it changed."""
     gather = gather or (lambda x: x)
     maskb = mask.bool()
     has_tokens = maskb.any(dim=1)

@@ -33,15 +33,6 @@ from trl_stable.monitoring.metric_names import (
     critic_step_ratios,
 )
 
-__all__ = [
-    "Stat",
-    "dense_reward_stats",
-    "has_own_reduction",
-    "logged_metric_stat",
-    "reduce_metrics",
-    "step_mask_stats",
-]
-
 _KINDS = ("mean", "sum", "min", "max", "std")
 Number = float | int | torch.Tensor
 
@@ -150,22 +141,12 @@ def _combine(stat: Stat, rows: torch.Tensor) -> float:
 def reduce_metrics(
     metrics: Mapping[str, Stat | float], accelerator: Any | None = None, names_may_differ: bool = False
 ) -> dict[str, float]:
-    """The global value of every metric: `Stat`s reduced over processes, plain floats passed through.
+    """The global value of every metric: `Stat`s reduced over processes, plain floats (already global) passed through,
+    in the order of `metrics` (names only other processes logged last); `accelerator` None for one process.
 
-    A collective when `accelerator` has several processes: every process calls it with the same metric names
-    (checked; a mismatch raises on every process), or with ``names_may_differ=True`` (one more `gather_object`, for
-    names that only some processes log: those contribute nothing where absent). The critic's per-call fractions
-    among the `Stat`s are recomputed from its summed ``critic/step_*`` counts (`critic_step_ratios`).
-
-    Args:
-        metrics: Name -> `Stat` (this process's share) or float (already global).
-        accelerator: The trainer's `accelerate.Accelerator` (its ``gather``, ``device``, ``num_processes``); None for
-            one process.
-        names_may_differ: Take the union of the names over processes.
-
-    Returns:
-        Name -> float, in the order of `metrics` (names only other processes logged last).
-    """
+    A collective with several processes: every process passes the same metric names (checked; a mismatch raises on
+    every process), or ``names_may_differ=True`` (one more `gather_object`; a name absent on a process contributes
+    nothing there). The critic's per-call fractions are recomputed from its summed ``critic/step_*`` counts."""
     stats = {name: stat for name, stat in metrics.items() if isinstance(stat, Stat)}
     multi = accelerator is not None and accelerator.num_processes > 1
     if multi and names_may_differ:

@@ -1,27 +1,5 @@
-"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging (docs/agent_steps.md).
-
-A judge compares two responses to one prompt: ``judge(prompt, a, b)`` returns the probability that `a` wins, in
-[0, 1] (0.5 = draw). Each completion's reward is its win total over the number of matches it played, in [0, 1]:
-
-    reward_i = sum_{matches m of i} p_i(m) / matches_i
-
-Pairings:
-
-- ``round_robin``: every pair once, G(G-1)/2 matches (28 for G = 8).
-- ``swiss``: ceil(log2 G) rounds (or `rounds`). Round 1 pairs a seeded random order; later rounds sort players by
-  score, then Buchholz (sum of the current scores of the opponents met), then the seeded order, and pair neighbours
-  without rematches (backtracking when the greedy choice would force one). With odd G, the lowest-ranked player
-  without a bye sits out. A bye is not a match: it scores no points and does not count in the player's matches, so
-  it neither raises nor lowers that player's reward (a chess-style free point would inflate it). About G/2 matches
-  per round. If no rematch-free pairing exists (more rounds than opponents) or none is found within a bounded
-  search, the tournament stops early.
-
-``both_orders`` judges (a, b) and (b, a) and averages p(a) = (p_ab + 1 - p_ba) / 2, which cancels a judge's
-preference for a position. A failed judge call (an exception, None or NaN) counts as a draw (0.5) and is counted.
-
-Indices are never shuffled in place: the caller's list is read only, and every result is indexed like it (a public
-Swiss implementation shuffled the players list in place and credited points to the wrong completions).
-"""
+"""Group arena reward (GAR): rank a prompt's G completions by pairwise judging; round robin or Swiss pairing, byes,
+failed calls and stable indices as docs/agent_steps.md ("Group arena reward") states them."""
 
 from __future__ import annotations
 
@@ -36,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_stable.monitoring.metric_names import ARENA_FAILED_JUDGE_CALLS, ARENA_JUDGE_CALLS
+from trl_stable.rewards.dense import failure_cause
 from trl_stable.rewards.failure_guard import FailureGuard
 
 Judge = Callable[[str, str, str], float | None]
@@ -142,10 +121,8 @@ class _Tournament:
         return None
 
     def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
-        """Pair neighbours in rank order with no rematch; backtrack when a greedy choice strands a player.
-
-        None when no pairing exists or the search budget (`MAX_PAIRING_SEARCH` steps) runs out.
-        """
+        """Pair neighbours in rank order with no rematch, backtracking when a greedy choice strands a player; None when
+        no pairing exists or the search budget runs out."""
         if not players:
             return []
         self._budget -= 1
@@ -203,34 +180,30 @@ def _check_prob(value: Any) -> float | None:
 def _call_judges(
     judge: Any, triples: list[tuple[str, str, str]], max_workers: int
 ) -> tuple[list[float | None], str | None]:
-    """Judge every (prompt, a, b) triple concurrently; None for a failed call. Also returns why the first failed
-    call failed (None when none did), for the arena's failure guard."""
+    """Judge every (prompt, a, b) triple concurrently (None for a failed call), and say why the first failed call
+    failed (None when none did)."""
     if not triples:
         return [], None
     errors: list[str] = []
+
+    def guarded(call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001 - a failed call is a draw, never a crashed training step
+            errors.append(f"the judge {failure_cause(err)}")
+            return None
+
     batch = getattr(judge, "judge_batch", None)
     if callable(batch):
-        try:
-            raw = list(batch(triples))
-        except Exception as err:  # noqa: BLE001 - a failed batch is a batch of draws, never a crashed training step
-            errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
-            raw = [None] * len(triples)
+        raw = guarded(lambda: list(batch(triples)))
+        raw = [None] * len(triples) if raw is None else raw
         if len(raw) != len(triples):
             raise ValueError(f"judge_batch returned {len(raw)} results for {len(triples)} comparisons.")
+    elif max_workers <= 1 or len(triples) == 1:
+        raw = [guarded(judge, *t) for t in triples]
     else:
-
-        def one(triple: tuple[str, str, str]) -> float | None:
-            try:
-                return judge(*triple)
-            except Exception as err:  # noqa: BLE001 - see above
-                errors.append(f"the judge raised {type(err).__name__}: {str(err)[:200]}")
-                return None
-
-        if max_workers <= 1 or len(triples) == 1:
-            raw = [one(t) for t in triples]
-        else:
-            with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
-                raw = list(pool.map(one, triples))
+        with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(triples))) as pool:
+            raw = list(pool.map(lambda t: guarded(judge, *t), triples))
     probs = [_check_prob(v) for v in raw]
     if not errors and any(p is None for p in probs):
         errors.append("the judge gave no verdict (None, NaN or an answer without one)")
@@ -270,11 +243,9 @@ def run_arenas(
     seed: int = 0,
     max_workers: int = 8,
 ) -> list[ArenaResult]:
-    """Run one arena per ``(prompt, responses)`` group; the groups advance in lockstep, so every judge call of a
-    round of every group runs in one concurrent batch (a thread pool of `max_workers`, or ``judge.judge_batch``).
-
-    Group k is seeded with ``seed + k``. See `gar_rewards` for the arguments.
-    """
+    """One arena per ``(prompt, responses)`` group, group k seeded with ``seed + k`` (arguments: `gar_rewards`). The
+    groups advance in lockstep, so each round's judge calls of every group run in one batch (a thread pool of
+    `max_workers`, or ``judge.judge_batch``)."""
     check_arena_args(pairing, rounds)
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
     calls = [0] * len(groups)
@@ -350,10 +321,6 @@ def gar_rewards(
     return run_arena(responses, prompt, judge, pairing, rounds, both_orders, seed).rewards
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# LLM judge
-
-
 def load_prompt(name: str) -> str:
     """The text of the bundled template ``trl_stable/prompts/<name>`` (package data)."""
     path = PROMPTS_DIR / name
@@ -366,10 +333,8 @@ def load_prompt(name: str) -> str:
 
 
 def parse_verdict(answer: str | None) -> float | None:
-    """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5.
-
-    None when the answer is missing or has no verdict (a failed call: scored as a draw and counted).
-    """
+    """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5; None
+    without a verdict (a failed call)."""
     if not answer:
         return None
     best, verdict = -1, None
@@ -386,24 +351,16 @@ def completion_text(value: Any) -> str:
         return ""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
-    return _as_text(value)
+    return _prompt_text(value)
 
 
-def _as_text(value: Any) -> str:
-    """A prompt or completion as plain text (conversational ones as ``role: content`` lines)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        return str(value.get("content", ""))
-    if isinstance(value, Sequence):
-        parts = []
-        for msg in value:
-            if isinstance(msg, Mapping):
-                parts.append(f"{msg.get('role', 'user')}: {msg.get('content', '')}")
-            else:
-                parts.append(str(msg))
-        return "\n".join(parts)
-    return str(value)
+def _prompt_text(value: Any) -> str:
+    """A prompt as plain text (a conversational one as ``role: content`` lines)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "\n".join(
+            f"{m.get('role', 'user')}: {m.get('content', '')}" if isinstance(m, Mapping) else str(m) for m in value
+        )
+    return str(value.get("content", "")) if isinstance(value, Mapping) else str(value)
 
 
 class JudgeRequestsFailed(RuntimeError):
@@ -472,8 +429,8 @@ class LLMJudge:
         return self.template.replace("{prompt}", prompt).replace("{response_a}", a).replace("{response_b}", b)
 
     def judge_batch(self, triples: Sequence[tuple[str, str, str]]) -> list[float | None]:
-        """P(A wins) per triple; None for a failed request or an answer without a verdict. When every request
-        failed, raises `JudgeRequestsFailed` naming the first failure (the arena counts a batch of draws, with it)."""
+        """P(A wins) per triple, None for a failed request or an answer without a verdict; raises
+        `JudgeRequestsFailed`, naming the first failure, when every request failed."""
         prompts = [self.format(*t) for t in triples]
         answers = list(self.backend(prompts))
         if len(answers) != len(prompts):
@@ -491,36 +448,27 @@ class LLMJudge:
             return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# GRPO reward function
-
-
 class ArenaReward:
-    """GAR as a TRL reward function: groups the batch's completions by prompt and runs one arena per group.
+    """GAR as a TRL reward function (``reward_funcs=[ArenaReward(judge, pairing="swiss")]``): one arena per prompt
+    of the batch, every judge call of a round across all arenas at once. Arena k of call c is seeded with
+    ``seed + c * 100003 + k``, so Swiss round-1 pairings change from step to step, reproducibly.
 
-    ``reward_funcs=[ArenaReward(judge, pairing="swiss")]`` in a GRPO trainer. Every judge call of a round, across
-    all groups of the batch, runs concurrently. Arena k of call c is seeded with ``seed + c * 100003 + k`` so Swiss
-    round-1 pairings change from step to step but are reproducible.
-
-    With several processes TRL scores each process's slice of the batch, so keep ``per_device_train_batch_size``
-    a multiple of ``num_generations``: a group split across processes would play as two smaller arenas. Groups are
-    found by prompt text (a reward function is not told ``num_generations``), so a prompt drawn twice into one
-    batch plays one arena of 2G completions: rewards stay in [0, 1] and comparable, at the cost of more calls.
+    Groups are found by prompt text (a reward function is not told ``num_generations``): a prompt drawn twice into one
+    batch plays one arena of 2G completions, and with several processes ``per_device_train_batch_size`` should be a
+    multiple of ``num_generations``, as a group split across processes plays as two smaller arenas.
 
     Args:
         judge: A pairwise judge (see `gar_rewards`) or an `LLMJudge`.
         pairing / rounds / both_orders: See `gar_rewards`.
         seed: Base seed.
         max_workers: Judge calls in flight at once (ignored by a ``judge_batch`` judge, which batches itself).
-        max_failing_steps: A dead judge (every call of a step failed: 401, 500, garbage answers, an exception)
-            gives every completion 0.5, a constant reward the run would train on for ever; after this many such steps
-            in a row the call raises `trl_stable.rewards.failure_guard.RewardComponentFailure`, naming the judge's
-            cause (each one warns). None: never stop.
+        max_failing_steps: A dead judge (every call of a step failed) gives every completion 0.5, a constant reward;
+            after this many such steps in a row the call raises `RewardComponentFailure` naming the judge's cause
+            (each one warns). None: never stop.
 
     Attributes:
-        judge_calls / failed_calls: Cumulative counts; per call they also go to the trainer's logs as
-        ``arena/judge_calls`` and ``arena/failed_judge_calls`` (through TRL's ``log_metric``). Checkpoints keep them
-        and the failure guard (`checkpoint_state`).
+        judge_calls / failed_calls: Cumulative counts, also logged per call as ``arena/judge_calls`` and
+        ``arena/failed_judge_calls``; checkpoints keep them and the failure guard (`checkpoint_state`).
     """
 
     def __init__(
@@ -559,7 +507,7 @@ class ArenaReward:
         for idx, key in enumerate(keys):
             order.setdefault(key, []).append(idx)
         members = list(order.values())
-        groups = [(_as_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
+        groups = [(_prompt_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
         with self._lock:
             base_seed = self.seed + self._num_calls * 100003
             self._num_calls += 1

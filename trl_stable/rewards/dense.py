@@ -1,68 +1,6 @@
-"""The reward-function contract shared by the GRPO and PPO trainers: sequence rewards, dense rewards, NaN/None/inf.
-
-Sequence-level reward functions have TRL's signature, ``f(prompts, completions, completion_ids, **columns)``, and
-return one value per completion. A dense reward function has the same signature, is marked with `dense_reward`, and
-returns per-token rewards:
-
-    @dense_reward
-    def my_reward(prompts, completions, completion_ids, env_rewards=None, **kwargs) -> list[list[float] | None]:
-        ...
-
-Both trainers call dense functions *after* the sequence-level ones and pass ``env_rewards``: per completion, the
-weighted sum of the sequence-level rewards (so a critic can, e.g., only critique samples whose environment reward is
-low).
-
-**Prefetch (optional).** Answers that take long to come back (an LLM critic behind an API) can overlap the trainer's
-own work. A dense function MAY have a method
-
-    def prefetch(self, prompts, completions, completion_ids, env_rewards=None, **kwargs) -> Any: ...
-
-that starts the work and returns at once, with a handle to it (or None). Both trainers call it, with keyword
-arguments, right after the sequence-level rewards (so ``env_rewards`` is final) and with the same arguments as the
-later call; they call the function itself only when the token rewards are needed, after their rollout forward passes
-(PPO: policy, value and reference; GRPO: after TRL's scoring round, see `trl_stable.trainers.grpo`), adding
-``prefetched=<the handle>`` when the prefetch returned one. The call must return what it would have returned without
-the prefetch: the prefetch changes when the work is done, never the numbers. Functions without `prefetch` are simply
-called at that later point. `CriticIntrinsicReward.prefetch` sends the critic requests and returns them; the later
-call collects them, so every request is made and counted once.
-
-The one rule for what a value means, in both trainers:
-
-| value | sequence reward (one per completion) | dense reward (one per token) |
-|---|---|---|
-| finite number within +-`max_abs_reward` | the reward | the token's reward |
-| None | "does not apply" (TRL's meaning): left out of the weighted sum | a None *row*: zeros; a None token: as NaN |
-| NaN | the same as None | "does not apply" at this token: 0, counted in ``rewards/<name>/nan_tokens`` |
-| beyond +-`max_abs_reward` (1e6), +-inf | as NaN, with a warning; ``rewards/<name>/out_of_range`` | as NaN, warned |
-| anything else | `TypeError` naming the function and the completion | `TypeError`, likewise |
-
-A number is a Python `int`, `float` or `bool`, a NumPy scalar, or a 0-d tensor or array; the trainers compute in
-float32, so a finite value beyond float32's range (|v| > 3.4e38) is infinite too. A sequence-level function returns
-one of these (or None) per completion in a list, tuple, generator, 1-D tensor or 1-D array; a dense one a list (or
-None) per completion, each row a list, tuple or 1-D tensor/array of numbers. A string ("0.5"), a bare number where a
-list is expected, a nested list or a 2-D tensor is a `TypeError`, and a wrong number of values a `ValueError`; both
-are a `RewardContractError`, raised on every process at once (`raise_on_every_process`), since a reward function runs
-on one process's completions only.
-
-A reward beyond the bound (`max_abs_reward` of both trainers' configs, `DEFAULT_MAX_ABS_REWARD` = 1e6; None: only
-+-inf) is read as a broken score rather than a reward: a finite 1e20 or 3e38 (or an inf) left as it is overflows the
-float32 arithmetic downstream (a group's std, a value loss, TRL's weighted sum, the gradients: inf losses, frozen or
-NaN weights, and the next `generate` dies on an inf/NaN probability), so it is handled exactly as a NaN is, a warning
-naming the function and the completion. Both trainers apply the bound to each function's values before the weighted
-sum (`bound_rewards`), and the configs refuse `reward_weights` whose sum of magnitudes times the bound could overflow
-that sum, so every number the trainers compute from rewards stays finite.
-
-A completion to which *no* sequence-level function applies (every value None/NaN/out of range) has no reward; both
-trainers follow ``nan_reward_action``. GRPO does what TRL does by default (``"zero"``): the completion is kept in the
-batch with advantage 0, outside the group baseline (and still in the loss's token count); ``"drop"`` removes it from
-the loss instead, with a warning and the ``rewards/nan_dropped`` counter, which is what we recommend. PPO drops it by
-default (``ppo/dropped_samples``: a sample with no score cannot get a return); its ``"zero"`` keeps it with advantage
-0 and no value loss (``ppo/zeroed_samples``).
-
-`PPOTrainer.step` takes final per-token rewards and scores rather than reward-function output: there a NaN or a value
-out of range marks a sample without a reward (RELC-era loops put the environment score inside the token rewards, so a
-NaN is a failed score, not a token the reward does not apply to), handled by ``nan_reward_action``; a value that is
-not a number is a `TypeError` naming the argument and the sample.
+"""The reward-function contract shared by the GRPO and PPO trainers: sequence rewards, dense rewards (functions
+marked with `dense_reward`, one list per completion, an optional ``prefetch``), NaN/None/inf and `max_abs_reward`:
+docs/critic_rewards.md, "Reward-function contract (GRPO and PPO)".
 """
 
 from __future__ import annotations
@@ -83,35 +21,9 @@ logger = logging.getLogger(__name__)
 
 DENSE_ATTR = "dense"
 
-__all__ = [
-    "DenseRewards",
-    "PendingDenseRewards",
-    "RewardContractError",
-    "RewardTypeError",
-    "call_on_every_process",
-    "checked_sequence_reward",
-    "failure_cause",
-    "record_reward_failures",
-    "collect_dense_rewards",
-    "dense_reward",
-    "is_dense_reward",
-    "has_prefetch",
-    "DEFAULT_MAX_ABS_REWARD",
-    "out_of_range",
-    "bound_rewards",
-    "raise_on_every_process",
-    "reward_number",
-    "reward_numbers",
-    "reward_row",
-    "sequence_reward_values",
-    "start_dense_rewards",
-    "validate_dense_rewards",
-    "weighted_reward_sum",
-]
-
 
 class RewardContractError(ValueError):
-    """A reward function's output breaks the contract above (a wrong count, or a value that is not a number)."""
+    """A reward function's output breaks the contract (a wrong count, or a value that is not a number)."""
 
 
 class RewardTypeError(RewardContractError, TypeError):
@@ -121,18 +33,9 @@ class RewardTypeError(RewardContractError, TypeError):
 def raise_on_every_process(
     error: Exception | None, accelerator: Any, elsewhere: Callable[[], Exception] | None = None
 ) -> None:
-    """Raise on every process when any process found `error`, so none is left waiting in a collective.
-
-    A reward function runs on each process's own completions, so a broken answer is seen by one process only; if
-    that process raised alone, the others would block in the next gather (NCCL) or die of a lost peer (gloo).
-
-    Args:
-        error: This process's error, or None.
-        accelerator: The trainer's `accelerate.Accelerator` (its ``reduce`` and ``device``); a collective: every
-            process must call this.
-        elsewhere: The error the processes without one raise (default: a `RewardContractError` pointing at the
-            other process's message).
-    """
+    """Raise on every process when any process found `error`, so none is left waiting in a collective (a
+    collective: every process calls it). `elsewhere` makes the error the other processes raise (default: a
+    `RewardContractError` pointing at the other process's message)."""
     flag = torch.tensor(float(error is not None), device=accelerator.device)
     if accelerator.reduce(flag, reduction="sum").item() > 0:
         if error is not None:
@@ -187,26 +90,12 @@ def out_of_range(value: float, limit: float | None) -> bool:
 
 
 def reward_number(value: Any, subject: str, where: str) -> float:
-    """`value` as a float under the contract's number rule; None -> NaN, +-inf (in float32) -> +-inf.
-
-    Args:
-        value: One reward value.
-        subject: Who returned it, for the error ("Reward function 'f'").
-        where: Which sample, for the error ("completion 3").
-
-    Raises:
-        RewardTypeError: when `value` is not a number: a string, a list, a tensor with dimensions, a complex number.
-    """
+    """`value` as a float under the contract's number rule; None -> NaN, beyond float32's range -> +-inf. A value
+    that is not a real number raises `RewardTypeError` naming `subject` ("Reward function 'f'") and `where`."""
     if value is None:
         return math.nan
-    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
-        if value.dtype.is_complex if isinstance(value, torch.Tensor) else np.iscomplexobj(value):
-            raise RewardTypeError(
-                f"{subject} returned the complex number {value!r} for {where}; return a real number."
-            )
-        value = value.item()
-    elif isinstance(value, np.generic):  # NumPy scalars, np.bool_ included (not a numbers.Real)
-        value = value.item()
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 or isinstance(value, np.generic):
+        value = value.item()  # NumPy scalars, np.bool_ included (not a numbers.Real); a complex one is a complex
     if isinstance(value, complex):
         raise RewardTypeError(f"{subject} returned the complex number {value!r} for {where}; return a real number.")
     if not isinstance(value, numbers.Real):
@@ -241,21 +130,11 @@ def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
 
 
 def reward_numbers(values: Any, subject: str, where: Callable[[int], str], expected: str) -> list[float]:
-    """The entries of `values` as floats under the number rule (`reward_number`): None -> NaN, +-inf kept.
-
-    Args:
-        values: A list, tuple, generator or 1-D tensor / array.
-        subject: Who returned it ("Reward function 'f'").
-        where: The name of entry i, for errors ("completion 3").
-        expected: What `subject` should return, for the error when `values` is no such container.
-
-    Raises:
-        RewardTypeError: when `values` is not such a container, or an entry is not a number.
-    """
-    if isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex:
+    """The entries of `values` (a list, tuple, generator or 1-D tensor / array) as floats under `reward_number`;
+    `where(i)` names entry i, `expected` what `subject` should return when `values` is no such container."""
+    real_tensor = isinstance(values, torch.Tensor) and values.ndim == 1 and not values.dtype.is_complex
+    if real_tensor or isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
         return [_float32_range(float(v)) for v in values.tolist()]  # one device sync, not one per entry
-    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "biuf":
-        return [_float32_range(float(v)) for v in values.tolist()]
     return [reward_number(v, subject, where(i)) for i, v in enumerate(_as_list(values, subject, expected))]
 
 
@@ -271,19 +150,9 @@ def _warn_out_of_range(subject: str, where: list[str], values: list[float], limi
 
 
 def sequence_reward_values(values: Any, num_completions: int, name: str, subject: str | None = None) -> torch.Tensor:
-    """One sequence-level reward function's output as float64 [N]: None -> NaN ("does not apply"), a value beyond
-    float32's range -> +-inf; the bound is applied later, to every function's values at once (`bound_rewards`).
-
-    Args:
-        values: What the function returned.
-        num_completions: Completions it scored.
-        name: The function's name.
-        subject: Who returned `values`, for errors and warnings; default "Reward function '<name>'".
-
-    Raises:
-        RewardTypeError: naming the function and the completion when `values` is not a list of numbers.
-        RewardContractError: naming the function when the count is wrong.
-    """
+    """One sequence-level reward function's output as float64 [N] under `reward_number` (the bound is applied
+    later, to every function's values at once: `bound_rewards`). A value that is not a number raises
+    `RewardTypeError`, a count other than `num_completions` `RewardContractError`, both naming the function."""
     subject = subject or f"Reward function '{name}'"
     out = reward_numbers(
         values, subject, lambda i: f"completion {i}", "a list with one number (or None) per completion"
@@ -299,15 +168,9 @@ def sequence_reward_values(values: Any, num_completions: int, name: str, subject
 def bound_rewards(
     rewards_per_func: torch.Tensor, names: Sequence[str], limit: float | None = DEFAULT_MAX_ABS_REWARD
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract's bound on sequence rewards, in both trainers: `rewards_per_func` [N, K] (every function's
-    values, reward models' logits included) with the entries beyond +-`limit` (and +-inf) NaN, a warning per function
-    naming the completions, and the count per function [K] (``rewards/<name>/out_of_range``).
-
-    Args:
-        rewards_per_func: [N, K] rewards, NaN where a function does not apply.
-        names: The K functions' names.
-        limit: The largest magnitude taken; None: only +-inf is out of range.
-    """
+    """The contract's bound on sequence rewards [N, K] (reward models' logits included) in both trainers: entries
+    beyond +-`limit` (None: only +-inf) become NaN, with a warning per function naming the completions; also returns
+    the count per function [K] (``rewards/<name>/out_of_range``)."""
     bad = torch.isinf(rewards_per_func)
     if limit is not None:
         bad |= rewards_per_func.abs() > limit
@@ -333,22 +196,12 @@ def checked_sequence_reward(
     is_async: bool,
     failures: dict[str, str] | None = None,
 ) -> Callable[..., Any]:
-    """`func` with its output put through `sequence_reward_values`, for a caller that passes TRL's keywords
-    (``prompts=``, ...) and reads one value per completion: TRL's `_calculate_rewards`.
+    """`func` (called with TRL's keywords, async when `is_async`) with its output put through `sequence_reward_values`.
 
-    A contract error (or a component's `RewardComponentFailure`) is appended to `errors` and the output replaced by
-    None for every completion, so the caller still reaches the gather it runs after the reward functions; raise
-    ``errors[0]`` after it with `raise_on_every_process`, on every process. Any other exception the function raises
-    is a failed call (with `failures`): its completions are unscored (None), ``failures[name]`` says why, and the
-    caller's `FailureGuard` counts the step (`record_reward_failures`).
-
-    Args:
-        func: The reward function.
-        name: Its name.
-        errors: Where a contract error goes.
-        is_async: Whether `func` is async (the wrapper then is too, so the caller awaits it).
-        failures: Where a failed call's cause goes; None: the function's exceptions propagate.
-    """
+    A contract error (or `RewardComponentFailure`) is appended to `errors` and the output is None for every completion,
+    so the caller still reaches its gather; it raises ``errors[0]`` after it with `raise_on_every_process`. Any other
+    exception is a failed call with `failures` (its completions unscored, ``failures[name]`` the cause, counted by the
+    caller's `FailureGuard`), and propagates with ``failures=None``."""
 
     def check(out: Any, prompts: Sequence[Any]) -> list[float | None]:
         try:
@@ -394,12 +247,9 @@ def record_reward_failures(
     causes: Mapping[str, str],
     default_cause: str = "returned None/NaN or an out-of-range value for every completion",
 ) -> None:
-    """One step's outcome for each guarded reward function: `failed[name]` (decided on every process's completions,
-    so every process records the same and stops at the same step), with this process's cause when it has one.
-
-    Raises:
-        RewardComponentFailure: when a function failed for its guard's limit of consecutive steps.
-    """
+    """Record one step's outcome in each guard: `failed[name]` (decided on every process's completions, so every
+    process stops at the same step), with this process's cause when it has one; raises `RewardComponentFailure` at a
+    guard's limit."""
     for name, guard in guards.items():
         guard.record(bool(failed.get(name, False)), causes.get(name, default_cause))
 
@@ -419,30 +269,14 @@ def weighted_reward_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor | 
     return torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.full_like(rewards, math.nan), rewards)
 
 
-def reward_row(row: Any, length: int, subject: str, where: str) -> list[float]:
-    """One completion's per-token rewards as floats under the number rule: None -> NaN, +-inf kept.
-
-    Args:
-        row: A list, tuple or 1-D tensor / array of numbers.
-        length: The completion's tokens.
-        subject: Who returned `row` ("Dense reward function 'f'").
-        where: Which completion ("completion 3").
-
-    Raises:
-        RewardTypeError: when `row` is not a list of numbers.
-        RewardContractError: when its length is not `length`.
-    """
+def _dense_row(row: Any, length: int, subject: str, where: str, limit: float | None) -> list[float]:
+    """One completion's per-token rewards as floats; None, NaN and out-of-range tokens -> NaN (warned)."""
     out = reward_numbers(row, subject, lambda t: f"token {t} of {where}", f"a list of per-token numbers for {where}")
     if len(out) != length:
         raise RewardContractError(
             f"{subject} returned {len(out)} token rewards for {where}, which has {length} tokens; align the "
             "per-token rewards to the completion's token ids."
         )
-    return out
-
-
-def _dense_row(row: Any, length: int, subject: str, where: str, limit: float | None) -> list[float]:
-    out = reward_row(row, length, subject, where)
     bad = [t for t, v in enumerate(out) if out_of_range(v, limit)]
     if bad:
         _warn_out_of_range(subject, [f"token {t} of {where}" for t in bad], [out[t] for t in bad], limit)
@@ -457,13 +291,9 @@ def validate_dense_rewards(
     name: str = "reward function",
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> list[list[float]]:
-    """Check a dense reward function's output and return it as lists of floats (None rows -> zeros; None, NaN and
-    out-of-range tokens (beyond +-`limit`, +-inf) -> NaN, which `collect_dense_rewards` counts and uses as 0).
-
-    Raises:
-        RewardTypeError: naming `name` and the completion when the output is not a list of rows of numbers.
-        RewardContractError: naming `name` when the number of rows or a row's length does not match.
-    """
+    """Check a dense reward function's output and return it as lists of floats: None rows -> zeros; None, NaN and
+    out-of-range tokens (beyond +-`limit`, +-inf) -> NaN, which `collect_dense_rewards` counts and uses as 0. Raises
+    `RewardTypeError` / `RewardContractError` naming `name` and the completion."""
     subject = f"Dense {name}"
     rows = _as_list(rewards, subject, "one list (or None) per completion")
     if len(rows) != len(completion_lengths):
@@ -490,7 +320,7 @@ class DenseRewards:
 
     rows: list[list[float]]
     metrics: dict[str, float] = field(default_factory=dict)
-    failures: dict[str, str] = field(default_factory=dict)  # the functions whose call raised here, and why
+    failures: dict[str, str] = field(default_factory=dict)
 
     def as_tensor(self, width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """[B, width] float32, right-padded with zeros (width: the longest completion)."""
@@ -511,19 +341,9 @@ def collect_dense_rewards(
     handles: Sequence[Any] | None = None,
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> DenseRewards:
-    """Call every dense reward function through `call(func)` and sum their rows under the contract above.
-
-    The trainer owns `call` (which keyword arguments a function gets, and how an async one is awaited); this
-    function owns what the answers mean, so the two trainers cannot drift apart.
-
-    Args:
-        funcs, names, weights: The dense reward functions, their names and weights (same order).
-        completion_lengths: Tokens per completion.
-        call: Invokes one function on the batch and returns its raw output; ``call(func, prefetched=h)`` adds the
-            keyword argument.
-        handles: Per function, what its `prefetch` returned (None: not prefetched, called without ``prefetched``).
-        limit: The reward bound (`max_abs_reward`): a token reward beyond it counts as NaN.
-    """
+    """Call every dense reward function through the trainer's `call(func)` (``call(func, prefetched=h)`` with its
+    `prefetch` handle in `handles`) and sum their weighted rows under the contract; a function that raises gives no
+    dense reward this step (its cause in `DenseRewards.failures`). `limit` is `max_abs_reward`."""
     total = [[0.0] * n for n in completion_lengths]
     metrics: dict[str, float] = {}
     failures: dict[str, str] = {}
@@ -564,11 +384,8 @@ def collect_dense_rewards(
 
 @dataclass
 class PendingDenseRewards:
-    """A batch's dense rewards whose functions were prefetched but not yet called; `collect` calls them.
-
-    Built by `start_dense_rewards`; the trainer keeps it across its forward passes and collects when the token
-    rewards are needed. `collect` is idempotent (the functions are called once).
-    """
+    """A batch's prefetched dense rewards, not yet collected (`start_dense_rewards`); `collect` calls the functions
+    once."""
 
     funcs: Sequence[Callable[..., Any]]
     names: Sequence[str]
@@ -597,15 +414,8 @@ def start_dense_rewards(
     prefetch: Callable[[Callable[..., Any]], Any],
     limit: float | None = DEFAULT_MAX_ABS_REWARD,
 ) -> PendingDenseRewards:
-    """Prefetch every dense function that has a `prefetch` (through the trainer's `prefetch(func)`, which passes the
-    same arguments as `call(func)` will) and return the pending rewards, to `collect` later.
-
-    Args:
-        funcs, names, weights, completion_lengths, call: As for `collect_dense_rewards`.
-        prefetch: Invokes ``func.prefetch`` on the batch and returns its handle, handed back to the function's call
-            as ``prefetched=``.
-        limit: The reward bound (`max_abs_reward`).
-    """
+    """Prefetch every dense function that has a `prefetch` through the trainer's `prefetch(func)` (its handle is
+    later passed as ``prefetched=``); the other arguments are those of `collect_dense_rewards`."""
     handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
     lengths = list(completion_lengths)
     return PendingDenseRewards(list(funcs), list(names), list(weights), lengths, call, handles, limit)

@@ -1,19 +1,10 @@
-"""A stop guard for reward components that can fail wholesale: a reward function that raises or returns no usable
-value for any completion, an arena judge whose every call fails.
-
-A component that fails for one step costs that step its reward (the completions are unscored, `nan_reward_action`
-decides), with a warning naming the component and the cause; one that keeps failing would train on nothing (or on
-constant draws) for ever, so after `max_failing_steps` consecutive failing steps the guard raises
-`RewardComponentFailure`, naming the component, the cause and the fix. The LLM critic stops by the same guard
-(`CriticRewardConfig.max_consecutive_failing_steps`, raising its `CriticFailureError`).
-"""
+"""A stop guard for reward components that can fail wholesale (a reward function, an arena judge, the LLM critic):
+one failing step costs that step its reward, with a warning; a component that keeps failing stops the run."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
-
-__all__ = ["FailureGuard", "RewardComponentFailure"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,5 @@
-"""Reward models (sequence classifiers) as reward functions: one scoring path, TRL's.
-
-TRL's `GRPOTrainer._calculate_rewards` scores a reward model on ``prompt + completion`` (the chat template applied to
-the whole conversation for chat prompts), tokenized without special tokens and without truncation, padded on the
-right, and takes logit 0; its `__init__` loads a reward model's tokenizer from the model's name and sets the model's
-pad token to the tokenizer's, which is what a classifier pools on. trl_stable's GRPOTrainer leaves that to TRL;
-PPOTrainer calls `prepare_reward_model` and `reward_model_scores`, which repeat it line for line (the lines are
-named in `trl_stable.integration.mirrored.MIRRORED`, and a test scores one model through both trainers), so the
-same reward model gives the same numbers in both.
-"""
+"""Reward models (sequence classifiers) as reward functions, scored as TRL's GRPO scores them: GRPO leaves them to
+TRL, PPOTrainer repeats TRL's steps here (a test scores one model through both trainers), so the numbers agree."""
 
 from __future__ import annotations
 
@@ -17,8 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoTokenizer
-
-__all__ = ["prepare_reward_model", "reward_model_scores"]
 
 
 def prepare_reward_model(model: nn.Module, processing_class: Any | None, policy_tokenizer: Any) -> Any:

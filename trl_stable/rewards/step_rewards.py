@@ -1,22 +1,6 @@
-"""Intermediate step rewards for agent tasks (docs/agent_steps.md).
-
-A completion is one agent step (a thought, a plan and one or more tool calls); it is scored against the
-ground-truth step on four dimensions, each in [0, 1]:
-
-| dimension    | default weight | score |
-|--------------|----------------|-------|
-| `tool_name`  | 0.5 | share of positions whose tool name equals the ground truth's (calls aligned in order) |
-| `arguments`  | 0.2 | per aligned call with the right name: matching key-value pairs / union of keys |
-| `reasoning`  | 0.2 | distinct connectives in the thought ("first", "because", 首先, 因为, ...) / 2, capped at 1 |
-| `plan`       | 0.1 | share of the ground truth's required plan items the plan mentions |
-
-reward = sum_j w_j * s_j + sum(penalties), rounded to 12 decimals.
-
-The weights must be non-negative and sum to 1, so a perfect answer scores exactly 1.0: a maximum of 0.8 would cap
-every perfect answer and blur group-normalized advantages. Targeted penalties (negative
-amounts) fire on observed failure modes, e.g. overusing a status-check tool. Each dimension is also exposed as its
-own reward function (`StepReward.reward_funcs`) so GDPO (``multi_objective_aggregation="normalize_then_sum"``)
-normalizes each dimension within the group separately.
+"""Intermediate step rewards for agent tasks: one agent step scored against the ground-truth step on tool name,
+arguments, reasoning and plan, each in [0, 1], weighted to sum to exactly 1.0 for a perfect answer, plus penalties;
+each dimension is also its own reward function for GDPO (dimensions, weights, penalties: docs/agent_steps.md).
 """
 
 from __future__ import annotations
@@ -48,8 +32,6 @@ DEFAULT_CONNECTIVES = (
 _SECTION = re.compile(
     r"^\s*(thought|thinking|reasoning|plan|action input|action|final answer|answer)\s*[:：]", re.IGNORECASE | re.M
 )
-
-
 WEIGHT_SUM_TOLERANCE = 1e-9
 
 
@@ -63,12 +45,6 @@ class StepRewardWeights:
 
     A sum within `WEIGHT_SUM_TOLERANCE` (1e-9) of 1 is accepted and the weights are rescaled by it; anything further
     off is a ValueError.
-
-    Args:
-        tool_name: Weight of the tool-name match.
-        arguments: Weight of the argument match.
-        reasoning: Weight of the reasoning quality.
-        plan: Weight of the plan completeness.
     """
 
     tool_name: float = field(default=0.5, metadata={"help": "Weight of the tool-name match."})
@@ -257,38 +233,8 @@ def _values_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def argument_score(predicted: Mapping[str, Any], expected: Mapping[str, Any], exact: bool = False) -> float:
-    """Matching key-value pairs / the union of keys (1 when both are empty); with `exact`, 1 or 0."""
-    keys = set(predicted) | set(expected)
-    if not keys:
-        return 1.0
-    matched = sum(k in predicted and k in expected and _values_equal(predicted[k], expected[k]) for k in keys)
-    return float(matched == len(keys)) if exact else matched / len(keys)
-
-
-def connective_score(thought: str, connectives: Sequence[str] = DEFAULT_CONNECTIVES, required: int = 2) -> float:
-    """Distinct logical connectives in `thought` / `required`, capped at 1 (the reasoning criterion)."""
-    low = thought.lower()
-    found = 0
-    for c in connectives:
-        c = c.lower()
-        if c.isascii():
-            found += re.search(rf"\b{re.escape(c)}\b", low) is not None
-        else:
-            found += c in low
-    return min(1.0, found / required) if required > 0 else 1.0
-
-
 def _norm(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
-
-
-def plan_score(plan: Sequence[str], required: Sequence[str]) -> float:
-    """Share of the `required` plan items mentioned in `plan` (1 when nothing is required)."""
-    if not required:
-        return 1.0
-    text = _norm(" ".join(plan))
-    return sum(_norm(item) in text for item in required) / len(required)
 
 
 class StepReward:
@@ -350,12 +296,14 @@ class StepReward:
         """Per-dimension scores, ``penalty/<name>`` amounts, ``penalty`` (their sum) and ``total``."""
         step = parse_agent_step(completion_text(completion), self.open_tag, self.close_tag)
         expected, required_plan, keywords = _ground_truth_calls(ground_truth)
+        plan = _norm(" ".join(step.plan))
         name_score, args_score = self._call_scores(step.calls, expected)
         scores = {
             "tool_name": name_score,
             "arguments": args_score,
             "reasoning": self._reasoning_score(step.thought, keywords),
-            "plan": plan_score(step.plan, required_plan),
+            # the share of the required plan items the plan mentions
+            "plan": sum(_norm(i) in plan for i in required_plan) / len(required_plan) if required_plan else 1.0,
         }
         prompt_text = completion_text(prompt)
         fired = {f"penalty/{p.name}": p.penalty for p in self.penalties if p.applies(step, ground_truth, prompt_text)}
@@ -374,14 +322,24 @@ class StepReward:
             return 1.0, 1.0  # no call expected, none made
         name_hits, arg_total = 0, 0.0
         for call, want in zip(calls, expected):
-            if call.name == want["name"]:
+            if call.name == want["name"]:  # arguments: matching key-value pairs / the union of keys (or all-or-none)
                 name_hits += 1
-                arg_total += argument_score(call.arguments, want["arguments"], self.exact_arguments)
+                got, wanted = call.arguments, want["arguments"]
+                keys = set(got) | set(wanted)
+                matched = sum(k in got and k in wanted and _values_equal(got[k], wanted[k]) for k in keys)
+                arg_total += (
+                    1.0 if not keys else float(matched == len(keys)) if self.exact_arguments else matched / len(keys)
+                )
         return name_hits / n, arg_total / n
 
     def _reasoning_score(self, thought: str, keywords: Sequence[str] | None) -> float:
-        if self.reasoning_scorer is None:
-            return connective_score(thought, keywords or self.connectives, self.min_connectives)
+        if self.reasoning_scorer is None:  # distinct logical connectives / min_connectives, capped at 1
+            low = thought.lower()
+            found = sum(
+                re.search(rf"\b{re.escape(c)}\b", low) is not None if c.isascii() else c in low
+                for c in (c.lower() for c in keywords or self.connectives)
+            )
+            return min(1.0, found / self.min_connectives)
         reasoning = float(self.reasoning_scorer(thought))
         if not 0.0 <= reasoning <= 1.0:
             raise ValueError(f"reasoning_scorer returned {reasoning}; it must return a score in [0, 1].")

@@ -1,16 +1,8 @@
-"""Field checks shared by trl_stable's configuration classes: numbers in range, no NaN or inf, and settings that only
-apply to another option.
-
-Each config lists its numeric fields once, as a table of [`Bound`]s, and calls [`check_bounds`] in `__post_init__`;
-[`check_all_finite`] then refuses a NaN or infinite float in any field the table does not name (the inherited
-`TrainingArguments` and TRL fields included). A setting that only acts together with another option is refused when
-it is set without that option ([`check_dependents`]): one rule for every such pair, so a value the run would ignore
-never passes silently. Where TRL accepts such a combination (a drop-in must take every `trl.GRPOConfig` TRL takes),
-the rule warns instead (`warn=ignored_setting`: an [`IgnoredSettingWarning`]), as [`warn_ignored`] does for a
-setting the trainer has nothing to apply to. Every error and warning names the field, the value, what is valid and
-how to fix it.
-
-The module imports nothing heavy: the config modules stay import-light.
+"""Field checks shared by trl_stable's configuration classes (docs/reliability.md, "What is validated"): numbers in
+range ([`Bound`] tables, [`check_bounds`]), no NaN or inf in any field ([`check_all_finite`]), and no setting made
+without the option it needs ([`check_dependents`]), or, where TRL accepts such a setting (a drop-in takes every
+`trl.GRPOConfig` TRL takes), a warning instead ([`IgnoredSettingWarning`], [`warn_ignored`]). It imports nothing
+heavy, so the config modules stay light.
 """
 
 from __future__ import annotations
@@ -25,25 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from trl_stable.settings.secrets import redact
-
-__all__ = [
-    "Bound",
-    "Dependent",
-    "IgnoredSettingWarning",
-    "TRAINING_ARGUMENT_BOUNDS",
-    "check_all_finite",
-    "check_bounds",
-    "check_ddp_backend",
-    "check_dependents",
-    "check_fp16_device",
-    "check_reward_scale",
-    "check_training_length",
-    "field_default",
-    "ignored_setting",
-    "training_argument_bounds",
-    "training_argument_dependents",
-    "warn_ignored",
-]
 
 
 class IgnoredSettingWarning(UserWarning):
@@ -103,14 +76,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
-    """Check each field of `config` named in `bounds` against its [`Bound`].
+def _name(value: Any) -> str:
+    """An enum's value (transformers' strategies and names) or the string itself."""
+    return str(getattr(value, "value", value))
 
-    Raises:
-        TypeError: A value is not a number (a str, a bool, a list), or not an int where the bound wants one.
-        ValueError: A value is NaN, infinite or out of range; the message names the field, the valid values and the
-            bound's fix.
-    """
+
+def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
+    """Check each field of `config` named in `bounds` against its [`Bound`]: TypeError for a value that is not a number
+    (or not an int where the bound wants one), ValueError for NaN, inf or out of range, naming the field, the valid
+    values and the bound's fix."""
     for name, bound in bounds.items():
         value = getattr(config, name)
         if value is None and bound.optional:
@@ -125,12 +99,9 @@ def check_bounds(config: Any, bounds: Mapping[str, Bound]) -> None:
 
 
 def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
-    """Refuse a NaN or infinite float in any dataclass field of `config` (in a list or tuple too, e.g.
-    ``reward_weights``), except the fields in `allow_infinite`, where +-inf means something and only NaN is refused.
-
-    Raises:
-        ValueError: naming the field (and the entry of a list).
-    """
+    """Refuse (ValueError, naming the field and the list entry) a NaN or infinite float in any dataclass field of
+    `config`, in a list or tuple too (``reward_weights``); in `allow_infinite`, where +-inf means something, only
+    NaN."""
     allow_infinite = set(allow_infinite)
     for f in dataclasses.fields(config):
         value = getattr(config, f.name, None)
@@ -172,15 +143,9 @@ class Dependent:
 
 
 def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callable[[str], None] | None = None) -> None:
-    """Refuse a dependent field set while the option it needs is off: the run would ignore it, silently.
-
-    Args:
-        warn: Say it with this instead of refusing (e.g. ``logger.warning``), where callers set such fields on
-            purpose before they choose the option (a script's defaults for several backends).
-
-    Raises:
-        ValueError: naming the fields set, the option they need, and both fixes (without `warn`).
-    """
+    """Refuse (ValueError naming the fields set, the option they need and both fixes) a dependent field set while the
+    option it needs is off, since the run would ignore it; with `warn` (e.g. ``logger.warning``) say it instead, for
+    callers that set such fields on purpose before choosing the option."""
     for dep in dependents:
         if dep.active:
             continue
@@ -282,8 +247,7 @@ def training_argument_bounds(config: Any) -> dict[str, Bound]:
     strategy that divides by them)."""
     bounds = dict(TRAINING_ARGUMENT_BOUNDS)
     for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy")):
-        value = getattr(config, strategy)
-        if str(getattr(value, "value", value)) == "steps":
+        if _name(getattr(config, strategy)) == "steps":
             bounds[name] = _STEPS_BOUND
     return bounds
 
@@ -295,19 +259,11 @@ _NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
 _NO_KWARGS_SCHEDULES = ("constant", "constant_with_warmup")
 
 
-def _name(value: Any) -> str:
-    """An enum's value (transformers' strategies and names) or the string itself."""
-    return str(getattr(value, "value", value))
-
-
 def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
-    """The `TrainingArguments` fields that only act together with another one, as [`Dependent`]s for
-    [`check_dependents`] (call it after `TrainingArguments.__post_init__`, which resolves the strategies).
-
-    `transformers.Trainer` ignores each of these, without a word, when the option it needs is off: `warmup_steps` under
-    the "constant" schedule, `eval_steps` without step-wise evaluation, `run_name` without a tracker that names runs,
-    `optim_target_modules` without a GaLore / APOLLO optimizer, and so on.
-    """
+    """The `TrainingArguments` fields that only act together with another one, which `transformers.Trainer` ignores
+    without a word otherwise (`warmup_steps` under "constant", `eval_steps` without step-wise evaluation, ...), as
+    [`Dependent`]s for [`check_dependents`]; call it after `TrainingArguments.__post_init__` resolved the
+    strategies."""
     schedule = _name(config.lr_scheduler_type)
     evaluates = _name(config.eval_strategy) != "no"
     report_to = set(config.report_to or [])
@@ -376,11 +332,7 @@ def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
 
 
 def check_training_length(config: Any) -> None:
-    """Refuse a run with no training step: ``max_steps <= 0`` (train for epochs) with ``num_train_epochs == 0``.
-
-    Raises:
-        ValueError: naming both fields.
-    """
+    """Refuse a run with no training step: ``max_steps <= 0`` (train for epochs) with ``num_train_epochs == 0``."""
     if config.max_steps <= 0 and config.num_train_epochs == 0:
         raise ValueError(
             f"max_steps={config.max_steps} and num_train_epochs={config.num_train_epochs}: the run has no training "
@@ -395,11 +347,7 @@ MAX_WEIGHTED_REWARD = 1e15
 
 def check_reward_scale(config: Any) -> None:
     """Refuse `reward_weights` whose magnitudes, summed and times `max_abs_reward`, could overflow the weighted sum
-    of bounded rewards (TRL's and PPO's aggregation) in float32.
-
-    Raises:
-        ValueError: naming both fields and the largest weight sum the bound allows.
-    """
+    of bounded rewards (TRL's and PPO's aggregation) in float32; the error names the largest weight sum allowed."""
     limit, weights = config.max_abs_reward, config.reward_weights
     if limit is None or not weights:
         return

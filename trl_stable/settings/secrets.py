@@ -1,19 +1,7 @@
-"""Secrets out of everything a run writes: one rule for which fields hold secrets, applied by every writer.
-
-- [`is_secret_name`]: whether a field (or mapping key, or command-line flag) holds a secret: names ending in `_token`,
-  `_key`, `_secret`, `_password` or `_credentials`, and `token`, `password`, `api_key`, `authorization`,
-  `perspective_api`, ... (special-token fields such as `pad_token` are not secrets, nor is a `*_env` field, which
-  names an environment variable, nor a `*_file` / `*_path` / `*_dir` one).
-- [`redact`]: a config (dataclass, mapping, list) as plain data with every secret replaced by `"<redacted>"` and
-  credentials removed from URLs (``https://user:key@host`` -> ``https://host``): what `run_args.json` holds.
-- [`redact_argv`]: the same on a command line, in place (trackers record `sys.argv`).
-- [`SecretsNotPickled`]: a config mixin: pickling (transformers' `Trainer` saves `torch.save(args)` as
-  `training_args.bin` in every checkpoint and pushes it to the Hub) drops the secrets, and `to_dict` (logs, tracker
-  configs) redacts them. Copies keep them.
-- [`check_env_var_name`] / [`check_env_fields`]: for the fields that want an environment variable's *name* (every
-  `*_env` field, e.g. `critic_api_key_env`): a value that is no identifier or looks like a key ([`looks_like_secret`],
-  whatever the provider's key shape) is refused, and the error does not repeat it.
-- [`Secret`]: holds a key for the code that needs it; prints as `'***'`, refuses to pickle.
+"""Secrets out of everything a run writes: one rule for which fields hold secrets ([`is_secret_name`]), applied by
+every writer (run_args.json: [`redact`]; the command line: [`redact_argv`]; pickles, logs and tracker configs:
+[`SecretsNotPickled`]), and `*_env` fields that refuse a key typed where a variable's name belongs
+([`check_env_fields`]). Which channel does what: docs/research_reproductions.md, "Secrets".
 """
 
 from __future__ import annotations
@@ -41,23 +29,10 @@ __all__ = [
 REDACTED = "<redacted>"
 
 _SECRET_SUFFIXES = ("_token", "_key", "_secret", "_password", "_passwd", "_credentials", "_apikey")
-_SECRET_NAMES = frozenset(
-    {
-        "token",
-        "key",
-        "secret",
-        "password",
-        "passwd",
-        "credentials",
-        "api_key",
-        "apikey",
-        "auth",
-        "authorization",
-        "bearer",
-        "cookie",
-        "perspective_api",  # RELC's flag for the Perspective API key
-    }
-)
+_SECRET_NAMES = frozenset({
+    "token", "key", "secret", "password", "passwd", "credentials", "api_key", "apikey", "auth", "authorization",
+    "bearer", "cookie", "perspective_api",  # perspective_api: RELC's flag for the Perspective API key
+})  # fmt: skip
 _SECRET_PARTS = ("password", "secret", "api_key", "apikey", "authorization", "credential", "access_token")
 # Named like secrets, hold none: tokenizer special tokens, and fields that point at a secret (a variable's name, a
 # file) rather than hold it.
@@ -78,7 +53,10 @@ def _normalize(name: str) -> str:
 
 
 def is_secret_name(name: str) -> bool:
-    """Whether a field, mapping key or flag called `name` holds a secret (see the module docstring).
+    """Whether a field, mapping key or flag called `name` holds a secret: names ending in `_token`, `_key`,
+    `_secret`, `_password` or `_credentials`, and `token`, `password`, `api_key`, `authorization`,
+    `perspective_api`, ...; not special-token fields such as `pad_token`, nor fields that point at a secret (`*_env`,
+    `*_file`, `*_path`, `*_dir`, ...).
 
     Example:
         >>> [is_secret_name(n) for n in ("hub_token", "--grpo.hub_token", "pad_token", "critic_api_key_env")]
@@ -102,12 +80,16 @@ def _is_set(value: Any) -> bool:
     return value is not None and value != "" and not (isinstance(value, str) and _PLACEHOLDER.fullmatch(value))
 
 
-def _redact_field(name: str, value: Any, replacement: Any) -> Any:
+def _hidden(name: str, value: Any) -> bool:
+    """Whether field `name`'s value is replaced: a secret that is set, or a key typed where a variable's name belongs
+    (the configs refuse that; belt and braces, for one typed after the config was built)."""
     if is_secret_name(name) and _is_set(value):
-        return replacement
-    if _normalize(name).endswith("_env") and isinstance(value, str) and value and not is_env_var_name(value):
-        return replacement  # a key typed where a variable name belongs (the config refuses it; belt and braces)
-    return redact(value, replacement)
+        return True
+    return _normalize(name).endswith("_env") and isinstance(value, str) and value != "" and not is_env_var_name(value)
+
+
+def _redact_field(name: str, value: Any, replacement: Any) -> Any:
+    return replacement if _hidden(name, value) else redact(value, replacement)
 
 
 def redact(value: Any, replacement: Any = REDACTED) -> Any:
@@ -165,8 +147,6 @@ class Secret:
     def __reduce__(self):
         raise TypeError("A key is not picklable; pass the name of the environment variable that holds it instead.")
 
-
-# ------------------------------------------------------------------------------------ environment-variable names
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Prefixes of API keys and tokens (OpenAI, Stripe, Hugging Face, Groq, Fireworks, Replicate, xAI, Perplexity, NVIDIA,
@@ -250,16 +230,10 @@ def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_K
     )
 
 
-# ------------------------------------------------------------------------------------ configs: pickles and logs
-
-
 def _scrub(name: str, value: Any, replacement: Any) -> Any:
-    """`value` with secrets replaced, keeping its type (a pickled config must load back as the same objects): plain
-    dicts are copied with their secret keys replaced, strings cleaned, anything else kept. A `*_env` field that
-    holds no variable name (a key typed there after the config was built) is replaced too."""
-    if is_secret_name(name) and _is_set(value):
-        return replacement
-    if _normalize(name).endswith("_env") and isinstance(value, str) and value and not is_env_var_name(value):
+    """`value` with secrets replaced (`_hidden`), keeping its type (a pickled config must load back as the same
+    objects): plain dicts are copied with their secret keys replaced, strings cleaned, anything else kept."""
+    if _hidden(name, value):
         return replacement
     if isinstance(value, dict) and type(value) is dict:
         return {key: _scrub(str(key), item, replacement) for key, item in value.items()}

@@ -6,8 +6,10 @@ benchmarks run with ``HF_HUB_OFFLINE=1``. Given a seed, every builder is determi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -27,128 +29,50 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# family -> (model_type, config overrides). Sizes are the smallest that still exercise every code path
+# family (its model_type) -> config fields. Sizes are the smallest that still exercise every code path
 # (grouped-query attention, shared experts, group-limited routing, ...).
-_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gpt2": ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 256}),
-    "llama": (
-        "llama",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "qwen2": (
-        "qwen2",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "qwen3": (
-        "qwen3",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "qwen2_moe": (
-        "qwen2_moe",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": False,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "qwen3_moe": (
-        "qwen3_moe",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "mixtral": (
-        "mixtral",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "router_jitter_noise": 0.1,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "olmoe": (
-        "olmoe",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": False,
-            "max_position_embeddings": 256,
-        },
-    ),
-    "deepseek_v3": (
-        "deepseek_v3",
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "moe_intermediate_size": 16,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "n_routed_experts": 4,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 2,
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 0,
-            "routed_scaling_factor": 2.5,
-            "norm_topk_prob": True,
-            "kv_lora_rank": 16,
-            "q_lora_rank": None,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "max_position_embeddings": 256,
-        },
-    ),
+_DECODER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+_MOE = {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2}
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 256},
+    "llama": _DECODER,
+    "qwen2": _DECODER,
+    "qwen3": {**_DECODER, "head_dim": 8},
+    "qwen2_moe": {**_MOE, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "norm_topk_prob": False},
+    "qwen3_moe": {**_MOE, "moe_intermediate_size": 16, "norm_topk_prob": True},
+    "mixtral": {
+        **_DECODER,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "router_jitter_noise": 0.1,
+    },
+    "olmoe": {**_MOE, "intermediate_size": 16, "norm_topk_prob": False},
+    "deepseek_v3": {
+        **_DECODER,
+        "moe_intermediate_size": 16,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+    },
 }
 
 CAUSAL_LM_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -217,9 +141,8 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast | None = None, *
     if family not in _FAMILIES:
         raise ValueError(f"Unknown family {family!r}. Choose one of {', '.join(CAUSAL_LM_FAMILIES)}.")
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    model_type, fields = _FAMILIES[family]
     kwargs = {
-        **fields,
+        **_FAMILIES[family],
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
@@ -227,7 +150,7 @@ def tiny_config(family: str, tokenizer: PreTrainedTokenizerFast | None = None, *
         "tie_word_embeddings": True,
         **overrides,
     }
-    return AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(family, **kwargs)
 
 
 def build_causal_lm(
@@ -273,16 +196,9 @@ def save_tiny(path: str | os.PathLike, model: PreTrainedModel, tokenizer: PreTra
     return path
 
 
-class _seeded:
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
     """Fork the torch RNG so building a model neither depends on nor disturbs the caller's RNG state."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def __enter__(self):
-        self._fork = torch.random.fork_rng(devices=[])
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

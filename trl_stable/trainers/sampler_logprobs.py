@@ -1,9 +1,5 @@
-"""The sampler's own per-token log-probs under HF `generate`, for the decoupled loss and the mismatch monitor.
-
-Both trainers record them the same way: a logits processor appended *last* to the chain `generate` builds, so it
-sees the distribution the sampler really draws from (after temperature, top-k, top-p, min-p, repetition penalty).
-vLLM returns these log-probs itself; this module covers HF generation.
-"""
+"""The sampler's own per-token log-probs under HF `generate`, for the decoupled loss and the mismatch monitor (vLLM
+returns them itself). Both trainers record them the same way (`record_sampler_logps`)."""
 
 from __future__ import annotations
 
@@ -12,8 +8,6 @@ from contextlib import contextmanager
 import torch
 
 from trl_stable.integration.patching import wrapped_method
-
-__all__ = ["SamplerLogprobRecorder", "record_sampler_logps"]
 
 
 class SamplerLogprobRecorder:
