@@ -30,36 +30,6 @@ class RewardTypeError(RewardContractError, TypeError):
     """A reward function returned something that is not a number (or a list of them) where the contract wants one."""
 
 
-def raise_on_every_process(
-    error: Exception | None, accelerator: Any, elsewhere: Callable[[], Exception] | None = None
-) -> None:
-    """Raise on every process when any process found `error`, so none is left waiting in a collective (a
-    collective: every process calls it). `elsewhere` makes the error the other processes raise (default: a
-    `RewardContractError` pointing at the other process's message)."""
-    flag = torch.tensor(float(error is not None), device=accelerator.device)
-    if accelerator.reduce(flag, reduction="sum").item() > 0:
-        if error is not None:
-            raise error
-        if elsewhere is not None:
-            raise elsewhere()
-        raise RewardContractError(
-            "A reward function broke the reward contract on another process (a wrong count, or a value that is not a "
-            "number); that process's error names the function."
-        )
-
-
-def call_on_every_process(accelerator: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, where a `RewardContractError` (or a reward component's `RewardComponentFailure`) raised on any
-    one process is raised on every process (`raise_on_every_process`); a collective: every process must call this."""
-    error = result = None
-    try:
-        result = fn(*args)
-    except (RewardContractError, RewardComponentFailure) as err:
-        error = err
-    raise_on_every_process(error, accelerator)
-    return result
-
-
 def dense_reward(func: Callable[..., Any]) -> Callable[..., Any]:
     """Mark `func` as a dense (per-token) reward function; returns `func` itself."""
     setattr(func, DENSE_ATTR, True)
@@ -199,7 +169,7 @@ def checked_sequence_reward(
     """`func` (called with TRL's keywords, async when `is_async`) with its output put through `sequence_reward_values`.
 
     A contract error (or `RewardComponentFailure`) is appended to `errors` and the output is None for every completion,
-    so the caller still reaches its gather; it raises ``errors[0]`` after it with `raise_on_every_process`. Any other
+    so the caller still reaches its gather; it raises ``errors[0]`` after it on every process. Any other
     exception is a failed call with `failures` (its completions unscored, ``failures[name]`` the cause, counted by the
     caller's `FailureGuard`), and propagates with ``failures=None``."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trl_stable.rewards.dense import raise_on_every_process
+from trl_stable.trainers.processes import raise_on_every_process
 
 logger = logging.getLogger(__name__)
 

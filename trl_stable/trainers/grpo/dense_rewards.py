@@ -12,7 +12,6 @@ from trl_stable.integration.reward_calls import call_reward_func
 from trl_stable.monitoring.reduction import dense_reward_stats, reduce_metrics
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
-    call_on_every_process,
     is_dense_reward,
     record_reward_failures,
     start_dense_rewards,
@@ -21,6 +20,7 @@ from trl_stable.rewards.dense import (
 from trl_stable.trainers.grpo.trl_batch import loss_mask, process_slice
 from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metric
 from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
+from trl_stable.trainers.processes import call_on_every_process
 
 __all__ = ["DenseRewards"]
 

@@ -38,10 +38,8 @@ from trl_stable.monitoring.reduction import (
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     bound_rewards,
-    call_on_every_process,
     has_prefetch,
     is_dense_reward,
-    raise_on_every_process,
     record_reward_failures,
     weighted_reward_sum,
 )
@@ -68,6 +66,7 @@ from trl_stable.trainers.grpo.trl_logs import (
     train_mode,
 )
 from trl_stable.trainers.grpo.trl_rewards import ContractCheckedRewards
+from trl_stable.trainers.processes import call_on_every_process, raise_on_every_process
 from trl_stable.trainers.prompt_checks import (
     check_generation_budget,
     check_prompt_column,

@@ -12,7 +12,7 @@ import torch
 from transformers.trainer_utils import speed_metrics
 
 from trl_stable.monitoring.reduction import reduce_metrics
-from trl_stable.rewards.dense import call_on_every_process
+from trl_stable.trainers.processes import call_on_every_process
 
 
 def dense_sums(rows: Sequence[Any]) -> torch.Tensor:

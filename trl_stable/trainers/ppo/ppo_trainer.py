@@ -37,7 +37,6 @@ from trl_stable.masking.completion_steps import CompletionStepMasker
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook
 from trl_stable.monitoring.integration import attach_health_monitor
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
-from trl_stable.rewards.dense import call_on_every_process
 from trl_stable.rewards.failure_guard import FailureGuard
 from trl_stable.settings.checks import field_default
 from trl_stable.trainers.checkpoints import MarkedCheckpoints, check_checkpoint_names
@@ -73,6 +72,7 @@ from trl_stable.trainers.ppo.step_inputs import (
 from trl_stable.trainers.ppo.step_rewards import StepRewards
 from trl_stable.trainers.ppo.tables import Tables
 from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
+from trl_stable.trainers.processes import call_on_every_process
 from trl_stable.trainers.prompt_checks import model_context
 
 logger = logging.getLogger(__name__)

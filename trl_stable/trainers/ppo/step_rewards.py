@@ -13,7 +13,8 @@ from trl_stable.core.behaviour_weights import behaviour_weight, filter_behaviour
 from trl_stable.core.score_scaling import scale_scores as scale_with_moments
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics, mismatch_stats
 from trl_stable.monitoring.reduction import Stat, reduce_metrics, step_mask_stats
-from trl_stable.rewards.dense import RewardContractError, raise_on_every_process, reward_numbers
+from trl_stable.rewards.dense import RewardContractError, reward_numbers
+from trl_stable.trainers.processes import raise_on_every_process
 
 
 class StepRewards:

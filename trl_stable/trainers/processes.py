@@ -1,0 +1,42 @@
+"""Errors that stop every process together: a check that fails on one process of a distributed run is raised on
+all of them, so none is left waiting in a collective (a gather, a reduce) the failing one never reaches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trl_stable.rewards.dense import RewardContractError
+from trl_stable.rewards.failure_guard import RewardComponentFailure
+
+
+def raise_on_every_process(
+    error: Exception | None, accelerator: Any, elsewhere: Callable[[], Exception] | None = None
+) -> None:
+    """Raise on every process when any process found `error`, so none is left waiting in a collective (a
+    collective: every process calls it). `elsewhere` makes the error the other processes raise (default: a
+    `RewardContractError` pointing at the other process's message)."""
+    flag = torch.tensor(float(error is not None), device=accelerator.device)
+    if accelerator.reduce(flag, reduction="sum").item() > 0:
+        if error is not None:
+            raise error
+        if elsewhere is not None:
+            raise elsewhere()
+        raise RewardContractError(
+            "A reward function broke the reward contract on another process (a wrong count, or a value that is not a "
+            "number); that process's error names the function."
+        )
+
+
+def call_on_every_process(accelerator: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, where a `RewardContractError` (or a reward component's `RewardComponentFailure`) raised on any
+    one process is raised on every process (`raise_on_every_process`); a collective: every process must call this."""
+    error = result = None
+    try:
+        result = fn(*args)
+    except (RewardContractError, RewardComponentFailure) as err:
+        error = err
+    raise_on_every_process(error, accelerator)
+    return result
