@@ -40,25 +40,6 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
-__all__ = [
-    "MARKER_FILE",
-    "MarkedCheckpoints",
-    "check_checkpoint_names",
-    "TRAINER_STATE_FILE",
-    "CheckpointInfo",
-    "begin_marker",
-    "checkpoint_problem",
-    "collect_stable_state",
-    "fsync_tree",
-    "load_stable_state",
-    "newest_complete_checkpoint",
-    "resolve_checkpoint",
-    "restore_stable_state",
-    "save_durably",
-    "stable_state_file",
-    "write_marker",
-]
-
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = "trl_stable_checkpoint.json"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TOKEN_FILTERS", "DecoupledLossArguments"]
-
 TOKEN_FILTERS = ("icepop", "kpop")
 # (lower, upper) when the field is None; KPop has only an upper KL threshold.
 _FILTER_DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "kpop": (None, 2.0)}

@@ -22,15 +22,6 @@ from trl_stable.rewards.dense import raise_on_every_process
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ModelContext",
-    "check_generation_budget",
-    "check_prompt_column",
-    "empty_prompt_error",
-    "model_context",
-    "raise_together",
-    "too_long_error",
-]
 
 # Config attributes that hold the context length, in the order transformers' model families use them.
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")

@@ -13,8 +13,6 @@ import torch
 
 from trl_stable.integration.patching import wrapped_method
 
-__all__ = ["SamplerLogprobRecorder", "record_sampler_logps"]
-
 
 class SamplerLogprobRecorder:
     """Logits processor placed last in `generate`'s chain: records the log-prob of each sampled token.

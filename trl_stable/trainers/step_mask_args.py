@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StepMaskArguments"]
-
 
 @dataclass
 class StepMaskArguments:

@@ -33,8 +33,6 @@ from trl_stable.trainers.checkpoints import (
     restore_stable_state,
 )
 
-__all__ = ["GRPOCheckpoints"]
-
 
 class GRPOCheckpoints(MarkedCheckpoints):
     """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer.

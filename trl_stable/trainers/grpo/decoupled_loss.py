@@ -15,8 +15,6 @@ from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.trainers.grpo.trl_batch import forward_kwargs, loss_mask
 from trl_stable.trainers.grpo.trl_logs import log_metric, train_mode
 
-__all__ = ["DecoupledLoss"]
-
 
 class DecoupledLoss:
     """`GRPOTrainer`'s decoupled-loss steps, run on the final batch of each generation batch."""

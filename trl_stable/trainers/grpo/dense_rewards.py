@@ -22,8 +22,6 @@ from trl_stable.trainers.grpo.trl_batch import loss_mask, process_slice
 from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metric
 from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
 
-__all__ = ["DenseRewards"]
-
 
 class DenseRewards:
     """`GRPOTrainer`'s dense reward functions (``dense_reward_funcs``, split from TRL's ``reward_funcs``)."""

@@ -18,8 +18,6 @@ from trl_stable.trainers.grpo.trl_batch import (
 )
 from trl_stable.trainers.grpo.trl_logs import log_metric
 
-__all__ = ["DynamicSamplingRefill"]
-
 
 class DynamicSamplingRefill:
     """`GRPOTrainer`'s refill rounds (``dynamic_sampling_max_refills``)."""

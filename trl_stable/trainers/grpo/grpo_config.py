@@ -35,8 +35,6 @@ from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.grpo.ignored_settings import warn_ignored_settings
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-__all__ = ["GRPO_BOUNDS", "GRPOConfig", "TRL_GRPO_BOUNDS"]
-
 # The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
 _TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
 # TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).

@@ -19,22 +19,11 @@ from typing import Any
 import torch
 import trl
 
-from trl_stable.core import (
-    overlong_penalty,
-    zero_variance_groups,
-)
+from trl_stable.core import overlong_penalty, zero_variance_groups
 from trl_stable.masking.completion_steps import CompletionStepMasker
-from trl_stable.moe.hook import (
-    ROUTED_EXPERTS_KEY,
-    RoutingHook,
-    batch_routing,
-)
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
-from trl_stable.monitoring.reduction import (
-    has_own_reduction,
-    reduce_metrics,
-    step_mask_stats,
-)
+from trl_stable.monitoring.reduction import has_own_reduction, reduce_metrics, step_mask_stats
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     bound_rewards,
@@ -55,11 +44,7 @@ from trl_stable.trainers.grpo.dense_rewards import DenseRewards
 from trl_stable.trainers.grpo.dynamic_sampling import DynamicSamplingRefill
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
-from trl_stable.trainers.grpo.trl_batch import (
-    multimodal_forward_keys,
-    num_items_in_batch,
-    process_slice,
-)
+from trl_stable.trainers.grpo.trl_batch import multimodal_forward_keys, num_items_in_batch, process_slice
 from trl_stable.trainers.grpo.trl_logs import (
     flush_reward_metrics,
     log_generation_mismatch,
@@ -80,8 +65,6 @@ from trl_stable.trainers.prompt_checks import (
 from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["GRPOTrainer", "RolloutRecord"]
 
 
 def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):

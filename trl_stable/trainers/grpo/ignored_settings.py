@@ -20,8 +20,6 @@ from trl_stable.settings.checks import (
 )
 from trl_stable.trainers.ppo.vllm_args import vllm_dependents
 
-__all__ = ["GRPO_IGNORED", "trl_dependents", "warn_ignored_settings"]
-
 # `TrainingArguments` fields GRPO has nothing to apply to: (the value taken without a word, why another is ignored).
 # TRL accepts them, so a script written for `trl.GRPOTrainer` keeps running: each is named in an IgnoredSettingWarning.
 GRPO_IGNORED: dict[str, tuple[object, str]] = {

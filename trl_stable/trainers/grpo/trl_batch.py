@@ -17,18 +17,6 @@ from trl_stable.integration.trl_members import GRPO_PADDING, LOGPS_PARAMS
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.moe.layout import repad_routing
 
-__all__ = [
-    "concat_rows",
-    "forward_kwargs",
-    "loss_mask",
-    "multimodal_forward_keys",
-    "num_items_in_batch",
-    "num_rows",
-    "process_slice",
-    "select_rows",
-    "tokenizer_of",
-]
-
 # Parameters of `_get_per_token_logps_and_entropies` that are not multimodal forward inputs.
 _LOGPS_CORE_PARAMS = ("self", *LOGPS_PARAMS)
 

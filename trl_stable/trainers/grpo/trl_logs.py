@@ -14,15 +14,6 @@ from accelerate.utils import gather_object
 from trl_stable.monitoring.mismatch import mismatch_stats
 from trl_stable.monitoring.reduction import logged_metric_stat, reduce_metrics
 
-__all__ = [
-    "flush_reward_logs",
-    "flush_reward_metrics",
-    "log_generation_mismatch",
-    "log_metric",
-    "replace_logged_advantages",
-    "train_mode",
-]
-
 
 def train_mode(trainer: Any) -> str:
     """ "train" or "eval": the key of TRL's per-mode metric and log buffers."""

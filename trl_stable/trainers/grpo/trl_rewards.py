@@ -14,8 +14,6 @@ from trl.trainer.utils import is_async_callable
 
 from trl_stable.rewards.dense import checked_sequence_reward
 
-__all__ = ["ContractCheckedRewards", "reward_kwargs"]
-
 
 def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The keyword arguments TRL passes every reward function (mirrors `trl.GRPOTrainer._calculate_rewards`).
