@@ -14,10 +14,7 @@ from trl_stable.integration.trl_members import REF_ADAPTER_NAME
 
 
 class _MaskPositionIds:
-    """A model whose every call gets ``position_ids`` derived from that call's ``attention_mask``.
-
-    Attribute reads go to the model, so code that inspects it (its config, `training`) sees the model itself.
-    """
+    """A model whose every call gets ``position_ids`` from its ``attention_mask``; attributes read the model's."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
