@@ -208,10 +208,7 @@ def resolve_checkpoint(
     ValueError naming the folder and the fix otherwise."""
     if not resume_from_checkpoint:
         return None
-    if resume_from_checkpoint is True:
-        folder = newest_complete_checkpoint(output_dir)
-    else:
-        folder = str(resume_from_checkpoint)
+    folder = newest_complete_checkpoint(output_dir) if resume_from_checkpoint is True else str(resume_from_checkpoint)
     if not os.path.isdir(folder):
         raise ValueError(f"resume_from_checkpoint={folder!r} does not exist; {_fix_hint(folder)}.")
     if not os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):
@@ -229,12 +226,9 @@ def resolve_checkpoint(
     same = saved_processes in (None, num_processes)
     if not same:
         logger.warning(
-            "%s was written by %d processes, this run has %d: the per-process state (PPO's RNG streams, reward "
-            "function counters, GRPO's refill RNG) is not restored, so the run does not continue exactly as it would "
-            "have.",
-            folder,
-            saved_processes,
-            num_processes,
+            f"{folder} was written by {saved_processes} processes, this run has {num_processes}: the per-process "
+            "state (PPO's RNG streams, reward function counters, GRPO's refill RNG) is not restored, so the run does "
+            "not continue exactly as it would have."
         )
     missing = [
         name for name in [*required, *(per_process if same else ())] if not os.path.isfile(os.path.join(folder, name))
@@ -247,11 +241,9 @@ def resolve_checkpoint(
         )
     if not verified:
         logger.warning(
-            "%s has no %s (written by another trainer or an older trl_stable): its completeness cannot be checked, "
-            "and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG and NaN count) is "
-            "not in it and starts fresh.",
-            folder,
-            MARKER_FILE,
+            f"{folder} has no {MARKER_FILE} (written by another trainer or an older trl_stable): its completeness "
+            "cannot be checked, and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG "
+            "and NaN count) is not in it and starts fresh."
         )
     return CheckpointInfo(folder, verified, same)
 
