@@ -28,15 +28,7 @@ def ngrpo_advantages(
     std are taken: $\mu = (\sum_i r_i + K r_{max})/(n + K)$,
     $\sigma = \sqrt{(\sum_i (r_i - \mu)^2 + K (r_{max} - \mu)^2)/(n + K - 1)}$,
     $A_i = (r_i - \mu)/(\sigma + \epsilon)$.
-    An all-wrong group then still gets a learning signal (G = 8 zeros give every $A = -1/3$), while a group already
-    at $r_{max}$ keeps $A = 0$. NaN rewards are left out and stay NaN.
-
-    Args:
-        rewards: [N] rewards.
-        group_ids: [N] integer group ids.
-        r_max: Reward of the virtual samples (the best achievable reward).
-        num_virtual: Number of virtual samples per group (>= 1).
-        eps: Added to the std.
+    An all-wrong group still gets a signal (8 zeros: every $A = -1/3$), one at $r_{max}$ keeps 0. NaN stays NaN.
     """
     if num_virtual < 1:
         raise ValueError(f"num_virtual={num_virtual} must be >= 1 (NGRPO adds at least one virtual sample).")
@@ -59,16 +51,7 @@ def overlong_penalty(
     r"""DAPO's soft overlong punishment (arXiv 2503.14476).
 
     $p(L) = \min\left(-\frac{L - (L_{max} - B)}{B}\cdot f,\; 0\right)$ with $B$ = `overlong_tokens`: zero up to
-    $L_{max} - B$, then a linear ramp down to $-f$ at $L_{max}$.
-
-    Args:
-        lengths: [N] completion lengths (tokens).
-        max_length: $L_{max}$, the maximum completion length.
-        overlong_tokens: $B$, the buffer at the end of the budget where the penalty ramps.
-        factor: $f$, the penalty at $L_{max}$.
-
-    Returns:
-        Float tensor [N] of penalties (<= 0), to add to the sequence reward.
+    $L_{max} - B$, then a linear ramp down to $-f$ at $L_{max}$. `lengths` [N] in tokens; returns [N] penalties.
     """
     if overlong_tokens <= 0 or overlong_tokens > max_length:
         raise ValueError(
@@ -84,15 +67,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: f
     r"""DAPO dynamic sampling (arXiv 2503.14476): True for every sample whose group's rewards are all equal (all right
     / all wrong), $\max_{j \in g(i)} r_j - \min_{j \in g(i)} r_j \le$ `atol`.
 
-    NaN rewards are ignored; a group with at most one finite reward counts as zero-variance (nothing to compare).
-
-    Args:
-        rewards: [N] rewards.
-        group_ids: [N] integer group ids.
-        atol: Rewards within `atol` of each other count as equal.
-
-    Returns:
-        Bool tensor [N].
+    NaN rewards are ignored; a group with at most one finite reward counts as zero-variance. Returns bool [N].
     """
     valid = ~torch.isnan(rewards)
     index, n_groups = _group_index(rewards, group_ids, "group")
@@ -110,12 +85,7 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) 
 
     $G_t = \sum_{s \ge t,\ m_s = 1} \gamma^{k(t, s)} r_s$, where $k(t, s)$ counts the active tokens strictly between
     $t$ and $s$ plus one for each step, so masked positions (padding, tool output) consume no time step and add no
-    reward. Masked positions return 0.
-
-    Args:
-        rewards: [B, T] per-token rewards.
-        mask: [B, T] 1 for active tokens.
-        gamma: Discount in (0, 1].
+    reward. Masked positions return 0. `rewards`, `mask` [B, T]; `gamma` in (0, 1].
     """
     maskf = mask.to(rewards.dtype)
     r = rewards * maskf
@@ -142,14 +112,7 @@ def dense_advantages(
 
     $A_{i,t} = A_i + c \cdot G_{i,t}$ with $A_i$ the group-normalized sequence advantage and $G_{i,t}$ the
     `reward_to_go` of the dense rewards (Drlc / RELC, arXiv 2401.07382, moved from PPO's GAE into group baselines).
-    Masked positions are 0.
-
-    Args:
-        sequence_advantages: [B] (or [B, 1]) sequence advantages.
-        dense_rewards: [B, T] per-token rewards aligned to the completion tokens.
-        mask: [B, T] completion mask.
-        coef: $c$, the dense-reward coefficient.
-        gamma: Discount of the reward-to-go.
+    `sequence_advantages` [B] or [B, 1]; `dense_rewards`, `mask` [B, T]; masked positions are 0.
     """
     seq = sequence_advantages.reshape(-1, 1).to(dense_rewards.dtype)
     return (seq + coef * reward_to_go(dense_rewards, mask, gamma)) * mask.to(dense_rewards.dtype)

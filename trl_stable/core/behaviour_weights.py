@@ -1,14 +1,7 @@
-"""Behaviour weights and token filters for the decoupled loss: IcePop (ratio band) and KPop (binary KL).
-
-Notation: `prox_logps` are the training engine's log-probs at the rollout weights (recomputed before the update),
-`behav_logps` the sampler's (HF generate or vLLM) on the same tokens; both [B, T]. `mask` is the completion loss
-mask. Every filter returns a bool tensor, True = keep, and False wherever `mask` is 0.
-
-Non-finite inputs: a NaN or infinite log-ratio (a token vLLM could not score, a probability that underflowed to 0)
-carries no usable evidence and is treated as a log-ratio of 0 (weight 1, kept by IcePop), as docs/decoupled_loss.md
-defines the behaviour weight and as TRL does for its importance-sampling correction; the mismatch monitor counts such
-tokens.
-KPop works on clamped probabilities instead, so there a log-prob of -inf is the probability 1e-8 (see `kpop_mask`).
+"""Behaviour weights and token filters for the decoupled loss (docs/decoupled_loss.md): IcePop (ratio band) and KPop
+(binary KL). `prox_logps` are the trainer's log-probs at the rollout weights, `behav_logps` the sampler's, `mask` the
+completion loss mask ([B, T] each); filters return bool, True = keep, False where `mask` is 0. A non-finite log-ratio
+carries no evidence and counts as 0 (weight 1); KPop clamps probabilities instead (-inf is 1e-8).
 """
 
 from __future__ import annotations

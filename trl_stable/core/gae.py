@@ -1,7 +1,5 @@
-"""Generalised advantage estimation (GAE) over tokens and over turns, and per-sequence lambda schedules.
-
-Pure torch. References: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
-Estimation" (arXiv 1506.02438); VAPO, Yue et al. 2025 (arXiv 2504.05118) for the length-adaptive lambda.
+"""Generalised advantage estimation over tokens and turns (Schulman et al. 2016, arXiv 1506.02438), and lambda
+schedules per sequence (VAPO, arXiv 2504.05118; AReaL, arXiv 2505.24298).
 """
 
 from __future__ import annotations
@@ -38,19 +36,9 @@ def compute_gae(
         A_{t_k} = delta_k + gamma * lam * A_{t_{k+1}},        A_{t_{n+1}} = 0
         returns = A + V
 
-    so padding or prompt tokens in between are skipped, not treated as zero-reward steps (Schulman et al. 2016,
-    arXiv 1506.02438). Masked positions get advantage and return 0.
-
-    Args:
-        rewards: [B, T] per-token rewards.
-        values: [B, T] value estimates V(s_t) (detached).
-        mask: [B, T] 1 for positions that are actions, 0 otherwise.
-        gamma: Discount factor.
-        lam: GAE lambda, a float or a [B] tensor (one per sequence, see `vapo_lambda`).
-        bootstrap: [B] value after the last active token (0 for terminated sequences); None: all 0.
-
-    Returns:
-        (advantages, returns), both [B, T].
+    so padding or prompt tokens in between are skipped, not zero-reward steps (Schulman et al. 2016, arXiv
+    1506.02438). `rewards`, `values`, `mask` [B, T]; `lam` a float or [B]; `bootstrap` [B] (None: 0). Returns
+    (advantages, returns) [B, T], 0 where masked.
     """
     if rewards.shape != values.shape or rewards.shape != mask.shape or rewards.dim() != 2:
         raise ValueError(
@@ -92,20 +80,9 @@ def compute_turn_gae(
 
         delta_u = R_u + gamma * V_{u+1} - V_u,    A_u = delta_u + gamma * lam * A_{u+1}
 
-    A_u is broadcast to every token of the turn, and so is the return A_u + V_u. Per-token terms that should not
-    enter the recursion (the token KL penalty) are passed as `token_rewards` and added to each token's advantage.
-
-    Args:
-        rewards: [B, T] per-token rewards that the turn recursion sums (scores, dense rewards).
-        values: [B, T] value estimates.
-        turn_ids: [B, T] long: the turn index (0, 1, ..., non-decreasing along the sequence) of assistant tokens,
-            -1 on prompt, tool output and padding tokens (they are no action).
-        gamma, lam: As in `compute_gae`; lam a float or a [B] tensor.
-        token_rewards: Optional [B, T] per-token terms added back to the advantages outside the recursion.
-        bootstrap: [B] value after the last turn; None: 0.
-
-    Returns:
-        (advantages, returns), both [B, T], 0 where `turn_ids` is -1.
+    A_u and the return A_u + V_u are broadcast to the turn's tokens; `token_rewards` ([B, T], e.g. the KL penalty)
+    are added per token outside the recursion. `turn_ids` [B, T]: non-decreasing turn indices of assistant tokens,
+    -1 elsewhere (no action). Returns (advantages, returns) [B, T], 0 where `turn_ids` is -1.
     """
     if rewards.shape != values.shape or rewards.shape != turn_ids.shape or rewards.dim() != 2:
         raise ValueError("rewards, values and turn_ids must all be [B, T].")

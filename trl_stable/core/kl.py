@@ -1,8 +1,5 @@
-"""Per-token KL estimators against a reference policy, and the KL-coefficient controllers of PPO.
-
-Pure torch. The estimators follow Schulman's note "Approximating KL Divergence" (2020; k1, k2, k3) as verl's
-``kl_penalty`` names them; the controllers follow Ziegler et al. 2019, "Fine-Tuning Language Models from Human
-Preferences" (arXiv 1909.08593).
+"""Per-token KL estimators against a reference policy (Schulman, "Approximating KL Divergence", 2020: k1, k2, k3,
+as verl's ``kl_penalty`` names them) and PPO's KL-coefficient controllers (Ziegler et al. 2019, arXiv 1909.08593).
 """
 
 from __future__ import annotations
@@ -38,11 +35,8 @@ FULL_KL = "full"
 
 
 def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
-    """Decorator registering ``f(logp, ref_logp) -> kl`` ([B, T] each, per-token) under `name`.
-
-    `PPOConfig(kl_penalty=name)` then accepts it and the trainer's reward uses it; register it before building the
-    config, on every process (in the training script, not behind a rank check).
-    """
+    """Decorator registering ``f(logp, ref_logp) -> kl`` ([B, T], per token) under `name` for
+    `PPOConfig(kl_penalty=name)`; register it before building the config, on every process."""
 
     def wrap(func: KLEstimator) -> KLEstimator:
         if name == FULL_KL:
@@ -99,11 +93,7 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, chunk_size: int = 12
     r"""Exact $KL(\pi \| \pi_{ref}) = \sum_v \pi(v) (\log\pi(v) - \log\pi_{ref}(v))$ per position, over the vocabulary
     (old TRL's ``kl_penalty="full"``).
 
-    Computed `chunk_size` positions at a time in fp32, so the [B, T, V] fp32 log-softmax of the whole batch never
-    exists at once.
-
-    Args:
-        logits, ref_logits: [B, T, V] (already divided by the sampling temperature).
+    `logits`, `ref_logits` [B, T, V] (divided by the temperature), `chunk_size` positions at a time in fp32.
     """
     flat, ref_flat = logits.reshape(-1, logits.shape[-1]), ref_logits.reshape(-1, ref_logits.shape[-1])
     out = []

@@ -1,6 +1,5 @@
-"""Reward and advantage normalization: `normalize`, one function for the mean/std family of GRPO, Dr.GRPO, LitePPO
-and RLOO (where the mean and the std are taken, and whether the mean leaves the sample out), and GDPO's per-reward
-form."""
+"""Reward and advantage normalization: `normalize` for the mean/std family (GRPO, Dr.GRPO, LitePPO, RLOO), and
+GDPO's per-reward form."""
 
 from __future__ import annotations
 
@@ -58,21 +57,9 @@ def normalize(
       $/|S|$ (biased); 1 when $|S| \le 1$; level None: $\sigma = 1$ and `eps` = 0.
     - out $= (x - \mu) / (\sigma + \epsilon)$.
 
-    Groups may differ in size (failed or filtered rollouts). NaN entries are treated as missing: they do not count in
-    any statistic and stay NaN in the output. References: GRPO (arXiv 2402.03300), Dr.GRPO (arXiv 2503.20783),
-    LitePPO (arXiv 2508.08221), RLOO (arXiv 2402.14740); the level/leave-one-out parametrisation is AReaL's NormConfig.
-
-    Args:
-        values: Rewards or advantages, shape [N].
-        group_ids: Integer tensor [N]; equal ids form a group. None: the whole batch is one group.
-        mean_level: "batch", "group" or None (no centering).
-        std_level: "batch", "group" or None (no scaling).
-        leave_one_out: Exclude each value from its own mean (RLOO baseline). Needs a mean level.
-        unbiased: Bessel-corrected std (divide by |S| - 1).
-        eps: Added to the std before dividing (ignored when `std_level` is None).
-
-    Returns:
-        Tensor [N] of the same dtype as `values`.
+    `values` [N], `group_ids` [N] (None: one group; sizes may differ). NaN entries are missing: in no statistic, NaN
+    in the output. GRPO (arXiv 2402.03300), Dr.GRPO (2503.20783), LitePPO (2508.08221), RLOO (2402.14740); the
+    parametrisation is AReaL's NormConfig.
     """
     if values.dim() != 1:
         raise ValueError(f"values must be 1-D [N], got shape {tuple(values.shape)}.")
@@ -129,22 +116,9 @@ def gdpo_scores(
     $z_{ij} = (r_{ij} - \mu_{g(i)j}) / (\sigma_{g(i)j} + \epsilon)$, and the score
     $s_i = \sum_{j:\, r_{ij} \ne \text{NaN}} w_j z_{ij}$ (NaN when no reward applies to sample $i$).
 
-    Normalizing each reward before the sum keeps a high-variance reward from drowning the others, and a reward's unit
-    no longer matters. `gdpo_advantages` (GRPO's "gdpo") z-scores $s$ over the batch; PPO uses $s$ as its sequence
-    score with `group_ids` None: it samples one response per prompt, so its group is the whole batch of every process,
-    and it whitens its advantages after GAE instead. Sums in float64, two passes (mean, then squared deviations):
-    scores of 1e4 with a spread of 1e-2 lose every digit of the variance in $E[x^2] - E[x]^2$.
-
-    Args:
-        rewards: [N, K] rewards, one column per reward function, NaN where a function does not apply.
-        weights: [K] weights; None: all ones.
-        eps: Added to every std (TRL's GDPO 1e-4).
-        reduce_sum: Sums a tensor over processes (``accelerator.reduce(t, "sum")``), so the statistics are the
-            global batch's; None for one process. Every process must call it. Only with `group_ids` None.
-        group_ids: [N] integer group ids; None: the whole batch is one group.
-
-    Returns:
-        Scores [N] in the dtype of `rewards`.
+    So a high-variance reward cannot drown the others. `gdpo_advantages` z-scores $s$ over the batch; PPO uses $s$
+    with `group_ids` None (one group: every process's batch, summed by `reduce_sum`). `rewards` [N, K], `weights` [K]
+    (None: ones). Sums in float64, two passes: $E[x^2] - E[x]^2$ loses a small spread of large scores.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}.")
@@ -184,7 +158,6 @@ def gdpo_advantages(
 ) -> torch.Tensor:
     r"""GDPO (arXiv 2601.05242): $A_i = (s_i - \mu_s)/(\sigma_s + \epsilon)$ over the batch, with $s$ the per-reward
     group z-scores summed by weight (`gdpo_scores`, whose NaN rules apply); TRL's
-    ``multi_objective_aggregation="normalize_then_sum"``. Arguments as for `gdpo_scores`; returns advantages [N].
-    """
+    ``multi_objective_aggregation="normalize_then_sum"``. Arguments as for `gdpo_scores`."""
     summed = gdpo_scores(rewards, weights, eps, group_ids=group_ids)
     return normalize(summed, mean_level="batch", std_level="batch", eps=eps)

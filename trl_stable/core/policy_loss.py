@@ -1,9 +1,6 @@
-"""Policy-loss pieces: the clipped PPO term, the decoupled (behaviour-weighted) PPO term and its normalisation.
-
-The trainers reuse TRL's loss, which already has clip-higher, dual clip, GSPO and SAPO; what TRL lacks is the
-decoupled loss, and `fold_behaviour_weight` is how trl_stable adds it without copying TRL's loss: the behaviour weight
-and the token filter are folded into a (B, T) advantage, which TRL's loss accepts. `decoupled_ppo_loss` is the
-reference formula the folded form is tested against.
+"""Policy-loss pieces: the clipped PPO term, the decoupled (behaviour-weighted) term and its normalisation.
+`fold_behaviour_weight` adds the decoupled loss to TRL's loss through its advantages; `decoupled_ppo_loss` is the
+reference it is tested against.
 """
 
 from __future__ import annotations
@@ -40,19 +37,9 @@ def ppo_clip_term(
     $\ell = \max(-A r,\ -A\,\text{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high}))$, and with dual clip $c > 1$,
     $\ell = \min(\ell, c|A|)$ where $A < 0$.
 
-    Args:
-        logps: [B, T] current log-probs (with gradient).
-        prox_logps: [B, T] proximal log-probs (the ratio's denominator).
-        advantages: [B, T] or [B, 1].
-        eps_low, eps_high: Clip range; `eps_high` None means `eps_low`.
-        dual_clip: $c$, or None.
-
-    The log-ratio is clamped to [-20, 20] before the exp (verl's guard, `LOG_RATIO_BOUND`): a token whose log-probs
-    drifted by more than 20 nats would otherwise give an inf ratio, and inf * 0 a NaN loss. What it changes: nothing
-    inside the bound. Beyond it the ratio saturates at $e^{\pm 20}$, far outside any clip range; where the clipped
-    branch is active (A > 0, or A < 0 under the dual clip) the loss and its gradient are unchanged (0 gradient), and
-    where the unclipped branch is (A < 0 without dual clip, r > 1 + eps_high) the loss stays at $-A e^{20}$ with a 0
-    gradient instead of growing without bound with an exploding gradient.
+    `logps`, `prox_logps` [B, T], `advantages` [B, T] or [B, 1]; `eps_high` None means `eps_low`. The clamp
+    (verl's guard, `LOG_RATIO_BOUND`) keeps a 20-nat drift from an inf ratio and a NaN loss; inside it nothing
+    changes, beyond it the loss saturates with a 0 gradient instead of exploding.
     """
     eps_high = eps_low if eps_high is None else eps_high
     log_ratio = torch.clamp(logps - prox_logps.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -76,9 +63,8 @@ def decoupled_ppo_term(
 ) -> torch.Tensor:
     r"""Decoupled PPO term (AReaL, arXiv 2505.24298): $w \cdot \ell_{PPO}(\pi_\theta / \pi_{prox}, A)$.
 
-    The clip is taken against the proximal policy (the trainer at the rollout weights), and the detached behaviour
-    weight $w = \pi_{prox} / \pi_{behav}$ (see `trl_stable.core.behaviour_weight`) corrects for the tokens having
-    been sampled by a different engine. Per token, [B, T].
+    Clipped against the proximal policy; the detached $w = \pi_{prox} / \pi_{behav}$ (`behaviour_weight`) corrects
+    for another engine having sampled the tokens. Per token, [B, T].
     """
     return behaviour_weights.detach() * ppo_clip_term(logps, prox_logps, advantages, eps_low, eps_high, dual_clip)
 
@@ -89,13 +75,8 @@ def pre_mask_token_mean(
     r"""Token mean normalised by the token count *before* filtering: $\sum_t m_t k_t \ell_t / \max(\sum_t m_t, 1)$
     (AReaL's decoupled loss, arXiv 2505.24298).
 
-    Dividing by the kept count instead would scale the surviving tokens' gradients up as more tokens are filtered,
-    so a noisy batch would take a larger step; the pre-mask count keeps the step size independent of the filter.
-
-    Args:
-        per_token_loss: [B, T].
-        mask: [B, T] completion mask (what the loss is normalised by).
-        keep: [B, T] token filter (True keeps), or None.
+    The pre-mask count keeps the step size independent of how many tokens the filter `keep` ([B, T], True keeps)
+    drops; `mask` is the [B, T] completion mask.
     """
     maskf = mask.to(per_token_loss.dtype)
     kept = maskf if keep is None else maskf * keep.to(per_token_loss.dtype)
@@ -129,11 +110,9 @@ def fold_behaviour_weight(
     r"""Fold the behaviour weight and the token filter into (B, T) advantages: $\tilde A = A \cdot w \cdot k$ (the
     decoupled loss of AReaL, arXiv 2505.24298, through any loss linear in $A$).
 
-    For $w \ge 0$, $w \max(-A r, -A\,\text{clip}(r)) = \max(-(wA) r, -(wA)\,\text{clip}(r))$, and likewise for the
-    dual clip bound $c|A|$, CISPO's $-\text{sg}(\text{clip}(r)) A \log\pi$ and GSPO's sequence ratio, because $w$
-    only rescales $A$ and keeps its sign. So any loss that is linear in $A$ per token computes the decoupled term
-    when given $\tilde A$, and a filtered token ($k = 0$) contributes 0 while still counting in the loss's token
-    normaliser (the pre-mask count). Returns [B, T] in the advantages' dtype.
+    For $w \ge 0$, $w \max(-A r, -A\,\text{clip}(r)) = \max(-(wA) r, -(wA)\,\text{clip}(r))$ (likewise the dual
+    clip, CISPO and GSPO): any loss linear in $A$ per token computes the decoupled term from $\tilde A$, a filtered
+    token contributing 0 while counting in the normaliser. Returns [B, T] in the advantages' dtype.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)

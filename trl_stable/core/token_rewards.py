@@ -24,13 +24,8 @@ def last_action_index(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TokenRewards:
-    """PPO's per-token reward split into the parts turn-level GAE keeps apart.
-
-    Attributes:
-        rewards: [B, T] total, ``kl_part + env_part``.
-        kl_part: [B, T] the KL penalty $-\beta KL_t$ (after whitening, when asked).
-        env_part: [B, T] dense rewards plus the score on the last action token.
-    """
+    """PPO's per-token reward [B, T], ``kl_part`` ($-\beta KL_t$) + ``env_part`` (dense rewards and the score),
+    apart for turn-level GAE."""
 
     rewards: torch.Tensor
     kl_part: torch.Tensor
@@ -50,13 +45,7 @@ def compose_token_rewards(
 
     With `whiten`, the total is mapped by $x \mapsto (x - \mu)/\sigma + \mu$ (old TRL's reward whitening); the KL part
     takes the $1/\sigma$ and the environment part the shift, so the two still add up to the whitened total.
-
-    Args:
-        kl: [B, T] per-token KL estimate.
-        kl_coef: $\beta$.
-        dense: [B, T] dense (per-token) rewards, 0 where there are none.
-        scores: [B] sequence scores or None.
-        mask: [B, T] 1 on action tokens.
+    `kl`, `dense`, `mask` [B, T]; `scores` [B] or None.
     """
     kl_part = -kl_coef * kl * mask
     env_part = dense.clone()

@@ -1,28 +1,9 @@
-"""Checkpoints both trainers can trust: complete or recognisably incomplete, found by resume, carrying trl_stable's
-own state.
+"""Checkpoints both trainers can trust (docs/reliability.md): complete or recognisably incomplete, found by resume,
+carrying trl_stable's own state.
 
-**The marker.** A checkpoint is complete when it holds `MARKER_FILE` with ``"complete": true``: the main process
-writes it last, after every process has written its files and flushed them to disk, with the size of every file in
-the folder. Resume checks those sizes, so a file cut short or lost after the fact is noticed too.
-
-Both trainers' checkpoints are written by transformers' `Trainer` straight into ``checkpoint-N``, file by file, the
-trainer state last; that is not atomic, and transformers' own resume takes the highest-numbered folder whatever it
-holds. trl_stable writes the marker with ``"complete": false`` before transformers starts and with ``true`` after it
-(and its own state file) is done, and rotates old checkpoints (``save_total_limit``) only then, so a kill while saving
-leaves a folder that resume recognises and skips, and the previous complete checkpoint is still there.
-
-**Resume** (`resolve_checkpoint`). ``resume_from_checkpoint=True`` takes the newest complete checkpoint of
-``output_dir`` and logs each newer one it skipped, with the reason. An explicit folder must be complete; one
-without a marker (written by `trl.GRPOTrainer` or an older trl_stable) is accepted with a warning: its completeness
-cannot be checked and trl_stable's state is not in it. A folder without ``trainer_state.json`` is refused with an
-error naming it and the fix.
-
-**trl_stable's state** (`collect_stable_state` / `restore_stable_state`), one file per process
-(``trl_stable_state_<process>.pt``): the health monitor (alarm debouncing, the reward ceiling, its references and
-events), every reward function that has ``checkpoint_state()`` / ``load_checkpoint_state(state)`` (the critic's
-counters), and what the trainer adds (GRPO: the refill RNG and the NaN-reward count). The per-process part (reward
-functions, RNG) is restored only when the run has as many processes as the one that saved; the shared part (the
-health monitor, the trainer's counters of the gathered batch) always.
+A checkpoint is complete when its `MARKER_FILE` says ``"complete": true``; the main process writes it last, after
+every process flushed its files, with every file's size, which resume checks. trl_stable's state is one file per
+process (`stable_state_file`); its per-process part is restored only when as many processes resume as saved.
 """
 
 from __future__ import annotations
@@ -33,31 +14,13 @@ import os
 import re
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
-
-__all__ = [
-    "MARKER_FILE",
-    "MarkedCheckpoints",
-    "check_checkpoint_names",
-    "TRAINER_STATE_FILE",
-    "CheckpointInfo",
-    "begin_marker",
-    "checkpoint_problem",
-    "collect_stable_state",
-    "fsync_tree",
-    "load_stable_state",
-    "newest_complete_checkpoint",
-    "resolve_checkpoint",
-    "restore_stable_state",
-    "save_durably",
-    "stable_state_file",
-    "write_marker",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +154,8 @@ def _checkpoints_newest_first(output_dir: str) -> list[str]:
 
 
 def newest_complete_checkpoint(output_dir: str, log: bool = True) -> str:
-    """The newest complete ``checkpoint-N`` folder of `output_dir`; each newer one it skips is logged with the reason
-    (`log`).
-
-    Raises:
-        ValueError: when there is none, listing what was skipped and why.
-    """
+    """The newest complete ``checkpoint-N`` of `output_dir`, logging each newer one skipped and why (`log`);
+    ValueError listing them when there is none."""
     skipped = []
     for name in _checkpoints_newest_first(output_dir):
         path = os.path.join(output_dir, name)
@@ -227,18 +186,14 @@ def _fix_hint(folder: str) -> str:
     return f"resume from {newest}, the newest complete checkpoint there (resume_from_checkpoint=True takes it)"
 
 
+@dataclass
 class CheckpointInfo:
-    """What `resolve_checkpoint` found out about a checkpoint folder.
+    """What `resolve_checkpoint` found: the folder, whether its marker verified it (else: no marker), and whether as
+    many processes wrote it as this run has (True when unknown; only then is the per-process state restored)."""
 
-    Attributes:
-        path: The folder.
-        verified: Whether its marker says complete and every file it lists is whole (else: no marker, unverified).
-        same_processes: Whether it was written by as many processes as this run has (True when unknown): only then
-            are the per-process files (RNG streams, per-process state) restored.
-    """
-
-    def __init__(self, path: str, verified: bool, same_processes: bool):
-        self.path, self.verified, self.same_processes = path, verified, same_processes
+    path: str
+    verified: bool
+    same_processes: bool
 
 
 def resolve_checkpoint(
@@ -249,22 +204,11 @@ def resolve_checkpoint(
     per_process: Sequence[str] = (),
 ) -> CheckpointInfo | None:
     """The checkpoint to resume from: `resume_from_checkpoint` True (the newest complete one of `output_dir`), a
-    folder, or None / False (none).
-
-    Args:
-        num_processes: This run's number of processes.
-        required: Files an unverified checkpoint (no marker) must hold besides ``trainer_state.json``.
-        per_process: This process's files it must hold when it was written by as many processes.
-
-    Raises:
-        ValueError: naming the folder and the fix, when it is missing, incomplete or lacks a required file.
-    """
+    folder, or None / False (none). It must hold `required` and, when as many processes wrote it, `per_process`;
+    ValueError naming the folder and the fix otherwise."""
     if not resume_from_checkpoint:
         return None
-    if resume_from_checkpoint is True:
-        folder = newest_complete_checkpoint(output_dir)
-    else:
-        folder = str(resume_from_checkpoint)
+    folder = newest_complete_checkpoint(output_dir) if resume_from_checkpoint is True else str(resume_from_checkpoint)
     if not os.path.isdir(folder):
         raise ValueError(f"resume_from_checkpoint={folder!r} does not exist; {_fix_hint(folder)}.")
     if not os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)):
@@ -282,12 +226,9 @@ def resolve_checkpoint(
     same = saved_processes in (None, num_processes)
     if not same:
         logger.warning(
-            "%s was written by %d processes, this run has %d: the per-process state (PPO's RNG streams, reward "
-            "function counters, GRPO's refill RNG) is not restored, so the run does not continue exactly as it would "
-            "have.",
-            folder,
-            saved_processes,
-            num_processes,
+            f"{folder} was written by {saved_processes} processes, this run has {num_processes}: the per-process "
+            "state (PPO's RNG streams, reward function counters, GRPO's refill RNG) is not restored, so the run does "
+            "not continue exactly as it would have."
         )
     missing = [
         name for name in [*required, *(per_process if same else ())] if not os.path.isfile(os.path.join(folder, name))
@@ -300,11 +241,9 @@ def resolve_checkpoint(
         )
     if not verified:
         logger.warning(
-            "%s has no %s (written by another trainer or an older trl_stable): its completeness cannot be checked, "
-            "and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG and NaN count) is "
-            "not in it and starts fresh.",
-            folder,
-            MARKER_FILE,
+            f"{folder} has no {MARKER_FILE} (written by another trainer or an older trl_stable): its completeness "
+            "cannot be checked, and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG "
+            "and NaN count) is not in it and starts fresh."
         )
     return CheckpointInfo(folder, verified, same)
 
@@ -325,14 +264,9 @@ def collect_stable_state(
     shared: dict[str, Any] | None = None,
     per_process: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """trl_stable's state of this process for its checkpoint file (plain Python values and tensors only).
-
-    Args:
-        health_monitor: The trainer's `HealthMonitor`, or None.
-        named_reward_funcs: (name, function) of every reward function; those with ``checkpoint_state()`` are saved.
-        shared: The trainer's state that is the same on every process (computed from gathered values).
-        per_process: The trainer's state of this process alone (e.g. an RNG stream).
-    """
+    """trl_stable's state of this process for its checkpoint file (plain values and tensors): the health monitor,
+    the reward functions with ``checkpoint_state()``, and the trainer's `shared` (equal on every process) and
+    `per_process` state."""
     return {
         "format": _FORMAT,
         "shared": {
@@ -364,11 +298,8 @@ def restore_stable_state(
     named_reward_funcs: Sequence[tuple[str, Any]] = (),
     args: Any = None,
 ) -> None:
-    """Restore the health monitor and the reward functions from `state` (see `load_stable_state`); the trainer
-    restores its own ``state["shared"]`` / ``state["per_process"]`` entries.
-
-    A stateful reward function the checkpoint has no state for (added since) starts fresh, with a warning.
-    """
+    """Restore the health monitor and the reward functions from `state` (a reward function without saved state
+    starts fresh, with a warning); the trainer restores its own entries."""
     saved_monitor = state["shared"].get("health_monitor")
     if health_monitor is not None and saved_monitor is not None:
         health_monitor.load_checkpoint_state(saved_monitor, args=args)
@@ -384,32 +315,22 @@ def restore_stable_state(
             logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
 
 
-def _is_checkpoint_folder(path: str) -> bool:
-    """Whether `path` is a folder a trainer wrote as a checkpoint (trl_stable's marker, transformers' trainer state or
-    its just-in-time checkpoint's sentinel), or an empty one (a save that was killed before its first file)."""
-    return os.path.isdir(path) and (
-        not os.listdir(path) or any(os.path.isfile(os.path.join(path, name)) for name in _WRITTEN_BY_A_TRAINER)
-    )
-
-
-_WRITTEN_BY_A_TRAINER = (MARKER_FILE, TRAINER_STATE_FILE, JIT_SENTINEL_FILE)
-
-
 def check_checkpoint_names(output_dir: str, folder: str | None = None) -> None:
-    """Refuse a name collision in `output_dir`: something named like a checkpoint (``checkpoint-N``) that is not one
-    (a file, or a folder no trainer wrote), which a save would fail on and transformers' rotation could delete. With
-    `folder`, only that name (the checkpoint about to be written). trl_stable never renames or deletes such a file.
-
-    Raises:
-        ValueError: naming each colliding path and the fix.
-    """
+    """Refuse (ValueError naming each path) what is named like a checkpoint in `output_dir` but is none (a file, a
+    folder no trainer wrote): a save would fail on it and rotation could delete it. With `folder`, only that name."""
     if folder is not None:
         paths = [folder] if os.path.lexists(folder) else []
     elif os.path.isdir(output_dir):
         paths = [os.path.join(output_dir, n) for n in sorted(os.listdir(output_dir)) if _CHECKPOINT.fullmatch(n)]
     else:
         paths = []
-    strays = [p for p in paths if not _is_checkpoint_folder(p)]
+    # a checkpoint folder holds what a trainer writes (or nothing: a save killed before its first file)
+    written = (MARKER_FILE, TRAINER_STATE_FILE, JIT_SENTINEL_FILE)
+    strays = [
+        p
+        for p in paths
+        if not (os.path.isdir(p) and (not os.listdir(p) or any(os.path.isfile(os.path.join(p, n)) for n in written)))
+    ]
     if strays:
         kinds = ", ".join(f"{p} ({'a folder no trainer wrote' if os.path.isdir(p) else 'a file'})" for p in strays)
         raise ValueError(
@@ -421,18 +342,12 @@ def check_checkpoint_names(output_dir: str, folder: str | None = None) -> None:
 
 # ---------------------------------------------------------------------------------------------- the trainers' mixin
 class MarkedCheckpoints:
-    """Complete-or-marked checkpoints for a `transformers.Trainer` subclass (both trl_stable trainers).
+    """Complete-or-marked checkpoints for a `transformers.Trainer` subclass (both trainers; docs/reliability.md).
 
-    transformers' `_save_checkpoint` rotates old checkpoints (``save_total_limit``) at its very end, before anything
-    after it could mark the new one complete, and nothing can run in between without changing `args` for the call.
-    So `_save_checkpoint` writes the files `transformers.Trainer._save_checkpoint` writes, with the same helpers in
-    the same order (`_write_checkpoint_files`; `trl_stable.integration.mirrored` names every line and the contract
-    test fails when transformers' method gains or loses a call), marks the folder incomplete before and complete
-    after (trl_stable's state file included, every process's files on disk), and only then pushes it and rotates,
-    with transformers' `rotate_checkpoints` given the limit explicitly.
-
-    The trainer supplies `_named_reward_funcs()`, `_trainer_checkpoint_state()` -> (shared, per-process) and has a
-    `health_monitor` (or None).
+    `_save_checkpoint` writes transformers' files with its helpers in its order (`_write_checkpoint_files`, mirrored
+    in `trl_stable.integration.mirrored`), marks the folder incomplete before and complete after, and only then
+    pushes and rotates. The trainer supplies `_named_reward_funcs()`, `_trainer_checkpoint_state()` -> (shared,
+    per-process) and a `health_monitor` (or None).
     """
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -465,9 +380,8 @@ class MarkedCheckpoints:
             )
 
     def _write_checkpoint_files(self, trial: Any, run_dir: str, folder: str) -> None:
-        """The files `transformers.Trainer._save_checkpoint` writes, step for step, each by the helper it calls,
-        given `folder` explicitly: the model, the best-checkpoint bookkeeping, optimizer, scheduler, scaler, RNG and
-        trainer state (its push and rotation run in `_save_checkpoint`, after the marker)."""
+        """The files `transformers.Trainer._save_checkpoint` writes, step for step, into `folder` (its push and
+        rotation run in `_save_checkpoint`, after the marker)."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         self.save_model(folder, _internal_call=True)

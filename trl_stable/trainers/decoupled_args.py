@@ -1,14 +1,9 @@
-"""Decoupled-loss and token-filter fields shared by trl_stable's GRPO and PPO configs (a dataclass mixin).
-
-The configs inherit [`DecoupledLossArguments`] and call `validate_decoupled_loss_arguments()` in `__post_init__`,
-as they do with `trl_stable.monitoring.HealthArguments`. The module imports nothing heavy: `ppo_config` stays light.
-"""
+"""Decoupled-loss and token-filter fields shared by the GRPO and PPO configs: a dataclass mixin whose
+`validate_decoupled_loss_arguments()` the configs call (import-light, for `ppo_config`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-__all__ = ["TOKEN_FILTERS", "DecoupledLossArguments"]
 
 TOKEN_FILTERS = ("icepop", "kpop")
 # (lower, upper) when the field is None; KPop has only an upper KL threshold.
@@ -23,10 +18,8 @@ _FILTER_FIELD_DEFAULTS = {
 
 @dataclass
 class DecoupledLossArguments:
-    """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (`trl_stable.core.behaviour_weights`).
-
-    A config may redeclare `use_decoupled_loss` to say how its trainer gets the sampler's log-probs.
-    """
+    """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (`trl_stable.core.behaviour_weights`);
+    a config may redeclare `use_decoupled_loss` to say how its trainer gets the sampler's log-probs."""
 
     use_decoupled_loss: bool = field(
         default=False,
@@ -55,7 +48,6 @@ class DecoupledLossArguments:
     )
 
     def validate_decoupled_loss_arguments(self) -> None:
-        """Raise ValueError on an unknown or contradictory token filter (called from the config's `__post_init__`)."""
         if self.token_filter is not None:
             if self.token_filter not in TOKEN_FILTERS:
                 raise ValueError(f"token_filter={self.token_filter!r} is unknown; use 'icepop', 'kpop' or None.")

@@ -1,11 +1,6 @@
 """Prompt checks both trainers run before they generate: no empty or missing prompt, and prompt + generation within
-the model's context.
-
-The context is the number of positions the model's config declares (`max_position_embeddings`, `n_positions`, ...).
-A model with a *learned* position table (GPT-2, OPT, GPT-Neo) cannot go past it: a longer sequence is an
-``IndexError: index out of range in self`` deep inside the embedding. Such a setting or prompt is refused, naming
-the field or the sample and the fix. A model with rotary or relative positions (Llama, Qwen, ...) runs past it, on
-positions it was not trained on: a warning at start-up, and nothing per prompt (TRL runs such prompts too).
+the model's context. Past a *learned* position table (GPT-2, OPT) a sequence fails inside the embedding, so it is
+refused by name; rotary or relative positions (Llama, Qwen) run past it, with a warning at start-up.
 """
 
 from __future__ import annotations
@@ -22,15 +17,6 @@ from trl_stable.trainers.processes import raise_on_every_process
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ModelContext",
-    "check_generation_budget",
-    "check_prompt_column",
-    "empty_prompt_error",
-    "model_context",
-    "raise_together",
-    "too_long_error",
-]
 
 # Config attributes that hold the context length, in the order transformers' model families use them.
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -38,13 +24,8 @@ CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_le
 
 @dataclass(frozen=True)
 class ModelContext:
-    """The positions a model covers.
-
-    Attributes:
-        limit: The declared context length, or None when the config declares none.
-        source: Where it was read, e.g. ``"config.n_positions"``.
-        learned: Whether the model has a learned position table of `limit` rows (a longer sequence fails).
-    """
+    """The positions a model covers: the declared `limit` (or None), its `source` (``"config.n_positions"``), and
+    whether a `learned` position table of `limit` rows makes a longer sequence fail."""
 
     limit: int | None
     source: str = ""
@@ -60,11 +41,8 @@ class ModelContext:
 
 
 def model_context(model: nn.Module) -> ModelContext:
-    """The context `model` declares, and whether a learned position table enforces it.
-
-    The table is recognized as an `nn.Embedding` other than the token embedding with `limit` rows (OPT and BioGPT
-    keep two more, for their position offset).
-    """
+    """The context `model` declares; learned when an `nn.Embedding` besides the token embedding has `limit` rows
+    (OPT and BioGPT keep two more, for their position offset)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -85,18 +63,8 @@ def model_context(model: nn.Module) -> ModelContext:
 def check_generation_budget(
     context: ModelContext, generation_tokens: int | None, field: str, prompt_tokens: int | None = None
 ) -> None:
-    """Start-up check of the generation length (and, when given, the longest prompt the config keeps) against the
-    context.
-
-    Args:
-        context: The model's context (`model_context`).
-        generation_tokens: The most tokens one completion may have (`max_new_tokens`, `max_completion_length`).
-        field: The name of that setting, for the message.
-        prompt_tokens: The longest prompt the config lets through (PPO's `max_prompt_length`), or None.
-
-    Raises:
-        ValueError: With a learned position table, when the generation length alone fills the context.
-    """
+    """Start-up check of `generation_tokens` (the setting `field`) and the longest prompt the config keeps
+    (`prompt_tokens`, or None) against the context: ValueError on a learned table the generation alone fills."""
     if context.limit is None or generation_tokens is None:
         return
     if generation_tokens >= context.limit:
@@ -125,12 +93,8 @@ def _show(prompt: Any, limit: int = 80) -> str:
 
 
 def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
-    """The error for a prompt that is missing (None), not text or messages, or empty; None when it is fine.
-
-    Args:
-        prompt: The prompt as the dataset holds it (text, a list of chat messages, or token ids).
-        where: The sample, for the message (e.g. ``"train_dataset row 7"``).
-    """
+    """The error for a prompt (text, chat messages or token ids) that is missing, of another type, or empty; None
+    when it is fine. `where` names the sample (``"train_dataset row 7"``)."""
     if prompt is None:
         problem = "is None (a missing value)"
     elif isinstance(prompt, str):
@@ -151,16 +115,8 @@ def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
 def too_long_error(
     context: ModelContext, lengths: Sequence[int], generation_tokens: int, where: Callable[[int], str], fix: str
 ) -> ValueError | None:
-    """The error for the prompts whose length plus `generation_tokens` passes a learned position table; None when
-    every prompt fits (or the positions are not learned).
-
-    Args:
-        context: The model's context.
-        lengths: The prompt lengths, in tokens.
-        generation_tokens: The completion budget they get.
-        where: Names sample i for the message.
-        fix: What to do, appended to the message.
-    """
+    """The error for the prompts whose length plus `generation_tokens` passes a learned position table (`where(i)`
+    names sample i, `fix` ends the message); None when every prompt fits or positions are not learned."""
     if context.limit is None or not context.learned:
         return None
     longest = context.limit - generation_tokens
@@ -178,12 +134,8 @@ def too_long_error(
 def check_prompt_column(
     dataset: Any, column: str = "prompt", name: str = "train_dataset", alternatives: Sequence[str] = ()
 ) -> None:
-    """Raise `empty_prompt_error` for the first row of `dataset` whose `column` is missing or empty, and a
-    ValueError naming the columns when `dataset` has neither `column` nor one of `alternatives`.
-
-    Reads the column at once (fast for a `datasets.Dataset`); datasets without named columns (iterable, torch
-    datasets) are skipped and checked per batch instead.
-    """
+    """Raise `empty_prompt_error` for the first row whose `column` is missing or empty, or a ValueError when
+    `dataset` has neither `column` nor one of `alternatives`; datasets without named columns are checked per batch."""
     columns = list(getattr(dataset, "column_names", None) or ()) if dataset is not None else []
     if columns and column not in columns and not set(alternatives) & set(columns):
         wanted = " or ".join(repr(c) for c in (column, *alternatives))
@@ -201,9 +153,7 @@ def check_prompt_column(
 
 
 def raise_together(error: Exception | None, accelerator: Any) -> None:
-    """Raise `error` on every process when any process has one, so none is left waiting in the next collective
-    (each process checks its own prompts). A collective: every process must call it.
-    """
+    """Raise `error` on every process when any process has one (a collective: every process calls it)."""
     if accelerator.num_processes > 1:
         raise_on_every_process(
             error,

@@ -1,5 +1,5 @@
-"""The sampler's own per-token log-probs under HF `generate`, for the decoupled loss and the mismatch monitor (vLLM
-returns them itself). Both trainers record them the same way (`record_sampler_logps`)."""
+"""The sampler's own per-token log-probs under HF `generate` (vLLM returns them itself), for the decoupled loss and
+the mismatch monitor: read after temperature, top-k, top-p, min-p and repetition penalty, as the sampler draws."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from trl_stable.integration.patching import wrapped_method
 
 
 class SamplerLogprobRecorder:
-    """Logits processor placed last in `generate`'s chain: records the log-prob of each sampled token.
-
-    It sees the scores after every other processor (temperature, top-k, top-p, min-p, repetition penalty), i.e. the
-    distribution the sampler draws from, and keeps one [B, V] step in memory: the token drawn from step t is read
-    from `input_ids` at step t + 1, the last one from the returned completions.
-    """
+    """Logits processor placed last in `generate`'s chain, recording the log-prob of each sampled token; it keeps
+    one [B, V] step: the token drawn at step t is read from `input_ids` at t + 1, the last from the completions."""
 
     def __init__(self):
         self.steps: list[torch.Tensor] = []
@@ -42,11 +38,8 @@ class SamplerLogprobRecorder:
 
 @contextmanager
 def record_sampler_logps(model):
-    """Record the per-token log-probs `model.generate` samples with (see `SamplerLogprobRecorder`).
-
-    `generate` puts user logits processors *before* its temperature/top-k/top-p warpers, so the recorder is appended
-    to the processor list `generate` builds instead (instance-level patch of `_get_logits_processor`, undone on exit).
-    """
+    """Record the per-token log-probs `model.generate` samples with: `generate` puts user processors *before* its
+    warpers, so the recorder is appended to the list it builds (an instance patch of `_get_logits_processor`)."""
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     recorder = SamplerLogprobRecorder()
 

@@ -1,22 +1,16 @@
-"""Step-mask fields shared by trl_stable's GRPO and PPO configs (a dataclass mixin, like `HealthArguments`).
-
-The configs inherit [`StepMaskArguments`] and call `validate_step_mask_arguments()` in `__post_init__`.
-"""
+"""Step-mask fields shared by the GRPO and PPO configs: a dataclass mixin whose `validate_step_mask_arguments()` the
+configs call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StepMaskArguments"]
-
 
 @dataclass
 class StepMaskArguments:
-    """Fields that remove invalid agent steps from the policy loss (see `trl_stable.masking.CompletionStepMasker`).
-
-    A config may redeclare `step_loss_mask` to say what else its trainer does with the masked tokens.
-    """
+    """Fields that remove invalid agent steps from the policy loss (`trl_stable.masking.CompletionStepMasker`); a
+    config may redeclare `step_loss_mask` to say what else its trainer does with the masked tokens."""
 
     step_loss_mask: bool = field(
         default=False,

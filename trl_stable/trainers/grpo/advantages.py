@@ -16,8 +16,6 @@ from trl_stable.trainers.grpo.trl_logs import log_metric
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SequenceAdvantages"]
-
 
 class SequenceAdvantages:
     """`GRPOTrainer`'s registry route for the sequence advantages."""

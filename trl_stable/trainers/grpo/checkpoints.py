@@ -1,19 +1,6 @@
-"""GRPO's checkpoints: transformers' `Trainer` writes them; trl_stable marks them complete, adds its own state, and
-resumes from the newest complete one (see `trl_stable.trainers.checkpoints` for the marker and what it guarantees).
-
-transformers writes ``checkpoint-N`` in place, file by file (model, optimizer, scheduler, RNG, trainer state, then
-TRL's extras), and its `_save_checkpoint` rotates old checkpoints (``save_total_limit``) at its end, before anything
-after it could mark the new one complete; its own resume takes the highest-numbered folder whatever it holds, and
-loads the RNG file only if it is there. `GRPOCheckpoints`, mixed into `trl_stable.GRPOTrainer` ahead of
-`trl.GRPOTrainer`:
-
-- writes the files TRL's `_save_checkpoint` writes (`_write_checkpoint_files`: TRL's model card and adaptive-entropy
-  state around transformers' files), in the marked, rotate-after-complete save both trainers share
-  (`trl_stable.trainers.checkpoints.MarkedCheckpoints`);
-- resumes (`train`) from the newest complete checkpoint for ``resume_from_checkpoint=True``, checks an explicit one,
-  and restores trl_stable's state before transformers' loop starts.
-
-The transformers / TRL members this uses are listed in `trl_stable.integration.trl_members`.
+"""GRPO's checkpoints (docs/reliability.md): transformers' `Trainer` writes them, `MarkedCheckpoints` marks them
+complete, and `train` resumes from the newest complete one with trl_stable's state; the transformers / TRL members
+used are listed in `trl_stable.integration.trl_members`.
 """
 
 from __future__ import annotations
@@ -33,25 +20,14 @@ from trl_stable.trainers.checkpoints import (
     restore_stable_state,
 )
 
-__all__ = ["GRPOCheckpoints"]
-
 
 class GRPOCheckpoints(MarkedCheckpoints):
-    """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer.
-
-    The trainer supplies `_named_reward_funcs()` and `_trainer_checkpoint_state()` /
-    `_load_trainer_checkpoint_state(shared, per_process)` for its own state, and has a `health_monitor` (or None).
-    """
+    """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer; the trainer also supplies
+    `_load_trainer_checkpoint_state(shared, per_process)`."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None):
-        """`transformers.Trainer.train`, resuming from the newest *complete* checkpoint for
-        ``resume_from_checkpoint=True`` (newer incomplete ones are skipped and logged), checking an explicit one
-        (ValueError naming the folder and the fix when it is incomplete or has no ``trainer_state.json``), and
-        restoring trl_stable's state: the health monitor, reward-function counters, the dynamic-sampling refill RNG
-        and the NaN-reward count.
-
-        ``args.resume_from_checkpoint`` is, as in transformers and TRL, for your script to pass here: given alone it is
-        not read, and an IgnoredSettingWarning says so."""
+        """`transformers.Trainer.train`, resuming from the newest *complete* checkpoint (`resolve_checkpoint`) and
+        restoring trl_stable's state; ``args.resume_from_checkpoint`` alone is not read (as in TRL): warned."""
         if resume_from_checkpoint is None and self.args.resume_from_checkpoint is not None:
             warnings.warn(
                 f"resume_from_checkpoint={self.args.resume_from_checkpoint!r} is not read by trainer.train() (as in "

@@ -15,19 +15,14 @@ from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.trainers.grpo.trl_batch import forward_kwargs, loss_mask
 from trl_stable.trainers.grpo.trl_logs import log_metric, train_mode
 
-__all__ = ["DecoupledLoss"]
-
 
 class DecoupledLoss:
     """`GRPOTrainer`'s decoupled-loss steps, run on the final batch of each generation batch."""
 
     @torch.no_grad()
     def _compute_proximal_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        """Proximal log-probs: the policy at the rollout weights on the batch, one extra forward (no gradient).
-
-        With routing replay it is a rollout pass: R3 replays the batch's (sampler) routing, R2 records the routing of
-        this pass into the batch.
-        """
+        """Proximal log-probs: the policy at the rollout weights, one extra no-grad forward (a rollout pass for
+        routing replay: R3 replays the sampler's routing, R2 records this pass's)."""
         mode = train_mode(self)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)

@@ -1,5 +1,5 @@
 """Dense (per-token) reward functions in GRPO (`trl_stable.rewards.dense`): kept out of TRL's reward functions,
-prefetched when TRL scores, collected after TRL's scoring round and added to the advantages as a reward-to-go."""
+prefetched when TRL scores, collected after its scoring round and added to the advantages as a reward-to-go."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from trl_stable.trainers.grpo.trl_batch import loss_mask, process_slice
 from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metric
 from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
 from trl_stable.trainers.processes import call_on_every_process
-
-__all__ = ["DenseRewards"]
 
 
 class DenseRewards:
@@ -66,12 +64,8 @@ class DenseRewards:
         )
 
     def _collect_dense_rewards(self, pending: PendingDenseRewards) -> torch.Tensor:
-        """Call the prefetched dense reward functions; their weighted sum [B, T_max] on the local completions.
-
-        Every process calls this together (the dense functions are a trainer setting): a contract error seen by one
-        process stops all, and what the functions logged with ``log_metric`` / ``log_extra`` after TRL's own flush is
-        flushed the same way, so it is logged with this step.
-        """
+        """Call the prefetched dense reward functions on every process together (a contract error on one stops all;
+        what they logged is flushed with this step); their weighted sum [B, T_max] on the local completions."""
         dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
         if self.model.training:  # a dense function that raised on any process failed this step

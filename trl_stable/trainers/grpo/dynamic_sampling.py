@@ -18,8 +18,6 @@ from trl_stable.trainers.grpo.trl_batch import (
 )
 from trl_stable.trainers.grpo.trl_logs import log_metric
 
-__all__ = ["DynamicSamplingRefill"]
-
 
 class DynamicSamplingRefill:
     """`GRPOTrainer`'s refill rounds (``dynamic_sampling_max_refills``)."""
@@ -39,13 +37,9 @@ class DynamicSamplingRefill:
         return [dict(self.train_dataset[i]) for i in indices for _ in range(self.num_generations)]
 
     def _refill_dynamic_sampling(self, output: dict[str, Any], keep: torch.Tensor, num_inputs: int) -> dict[str, Any]:
-        """DAPO's fixed-size dynamic sampling: replace dropped rows by informative rows from extra generations.
-
-        Every extra round is a full TRL generation + scoring (+ trl_stable post-processing) of whole groups of new
-        prompts; the loop stops when every process has `num_inputs` kept rows or after
-        `dynamic_sampling_max_refills` rounds (then the batch is topped up with dropped, masked rows). Every process
-        runs the same rounds, those already full too (their extra rows are not used).
-        """
+        """Replace dropped rows by informative ones from extra rounds (each a full generation + scoring of new
+        prompts) until every process has `num_inputs` kept rows or the refills run out (then dropped, masked rows
+        top the batch up); every process runs the same rounds."""
         if forward_kwargs(output):
             raise ValueError("dynamic_sampling_max_refills does not support multimodal batches; set it to 0.")
         num_kept = int(keep.sum().item())

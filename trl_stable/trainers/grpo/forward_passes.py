@@ -12,14 +12,9 @@ import torch
 from trl_stable.core.positions import position_ids_from_mask
 from trl_stable.integration.trl_members import REF_ADAPTER_NAME
 
-__all__ = ["is_reference_pass", "with_mask_position_ids"]
-
 
 class _MaskPositionIds:
-    """A model whose every call gets ``position_ids`` derived from that call's ``attention_mask``.
-
-    Attribute reads go to the model, so code that inspects it (its config, `training`) sees the model itself.
-    """
+    """A model whose every call gets ``position_ids`` from its ``attention_mask``; attributes read the model's."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model

@@ -1,7 +1,5 @@
-"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, plus trl_stable's options.
-
-Every field is honoured, or refused (where `trl.GRPOConfig` accepts it, warned about: `ignored_settings`) by name;
-`docs/grpo.md` lists every field, and `tests/trainers/test_grpo_every_setting.py` shows each one acting.
+"""Configuration of trl_stable's GRPOTrainer: every field of `trl.GRPOConfig`, honoured, or refused (warned where
+TRL accepts it: `ignored_settings`) by name, plus trl_stable's options (docs/grpo.md lists every field).
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.grpo.ignored_settings import warn_ignored_settings
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-__all__ = ["GRPO_BOUNDS", "GRPOConfig", "TRL_GRPO_BOUNDS"]
-
 # The presets TRL computes itself (its own config fields express them): the exact drop-in numbers.
 _TRL_COMPUTED = ("grpo", "dr_grpo", "gdpo")
 # TRL fields a preset sets, applied only while the field still has TRL's default (else it must already agree).
@@ -46,6 +42,14 @@ _PRESET_TRL_FIELDS = {
 }
 _TRL_DEFAULTS = {"scale_rewards": "group", "loss_type": "dapo", "multi_objective_aggregation": "sum_then_normalize"}
 _LEVEL_NAMES = {"batch": "batch", "group": "group", "none": None}
+# The fine-grained fields that make trl_stable compute a preset itself (the first three: None keeps the preset).
+_ADVANTAGE_OVERRIDES = (
+    "advantage_mean_level",
+    "advantage_std_level",
+    "advantage_leave_one_out",
+    "advantage_std_unbiased",
+    "advantage_eps",
+)
 
 # The numeric fields trl_stable adds to `trl.GRPOConfig` and what is valid (the token filter's and the health
 # monitor's check themselves; overlong_penalty_tokens <= max_completion_length is checked with the other options).
@@ -94,12 +98,8 @@ TRL_GRPO_BOUNDS: dict[str, Bound] = {
 
 @dataclass
 class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLossArguments, StepMaskArguments):
-    r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options.
-
-    Every new field defaults to "off", which leaves the trainer identical to `trl.GRPOTrainer`. The health monitor
-    (`health_*` fields, from `trl_stable.monitoring.HealthArguments`) is on but only reads the logs. Each field's help
-    says what it does; docs/grpo.md has the reference table and the presets.
-    """
+    r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options, each off by
+    default (identical to `trl.GRPOTrainer`; the health monitor only reads the logs). docs/grpo.md has the table."""
 
     advantage_estimator: str = field(
         default="grpo",
@@ -239,11 +239,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
             value = getattr(self, name)
             if value is not None and value not in _LEVEL_NAMES:
                 raise ValueError(f"{name}={value!r} is invalid; use 'batch', 'group', 'none' or None (preset).")
-        fine = [
-            name
-            for name in ("advantage_mean_level", "advantage_std_level", "advantage_leave_one_out")
-            if getattr(self, name) is not None
-        ]
+        fine = [name for name in _ADVANTAGE_OVERRIDES[:3] if getattr(self, name) is not None]
         if fine and self.advantage_estimator not in NORMALIZATION_PRESETS:
             raise ValueError(
                 f"{', '.join(fine)} cannot be combined with advantage_estimator={self.advantage_estimator!r}, which "
@@ -389,21 +385,11 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
 
     def _own_normalization_requested(self) -> bool:
         """Whether a fine-grained advantage_* field asks trl_stable to compute a 'grpo'/'dr_grpo' normalization."""
-        return any(
-            getattr(self, name) != _STABLE_DEFAULTS[name]
-            for name in (
-                "advantage_mean_level",
-                "advantage_std_level",
-                "advantage_leave_one_out",
-                "advantage_std_unbiased",
-                "advantage_eps",
-            )
-        )
+        return any(getattr(self, name) != _STABLE_DEFAULTS[name] for name in _ADVANTAGE_OVERRIDES)
 
     def with_changes(self, **changes: Any) -> GRPOConfig:
-        """A copy with `changes` to trl_stable's own fields, validated as `__post_init__` validates them; this
-        configuration is not changed. TRL's fields need a new `GRPOConfig` (built before the trainer): TRL's
-        `__post_init__` sets accelerate's devices up again."""
+        """A validated copy with `changes` to trl_stable's own fields (TRL's need a new `GRPOConfig`: its
+        `__post_init__` sets accelerate's devices up again)."""
         others = sorted(set(changes) - set(_STABLE_DEFAULTS))
         if others:
             raise ValueError(
@@ -418,14 +404,9 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         return changed
 
     def virtual_samples_config(self) -> GRPOConfig | None:
-        """The configuration the health monitor's virtual-samples remedy trains with while the zero-std alarm holds:
-        this one with ``virtual_samples_attr`` (``advantage_estimator``) set to ``virtual_samples_value``
-        (``"ngrpo"``), validated by `with_changes`; None without the remedy (`health_remedy_virtual_samples`).
-
-        Raises:
-            ValueError: naming the remedy and the fix, when the change is not a GRPOConfig field, changes nothing, or
-                gives a combination the config refuses (e.g. ``advantage_std_unbiased=False`` with NGRPO).
-        """
+        """The configuration the virtual-samples remedy trains with while the zero-std alarm holds (this one with
+        ``virtual_samples_attr`` set to ``virtual_samples_value``, via `with_changes`), or None without the remedy;
+        ValueError naming the remedy and the fix when that change is not a field, changes nothing or is refused."""
         health = health_config_from_args(self)
         if health is None or not health.remedy_virtual_samples:
             return None
@@ -451,13 +432,8 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
 
     @property
     def advantage_settings(self) -> dict[str, Any] | None:
-        """The registered estimator trl_stable computes the advantages with, as ``{"estimator": name, **params}``.
-
-        None when TRL computes them: 'grpo', 'dr_grpo' and 'gdpo' without an advantage_* override are TRL's own
-        configurations (scale_rewards / multi_objective_aggregation), so TRL's numbers are kept bit for bit; the
-        registry's estimators of those names compute the same formulas (tests/core/test_estimators.py). Every other
-        case goes through `trl_stable.core.estimators`: there is no third route.
-        """
+        """The registered estimator trl_stable computes the advantages with, ``{"estimator": name, **params}``;
+        None when TRL computes them ('grpo', 'dr_grpo', 'gdpo' without an advantage_* override: TRL's numbers)."""
         name = self.advantage_estimator
         if name in _TRL_COMPUTED and not self._own_normalization_requested():
             return None

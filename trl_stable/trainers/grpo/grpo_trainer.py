@@ -1,12 +1,6 @@
-"""trl_stable's GRPOTrainer: TRL's GRPOTrainer plus the stability options of trl_stable.
-
-With every trl_stable option at its default the trainer is TRL's own, step for step: each override calls ``super()``
-and only post-processes when an option asks for it (no extra forward, no RNG draw). One generation batch
-(`_generate_and_score_completions`): TRL's round, whose hooks (generation, the old-logprob pass, the rewards) fill a
-`RolloutRecord`; `_postprocess_generation` (advantages, NaN-reward drop, dynamic sampling, step masks, dense
-advantages); refill rounds (`dynamic_sampling`); the decoupled loss (`decoupled_loss`); then TRL's `_compute_loss`.
-docs/grpo.md ("Extending the trainer") has the override points; the private TRL members used are registered, with
-what is relied on, in `trl_stable.integration.trl_members`.
+"""trl_stable's GRPOTrainer: TRL's, plus the stability options; with every option at its default, TRL's step for step
+(each override calls ``super()`` and only post-processes when an option asks). docs/grpo.md ("Extending the
+trainer") has the override points; the private TRL members used are in `trl_stable.integration.trl_members`.
 """
 
 from __future__ import annotations
@@ -19,22 +13,11 @@ from typing import Any
 import torch
 import trl
 
-from trl_stable.core import (
-    overlong_penalty,
-    zero_variance_groups,
-)
+from trl_stable.core import overlong_penalty, zero_variance_groups
 from trl_stable.masking.completion_steps import CompletionStepMasker
-from trl_stable.moe.hook import (
-    ROUTED_EXPERTS_KEY,
-    RoutingHook,
-    batch_routing,
-)
+from trl_stable.moe.hook import ROUTED_EXPERTS_KEY, RoutingHook, batch_routing
 from trl_stable.monitoring.integration import attach_health_monitor
-from trl_stable.monitoring.reduction import (
-    has_own_reduction,
-    reduce_metrics,
-    step_mask_stats,
-)
+from trl_stable.monitoring.reduction import has_own_reduction, reduce_metrics, step_mask_stats
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     bound_rewards,
@@ -53,11 +36,7 @@ from trl_stable.trainers.grpo.dense_rewards import DenseRewards
 from trl_stable.trainers.grpo.dynamic_sampling import DynamicSamplingRefill
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
-from trl_stable.trainers.grpo.trl_batch import (
-    multimodal_forward_keys,
-    num_items_in_batch,
-    process_slice,
-)
+from trl_stable.trainers.grpo.trl_batch import multimodal_forward_keys, num_items_in_batch, process_slice
 from trl_stable.trainers.grpo.trl_logs import (
     flush_reward_metrics,
     log_generation_mismatch,
@@ -80,8 +59,6 @@ from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRPOTrainer", "RolloutRecord"]
-
 
 def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):
     def overlong_penalty_reward(completion_ids, **kwargs):
@@ -94,18 +71,17 @@ def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: floa
 
 @dataclass
 class RolloutRecord:
-    """What the hooks TRL calls inside one `_generate_and_score_completions` call hand back to trl_stable (TRL keeps
-    their return values to itself); one record per call, opened by `GRPOTrainer._generate_and_score_round`.
+    """What TRL's hooks inside one `_generate_and_score_completions` call hand back to trl_stable (one record per
+    call, opened by `_generate_and_score_round`).
 
     Attributes:
-        inputs: The call's input rows (what `_calculate_rewards` needs when the rewards are scored early).
-        early_rewards: (completion ids, [N_global, K] rewards) scored in `_generate`, right after generation, so the
-            dense prefetch starts before TRL's no-grad passes; TRL's later `_calculate_rewards` call gets them.
-        rewards_per_func: [N_global, K] sequence rewards (`_calculate_rewards`).
-        pending_dense: The dense reward functions of this call, prefetched in `_calculate_rewards` and collected in
-            `_postprocess_generation`, or None.
-        dense_rewards: [B, T_max] weighted dense rewards of the local completions once collected, or None.
-        sampled_routing: R3: per-sequence sampler routing ([p_i + c_i, layers, k]) from HF generate or a rollout_func.
+        inputs: The call's input rows (for rewards scored early).
+        early_rewards: (completion ids, [N_global, K] rewards) scored in `_generate`, so the dense prefetch starts
+            before TRL's no-grad passes; TRL's later `_calculate_rewards` call gets them.
+        rewards_per_func: [N_global, K] sequence rewards.
+        pending_dense: The prefetched dense reward functions, collected in `_postprocess_generation`.
+        dense_rewards: [B, T_max] weighted dense rewards of the local completions once collected.
+        sampled_routing: R3: per-sequence sampler routing ([p_i + c_i, layers, k]).
         routing: The batch's routing in trainer layout ([B, P + T, layers, k]) once a rollout pass has run.
     """
 
@@ -121,14 +97,8 @@ class RolloutRecord:
 class GRPOTrainer(
     GRPOCheckpoints, SequenceAdvantages, DenseRewards, DynamicSamplingRefill, DecoupledLoss, trl.GRPOTrainer
 ):
-    """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's advantage estimators, decoupled loss, token
-    filters, dense rewards, dynamic sampling, overlong penalty, NaN-reward handling and MoE routing replay.
-
-    Args:
-        Same as `trl.GRPOTrainer`; `args` may be a `trl_stable.GRPOConfig` (a plain `trl.GRPOConfig` works too, with
-        every trl_stable option off). Reward functions marked with `trl_stable.rewards.dense_reward` return per-token
-        rewards and are called after the sequence-level ones (see `trl_stable.rewards.dense`).
-    """
+    """Drop-in replacement for `trl.GRPOTrainer` with trl_stable's options (docs/grpo.md); same arguments, `args` a
+    `trl_stable.GRPOConfig` or a plain `trl.GRPOConfig` (every option off)."""
 
     _tag_names = ["trl", "grpo", "trl_stable"]
 
@@ -202,8 +172,7 @@ class GRPOTrainer(
         return getattr(self.args, name, _STABLE_DEFAULTS[name])
 
     def advantage_args(self) -> Any:
-        """The configuration this generation batch's advantages are computed with: `args`, or while the health
-        monitor's virtual-samples remedy is on, `args.virtual_samples_config()` (`args` is never changed)."""
+        """`args`, or while the virtual-samples remedy is on, `args.virtual_samples_config()`."""
         if self._virtual_samples_args is not None and self.health_monitor.remedy_active:
             return self._virtual_samples_args
         return self.args
@@ -367,16 +336,9 @@ class GRPOTrainer(
         return out
 
     def _policy_forward(self, model, args: tuple, kwargs: dict[str, Any]):
-        """`model`, or for a text batch while `_needs_sampler_logps()` a wrapper that adds position ids derived from
-        the attention mask to each forward (`forward_passes.with_mask_position_ids`), as the sampler numbered them.
-
-        Every pass goes through here (old-logprob, proximal, reference, update), so the ratios between them keep
-        comparing like with like. Multimodal batches keep the model's own numbering: models such as Qwen2-VL derive
-        3-D (M-RoPE) position ids from the images themselves.
-        """
-        # Only while trl_stable compares the trainer's log-probs with the sampler's: HF `generate` and vLLM number a
-        # left-padded row from its first real token, TRL's forward from the first column (on absolute position
-        # embeddings, GPT-2, up to nats apart); with every option off, TRL's numbers.
+        """`model`, or while `_needs_sampler_logps()` (text batches) one numbered from the attention mask as the
+        sampler numbers it (`with_mask_position_ids`), for every pass alike; multimodal models (M-RoPE) number
+        their own. With every option off, TRL's numbers."""
         if not self._needs_sampler_logps():
             return model
         if len(args) > 3 or any(kwargs.get(key) is not None for key in multimodal_forward_keys()):
@@ -460,10 +422,8 @@ class GRPOTrainer(
     def _postprocess_generation(
         self, output: dict[str, Any], record: RolloutRecord
     ) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """trl_stable's steps on one round of TRL's batch; each one is a no-op while its option is off.
-
-        Returns the batch and, with dynamic sampling, the [B] mask of the rows it keeps (else None).
-        """
+        """trl_stable's steps on one round of TRL's batch (each a no-op while its option is off); returns the batch
+        and, with dynamic sampling, the [B] mask of the rows it keeps."""
         self._attach_routing(output, record)
         rewards_per_func = record.rewards_per_func
         if rewards_per_func is None:  # a subclass or rollout path that bypassed _calculate_rewards
@@ -530,12 +490,8 @@ class GRPOTrainer(
 
     # ------------------------------------------------------------------ loss masks
     def _apply_loss_mask(self, output: dict[str, Any], keep: torch.Tensor, renormalize: bool = True) -> None:
-        """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss (TRL's `tool_mask` channel).
-
-        The attention mask is left alone, so the kept tokens' log-probs do not change. With `renormalize` the
-        removed tokens also leave the token normaliser `num_items_in_batch` (collective across processes: call it
-        on every process or on none).
-        """
+        """Remove samples ([B] keep) or tokens ([B, T] keep) from the loss through TRL's `tool_mask` (the attention
+        mask is kept); with `renormalize` also from `num_items_in_batch` (a collective)."""
         mask = output["completion_mask"]
         if keep.dim() == 1:
             keep = keep.unsqueeze(1).expand_as(mask)
@@ -554,7 +510,6 @@ class GRPOTrainer(
             log_metric(self, name, value)
         self._apply_loss_mask(output, keep)
 
-    # ------------------------------------------------------------------ the updates (routing point: update)
     # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)
     def _named_reward_funcs(self) -> list[tuple[str, Any]]:
         return [
@@ -580,6 +535,7 @@ class GRPOTrainer(
             generator.set_state(per_process["refill_generator"])
             self._refill_generator = generator  # `_refill_prompts` draws from it instead of seeding a new one
 
+    # ------------------------------------------------------------------ the updates (routing point: update)
     def _compute_loss(self, model, inputs):
         routing = inputs.get(ROUTED_EXPERTS_KEY)
         with self.routing.update_pass(routing):

@@ -1,6 +1,5 @@
-"""The settings `trl.GRPOConfig` accepts that a GRPO run ignores: each is named in an `IgnoredSettingWarning` with the
-fix (TRL accepts them, so a script written for `trl.GRPOTrainer` keeps running). `GRPOConfig.__post_init__` calls
-[`warn_ignored_settings`]; docs/grpo.md's "Every setting" lists them."""
+"""The settings `trl.GRPOConfig` accepts that a GRPO run ignores, each named in an `IgnoredSettingWarning` with the
+fix (a script written for `trl.GRPOTrainer` keeps running); docs/grpo.md's "Every setting" lists them."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from trl_stable.settings.checks import (
     warn_ignored,
 )
 from trl_stable.trainers.ppo.vllm_args import vllm_dependents
-
-__all__ = ["GRPO_IGNORED", "trl_dependents", "warn_ignored_settings"]
 
 # `TrainingArguments` fields GRPO has nothing to apply to: (the value taken without a word, why another is ignored).
 # TRL accepts them, so a script written for `trl.GRPOTrainer` keeps running: each is named in an IgnoredSettingWarning.
@@ -69,11 +66,8 @@ def _prefixed(prefix: str, *, but: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def trl_dependents(config: Any) -> tuple[Dependent, ...]:
-    """The `trl.GRPOConfig` fields that only act together with another option, as [`Dependent`]s (TRL ignores each
-    of them, without a word, when the option is off; `GRPOConfig` warns).
-
-    `config` is a resolved `trl.GRPOConfig` (after `__post_init__`).
-    """
+    """The fields of a resolved `trl.GRPOConfig` that only act with another option, as [`Dependent`]s (TRL ignores
+    each without a word when the option is off; `GRPOConfig` warns)."""
     loss = config.loss_type
     plugin = config.deepspeed_plugin
     return (

@@ -1,8 +1,5 @@
-"""GRPO's reading and re-shaping of `trl.GRPOTrainer`'s batch dict, each piece the TRL logic it mirrors (listed, with
-TRL's lines, in `trl_stable.integration.mirrored.MIRRORED`): the loss mask and its token count
-`num_items_in_batch`, this process's slice of the gathered batch, the padding side of each key when batches are
-concatenated, the multimodal forward inputs TRL passes on to the policy, and the tokenizer whose pad id fills the ids.
-"""
+"""GRPO's reading and re-shaping of `trl.GRPOTrainer`'s batch dict, each piece the TRL logic it mirrors (listed in
+`trl_stable.integration.mirrored.MIRRORED`)."""
 
 from __future__ import annotations
 
@@ -17,28 +14,13 @@ from trl_stable.integration.trl_members import GRPO_PADDING, LOGPS_PARAMS
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.moe.layout import repad_routing
 
-__all__ = [
-    "concat_rows",
-    "forward_kwargs",
-    "loss_mask",
-    "multimodal_forward_keys",
-    "num_items_in_batch",
-    "num_rows",
-    "process_slice",
-    "select_rows",
-    "tokenizer_of",
-]
-
 # Parameters of `_get_per_token_logps_and_entropies` that are not multimodal forward inputs.
 _LOGPS_CORE_PARAMS = ("self", *LOGPS_PARAMS)
 
 
 def multimodal_forward_keys() -> tuple[str, ...]:
-    """The batch keys TRL forwards to the policy besides ids and masks (pixel_values, image_grid_thw, ...).
-
-    Read from the signature of `trl.GRPOTrainer._get_per_token_logps_and_entropies`, TRL's own list, rather than
-    copied, so a TRL release that adds a multimodal input is followed automatically.
-    """
+    """The batch keys TRL forwards to the policy besides ids and masks (pixel_values, ...), read from the signature
+    of `trl.GRPOTrainer._get_per_token_logps_and_entropies`, so a new TRL input is followed."""
     signature = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies)
     return tuple(name for name in signature.parameters if name not in _LOGPS_CORE_PARAMS)
 
@@ -86,10 +68,8 @@ def select_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
 
 
 def concat_rows(parts: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
-    """Batches concatenated along rows, each [B, T] key padded to the widest part with TRL's `pad` on the side and
-    with the value TRL pads it with (`GRPO_PADDING`: prompts on the left, completions on the right); other 2-D keys
-    (log-probs, IS ratios) are completion-aligned and padded on the right with 0. The MoE routing (``routed_experts``,
-    [B, P + T, layers, k]) is re-padded like the ids. Scalars (``num_items_in_batch``) are the first part's."""
+    """Batches concatenated along rows, each [B, T] key padded with TRL's `pad` as TRL pads it (`GRPO_PADDING`;
+    other 2-D keys on the right with 0), the MoE routing re-padded like the ids, scalars the first part's."""
     parts = [dict(part) for part in parts if num_rows(part) > 0]
     if any("tool_mask" in part for part in parts):  # only batches that dropped something carry one
         for part in parts:

@@ -1,7 +1,5 @@
 """How GRPO's rewards go through `trl.GRPOTrainer._calculate_rewards`: the reward functions TRL calls, checked under
-trl_stable's reward contract (`ContractCheckedRewards`), and the keywords TRL passes every reward function
-(`reward_kwargs`, mirrored for the dense functions trl_stable calls itself). See
-`trl_stable.integration` (trl_members.GRPO_MEMBERS: reward_funcs; mirrored.MIRRORED)."""
+trl_stable's reward contract, and the keywords TRL passes them (`trl_stable.integration`: GRPO_MEMBERS, MIRRORED)."""
 
 from __future__ import annotations
 
@@ -14,15 +12,9 @@ from trl.trainer.utils import is_async_callable
 
 from trl_stable.rewards.dense import checked_sequence_reward
 
-__all__ = ["ContractCheckedRewards", "reward_kwargs"]
-
 
 def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The keyword arguments TRL passes every reward function (mirrors `trl.GRPOTrainer._calculate_rewards`).
-
-    The dataset columns (repeated per completion), ``trainer_state``, ``log_extra``, ``log_metric`` and, with
-    environments, ``environments``. See `MIRRORED`.
-    """
+    """The keyword arguments TRL passes every reward function (mirrors `trl.GRPOTrainer._calculate_rewards`)."""
     keys = [key for key in inputs[0] if key not in ("prompt", "completion", "completion_ids")]
     kwargs: dict[str, Any] = {key: [example[key] for example in inputs] for key in keys}
     kwargs["trainer_state"] = trainer.state
@@ -34,21 +26,11 @@ def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, A
 
 
 class ContractCheckedRewards:
-    """The reward functions TRL's `_calculate_rewards` calls, each answer read under `trl_stable.rewards.dense`'s
-    contract, built once (the trainer puts `funcs` in TRL's `reward_funcs` at construction; nothing swaps them later).
-
-    Each callable function is wrapped by `checked_sequence_reward`: the wrapper hands TRL exactly the values TRL would
-    have built itself from a well-formed answer (a float per completion, None -> NaN), so the numbers are TRL's; an
-    answer that is not numbers is replaced by None for every completion and its error kept in `errors`, so every
-    process still reaches TRL's gather after the functions; a call that raises leaves its completions unscored, with
-    its cause in `failures` (the trainer's guard counts it). The trainer takes both (`take_errors`) after each call and
-    raises the first error on every process; out-of-range values are bounded on the gathered rewards. Reward models
-    (``nn.Module``) are TRL's to score and are left as they are. A wrapper keeps its function's name and
-    ``__wrapped__`` (``inspect.unwrap`` gives the function back).
-
-    Args:
-        funcs: TRL's reward functions, in `reward_funcs` order.
-        names: Their names (`reward_func_names`).
+    """TRL's `reward_funcs`, built once (the trainer sets them at construction), each answer read under
+    `trl_stable.rewards.dense`'s contract (`checked_sequence_reward`): TRL gets the values it would build from a
+    well-formed answer; a malformed answer becomes None for every completion (its error in `errors`) and a raising
+    call leaves its completions unscored (its cause in `failures`), so every process still reaches TRL's gather.
+    Reward models are left as they are; a wrapper keeps its function's name and ``__wrapped__``.
     """
 
     def __init__(self, funcs: Sequence[Any], names: Sequence[str]):
