@@ -154,8 +154,7 @@ class PPOTrainer(
         if lam_fn is not None and (args.lam_schedule is not None or args.lam != field_default(args, "lam")):
             shown = f"lam_schedule={args.lam_schedule!r}" if args.lam_schedule is not None else f"lam={args.lam}"
             raise ValueError(
-                f"{shown} and `lam_fn` both set GAE's lambda, and lam_fn would win: leave {shown.split('=')[0]} at "
-                "its default, or drop lam_fn."
+                f"{shown} and `lam_fn` both set GAE's lambda: leave {shown.split('=')[0]} alone or drop lam_fn."
             )
         models = build_models(model, args, processing_class, ref_model, value_model, peft_config)
         model, ref_model, processing_class = models.wrapper.policy, models.ref_model, models.tokenizer
@@ -353,16 +352,9 @@ class PPOTrainer(
         update_logs = self.update(batch)
         self.kl_ctl.update(advantage_logs["objective/kl"], args.batch_size * self.accelerator.num_processes)
 
-        logs = {
-            **advantage_logs,
-            **reward_logs,
-            "ppo/learning_rate": self.optimizer.param_groups[0]["lr"],
-            **update_logs,
-            **rollout_logs,
-            **behaviour_logs,
-            **(extra_logs or {}),
-            "time/ppo_step": Stat.max(time.time() - step_start),
-        }
+        logs = {**advantage_logs, **reward_logs, "ppo/learning_rate": self.optimizer.param_groups[0]["lr"]}
+        logs.update({**update_logs, **rollout_logs, **behaviour_logs, **(extra_logs or {})})
+        logs["time/ppo_step"] = Stat.max(time.time() - step_start)
         # the step mask's counts, the reward functions' metrics and the step time are this process's own; a reward
         # function may log a metric on some processes only
         logs = reduce_metrics(logs, self.accelerator, names_may_differ=True)
