@@ -42,16 +42,12 @@ _SAME_PRECISION = "PPO evaluates by generating with the training policy, in its 
 # batches): (the value that is accepted, why another one is refused).
 PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "label_smoothing_factor": (0.0, "PPO's policy loss has no labels to smooth."),
-    "neftune_noise_alpha": (
-        None,
-        "NEFTune noises the embeddings in training passes only, so the PPO ratio would not start at 1.",
-    ),
+    "neftune_noise_alpha": (None, "NEFTune noises training passes only, so the PPO ratio would not start at 1."),
     "use_liger_kernel": (False, "PPO takes its log-probs from TRL's fused LM head or the logits, not from Liger."),
     "liger_kernel_config": (None, "it configures `use_liger_kernel`, which PPO does not use."),
     "auto_find_batch_size": (
         False,
-        "PPO's batches are set by batch_size, per_device_train_batch_size and gradient_accumulation_steps; lower "
-        "per_device_train_batch_size yourself to fit memory.",
+        "PPO's batches are its config's: lower per_device_train_batch_size to fit memory.",
     ),
     "bf16_full_eval": (False, _SAME_PRECISION),
     "fp16_full_eval": (False, _SAME_PRECISION),
@@ -62,15 +58,8 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "include_for_metrics": ([], "PPO's evaluation has no compute_metrics inputs to include."),
     "batch_eval_metrics": (False, "PPO's evaluation has no compute_metrics to call per batch."),
     "label_names": (None, "PPO's batches have no labels."),
-    "parallelism_config": (
-        None,
-        "PPO runs under DDP, DeepSpeed ZeRO or FSDP2 (examples/accelerate_configs/); tensor, context and "
-        "sequence parallelism are not supported.",
-    ),
-    "average_tokens_across_devices": (
-        False,
-        "PPO averages each micro-batch's loss over its own tokens (as RELC's PPO did), never across devices.",
-    ),
+    "parallelism_config": (None, "PPO runs under DDP, ZeRO or FSDP2, not tensor/context/sequence parallelism."),
+    "average_tokens_across_devices": (False, "PPO averages each micro-batch's loss over its own tokens (as RELC)."),
     "remove_unused_columns": (False, "every column of train_dataset is passed to the reward functions."),
     # flags for your own script, which transformers' Trainer does not read either
     "do_train": (False, "no trainer reads it: training runs when your script calls trainer.train()."),
@@ -127,11 +116,7 @@ class PPOConfig(
 
     Every field of [`~transformers.TrainingArguments`] plus those of the RELC-era `trl.PPOConfig`, with their
     meanings and defaults; one step (`state.global_step`) is one PPO iteration (`docs/ppo.md`, "How one PPO step
-    works", and its configuration reference).
-
-    Defaults differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
-    `lr_scheduler_type` "constant", `per_device_train_batch_size` 16, `average_tokens_across_devices` and
-    `remove_unused_columns` False.
+    works", and its configuration reference); the `TrainingArguments` defaults it changes come first below.
     """
 
     # --- overridden TrainingArguments defaults ---
