@@ -48,22 +48,6 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
-def check_model_arguments(args: Any, model: Any, ref_model: Any) -> None:
-    """Refuse a `PPOConfig` model setting that the `PPOTrainer` arguments make the trainer ignore, naming both."""
-    if args.model_init_kwargs is not None and not isinstance(model, str):
-        raise ValueError(
-            f"model_init_kwargs={args.model_init_kwargs!r} load a policy by name, but `model` is a "
-            f"{type(model).__name__} object: pass its name or path, or leave model_init_kwargs=None."
-        )
-    if args.num_shared_layers is not None and ref_model is not None:
-        raise ValueError(
-            f"num_shared_layers={args.num_shared_layers} shapes the reference copied from the policy, but `ref_model` "
-            "is used as is: leave num_shared_layers=None, or drop ref_model (or build it with create_reference_model)."
-        )
-    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
-        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
-
-
 def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(name)` with `args.model_init_kwargs`, 4/8-bit when asked."""
     kwargs = dict(args.model_init_kwargs or {})
@@ -374,7 +358,18 @@ def build_models(
 ) -> PPOModels:
     """`PPOTrainer`'s models from its arguments (see its Args); the tokenizer's pad token is EOS when it has none."""
     model_id = model if isinstance(model, str) else model_name_of(model)
-    check_model_arguments(args, model, ref_model)
+    if args.model_init_kwargs is not None and not isinstance(model, str):
+        raise ValueError(
+            f"model_init_kwargs={args.model_init_kwargs!r} load a policy by name, but `model` is a "
+            f"{type(model).__name__} object: pass its name or path, or leave model_init_kwargs=None."
+        )
+    if args.num_shared_layers is not None and ref_model is not None:
+        raise ValueError(
+            f"num_shared_layers={args.num_shared_layers} shapes the reference copied from the policy, but `ref_model` "
+            "is used as is: leave num_shared_layers=None, or drop ref_model (or build it with create_reference_model)."
+        )
+    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
+        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
     if isinstance(model, str):
         model = load_policy(model, args, peft_config, PartialState().local_process_index)
     if tokenizer is None:
@@ -388,9 +383,7 @@ def build_models(
         from peft import get_peft_model, prepare_model_for_kbit_training
 
         if is_quantized(model):
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=bool(args.gradient_checkpointing)
-            )
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
         model, is_peft = get_peft_model(model, peft_config), True
     if args.disable_dropout:
         disable_dropout_in_model(model)

@@ -125,7 +125,9 @@ def check_step_inputs(trainer, queries, responses, token_rewards, scores, turn_i
     for name, value in per_sample.items():
         if value is not None:
             if not is_sized(value):
-                raise RewardTypeError(f"step()'s {name} is {value!r:.60}; pass one entry per sample.")
+                raise RewardTypeError(
+                    f"step()'s {name} is {value!r:.60} ({type(value).__name__}); pass one entry per sample."
+                )
             lengths[name] = len(value)
     if len(set(lengths.values())) != 1:
         raise ValueError(f"step() got lists of different lengths: {lengths}; pass one entry per sample.")
