@@ -33,15 +33,13 @@ def check_engine(trainer: Any, *, quantized: bool) -> None:
     name = "DeepSpeed" if deepspeed else "FSDP"
     if args.n_gpu > 1:
         raise ValueError(
-            f"PPOTrainer does not run under nn.DataParallel ({args.n_gpu} GPUs in one process): launch one process "
-            "per GPU with `accelerate launch` (examples/accelerate_configs/multi_gpu.yaml), or make one GPU visible "
-            "(CUDA_VISIBLE_DEVICES)."
+            f"PPOTrainer does not run under nn.DataParallel ({args.n_gpu} GPUs in one process): use `accelerate "
+            "launch` (examples/accelerate_configs/multi_gpu.yaml), or make one GPU visible (CUDA_VISIBLE_DEVICES)."
         )
     if fsdp and int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)) == 1:
         raise ValueError(
-            "PPOTrainer supports FSDP2 only: set `fsdp_version: 2` in the accelerate config "
-            "(examples/accelerate_configs/fsdp.yaml). FSDP1 cannot generate through the policy, which is not the "
-            "FSDP root (the root also holds the value head)."
+            "PPOTrainer supports FSDP2 only (FSDP1 cannot generate through a policy that is not the FSDP root): set "
+            "`fsdp_version: 2` in the accelerate config (examples/accelerate_configs/fsdp.yaml)."
         )
     if quantized and (deepspeed or fsdp):
         raise ValueError(
@@ -50,15 +48,13 @@ def check_engine(trainer: Any, *, quantized: bool) -> None:
         )
     if args.num_shared_layers is not None and (fsdp or is_zero3(trainer)):
         raise ValueError(
-            f"num_shared_layers shares the policy's first layers with the reference model, which {name} cannot do "
-            "(under ZeRO-3 / FSDP the policy's parameters are sharded by the engine that trains them, the "
-            "reference's by another): set `num_shared_layers=None`."
+            f"num_shared_layers shares the policy's first layers with the reference, which {name} shards apart: set "
+            "`num_shared_layers=None`."
         )
     if args.early_stopping and args.target_kl is not None and deepspeed:
         raise ValueError(
-            "early_stopping checks the policy KL after a mini-batch's backward passes and skips the optimizer "
-            "step, but DeepSpeed steps inside the last backward: set `early_stopping=False` (or `target_kl=None`), "
-            "or use DDP / FSDP."
+            "early_stopping skips an optimizer step after its backward passes, but DeepSpeed steps inside the last "
+            "backward: set `early_stopping=False` (or `target_kl=None`), or use DDP / FSDP."
         )
 
 

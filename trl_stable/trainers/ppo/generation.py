@@ -33,17 +33,9 @@ def hf_rollout(
 ) -> Rollout:
     """`PPOTrainer.generate` through the policy's own `generate`, `chunk` queries at a time."""
     args, device = trainer.args, trainer.accelerator.device
-    kwargs = {
-        "do_sample": True,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens,
-        "pad_token_id": trainer.pad_token_id,
-        "eos_token_id": trainer.eos_token_id,
-        **(args.generation_kwargs or {}),
-        **generation_kwargs,
-    }
+    kwargs = {"do_sample": True, "top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature}
+    kwargs.update(max_new_tokens=args.max_new_tokens, pad_token_id=trainer.pad_token_id)
+    kwargs.update({"eos_token_id": trainer.eos_token_id, **(args.generation_kwargs or {}), **generation_kwargs})
     capture, replay = args.use_decoupled_loss, trainer.routing.mode == "R3"
     policy = trainer.unwrapped().policy
     sequences, sampler_logps, routing = [], [], []
@@ -79,10 +71,5 @@ def hf_rollout(
                 sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
     finally:
         policy.train(was_training)
-    return Rollout(
-        sequences,
-        queries,
-        sampler_logprobs=sampler_logps if capture else None,
-        routing=routing if replay else None,
-        with_prompt=return_prompt,
-    )
+    logps, routes = (sampler_logps if capture else None), (routing if replay else None)
+    return Rollout(sequences, queries, sampler_logprobs=logps, routing=routes, with_prompt=return_prompt)

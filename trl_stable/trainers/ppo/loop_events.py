@@ -43,15 +43,10 @@ class LoopEvents:
         schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
         needs_horizon = schedule not in _HORIZON_FREE_SCHEDULES
         if needs_horizon or 0 < args.warmup_steps < 1:
-            what = (
-                f"lr_scheduler_type={args.lr_scheduler_type!r}"
-                if needs_horizon
-                else f"warmup_steps={args.warmup_steps}"
-            )
+            what = f"lr_scheduler_type={schedule!r}" if needs_horizon else f"warmup_steps={args.warmup_steps}"
             raise ValueError(
-                f"{what} needs the run's length, which is unknown without a train_dataset or max_steps: set "
-                "max_steps (PPO steps the step API will run), or use lr_scheduler_type='constant' / "
-                "'constant_with_warmup' with warmup_steps >= 1."
+                f"{what} needs the run's length (no train_dataset or max_steps): set max_steps (the step API's PPO "
+                "steps), or use lr_scheduler_type='constant' / 'constant_with_warmup' with warmup_steps >= 1."
             )
         return 1
 

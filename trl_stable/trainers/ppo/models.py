@@ -48,24 +48,6 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
-def check_model_arguments(args: Any, model: Any, ref_model: Any) -> None:
-    """Refuse a `PPOConfig` model setting that the `PPOTrainer` arguments make the trainer ignore, naming both."""
-    if args.model_init_kwargs is not None and not isinstance(model, str):
-        raise ValueError(
-            f"model_init_kwargs={args.model_init_kwargs!r} are keyword arguments for loading the policy by name, but "
-            f"`model` is a {type(model).__name__} object, which is used as is: pass the model's name or path, or "
-            "leave model_init_kwargs=None."
-        )
-    if args.num_shared_layers is not None and ref_model is not None:
-        raise ValueError(
-            f"num_shared_layers={args.num_shared_layers} shares layers of the reference the trainer copies from the "
-            "policy, but `ref_model` was given and is used as is: leave num_shared_layers=None, or drop ref_model "
-            "(trl_stable.trainers.ppo.models.create_reference_model builds a sharing one)."
-        )
-    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
-        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
-
-
 def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(name)` with `args.model_init_kwargs`, 4/8-bit when asked."""
     kwargs = dict(args.model_init_kwargs or {})
@@ -87,23 +69,6 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
         )
         kwargs.setdefault("device_map", {"": device_index})
     return AutoModelForCausalLM.from_pretrained(name, **kwargs)
-
-
-def prepare_policy(model: nn.Module, peft_config: Any | None, args: Any) -> tuple[nn.Module, bool]:
-    """Wrap `model` in a PEFT adapter when `peft_config` is given (k-bit preparation for quantized models) and
-    switch dropout off when asked; returns (model, is_peft)."""
-    is_peft = is_peft_model(model)
-    if peft_config is not None and not is_peft:
-        from peft import get_peft_model, prepare_model_for_kbit_training
-
-        if is_quantized(model):
-            checkpointing = bool(args.gradient_checkpointing)
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
-        model = get_peft_model(model, peft_config)
-        is_peft = True
-    if args.disable_dropout:
-        disable_dropout_in_model(model)
-    return model, is_peft
 
 
 def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | None = None) -> PreTrainedModel:
@@ -142,9 +107,8 @@ def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: boo
         ref = ref_model.eval().requires_grad_(False)
     elif is_peft and args.num_shared_layers is not None:
         raise ValueError(
-            f"num_shared_layers={args.num_shared_layers} would share layers between the policy and a copy of it, "
-            "but with a PEFT policy the reference is the policy itself with its adapter disabled (nothing is "
-            "copied): leave num_shared_layers=None."
+            f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its adapter "
+            "(no copy to share layers with): leave num_shared_layers=None."
         )
     elif is_peft:  # the adapter-free policy
         return None
@@ -177,8 +141,7 @@ def build_value_head(
     if isinstance(score, nn.Linear) and score.out_features == 1:
         if score.in_features != width:
             raise ValueError(
-                f"The value model's score head reads size {score.in_features} but its hidden size is {width}; fix "
-                "the value model's config."
+                f"The value model's score head reads size {score.in_features}, not {width}: fix its config."
             )
         head.summary = score
     if disable_dropout:
@@ -395,7 +358,18 @@ def build_models(
 ) -> PPOModels:
     """`PPOTrainer`'s models from its arguments (see its Args); the tokenizer's pad token is EOS when it has none."""
     model_id = model if isinstance(model, str) else model_name_of(model)
-    check_model_arguments(args, model, ref_model)
+    if args.model_init_kwargs is not None and not isinstance(model, str):
+        raise ValueError(
+            f"model_init_kwargs={args.model_init_kwargs!r} load a policy by name, but `model` is a "
+            f"{type(model).__name__} object: pass its name or path, or leave model_init_kwargs=None."
+        )
+    if args.num_shared_layers is not None and ref_model is not None:
+        raise ValueError(
+            f"num_shared_layers={args.num_shared_layers} shapes the reference copied from the policy, but `ref_model` "
+            "is used as is: leave num_shared_layers=None, or drop ref_model (or build it with create_reference_model)."
+        )
+    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
+        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
     if isinstance(model, str):
         model = load_policy(model, args, peft_config, PartialState().local_process_index)
     if tokenizer is None:
@@ -404,7 +378,15 @@ def build_models(
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model, is_peft = prepare_policy(model, peft_config, args)
+    is_peft = is_peft_model(model)
+    if peft_config is not None and not is_peft:  # a LoRA adapter (k-bit preparation for a quantized policy)
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if is_quantized(model):
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+        model, is_peft = get_peft_model(model, peft_config), True
+    if args.disable_dropout:
+        disable_dropout_in_model(model)
     if ref_model is None and not is_peft and is_zero3_partitioned(model):
         # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
         if not model_id:

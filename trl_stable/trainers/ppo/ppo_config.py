@@ -42,16 +42,12 @@ _SAME_PRECISION = "PPO evaluates by generating with the training policy, in its 
 # batches): (the value that is accepted, why another one is refused).
 PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "label_smoothing_factor": (0.0, "PPO's policy loss has no labels to smooth."),
-    "neftune_noise_alpha": (
-        None,
-        "NEFTune noises the embeddings in training passes only, so the PPO ratio would not start at 1.",
-    ),
+    "neftune_noise_alpha": (None, "NEFTune noises training passes only, so the PPO ratio would not start at 1."),
     "use_liger_kernel": (False, "PPO takes its log-probs from TRL's fused LM head or the logits, not from Liger."),
     "liger_kernel_config": (None, "it configures `use_liger_kernel`, which PPO does not use."),
     "auto_find_batch_size": (
         False,
-        "PPO's batches are set by batch_size, per_device_train_batch_size and gradient_accumulation_steps; lower "
-        "per_device_train_batch_size yourself to fit memory.",
+        "PPO's batches are its config's: lower per_device_train_batch_size to fit memory.",
     ),
     "bf16_full_eval": (False, _SAME_PRECISION),
     "fp16_full_eval": (False, _SAME_PRECISION),
@@ -62,15 +58,8 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     "include_for_metrics": ([], "PPO's evaluation has no compute_metrics inputs to include."),
     "batch_eval_metrics": (False, "PPO's evaluation has no compute_metrics to call per batch."),
     "label_names": (None, "PPO's batches have no labels."),
-    "parallelism_config": (
-        None,
-        "PPO runs under DDP, DeepSpeed ZeRO or FSDP2 (examples/accelerate_configs/); tensor, context and "
-        "sequence parallelism are not supported.",
-    ),
-    "average_tokens_across_devices": (
-        False,
-        "PPO averages each micro-batch's loss over its own tokens (as RELC's PPO did), never across devices.",
-    ),
+    "parallelism_config": (None, "PPO runs under DDP, ZeRO or FSDP2, not tensor/context/sequence parallelism."),
+    "average_tokens_across_devices": (False, "PPO averages each micro-batch's loss over its own tokens (as RELC)."),
     "remove_unused_columns": (False, "every column of train_dataset is passed to the reward functions."),
     # flags for your own script, which transformers' Trainer does not read either
     "do_train": (False, "no trainer reads it: training runs when your script calls trainer.train()."),
@@ -127,11 +116,7 @@ class PPOConfig(
 
     Every field of [`~transformers.TrainingArguments`] plus those of the RELC-era `trl.PPOConfig`, with their
     meanings and defaults; one step (`state.global_step`) is one PPO iteration (`docs/ppo.md`, "How one PPO step
-    works", and its configuration reference).
-
-    Defaults differing from `TrainingArguments`: `learning_rate` 1.41e-5, `seed` 0, `logging_steps` 1,
-    `lr_scheduler_type` "constant", `per_device_train_batch_size` 16, `average_tokens_across_devices` and
-    `remove_unused_columns` False.
+    works", and its configuration reference); the `TrainingArguments` defaults it changes come first below.
     """
 
     # --- overridden TrainingArguments defaults ---
@@ -165,9 +150,7 @@ class PPOConfig(
     )
     num_shared_layers: int | None = field(
         default=None,
-        metadata={
-            "help": "First layers (and embeddings) the reference copy shares with the policy, frozen. None: copy all."
-        },
+        metadata={"help": "First layers (and embeddings) shared by the policy and the reference, frozen. None: none."},
     )
     disable_dropout: bool = field(
         default=True, metadata={"help": "Turn dropout off in every model, so the first update's ratio is 1."}
@@ -188,9 +171,7 @@ class PPOConfig(
     # --- KL penalty and controller ---
     kl_penalty: str = field(
         default="kl",
-        metadata={
-            "help": "Per-token KL estimator ('kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' or a registered one)."
-        },
+        metadata={"help": "Per-token KL estimator: 'kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' or registered."},
     )
     adap_kl_ctrl: bool = field(
         default=True, metadata={"help": "Adapt kl_coef toward `target` (Ziegler et al. 2019); else fixed."}
@@ -211,8 +192,7 @@ class PPOConfig(
         default=10.0, metadata={"help": "Zero a mini-batch's loss when its mean ratio exceeds this (loss spikes)."}
     )
     use_decoupled_loss: bool = field(
-        default=False,
-        metadata={"help": "Decoupled PPO loss (AReaL): the clipped term times the sampler's behavior weight."},
+        default=False, metadata={"help": "Decoupled PPO loss (AReaL): the clip term times the behavior weight."}
     )
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 
@@ -220,8 +200,7 @@ class PPOConfig(
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda (used when `lam_schedule` is None)."})
     lam_schedule: str | None = field(
-        default=None,
-        metadata={"help": "Per-sequence GAE lambda from the sequence's length: 'vapo' or 'relative_position'."},
+        default=None, metadata={"help": "Per-sequence GAE lambda from its length: 'vapo' or 'relative_position'."}
     )
     lam_alpha: float = field(default=0.05, metadata={"help": "alpha of the VAPO length-adaptive lambda."})
     lam_q: float = field(
@@ -241,12 +220,9 @@ class PPOConfig(
         default=None, metadata={"help": "Weights of the reward functions (sequence and dense), in order. None: all 1."}
     )
     multi_objective_aggregation: str = field(
-        default="sum",
-        metadata={"help": "'sum' (weighted) or 'normalize_then_sum' (GDPO) of the sequence-level rewards."},
+        default="sum", metadata={"help": "'sum' (weighted) or 'normalize_then_sum' (GDPO) of the sequence rewards."}
     )
-    use_score_scaling: bool = field(
-        default=False, metadata={"help": "Divide the sequence scores by their running std."}
-    )
+    use_score_scaling: bool = field(default=False, metadata={"help": "Divide the scores by their running std."})
     use_score_norm: bool = field(
         default=False, metadata={"help": "With `use_score_scaling`, also subtract the running mean of the scores."}
     )
@@ -259,8 +235,7 @@ class PPOConfig(
         metadata={"help": "Rewards beyond +-max_abs_reward count as NaN, with a warning (None: only +-inf)."},
     )
     nan_reward_action: str = field(
-        default="drop",
-        metadata={"help": "A sample without a reward: 'drop' it, or keep it with advantage 0 ('zero')."},
+        default="drop", metadata={"help": "A sample without a reward: 'drop' it, or give it advantage 0 ('zero')."}
     )
 
     # --- generation ---
@@ -278,8 +253,7 @@ class PPOConfig(
         default=None, metadata={"help": "Generate in chunks of this many prompts (None: all at once)."}
     )
     fused_lm_head: bool | None = field(
-        default=None,
-        metadata={"help": "Log-probs through TRL's fused LM head (no [B, R, V] logits). None: on CUDA only."},
+        default=None, metadata={"help": "Log-probs through TRL's fused LM head (no [B, R, V] logits). None: on CUDA."}
     )
     generation_kwargs: dict | None = field(
         default=None,
@@ -291,16 +265,14 @@ class PPOConfig(
     )
     # step_mask_tools: from StepMaskArguments
     routing_replay: str = field(
-        default="off",
-        metadata={"help": "MoE routing replay: 'off', 'R2' (the rollout pass's) or 'R3' (the sampler's)."},
+        default="off", metadata={"help": "MoE routing replay: 'off', 'R2' (rollout pass's) or 'R3' (sampler's)."}
     )
 
     def __post_init__(self):
         if self.log_with is not None:
             if self.report_to not in (None, "none", [], ["none"], self.log_with, [self.log_with]):
                 raise ValueError(
-                    f"log_with={self.log_with!r} (RELC's name of report_to) and report_to={self.report_to!r} both "
-                    "choose the trackers, and log_with would win: set one of them."
+                    f"log_with={self.log_with!r} and report_to={self.report_to!r} both set the trackers: set one."
                 )
             self.report_to = self.log_with
         # RELC's name of the micro-batch wins rather than conflicting: `dataclasses.replace(config, mini_batch_size=)`
@@ -345,8 +317,7 @@ class PPOConfig(
             raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
         if self.adap_kl_ctrl and self.init_kl_coef == 0:
             raise ValueError(
-                "adap_kl_ctrl=True with init_kl_coef=0: the adaptive controller multiplies the coefficient, so it "
-                "would stay 0. Set init_kl_coef > 0, or adap_kl_ctrl=False for no KL penalty."
+                "adap_kl_ctrl=True keeps init_kl_coef=0 at 0: set init_kl_coef > 0, or adap_kl_ctrl=False."
             )
         if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -378,16 +349,10 @@ class PPOConfig(
             if value != accepted and not (accepted == [] and not value):
                 raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
         if self.tf32 and not is_torch_tf32_available():
-            raise ValueError(
-                "tf32=True needs an NVIDIA GPU of the Ampere generation or newer (TF32 matrix multiplications), which "
-                "this machine does not have: leave tf32=None (or False)."
-            )
+            raise ValueError("tf32=True needs an NVIDIA Ampere (or newer) GPU, not found here: leave tf32=None.")
         world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
         if self.ddp_backend is not None and world_size <= 1:
-            raise ValueError(
-                f"ddp_backend={self.ddp_backend!r} sets the backend of a multi-process run, but this process was "
-                "started alone: launch with `accelerate launch` / `torchrun`, or leave ddp_backend=None."
-            )
+            raise ValueError(f"ddp_backend={self.ddp_backend!r} needs a multi-process launch: leave ddp_backend=None.")
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if self.metric_for_best_model is None and (
             self.load_best_model_at_end or schedule in ("reduce_lr_on_plateau", "greedy")
@@ -402,19 +367,15 @@ class PPOConfig(
         """Refuse a `TrainingArguments` setting PPO would have to ignore once transformers resolved it."""
         if self.debug:
             raise ValueError(
-                f"debug={self.debug!r} is not supported by PPOTrainer: its options watch transformers' own training "
-                "loop (underflow/overflow hooks, TPU metrics), which PPO does not run. Leave it at ''."
+                f"debug={self.debug!r} watches Trainer's own loop, which PPO does not run. Leave it at ''."
             )
         if self.train_sampling_strategy == "batch_rebalance":
             raise ValueError(
-                "train_sampling_strategy='batch_rebalance' is not supported by PPOTrainer: a PPO batch is generated, "
-                "not read from the dataloader. Use 'random', 'sequential' or 'group_by_length'."
+                "train_sampling_strategy='batch_rebalance' does not apply to generated PPO batches: use 'random', "
+                "'sequential' or 'group_by_length'."
             )
         if self.accelerator_config.split_batches:
-            raise ValueError(
-                "accelerator_config.split_batches=True is not supported by PPOTrainer: batch_size is the number of "
-                "prompts per process, so a batch is never split over processes. Leave it False."
-            )
+            raise ValueError("accelerator_config.split_batches=True: PPO's batch_size is per process; leave it False.")
         unread = sorted(
             set(self.accelerator_config.gradient_accumulation_kwargs or {}) - set(_GRADIENT_ACCUMULATION_KWARGS)
         )
@@ -430,17 +391,10 @@ class PPOConfig(
                 "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
             )
         if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
-            raise ValueError(
-                "do_eval=True is not read by any trainer (a flag for your own script): set eval_strategy='steps' or "
-                "'epoch' to evaluate during train(), or call trainer.evaluate(). Leave do_eval=False."
-            )
+            raise ValueError("do_eval=True is read by no trainer: set eval_strategy='steps' or 'epoch' instead.")
         if self.fp16 and self.device.type == "cpu":
-            raise ValueError(
-                "fp16=True on a CPU would train in float32 without a word (accelerate's float16 autocast needs an "
-                "accelerator). Use bf16=True (with use_cpu=True) on a CPU, or run on a GPU."
-            )
+            raise ValueError("fp16=True on a CPU would train in float32. Use bf16=True on a CPU, or run on a GPU.")
         if self.local_rank != -1 and self.local_rank != self.local_process_index:
             raise ValueError(
-                f"local_rank={self.local_rank} but this process's local rank is {self.local_process_index} (from the "
-                "launcher's environment); the field is for torch.distributed.launch (deprecated). Leave local_rank=-1."
+                f"local_rank={self.local_rank} but the launcher set {self.local_process_index}. Leave local_rank=-1."
             )

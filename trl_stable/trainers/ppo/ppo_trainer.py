@@ -154,13 +154,11 @@ class PPOTrainer(
         if lam_fn is not None and (args.lam_schedule is not None or args.lam != field_default(args, "lam")):
             shown = f"lam_schedule={args.lam_schedule!r}" if args.lam_schedule is not None else f"lam={args.lam}"
             raise ValueError(
-                f"{shown} and `lam_fn` both set GAE's lambda, and lam_fn would win: leave {shown.split('=')[0]} at "
-                "its default, or drop lam_fn."
+                f"{shown} and `lam_fn` both set GAE's lambda: leave {shown.split('=')[0]} alone or drop lam_fn."
             )
         models = build_models(model, args, processing_class, ref_model, value_model, peft_config)
         model, ref_model, processing_class = models.wrapper.policy, models.ref_model, models.tokenizer
-        self.pad_token_id = processing_class.pad_token_id
-        self.eos_token_id = processing_class.eos_token_id
+        self.pad_token_id, self.eos_token_id = processing_class.pad_token_id, processing_class.eos_token_id
         self.is_peft = models.is_peft
         super().__init__(
             model=models.wrapper,
@@ -182,8 +180,7 @@ class PPOTrainer(
         # --- rewards; the engine set-up, optimizer and scheduler are Trainer's (the step API needs them now) ---
         self.rewards = RewardFunctions(
             reward_funcs, args.reward_weights, reward_processing_classes, processing_class, args.max_abs_reward
-        )
-        self.rewards.to(self.accelerator.device)
+        ).to(self.accelerator.device)
         self.reward_guards = {
             name: FailureGuard(f"Reward function '{name}'", args.reward_max_failing_steps, "reward_max_failing_steps")
             for name in self.rewards.names
@@ -198,9 +195,8 @@ class PPOTrainer(
             self.deepspeed = self.model_wrapped
         self.ref_model = None if ref_model is None else prepare_reference(self, ref_model)
         coef = args.init_kl_coef
-        self.kl_ctl = (
-            AdaptiveKLController(coef, args.target, args.horizon) if args.adap_kl_ctrl else FixedKLController(coef)
-        )
+        adaptive = args.adap_kl_ctrl
+        self.kl_ctl = AdaptiveKLController(coef, args.target, args.horizon) if adaptive else FixedKLController(coef)
         self.running = RunningMoments()
         self.lam_fn = lam_fn
         self.current_device = self.accelerator.device  # old TRL's attribute, read by RELC-era scripts
@@ -289,8 +285,7 @@ class PPOTrainer(
         if self.vllm_rollouts is not None:
             if generation_kwargs:
                 raise ValueError(
-                    f"generate() got {sorted(generation_kwargs)} with use_vllm=True: set sampling on PPOConfig "
-                    "(temperature, top_k, top_p, generation_kwargs for vLLM's SamplingParams)."
+                    f"generate() got {sorted(generation_kwargs)} with use_vllm: set sampling on PPOConfig."
                 )
             rollout = vllm_rollout(self, queries, chunk, length_sampler, return_prompt)
         else:
@@ -353,16 +348,9 @@ class PPOTrainer(
         update_logs = self.update(batch)
         self.kl_ctl.update(advantage_logs["objective/kl"], args.batch_size * self.accelerator.num_processes)
 
-        logs = {
-            **advantage_logs,
-            **reward_logs,
-            "ppo/learning_rate": self.optimizer.param_groups[0]["lr"],
-            **update_logs,
-            **rollout_logs,
-            **behaviour_logs,
-            **(extra_logs or {}),
-            "time/ppo_step": Stat.max(time.time() - step_start),
-        }
+        logs = {**advantage_logs, **reward_logs, "ppo/learning_rate": self.optimizer.param_groups[0]["lr"]}
+        logs.update({**update_logs, **rollout_logs, **behaviour_logs, **(extra_logs or {})})
+        logs["time/ppo_step"] = Stat.max(time.time() - step_start)
         # the step mask's counts, the reward functions' metrics and the step time are this process's own; a reward
         # function may log a metric on some processes only
         logs = reduce_metrics(logs, self.accelerator, names_may_differ=True)
@@ -495,8 +483,7 @@ class PPOTrainer(
         sync_each_batch = self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
         self.optimizer.train()  # schedule-free optimizers keep two weight sets (Trainer switches them too)
         records: dict[str, list[float]] = {}
-        early_stopped = False
-        epochs_done = 0
+        early_stopped, epochs_done = False, 0
         for _ in range(args.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle_generator).to(self.accelerator.device)
             for start in range(0, n, backward):

@@ -96,8 +96,8 @@ class PromptData:
                 raise ValueError(f"{name} rows need a 'prompt' (text or messages) or an 'input_ids' column.")
             if len(q) == 0:
                 raise ValueError(
-                    f"The prompt of {where} has no tokens ({row.get('prompt', row.get('input_ids'))!r}); every sample "
-                    "needs at least one token to generate from: drop the row or give it one (e.g. the BOS token)."
+                    f"The prompt of {where} has no tokens ({row.get('prompt', row.get('input_ids'))!r}): drop the row "
+                    "or give it one (e.g. the BOS token)."
                 )
             if max_len is not None and len(q) > max_len:
                 q = q[-max_len:]

@@ -67,9 +67,8 @@ class PendingRewards:
     def normalize_then_sum(self, reduce_sum: Reduce | None = None) -> None:
         """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`), a collective with `reduce_sum`; the dense
         functions, whose requests are already out, keep the raw weighted sum as their ``env_rewards``."""
-        if self.rewards_per_func is None:
-            return
-        self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
+        if self.rewards_per_func is not None:
+            self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
 
     @property
     def has_dense(self) -> bool:
@@ -123,11 +122,11 @@ class RewardFunctions:
             if not (isinstance(func, nn.Module) or callable(func)):
                 raise ValueError(f"A reward function must be a callable, an nn.Module or a model name; got {func!r}.")
         if weights is not None and len(weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; give one per function."
-            )
+            raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions: one each.")
         self.funcs = funcs
-        self.names = [self._name(f) for f in funcs]
+        self.names = [
+            model_name_of(f) or type(f).__name__ if isinstance(f, nn.Module) else get_callable_name(f) for f in funcs
+        ]
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
         if processing_classes is None:
             processing_classes = [None] * len(funcs)
@@ -149,12 +148,6 @@ class RewardFunctions:
     @property
     def dense_names(self) -> list[str]:
         return [name for name, func in zip(self.names, self.funcs) if is_dense_reward(func)]
-
-    @staticmethod
-    def _name(func: Any) -> str:
-        if isinstance(func, nn.Module):
-            return model_name_of(func) or type(func).__name__
-        return get_callable_name(func)
 
     def to(self, device: torch.device) -> RewardFunctions:
         for func in self.funcs:

@@ -50,9 +50,8 @@ class SaveAndResume:
         unwrapped.policy.save_pretrained(output_dir, **part("policy."))
         unwrapped.value_head.save_pretrained(output_dir, **part("value_head."))
         if unwrapped.value_backbone is not None:
-            unwrapped.value_backbone.save_pretrained(
-                os.path.join(output_dir, VALUE_MODEL_DIR), **part("value_backbone.")
-            )
+            value_dir = os.path.join(output_dir, VALUE_MODEL_DIR)
+            unwrapped.value_backbone.save_pretrained(value_dir, **part("value_backbone."))
         self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # `PPOConfig` pickles without secrets
 
@@ -67,18 +66,15 @@ class SaveAndResume:
             raise ValueError(f"{resume_from_checkpoint} has no {VALUE_HEAD_FILE}: it was not written by PPOTrainer.")
         unwrapped.value_head.load_state_dict(ValueHead.from_pretrained(resume_from_checkpoint).state_dict())
         if unwrapped.value_backbone is not None:
-            super()._load_from_checkpoint(
-                os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR), unwrapped.value_backbone
-            )
+            value_dir = os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
+            super()._load_from_checkpoint(value_dir, unwrapped.value_backbone)
         return None
 
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's policy and value head (the engines load their own files)."""
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super()._load_best_model()
-        logger.info(
-            f"Loading the best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric})."
-        )
+        logger.info(f"Loading the best model from {self.state.best_model_checkpoint} ({self.state.best_metric}).")
         self._load_from_checkpoint(self.state.best_model_checkpoint)
         return None
 
@@ -143,8 +139,7 @@ class SaveAndResume:
         final = os.path.join(self._get_output_dir(trial=None), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if output_dir is not None and os.path.normpath(output_dir) != os.path.normpath(final):
             raise ValueError(
-                f"save_checkpoint writes {final} (output_dir/checkpoint-<step>, as Trainer does), not {output_dir}: "
-                "set PPOConfig.output_dir to the folder the checkpoints should go to."
+                f"save_checkpoint writes {final} (as Trainer), not {output_dir}: set PPOConfig.output_dir."
             )
         self._track(reward_funcs)
         self._save_checkpoint(self.model_wrapped, trial=None)

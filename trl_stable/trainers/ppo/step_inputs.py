@@ -29,7 +29,7 @@ def check_token_ids(ids: Any, where: str, vocab_size: int | None) -> None:
         position = int(bad[0])
         raise ValueError(
             f"{where} holds token id {int(ids[position])} at position {position}, outside [0, {vocab_size}) (the "
-            "vocabulary of the model's input embeddings): pass token ids from this tokenizer/model."
+            "model's embeddings): pass ids from this tokenizer/model."
         )
 
 
@@ -43,17 +43,15 @@ def _check_values(name: str, rows) -> None:
             raise ValueError(f"{name}[{i}] is not a row of numbers ({err}).") from None
         if name == "turn_ids" and values.dtype not in _INTEGER_DTYPES:
             raise ValueError(
-                f"turn_ids[{i}] has dtype {values.dtype}; turn ids are integers (the assistant turn 0, 1, ... of "
-                "each response token, -1 for tokens that are no action)."
+                f"turn_ids[{i}] has dtype {values.dtype}; turn ids are integers (0, 1, ...; -1: no action)."
             )
         if name == "sampler_logprobs":
             bad = (values.isinf() | (values > 0)).nonzero()
             if len(bad):
                 t = int(bad[0])
                 raise ValueError(
-                    f"sampler_logprobs[{i}] holds {float(values[t]):.6g} at position {t}, which is no log-probability "
-                    "(finite and <= 0; NaN marks one the sampler did not report): pass the sampler's log-probs of "
-                    "the sampled tokens, not logits or probabilities."
+                    f"sampler_logprobs[{i}] holds {float(values[t]):.6g} at position {t}, not a log-prob (finite and "
+                    "<= 0, NaN: not reported): pass the sampler's log-probs, not logits or probabilities."
                 )
 
 
@@ -68,10 +66,7 @@ def _sampler_record(queries, responses, sampler_logprobs, use_decoupled_loss: bo
     """The sampler's log-probs and routing for this step, from the arguments or the `Rollout` itself."""
     rollout = responses if isinstance(responses, Rollout) else None
     if rollout is not None and rollout.with_prompt:
-        raise ValueError(
-            "step() takes responses without their prompt: generate them with return_prompt=False (the Rollout "
-            "passed holds query + response sequences)."
-        )
+        raise ValueError("step() takes responses without their prompt: generate them with return_prompt=False.")
     if sampler_logprobs is None and rollout is not None:
         sampler_logprobs = rollout.sampler_logprobs
     if use_decoupled_loss and sampler_logprobs is None:
@@ -90,8 +85,8 @@ def _sampler_record(queries, responses, sampler_logprobs, use_decoupled_loss: bo
     for i, (route, q, r) in enumerate(zip(routing, queries, responses)):
         if len(route) > len(q) + len(r) or len(rollout.queries[i]) != len(q):
             raise ValueError(
-                f"routing_replay='R3': sample {i} passed to step() is not the one generate() produced, so its "
-                "recorded routing does not apply. Pass the generated queries and responses unchanged, in order."
+                f"routing_replay='R3': sample {i} is not the one generate() produced (its routing does not apply): "
+                "pass the generated queries and responses unchanged, in order."
             )
     return sampler_logprobs, routing
 
@@ -108,15 +103,9 @@ def check_per_token(name: str, rows, responses) -> None:
     what = "reward" if rewards else "entry"
     for i, (row, r) in enumerate(zip(rows, responses)):
         if not is_sized(row):
-            raise type_error(
-                f"{name}[{i}] is {row!r:.60} ({type(row).__name__}); give one {what} per response token (a list "
-                "or a 1-D tensor)."
-            )
+            raise type_error(f"{name}[{i}] is {row!r:.60} ({type(row).__name__}); give one {what} per response token.")
         if len(row) != len(r):
-            raise value_error(
-                f"{name}[{i}] has {len(row)} entries but responses[{i}] has {len(r)} tokens; "
-                f"give one {what} per response token."
-            )
+            raise value_error(f"{name}[{i}] has {len(row)} entries for {len(r)} tokens; give one {what} per token.")
 
 
 def check_step_inputs(trainer, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs):

@@ -28,8 +28,7 @@ class StepRewards:
         mask = batch["response_mask"]
         n, resp_width = mask.shape
         dense = torch.zeros(n, resp_width, device=device)
-        score_t = None
-        error = None
+        score_t = error = None
         try:  # the reward contract's number rule (`trl_stable.rewards.dense`); None, like NaN, marks no reward
             if token_rewards is not None:
                 for i, row in enumerate(token_rewards):  # lengths checked by `check_per_token`
@@ -54,21 +53,16 @@ class StepRewards:
         # decided on every process at once: a process that raised alone would leave the others hanging in a collective
         if drop and self.accelerator.reduce(bad.all().float(), reduction="sum").item() > 0:
             raise ValueError(
-                "Every sample of the batch has a NaN or infinite reward (on at least one process); check the reward "
-                "functions."
+                "Every sample of the batch has a NaN or infinite reward (on some process): fix the rewards."
             )
         if bool(bad.any()) and drop:
-            warnings.warn(
-                f"Dropping {int(bad.sum())} of {n} samples with a NaN or infinite reward from this PPO step."
-            )
+            warnings.warn(f"Dropping {int(bad.sum())} of {n} samples with a NaN or infinite reward from the step.")
             mask = mask * (~bad).unsqueeze(1)
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
         elif bool(bad.any()):
-            warnings.warn(
-                f"{int(bad.sum())} of {n} samples have a NaN or infinite reward: trained with advantage 0 and no "
-                "value loss (nan_reward_action='zero')."
-            )
+            count = f"{int(bad.sum())} of {n} samples"
+            warnings.warn(f"{count} with a NaN or infinite reward: advantage 0, no value loss (nan_reward_action='zero').")
         valid = ~bad
         logs = {"ppo/dropped_samples" if drop else "ppo/zeroed_samples": Stat.total(bad.sum())}
         batch["response_mask"] = mask
@@ -110,9 +104,8 @@ class StepRewards:
         """With a step masker: `step_keep` [B, R] into `batch` (invalid agent steps 0) and its metrics (`Stat`s)."""
         if self.step_masker is None:
             return {}
-        batch["step_keep"] = self.step_masker.keep_mask(
-            batch["response_ids"], batch["response_mask"], self.processing_class
-        )
+        ids, mask = batch["response_ids"], batch["response_mask"]
+        batch["step_keep"] = self.step_masker.keep_mask(ids, mask, self.processing_class)
         return step_mask_stats(self.step_masker.stats())  # this process's counts, reduced in step()
 
     def _behaviour_weights(self, batch: dict[str, torch.Tensor], sampler_logprobs) -> dict[str, float]:

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
+from trl_stable.trainers.ppo.evaluation import completion_rewards
+
 
 class Tables:
     """`PPOTrainer`'s tables; `self.tables` holds the latest table per name (main process)."""
@@ -40,17 +42,13 @@ class Tables:
 
     def _log_completions(self, prompts: list[Any], responses: list[torch.Tensor], rewards: Any) -> None:
         """The `completions` table of a logged `train()` step: prompt, completion and reward from every process."""
-        n = len(responses)
-        dense = rewards.dense.rows if rewards.dense is not None else [None] * n
-        scores = rewards.scores.tolist() if rewards.scores is not None else [0.0] * n
-        totals = [float(s) + (0.0 if d is None else float(torch.as_tensor(d).nansum())) for s, d in zip(scores, dense)]
         completions = self.processing_class.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
         self.log_table(
             "completions",
             {
                 "prompt": gather_object([p if isinstance(p, str) else str(p) for p in prompts]),
                 "completion": gather_object(completions),
-                "reward": gather_object(totals),
+                "reward": gather_object(completion_rewards(rewards).tolist()),  # as `evaluate` averages it
             },
         )
 

@@ -56,8 +56,8 @@ def check_vllm_routing(args: Any) -> None:
     reason = vllm_routed_experts_support()
     if reason is not None:
         raise ValueError(
-            f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}. Fix: a vLLM whose engine "
-            f"takes `{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False (HF generate records R3 itself)."
+            f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}: use a vLLM taking "
+            f"`{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False."
         )
 
 
@@ -86,8 +86,7 @@ class VLLMRollouts:
     def __init__(self, policy: torch.nn.Module, accelerator: Any, processing_class: Any, args: Any, model_id: Any):
         if args.vllm_mode == "colocate" and not model_id:
             raise ValueError(
-                "use_vllm with vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` as a "
-                "name or path (or a model loaded from one), or use vllm_mode='server'."
+                "vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` so, or use 'server'."
             )
         self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
@@ -132,18 +131,13 @@ class VLLMRollouts:
             routing = [out.outputs[0].routed_experts for out in outputs]
             if len(routing) != len(completion_ids) or any(r is None for r in routing):
                 raise RuntimeError(
-                    "routing_replay='R3': vLLM returned no routed experts for some sequences although the engine was "
-                    f"built with {ROUTED_EXPERTS_FLAG}=True."
+                    f"routing_replay='R3': vLLM returned no routed experts despite {ROUTED_EXPERTS_FLAG}."
                 )
         return [list(c) for c in completion_ids], sampler, routing
 
 
 def vllm_rollout(
-    trainer: Any,
-    queries: list[torch.Tensor],
-    chunk: int,
-    length_sampler: Callable[[], int] | None,
-    return_prompt: bool,
+    trainer: Any, queries: list[torch.Tensor], chunk: int, length_sampler: Callable | None, return_prompt: bool
 ) -> Rollout:
     """`PPOTrainer.generate` through vLLM: the `Rollout` HF generation makes, with vLLM's log-probs and routing."""
     device = trainer.accelerator.device

@@ -69,8 +69,8 @@ class VLLMArguments:
             return  # the ranges of the numeric fields are `PPO_BOUNDS`'
         if getattr(self, "routing_replay", "off") == "R3" and self.vllm_mode == "server":
             raise ValueError(
-                "routing_replay='R3' with vllm_mode='server': TRL's vLLM client returns no routed experts. Fix: "
-                "vllm_mode='colocate' (with a vLLM that returns them) or routing_replay='R2'."
+                "routing_replay='R3' with vllm_mode='server': TRL's vLLM client returns no routed experts. Use "
+                "vllm_mode='colocate' or routing_replay='R2'."
             )
         if getattr(self, "load_in_8bit", False):
             raise ValueError("use_vllm does not support load_in_8bit (vLLM has no in-flight 8-bit); use load_in_4bit.")
