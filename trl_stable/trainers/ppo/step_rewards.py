@@ -61,8 +61,10 @@ class StepRewards:
             if "turn_ids" in batch:
                 batch["turn_ids"] = torch.where(mask.bool(), batch["turn_ids"], torch.full_like(batch["turn_ids"], -1))
         elif bool(bad.any()):
-            count = f"{int(bad.sum())} of {n} samples"
-            warnings.warn(f"{count} with a NaN or infinite reward: advantage 0, no value loss (nan_reward_action='zero').")
+            warnings.warn(
+                f"{int(bad.sum())} of {n} samples with a NaN or infinite reward: advantage 0, no value loss "
+                "(nan_reward_action='zero')."
+            )
         valid = ~bad
         logs = {"ppo/dropped_samples" if drop else "ppo/zeroed_samples": Stat.total(bad.sum())}
         batch["response_mask"] = mask
