@@ -103,17 +103,15 @@ def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | Non
 def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: bool, args: Any) -> nn.Module | None:
     """The frozen reference: `ref_model` if given; None for a PEFT policy (the policy with its adapter disabled);
     else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
-    if ref_model is not None:
-        ref = ref_model.eval().requires_grad_(False)
-    elif is_peft and args.num_shared_layers is not None:
-        raise ValueError(
-            f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its adapter "
-            "(no copy to share layers with): leave num_shared_layers=None."
-        )
-    elif is_peft:  # the adapter-free policy
+    if ref_model is None and is_peft:  # the adapter-free policy
+        if args.num_shared_layers is not None:
+            raise ValueError(
+                f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its "
+                "adapter (no copy to share layers with): leave num_shared_layers=None."
+            )
         return None
-    else:
-        ref = create_reference_model(policy, args.num_shared_layers)
+    ref = create_reference_model(policy, args.num_shared_layers) if ref_model is None else ref_model.eval()
+    ref.requires_grad_(False)
     disable_dropout_in_model(ref)
     return ref
 
@@ -358,18 +356,17 @@ def build_models(
 ) -> PPOModels:
     """`PPOTrainer`'s models from its arguments (see its Args); the tokenizer's pad token is EOS when it has none."""
     model_id = model if isinstance(model, str) else model_name_of(model)
-    if args.model_init_kwargs is not None and not isinstance(model, str):
+    by_name = [n for n in ("model_init_kwargs", "load_in_4bit", "load_in_8bit") if getattr(args, n)]
+    if by_name and not isinstance(model, str):  # the values unprinted: model_init_kwargs may hold a token
         raise ValueError(
-            f"model_init_kwargs={args.model_init_kwargs!r} load a policy by name, but `model` is a "
-            f"{type(model).__name__} object: pass its name or path, or leave model_init_kwargs=None."
+            f"{', '.join(by_name)} apply to a policy loaded by name, but `model` is a {type(model).__name__} object: "
+            "pass its name or path, or unset them."
         )
     if args.num_shared_layers is not None and ref_model is not None:
         raise ValueError(
             f"num_shared_layers={args.num_shared_layers} shapes the reference copied from the policy, but `ref_model` "
             "is used as is: leave num_shared_layers=None, or drop ref_model (or build it with create_reference_model)."
         )
-    if (args.load_in_4bit or args.load_in_8bit) and not isinstance(model, str):
-        raise ValueError("load_in_4bit/load_in_8bit apply to a model given by name; pass `model` as a str.")
     if isinstance(model, str):
         model = load_policy(model, args, peft_config, PartialState().local_process_index)
     if tokenizer is None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accelerate.utils import get_int_from_env
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
 
@@ -20,7 +19,9 @@ from trl_stable.settings.checks import (
     Dependent,
     check_all_finite,
     check_bounds,
+    check_ddp_backend,
     check_dependents,
+    check_fp16_device,
     check_reward_scale,
     check_training_length,
     training_argument_bounds,
@@ -31,9 +32,6 @@ from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-_LAM_SCHEDULES = ("vapo", "relative_position")
-_AGGREGATIONS = ("sum", "normalize_then_sum")
-_NAN_REWARD_ACTIONS = ("drop", "zero")
 # The rollout batch size PPO used before `per_device_train_batch_size` took the micro-batch's role (RELC's 16).
 _DEFAULT_MICRO_BATCH = 16
 _SAME_PRECISION = "PPO evaluates by generating with the training policy, in its training precision."
@@ -64,12 +62,8 @@ PPO_UNSUPPORTED: dict[str, tuple[object, str]] = {
     # flags for your own script, which transformers' Trainer does not read either
     "do_train": (False, "no trainer reads it: training runs when your script calls trainer.train()."),
     "do_predict": (False, "PPOTrainer has no prediction loop: generate and score with trainer.evaluate(dataset)."),
+    "debug": ("", "it watches Trainer's own loop, which PPO does not run."),
 }
-# Optimizers that update the weights inside the backward pass: PPO's early stop and loss-spike guard decide after a
-# mini-batch's backward passes whether its optimizer step happens.
-_FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
-# `accelerator_config.gradient_accumulation_kwargs` PPO reads (the others configure `accumulate()`, unused here)
-_GRADIENT_ACCUMULATION_KWARGS = ("sync_each_batch",)
 
 # Every numeric field of PPOConfig and what is valid (the TrainingArguments ones are in
 # `trl_stable.settings.checks.TRAINING_ARGUMENT_BOUNDS`; the token filter's and the health monitor's check themselves).
@@ -307,17 +301,16 @@ class PPOConfig(
                 f"`trl_stable.core.register_kl_estimator`, got {self.kl_penalty!r}."
             )
         for name, allowed in (
-            ("nan_reward_action", _NAN_REWARD_ACTIONS),
-            ("lam_schedule", (None, *_LAM_SCHEDULES)),
-            ("multi_objective_aggregation", _AGGREGATIONS),  # 'normalize_then_sum' is GDPO
+            ("nan_reward_action", ("drop", "zero")),
+            ("lam_schedule", (None, "vapo", "relative_position")),
+            ("multi_objective_aggregation", ("sum", "normalize_then_sum")),  # 'normalize_then_sum' is GDPO
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
-        if self.adap_kl_ctrl and (self.target is None or self.horizon is None):
-            raise ValueError("adap_kl_ctrl needs target > 0 and horizon > 0; set them or adap_kl_ctrl=False.")
-        if self.adap_kl_ctrl and self.init_kl_coef == 0:
+        if self.adap_kl_ctrl and (self.target is None or self.horizon is None or self.init_kl_coef == 0):
             raise ValueError(
-                "adap_kl_ctrl=True keeps init_kl_coef=0 at 0: set init_kl_coef > 0, or adap_kl_ctrl=False."
+                f"adap_kl_ctrl=True needs init_kl_coef, target, horizon > 0, got init_kl_coef={self.init_kl_coef:g}, "
+                f"target={self.target}, horizon={self.horizon}: set them, or adap_kl_ctrl=False."
             )
         if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
@@ -346,13 +339,11 @@ class PPOConfig(
         CPU among them), or would fill in so that PPO's evaluation cannot answer it."""
         for name, (accepted, why) in PPO_UNSUPPORTED.items():
             value = getattr(self, name)
-            if value != accepted and not (accepted == [] and not value):
+            if value != accepted and not (accepted in ([], "") and not value):
                 raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
         if self.tf32 and not is_torch_tf32_available():
             raise ValueError("tf32=True needs an NVIDIA Ampere (or newer) GPU, not found here: leave tf32=None.")
-        world_size = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
-        if self.ddp_backend is not None and world_size <= 1:
-            raise ValueError(f"ddp_backend={self.ddp_backend!r} needs a multi-process launch: leave ddp_backend=None.")
+        check_ddp_backend(self)
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
         if self.metric_for_best_model is None and (
             self.load_best_model_at_end or schedule in ("reduce_lr_on_plateau", "greedy")
@@ -365,10 +356,6 @@ class PPOConfig(
 
     def _refuse_unsupported(self) -> None:
         """Refuse a `TrainingArguments` setting PPO would have to ignore once transformers resolved it."""
-        if self.debug:
-            raise ValueError(
-                f"debug={self.debug!r} watches Trainer's own loop, which PPO does not run. Leave it at ''."
-            )
         if self.train_sampling_strategy == "batch_rebalance":
             raise ValueError(
                 "train_sampling_strategy='batch_rebalance' does not apply to generated PPO batches: use 'random', "
@@ -376,24 +363,22 @@ class PPOConfig(
             )
         if self.accelerator_config.split_batches:
             raise ValueError("accelerator_config.split_batches=True: PPO's batch_size is per process; leave it False.")
-        unread = sorted(
-            set(self.accelerator_config.gradient_accumulation_kwargs or {}) - set(_GRADIENT_ACCUMULATION_KWARGS)
-        )
+        # the kwargs besides sync_each_batch configure `accumulate()`, unused here
+        unread = sorted(set(self.accelerator_config.gradient_accumulation_kwargs or {}) - {"sync_each_batch"})
         if unread:
             raise ValueError(
                 f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer (it does "
                 "not use `accumulate()`): set gradient_accumulation_steps; only 'sync_each_batch' is read."
             )
         optim = str(getattr(self.optim, "value", self.optim))
-        if optim in _FUSED_BACKWARD_OPTIMIZERS:
+        if optim in ("lomo", "adalomo"):  # they update the weights inside the backward pass
             raise ValueError(
                 f"optim={optim!r} is not supported by PPOTrainer: LOMO steps inside the backward pass, but PPO "
                 "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
             )
         if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
             raise ValueError("do_eval=True is read by no trainer: set eval_strategy='steps' or 'epoch' instead.")
-        if self.fp16 and self.device.type == "cpu":
-            raise ValueError("fp16=True on a CPU would train in float32. Use bf16=True on a CPU, or run on a GPU.")
+        check_fp16_device(self)
         if self.local_rank != -1 and self.local_rank != self.local_process_index:
             raise ValueError(
                 f"local_rank={self.local_rank} but the launcher set {self.local_process_index}. Leave local_rank=-1."

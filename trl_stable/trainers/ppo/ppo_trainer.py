@@ -194,8 +194,7 @@ class PPOTrainer(
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         self.ref_model = None if ref_model is None else prepare_reference(self, ref_model)
-        coef = args.init_kl_coef
-        adaptive = args.adap_kl_ctrl
+        coef, adaptive = args.init_kl_coef, args.adap_kl_ctrl
         self.kl_ctl = AdaptiveKLController(coef, args.target, args.horizon) if adaptive else FixedKLController(coef)
         self.running = RunningMoments()
         self.lam_fn = lam_fn
