@@ -1,12 +1,6 @@
-"""Routing replay for HuggingFace MoE models (R2/R3, arXiv 2510.11370; docs/routing_replay.md): record each
-router's top-k experts, force them in later passes, with the gates recomputed from the current router.
-
-Mechanics: a forward hook on every supported router (`adapters.py`) sees its output ``(logits, weights, index)``;
-recording stores ``index``, replaying swaps it for the recorded rows and recomputes ``weights`` with the family's
-normalisation. A pre-hook on the MoE block gives each call's ``[B, S]``, so rows are consumed batch-row by batch-row
-(chunked or shuffled passes stay aligned). A pre-hook on the decoder layer tells whether gradient checkpointing will
-recompute the call in backward; its experts then wait for that recomputation (told from a forward by autograd's
-graph-task id) and are matched to it by the router logits.
+"""Routing replay for HuggingFace MoE models (R2/R3, arXiv 2510.11370; docs/routing_replay.md): a forward hook on
+every supported router records its top-k experts or swaps in the recorded ones with the family's gates recomputed; a
+pre-hook on the MoE block gives each call's [B, S], one on the decoder layer whether checkpointing will recompute it.
 """
 
 from __future__ import annotations
@@ -47,37 +41,25 @@ def _fingerprint(router_logits: torch.Tensor) -> torch.Tensor:
     return router_logits.detach().float().sum(dim=-1)
 
 
-@dataclass
-class _Pending:
-    """Experts a checkpointed forward used, kept until backward recomputes that forward."""
-
-    index: torch.Tensor
-    fingerprint: torch.Tensor
-
-
 def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.Tensor:
-    """Remove and return the experts of the pending forward that this recomputation repeats.
-
-    Backward usually recomputes forwards in order (one backward per forward), but a loss summed over several forwards
-    (gradient accumulation by hand) is recomputed in another order; the recomputed router logits equal those of the
-    original forward, so among pending forwards of the same token count the one with the closest fingerprint wins.
-    """
+    """Remove and return the experts of the pending ``(index, fingerprint)`` forward this recomputation repeats: among
+    those of its token count, the closest fingerprint (a loss summed over several forwards recomputes out of order)."""
     tokens = router_logits.shape[0]
-    candidates = [i for i, pending in enumerate(fifo) if pending.index.shape[0] == tokens]
+    candidates = [i for i, (index, _) in enumerate(fifo) if index.shape[0] == tokens]
     if not candidates:
         raise RuntimeError(
             f"Routing replay at router {name}: a gradient-checkpointing recomputation sees {tokens} tokens but no "
-            f"pending forward had that many ({[p.index.shape[0] for p in fifo]}). Call `clear()` after an aborted "
+            f"pending forward had that many ({[i.shape[0] for i, _ in fifo]}). Call `clear()` after an aborted "
             f"step."
         )
     best = candidates[0]
     if len(candidates) > 1:
         fingerprint = _fingerprint(router_logits)
-        distance = [float((fifo[i].fingerprint.to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
+        distance = [float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
         best = candidates[distance.index(min(distance))]
-    pending = fifo[best]
+    index = fifo[best][0]
     del fifo[best]
-    return pending.index
+    return index
 
 
 class _RowQueue:
@@ -140,20 +122,10 @@ class _RouterState:
     seen: int = 0
 
 
-def _checkpoint_layer(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
-    """The closest enclosing ``GradientCheckpointingLayer`` of module `name` (the decoder layer), or None."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    prefix = name.rpartition(".")[0]
-    while prefix:
-        if isinstance(modules.get(prefix), GradientCheckpointingLayer):
-            return modules[prefix]
-        prefix = prefix.rpartition(".")[0]
-    return None
-
-
 def _find_routers(model: nn.Module) -> list[_RouterState]:
     """A state for every router of a supported class in `model`, in module order (= layer order)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     modules = dict(model.named_modules())
     states = []
     for name, module in modules.items():
@@ -166,13 +138,16 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
                 f"RoutingReplay before creating a new one for the same model."
             )
         parent_name = name.rpartition(".")[0]
+        prefix = parent_name  # up to the closest enclosing GradientCheckpointingLayer (the decoder layer), if any
+        while prefix and not isinstance(modules[prefix], GradientCheckpointingLayer):
+            prefix = prefix.rpartition(".")[0]
         states.append(
             _RouterState(
                 name=name,
                 module=module,
                 adapter=adapter,
                 block=modules[parent_name] if parent_name else module,
-                layer=_checkpoint_layer(name, modules),
+                layer=modules[prefix] if prefix else None,
                 top_k=int(module.top_k),
                 num_experts=int(module.num_experts),
             )
@@ -456,7 +431,7 @@ class RoutingReplay:
             if self._mode == "record":  # the router's own experts as [batch, seq, k] rows
                 state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
                 if will_recompute:
-                    state.recompute_fifo.append(_Pending(current.detach(), _fingerprint(router_logits)))
+                    state.recompute_fifo.append((current.detach(), _fingerprint(router_logits)))
                 return None
             return self._replay_call(state, router_logits, current, batch, seq_len, will_recompute)
 
@@ -491,5 +466,5 @@ class RoutingReplay:
             state.replayed = state.replayed + (tokens if valid is None else valid.sum())
             state.seen += tokens
         if will_recompute:
-            state.recompute_fifo.append(_Pending(forced, _fingerprint(router_logits)))
+            state.recompute_fifo.append((forced, _fingerprint(router_logits)))
         return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
