@@ -1,9 +1,5 @@
-"""R3 with HF generate: record the sampler's routing while it generates.
-
-With a KV cache, generate feeds the prompt once (prefill: one routing row per prompt position) and then one token per
-decode step (one row per step), so joining the recorded calls along the sequence gives a row for every position
-except the last generated token, which is never fed back; that row is -1.
-"""
+"""R3 with HF generate: the sampler's routing recorded while it generates (prefill rows, then one row per decode step;
+the last generated token is never fed back, so its row is -1)."""
 
 from __future__ import annotations
 

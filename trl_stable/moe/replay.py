@@ -427,44 +427,32 @@ class RoutingReplay:
             shape, state.shape = state.shape, None
             if self._mode == "off":
                 return None
-            batch, seq_len = shape if shape is not None and shape[0] * shape[1] == current.shape[0] else (1, -1)
+            tokens = current.shape[0]
+            batch, seq_len = shape if shape is not None and shape[0] * shape[1] == tokens else (1, tokens)
             if self._mode == "record":  # the router's own experts as [batch, seq, k] rows
-                state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
+                state.record.append(current.detach().to(self.storage_dtype).view(batch, seq_len, -1))
                 if will_recompute:
                     state.recompute_fifo.append((current.detach(), _fingerprint(router_logits)))
                 return None
-            return self._replay_call(state, router_logits, current, batch, seq_len, will_recompute)
+            # replay: the next recorded rows as experts, the family's gates at those experts
+            if will_recompute and _current_graph_task_id is None:
+                raise RuntimeError(
+                    "Routing replay with gradient checkpointing needs torch._C._current_graph_task_id (torch >= 1.13) "
+                    "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
+                    "gradient checkpointing."
+                )
+            rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
+            rows = rows.to(device=current.device, dtype=current.dtype)
+            valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
+            forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
+            with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
+                # the replayed experts are the router's own top-k set (indices within a row are distinct)
+                same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
+                state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
+                state.replayed = state.replayed + (tokens if valid is None else valid.sum())
+                state.seen += tokens
+            if will_recompute:
+                state.recompute_fifo.append((forced, _fingerprint(router_logits)))
+            return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
 
         return hook
-
-    def _replay_call(
-        self,
-        state: _RouterState,
-        router_logits: torch.Tensor,
-        current: torch.Tensor,
-        batch: int,
-        seq_len: int,
-        will_recompute: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router output with the next recorded rows as experts and the family's gates at those experts."""
-        if will_recompute and _current_graph_task_id is None:
-            raise RuntimeError(
-                "Routing replay with gradient checkpointing needs torch._C._current_graph_task_id (torch >= 1.13) "
-                "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
-                "gradient checkpointing."
-            )
-        tokens = current.shape[0]
-        seq_len = tokens // batch if seq_len < 0 else seq_len
-        rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
-        rows = rows.to(device=current.device, dtype=current.dtype)
-        valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
-        forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
-        with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
-            # the replayed experts are the router's own top-k set (indices within a row are distinct)
-            same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
-            state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
-            state.replayed = state.replayed + (tokens if valid is None else valid.sum())
-            state.seen += tokens
-        if will_recompute:
-            state.recompute_fifo.append((forced, _fingerprint(router_logits)))
-        return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
