@@ -47,22 +47,32 @@ _STEP_FIX = (
 )
 
 
-def check_step(step: Any, where: str, num_tokens: int, text: str | None) -> None:
-    """Raise `StepSpanError` naming `where` (``steps[2]``) unless `step` is a span of a sequence of `num_tokens`
-    tokens (``unit="token"``, the default) or of `text`'s characters (``unit="char"``)."""
-    if not isinstance(step, Mapping):
-        raise StepSpanError(f"{where} is {step!r:.80} ({type(step).__name__}); {_STEP_FIX}.")
-    bounds = [step.get(key) for key in ("start", "end")]
-    if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds):
-        raise StepSpanError(f"{where} has start={bounds[0]!r}, end={bounds[1]!r}; {_STEP_FIX}.")
-    unit = step.get("unit") or "token"
-    if unit not in ("token", "char"):
-        raise StepSpanError(f"{where} has unit={unit!r}; {_STEP_FIX}.")
-    length = num_tokens if unit == "token" else None if text is None else len(text)
-    start, end = int(bounds[0]), int(bounds[1])
-    if not 0 <= start <= end or (length is not None and end > length):
-        of = "the sequence" if length is None else f"the sequence's {length} {unit}s"
-        raise StepSpanError(f"{where} is [{start}, {end}) in {unit}s, not a span of {of}; {_STEP_FIX}.")
+def check_steps(steps: Any, name: str, num_tokens: int, text: str | None, returned: bool = False) -> None:
+    """Raise `StepSpanError` naming `name` (``steps``, or the call that `returned` them) and the step unless `steps` is
+    a list of spans of a sequence of `num_tokens` tokens (``unit="token"``, the default) or of `text`'s characters
+    (``unit="char"``)."""
+    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
+        verb, fix = (
+            ("returned", "return a list of step dicts (or None for none)")
+            if returned
+            else ("is", "pass a list of step dicts")
+        )
+        raise StepSpanError(f"{name} {verb} {steps!r:.80}; {fix}.")
+    for i, step in enumerate(steps):
+        where = f"{name}[{i}]"
+        if not isinstance(step, Mapping):
+            raise StepSpanError(f"{where} is {step!r:.80} ({type(step).__name__}); {_STEP_FIX}.")
+        bounds = [step.get(key) for key in ("start", "end")]
+        if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds):
+            raise StepSpanError(f"{where} has start={bounds[0]!r}, end={bounds[1]!r}; {_STEP_FIX}.")
+        unit = step.get("unit") or "token"
+        if unit not in ("token", "char"):
+            raise StepSpanError(f"{where} has unit={unit!r}; {_STEP_FIX}.")
+        length = num_tokens if unit == "token" else None if text is None else len(text)
+        start, end = int(bounds[0]), int(bounds[1])
+        if not 0 <= start <= end or (length is not None and end > length):
+            of = "the sequence" if length is None else f"the sequence's {length} {unit}s"
+            raise StepSpanError(f"{where} is [{start}, {end}) in {unit}s, not a span of {of}; {_STEP_FIX}.")
 
 
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
@@ -100,10 +110,7 @@ def build_step_loss_mask(
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(i) for i in input_ids]
     n = len(ids)
-    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
-        raise StepSpanError(f"steps is {steps!r:.80}; pass a list of step dicts.")
-    for i, step in enumerate(steps):
-        check_step(step, f"steps[{i}]", n, text)
+    check_steps(steps, "steps", n, text)
     signatures = normalize_signatures(tools) if tools is not None else None
     if any((step.get("unit") or "token") == "char" for step in steps) and offsets is None:
         if text is None or tokenizer is None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,8 +327,3 @@ def find_tool_call_spans(
         end = len(text) if stop < 0 else stop + len(close_tag)
         spans.append((start, end))
         pos = end
-
-
-def count_reasons(verdicts: Iterable[StepVerdict]) -> dict[str, int]:
-    """How many steps failed for each reason (valid steps under "ok")."""
-    return dict(Counter(verdict.reason for verdict in verdicts))
