@@ -1,13 +1,6 @@
-"""Character offsets of tokens: where each token of a sequence sits in its text.
-
-One implementation for everything that maps between characters and tokens: critic spans onto response tokens
-(`trl_stable.rewards.critic.alignment`), agent steps given in characters onto loss-mask tokens (`trl_stable.masking`).
-Two directions:
-
-- text known (SFT data): `encode_with_offsets` tokenizes it with the fast tokenizer's own offsets;
-- ids known (sampled RL completions, which need not be the canonical tokenization of their text):
-  `token_char_offsets` decodes them and gives each token the characters it adds, byte-level splits included.
-"""
+"""Character offsets of tokens, one implementation for critic spans on response tokens (`trl_stable.rewards.critic`)
+and agent steps in characters (`trl_stable.masking`): `encode_with_offsets` when the text is known (SFT data),
+`token_char_offsets` when only the ids are (sampled RL completions, not always the canonical tokenization)."""
 
 from __future__ import annotations
 
@@ -135,11 +128,11 @@ def token_char_offsets(
     kept_offsets = _stream_offsets(tokenizer, kept_ids, text, skip) if kept_ids else []
     if kept_offsets is None and getattr(tokenizer, "is_fast", False):
         try:
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc_ids, mapped = encode_with_offsets(tokenizer, text)
         except (NotImplementedError, ValueError, TypeError):
-            enc = None
-        if enc is not None and list(enc["input_ids"]) == kept_ids:
-            mapped = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+            enc_ids = None
+        if enc_ids == kept_ids:
+            mapped = [(int(s), int(e)) for s, e in mapped]
             # Some tokenizers report offsets without the leading space of a word; the span overlap test is
             # unaffected, but offsets must stay inside the text.
             if all(0 <= s <= e <= len(text) for s, e in mapped):

@@ -80,10 +80,20 @@ def _tool_call_text(call: Mapping[str, Any], open_tag: str, close_tag: str) -> s
     return f"{open_tag}\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n{close_tag}"
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False) -> str:
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False,
+            strict: bool = True) -> str | None:  # fmt: skip
+    """The chat template's text of `messages`; unless `strict`, None when the template rejects this prefix (e.g. one
+    ending on a tool message)."""
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen, **template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=gen, **template_kwargs
+        )
+    except Exception:  # noqa: BLE001 - fall back to locating the content
+        if strict:
+            raise
+        return None
 
 
 def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: dict, open_tag: str, close_tag: str):
@@ -110,14 +120,6 @@ def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: di
         entry["_tool_call_ids"] = [c.get("id") for c in calls]
         out.append(entry)
     return out
-
-
-def _try_render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False):
-    """`_render`, or None when the template rejects this prefix (e.g. one ending on a tool message)."""
-    try:
-        return _render(tokenizer, messages, template_kwargs, gen=gen)
-    except Exception:  # noqa: BLE001 - fall back to locating the content
-        return None
 
 
 def find_transcript_steps(
@@ -181,7 +183,7 @@ def _message_spans(
     content_starts: list[int] = []
     prev_text, pos = "", 0
     for k, msg in enumerate(messages):
-        cur = _try_render(tokenizer, messages[: k + 1], template_kwargs)
+        cur = _render(tokenizer, messages[: k + 1], template_kwargs, strict=False)
         content = msg.get("content") or ""
         start = len(prev_text)
         if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
@@ -192,7 +194,7 @@ def _message_spans(
             end = start + len(content)
         header_end = start
         if msg.get("role") == "assistant":
-            with_header = _try_render(tokenizer, messages[:k], template_kwargs, gen=True)
+            with_header = _render(tokenizer, messages[:k], template_kwargs, gen=True, strict=False)
             if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
                 header_end = len(with_header)
             else:

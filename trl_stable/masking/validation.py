@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 TOOL_CALL_TYPES = ("tool_call", "function_call", "action")
@@ -27,15 +28,9 @@ EXEC_STATUS_ALIASES = {
 NAME_KEYS = ("name", "tool", "tool_name", "function")
 ARGUMENT_KEYS = ("arguments", "args", "parameters", "tool_input", "input")
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list, tuple),
-    "object": (dict,),
-    "null": (type(None),),
-}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                             "boolean": (bool,), "array": (list, tuple), "object": (dict,),
+                                             "null": (type(None),)}  # fmt: skip
 _SHORTHAND_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
                     "dict": "object", "none": "null"}  # fmt: skip
 
@@ -98,8 +93,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
             arguments = json.loads(arguments, parse_constant=_reject_constant) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise ValueError(f"tool-call arguments are not valid JSON: {err.msg}") from err
-    if arguments is None:
-        arguments = {}
+    arguments = {} if arguments is None else arguments
     if not isinstance(arguments, dict):
         raise ValueError(f"tool-call arguments must be a JSON object, got {type(arguments).__name__}")
     return ParsedToolCall(name=name if isinstance(name, str) else None, arguments=arguments, payload=payload)
@@ -111,11 +105,7 @@ def load_tools(value: Any) -> Any:
     no list of names / specs or ``{name: signature}`` dict, or a spec without a name."""
     if isinstance(value, str):
         try:
-            if os.path.isfile(value):
-                with open(value, encoding="utf-8") as f:
-                    value = json.load(f)
-            else:
-                value = json.loads(value)
+            value = json.loads(Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value)
         except (json.JSONDecodeError, OSError) as err:
             raise ValueError(
                 f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, "
@@ -126,17 +116,12 @@ def load_tools(value: Any) -> Any:
     if isinstance(value, str) or not isinstance(value, (Mapping, Sequence)):
         raise ValueError(
             f"Tools must be a list of tool names or specs, a {{name: signature}} dict, a JSON string or the path of a "
-            f"JSON file; got {type(value).__name__} {_short(value)}."
+            f"JSON file; got {type(value).__name__} {value!r:.120}."
         )
     if isinstance(value, Mapping) and (value.get("type") == "function" or isinstance(value.get("name"), str)):
-        raise ValueError(f"{_short(value)} is one tool spec; pass a list of specs ([spec]).")
+        raise ValueError(f"{value!r:.120} is one tool spec; pass a list of specs ([spec]).")
     normalize_signatures(value)  # raises on a spec without a name or a signature that is not a dict
     return value
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, dict[str, Any] | None]:
@@ -158,7 +143,7 @@ def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dic
         elif isinstance(tool, Mapping):
             spec = tool.get("function", tool) if isinstance(tool.get("function"), Mapping) else tool
             if not isinstance(spec.get("name"), str) or not spec["name"]:
-                raise ValueError(f"A tool spec needs a non-empty 'name'; got {_short(dict(spec))}.")
+                raise ValueError(f"A tool spec needs a non-empty 'name'; got {dict(spec)!r:.120}.")
             out[str(spec["name"])] = _normalize_schema(spec.get("parameters"))
         else:
             raise ValueError(f"A tool must be a name or a spec dict, got {type(tool).__name__}.")
