@@ -1,8 +1,5 @@
-"""Per-token loss masks from step boundaries (docs/agent_steps.md).
-
-A token that straddles a step boundary (byte-level BPE merges across it, e.g. ``"}\\n"``) is masked when it
-overlaps an invalid step at all: a token that carries part of a broken call must not be trained on.
-"""
+"""Per-token loss masks from step boundaries (docs/agent_steps.md); a token straddling a boundary is masked when it
+overlaps an invalid step at all."""
 
 from __future__ import annotations
 

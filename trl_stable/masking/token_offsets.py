@@ -104,18 +104,9 @@ def token_char_offsets(
 ) -> tuple[str, list[tuple[int, int]]]:
     """Decode `completion_ids` and give each token its (start, end) character offsets in the decoded text.
 
-    The text is ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``; token i
-    covers what decoding it adds to the text. Critic spans use the text without special tokens (what the critic
-    read); agent steps keep them (``skip_special_tokens=False``: a ``<tool_call>`` token can be a step marker).
-    Three ways, first that applies:
-
-    1. the `tokenizers` streaming decoder (one pass; used when its text equals the decoded text);
-    2. the tokenizer's own ``return_offsets_mapping`` on the re-encoded text, when re-encoding gives back exactly
-       the sampled ids (a sampled completion need not be the canonical tokenisation of its text);
-    3. decoding growing prefixes (quadratic, works for any tokenizer with `decode`).
-
-    A token covers every character it holds a byte of (byte-level BPE splits characters). Skipped special tokens
-    (EOS, pad) get empty offsets.
+    The text is ``decode_response``'s; token i covers every character it holds a byte of, skipped special tokens
+    (EOS, pad) nothing. The first way that applies: the `tokenizers` streaming decoder (one pass), the fast
+    tokenizer's offsets when re-encoding the text gives back exactly these ids, decoding growing prefixes (quadratic).
 
     Returns:
         `(text, offsets)` with ``len(offsets) == len(completion_ids)``.

@@ -15,10 +15,8 @@ from trl_stable.moe.replay import RoutingReplay
 def generate_with_routing(
     model: nn.Module, replay: RoutingReplay, *, input_ids: torch.Tensor, **generate_kwargs: Any
 ) -> tuple[Any, torch.Tensor]:
-    """Run ``model.generate`` while recording routing; returns ``(generate output, routing [B, S_out, L, k])``.
-
-    ``S_out`` is the length of the returned sequences, in generate's own layout (prompts left-padded as passed).
-    Beam search reorders its cache between steps, which would scramble the rows, so it is refused.
+    """``model.generate`` while recording routing: ``(generate output, routing [B, S_out, L, k])`` in generate's own
+    layout. Beam search, which reorders its cache between steps and so would scramble the rows, is refused.
 
     Args:
         model: The MoE model `replay` hooks.

@@ -19,6 +19,7 @@ from trl_stable.moe.adapters import RouterAdapter, adapter_for, unsupported_erro
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 
 _OWNER_ATTRIBUTE = "_trl_stable_routing_replay"
+_COUNTERS = ("seen", "replayed", "agree")
 
 
 def _owner(module: nn.Module) -> RoutingReplay | None:
@@ -63,11 +64,8 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
 
 
 class _RowQueue:
-    """Recorded rows of one router, consumed in order by forward calls of shape [b, s].
-
-    Segments are [b_i, s_i, k] tensors (one per recorded call, or one per loaded batch). A call takes its b rows from
-    the current position, crossing segment borders when the sequence lengths match.
-    """
+    """Recorded [b_i, s_i, k] segments of one router (one per recorded call or loaded batch), whose rows forward calls
+    of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
 
     def __init__(self, segments: list[torch.Tensor]):
         self.segments = segments
@@ -156,10 +154,8 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
 
 
 class RoutingReplay:
-    """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
-
-    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows of -1 fall back to the
-    router's own choice.
+    """Record and replay the expert choices of every router of a HuggingFace MoE model as a routing tensor
+    [B, S, num_moe_layers, k] (vLLM's `routed_experts` layout; rows of -1 keep the router's own choice).
 
     Args:
         model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model); every router of a supported
@@ -355,21 +351,12 @@ class RoutingReplay:
         """``{prefix}agreement`` (mean over layers, and ``/layer_{i}``) and ``{prefix}replayed_frac`` of the
         replayed passes since the last `reset_metrics` (docs/routing_replay.md, "Logged metrics"); empty when none
         ran. With `accelerator` (a collective) the counts of every process are summed first."""
-        counts = {
-            f"{i}/{what}": Stat.total(getattr(state, what))
-            for i, state in enumerate(self._states)
-            for what in ("seen", "replayed", "agree")
-        }
+        counts = {f"{i}/{w}": Stat.total(getattr(s, w)) for i, s in enumerate(self._states) for w in _COUNTERS}
         totals = reduce_metrics(counts, accelerator)
-        seen = [totals[f"{i}/seen"] for i in range(len(self._states))]
-        replayed = [totals[f"{i}/replayed"] for i in range(len(self._states))]
+        seen, replayed, agree = ([totals[f"{i}/{w}"] for i in range(self.num_layers)] for w in _COUNTERS)
         if not any(n > 0 for n in seen):
             return {}
-        out = {
-            f"{prefix}agreement/layer_{i}": totals[f"{i}/agree"] / replayed[i]
-            for i in range(len(self._states))
-            if seen[i] > 0 and replayed[i] > 0
-        }
+        out = {f"{prefix}agreement/layer_{i}": a / r for i, (a, r) in enumerate(zip(agree, replayed)) if r > 0}
         if out:
             out[f"{prefix}agreement"] = sum(out.values()) / len(out)
         out[f"{prefix}replayed_frac"] = sum(replayed) / sum(seen)
