@@ -24,8 +24,8 @@ class CompletionStepMasker:
         extra_steps: Optional ``f(text, index) -> list of step dicts`` (character boundaries into the completion
             text, see `build_step_loss_mask`), e.g. code steps whose ``exec_status`` the environment reported.
 
-    Calling it returns one list of floats (1 keep, 0 drop) per completion; `keep_mask` returns a (B, T) tensor.
-    The counts of the last call, by failure reason, are in ``last_counts``.
+    Calling it gives one list of floats (1 keep, 0 drop) per completion, `keep_mask` a (B, T) tensor; ``last_counts``
+    holds the last call's step counts by reason.
     """
 
     tools: Mapping[str, Any] | Sequence[Any] | None = None

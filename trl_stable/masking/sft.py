@@ -72,11 +72,8 @@ def step_mask_example(
 
 
 def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> Any:
-    """Map `step_mask_example` over a `datasets.Dataset` (or IterableDataset); kwargs go to `step_mask_example`.
-
-    The result has ``input_ids``, ``labels``, ``num_steps`` and ``num_invalid_steps``; the original columns are
-    dropped (TRL's SFTTrainer then only truncates / packs it).
-    """
+    """`step_mask_example` (with kwargs) mapped over a `datasets.Dataset` or IterableDataset, the original columns
+    dropped (TRL's SFTTrainer then only truncates / packs it)."""
     columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
 
     def one_row(example: Mapping[str, Any], index: int) -> dict[str, Any]:
@@ -136,15 +133,9 @@ _CONFIG_FIELDS = {
 
 
 class StepMaskedSFTTrainer(trl.SFTTrainer):
-    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces (example: docs/agent_steps.md).
-
-    Args:
-        Same as `trl.SFTTrainer`. `args` may be a [`StepMaskedSFTConfig`] (a plain `SFTConfig` uses the step-mask
-        defaults). `processing_class` must be a fast tokenizer (offsets), loaded from `model` when it is a name.
-
-    After construction, ``trainer.step_mask_stats`` holds, per dataset name, the number of rows, steps and invalid
-    steps found.
-    """
+    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces (docs/agent_steps.md). `args` may be a
+    [`StepMaskedSFTConfig`] or a plain `SFTConfig` (step-mask defaults); `processing_class` must be a fast tokenizer,
+    loaded from `model` when it is a name. ``step_mask_stats`` holds the rows, steps and invalid steps per dataset."""
 
     _tag_names = ["trl", "sft", "trl_stable", "step-mask"]
 
@@ -198,12 +189,8 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
 
 @dataclass
 class StepMaskCollator(DataCollatorForLanguageModeling):
-    """`DataCollatorForLanguageModeling` that also applies a per-token ``step_mask`` column (0 -> label -100).
-
-    For pipelines that keep the mask as a column (``remove_unused_columns=False`` or
-    ``dataset_kwargs={"skip_prepare_dataset": True}``); `StepMaskedSFTTrainer` bakes the mask into the labels
-    instead and needs no special collator.
-    """
+    """`DataCollatorForLanguageModeling` that also applies a per-token ``step_mask`` column (0 -> label -100), for
+    pipelines that keep the mask as a column (`StepMaskedSFTTrainer` bakes it into the labels instead)."""
 
     mask_key: str = "step_mask"
 

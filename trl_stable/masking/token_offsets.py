@@ -33,13 +33,9 @@ def decode_response(tokenizer: Any, ids: Sequence[int], skip_special_tokens: boo
 
 
 def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]]:
-    """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to decoding ids[:i].
-
-    Byte-level tokenizers can split one character over several tokens; a prefix that ends mid-character decodes to a
-    trailing U+FFFD. Only the part of a prefix that agrees with the full text counts as decoded. A token covers the
-    characters from the first one not complete before it (possibly one it finishes) up to the last one it touches,
-    including a character it only starts, so a span over that character reaches every token holding its bytes.
-    """
+    """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to ids[:i], where only the
+    part of a prefix that agrees with the full text counts (a prefix ending mid-character decodes to U+FFFD), plus a
+    character it only starts, so a span over that character reaches every token holding its bytes."""
     offsets = []
     complete = 0  # characters fully decoded so far
     for i in range(len(ids)):
@@ -53,11 +49,8 @@ def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bo
 
 
 def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]] | None:
-    """Offsets in one pass with the `tokenizers` streaming decoder (same rules as `_incremental_offsets`).
-
-    Returns None when the stream's text differs from `text` (decoders with clean-up or prefix-space rules), so the
-    caller falls back to the quadratic prefix decoding.
-    """
+    """Offsets in one pass with the `tokenizers` streaming decoder (rules of `_incremental_offsets`); None when the
+    stream's text differs from `text` (decoders with clean-up or prefix-space rules)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

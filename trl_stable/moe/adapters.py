@@ -45,15 +45,9 @@ def _deepseek_v3_gate(router: nn.Module, router_logits: torch.Tensor, index: tor
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How routing replay drives one router class.
-
-    Args:
-        family: transformers model type the router belongs to.
-        module: Module path of the modeling file that defines the router.
-        class_name: Router class name (matched by identity after import, never by name guessing).
-        gate: ``gate(router, router_logits, index) -> weights [N, k]``, the family's gating at fixed experts.
-        jitter_attribute: Attribute of the parent MoE block holding training-time input jitter, if any.
-    """
+    """How routing replay drives one router class: the transformers model type (`family`), the modeling module and
+    router class (matched by identity after import), ``gate(router, router_logits, index) -> weights [N, k]`` and the
+    MoE block's attribute holding training-time input jitter, if any."""
 
     family: str
     module: str

@@ -44,11 +44,8 @@ def batch_routing(sequences: Sequence[Any], attention_mask: torch.Tensor, prompt
 
 @dataclass
 class SampledRouting:
-    """What `RoutingHook.sampling` recorded around one ``generate`` call (empty unless R3).
-
-    `routing` is the sequence-joined export ([B, fed tokens, layers, k]: prefill, then one column per decode step)
-    and `prompt_width` the width of the (left-padded) prompt batch the prefill saw.
-    """
+    """What `RoutingHook.sampling` recorded around one ``generate`` call (empty unless R3): the sequence-joined export
+    [B, fed tokens, layers, k] and the width of the left-padded prompt batch the prefill saw."""
 
     routing: torch.Tensor | None = None
     prompt_width: int = 0
@@ -103,11 +100,8 @@ class RoutingHook:
     def rollout_pass(
         self, attention_mask: torch.Tensor, routing: torch.Tensor | None = None
     ) -> Iterator[RolloutRouting]:
-        """Around the no-grad old-logprob (proximal) pass on a fresh batch.
-
-        R2 records the routing this pass takes (the one the updates are compared with); R3 replays `routing`, the
-        sampler's, which it requires. After the block, ``.routing`` holds the batch's routing for the updates.
-        """
+        """Around the no-grad old-logprob pass on a fresh batch: R2 records its routing, R3 replays the sampler's
+        `routing` (required); after the block ``.routing`` holds the batch's routing for the updates."""
         out = RolloutRouting()
         if self.mode == "off":
             yield out
