@@ -16,13 +16,8 @@ from trl_stable.masking.validation import StepVerdict, normalize_signatures, val
 
 @dataclass
 class StepMask:
-    """The result of `build_step_loss_mask`.
-
-    Attributes:
-        mask: float tensor (T,), 1 = trains, 0 = masked.
-        verdicts: one `StepVerdict` per step, in the order given.
-        token_spans: per step, the ``[start, end)`` token range it covers.
-    """
+    """The result of `build_step_loss_mask`: the float `mask` (T,) (1 trains, 0 masked), one `StepVerdict` per step
+    in the order given, and each step's ``[start, end)`` token range."""
 
     mask: torch.Tensor
     verdicts: list[StepVerdict] = field(default_factory=list)
@@ -101,9 +96,6 @@ def build_step_loss_mask(
         offsets: Per-token character offsets of `text` (as from ``return_offsets_mapping=True``).
         tools: Valid tools (names, ``{name: schema}`` or OpenAI specs); None skips the name/argument checks.
         outside_steps: Mask value of tokens covered by no step (1: train them; 0: train only on valid steps).
-
-    Returns:
-        A `StepMask` with the mask (float, length T), one verdict per step and each step's token range.
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(i) for i in input_ids]
     n = len(ids)

@@ -43,15 +43,8 @@ def classify_exec_output(output: str) -> str:
 
 @dataclass
 class TranscriptSteps:
-    """A rendered transcript with its steps.
-
-    Attributes:
-        text: The rendered transcript.
-        input_ids: Its tokens (no special tokens added beyond what the template writes).
-        offsets: Each token's character span in `text`.
-        steps: Step dicts with character boundaries (``"unit": "char"``), in order.
-        assistant_mask: Per token, 1 inside an assistant turn's content (and its end-of-turn marker), else 0.
-    """
+    """A rendered transcript: its `text`, tokens (no special tokens beyond the template's) and their character
+    `offsets`, its character-boundary `steps` in order, and per token 1 inside an assistant turn's content."""
 
     text: str
     input_ids: list[int]
@@ -106,19 +99,15 @@ def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: di
         renders_calls = _render(tokenizer, messages, template_kwargs) != _render(tokenizer, stripped, template_kwargs)
     except Exception:  # noqa: BLE001 - a template that cannot render structured calls at all
         renders_calls = False
-    out = []
-    for msg, bare in zip(messages, stripped):
+    out = [dict(m) if renders_calls or m.get("role") != "assistant" or not m.get("tool_calls") else b
+           for m, b in zip(messages, stripped)]  # fmt: skip
+    for entry, msg in zip(out, messages):
         calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
-        if not calls:
-            out.append(dict(msg))
-            continue
-        entry = dict(msg) if renders_calls else bare
-        if not renders_calls:
+        if calls and not renders_calls:
             blocks = "\n".join(_tool_call_text(c, open_tag, close_tag) for c in calls)
-            content = msg.get("content") or ""
-            entry["content"] = f"{content}\n{blocks}" if content else blocks
-        entry["_tool_call_ids"] = [c.get("id") for c in calls]
-        out.append(entry)
+            entry["content"] = f"{msg['content']}\n{blocks}" if msg.get("content") else blocks
+        if calls:
+            entry["_tool_call_ids"] = [c.get("id") for c in calls]
     return out
 
 
@@ -141,9 +130,6 @@ def find_transcript_steps(
         code_tools: Tool names that execute code: their call is a code step whose outcome is the tool's reply.
         infer_exec_status: Read crash / timeout / oom from tool output when the message has no ``exec_status``.
         template_kwargs: Extra arguments for ``apply_chat_template`` (e.g. ``tools=``).
-
-    Returns:
-        `TranscriptSteps` with the text, tokens, offsets, character steps and the assistant mask.
     """
     template_kwargs = dict(template_kwargs or {})
     msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
