@@ -102,29 +102,25 @@ class RoutingHook:
     ) -> Iterator[RolloutRouting]:
         """Around the no-grad old-logprob pass on a fresh batch: R2 records its routing, R3 replays the sampler's
         `routing` (required); after the block ``.routing`` holds the batch's routing for the updates."""
+        if self.mode == "R3" and routing is None:
+            raise ValueError("routing_replay='R3': the rollout pass needs the sampler's routing; none was given.")
         out = RolloutRouting()
         if self.mode == "off":
+            context = contextlib.nullcontext()
+        else:
+            context = self.replay.replay(routing) if self.mode == "R3" else self.replay.record()
+        with context:
             yield out
-            return
         if self.mode == "R3":
-            if routing is None:
-                raise ValueError("routing_replay='R3': the rollout pass needs the sampler's routing; none was given.")
-            with self.replay.replay(routing):
-                yield out
             out.routing = routing
-            return
-        with self.replay.record():
-            yield out
-        out.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
-        self.replay.clear()
+        elif self.mode == "R2":
+            out.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
+            self.replay.clear()
 
     @contextlib.contextmanager
     def update_pass(self, routing: torch.Tensor | None) -> Iterator[None]:
         """Around an update forward: replay `routing` (the batch's ``ROUTED_EXPERTS_KEY`` entry) when there is one."""
-        if self.replay is None or routing is None:
-            yield
-            return
-        with self.replay.replay(routing):
+        with contextlib.nullcontext() if self.replay is None or routing is None else self.replay.replay(routing):
             yield
 
     def take_metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:
