@@ -62,15 +62,9 @@ def _reject_constant(name: str) -> None:
 
 
 def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
-    """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence).
-
-    Accepts ``{"name": ..., "arguments": {...}}`` (OpenAI / Hermes), ``{"tool": ..., "args": {...}}`` (a flat
-    format) and ``{"function": {"name": ..., "arguments": "<json string>"}}`` (OpenAI's message format).
-    Arguments given as a JSON string are decoded.
-
-    Raises:
-        ValueError: when the payload (or a string-encoded argument object) is not valid JSON, or is not an object.
-    """
+    """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence): OpenAI / Hermes
+    ``{"name", "arguments"}``, flat ``{"tool", "args"}`` or OpenAI's ``{"function": {"name", "arguments": "<json>"}}``
+    (string arguments decoded). ValueError when the payload or its arguments are not a JSON object."""
     payload = text.strip()  # the tags and a Markdown code fence around the JSON payload stripped
     if open_tag and payload.startswith(open_tag):
         payload = payload[len(open_tag) :]
@@ -125,13 +119,9 @@ def load_tools(value: Any) -> Any:
 
 
 def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, dict[str, Any] | None]:
-    """Turn the accepted ways of describing tools into ``{name: parameters schema or None}``.
-
-    Accepted: a list of names (no argument check); a dict ``{name: schema}``; a list of OpenAI tool specs
-    (``{"type": "function", "function": {"name", "parameters"}}``) or of ``{"name", "parameters"}`` dicts. A schema
-    is JSON-schema-like (``{"type": "object", "properties": {...}, "required": [...]}``) or the shorthand
-    ``{"city": "string", "days": "integer"}`` (every listed argument required).
-    """
+    """``{name: parameters schema or None}`` from a list of names (no argument check), a ``{name: schema}`` dict, or a
+    list of OpenAI tool specs or ``{"name", "parameters"}`` dicts; a schema is JSON-schema-like or the shorthand
+    ``{"city": "string", "days": "integer"}`` (every listed argument required)."""
     if tools is None:
         return {}
     if isinstance(tools, Mapping):
@@ -178,11 +168,8 @@ def _type_name(spec: Any) -> str | list[str]:
 
 
 def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arguments") -> list[str]:
-    """Mismatches between `value` and a JSON-schema-like `schema` (empty list when it conforms).
-
-    Supported keywords: ``type`` (a name or a list of names), ``enum``, ``properties``, ``required``,
-    ``additionalProperties`` (bool), ``items``. Booleans are not integers or numbers (JSON's view, not Python's).
-    """
+    """Mismatches between `value` and a JSON-schema-like `schema` (``type``, ``enum``, ``properties``, ``required``,
+    ``additionalProperties`` (bool), ``items``); booleans are not integers or numbers (JSON's view, not Python's)."""
     if schema is None:
         return []
     errors: list[str] = []
@@ -232,11 +219,8 @@ def validate_tool_call(
     open_tag: str = "<tool_call>",
     close_tag: str = "</tool_call>",
 ) -> StepVerdict:
-    """Validate one tool call against `tools` (``{name: schema or None}``, see `normalize_signatures`).
-
-    With `tools` None no name or argument check is made (only JSON and the presence of a name); with a dict, a
-    name outside it is ``unknown_tool`` and a schema mismatch is ``bad_arguments``.
-    """
+    """Validate one tool call against `tools` (``{name: schema or None}``; None checks only JSON and a name): a name
+    outside it is ``unknown_tool``, a schema mismatch ``bad_arguments``."""
     try:
         call = parse_tool_call(text, open_tag, close_tag)
     except ValueError as err:
@@ -297,18 +281,7 @@ def validate_step(
 def find_tool_call_spans(
     text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"
 ) -> list[tuple[int, int]]:
-    """Character spans ``[start, end)`` of the tool-call blocks in `text`, tags included.
-
-    An opened block with no closing tag runs to the end of the text (a truncated or malformed call is still a
-    call, and must be validated, not silently trained on).
-    """
-    spans = []
-    pos = 0
-    while True:
-        start = text.find(open_tag, pos)
-        if start < 0:
-            return spans
-        stop = text.find(close_tag, start + len(open_tag))
-        end = len(text) if stop < 0 else stop + len(close_tag)
-        spans.append((start, end))
-        pos = end
+    """Character spans ``[start, end)`` of the tool-call blocks in `text`, tags included; a block with no closing tag
+    runs to the end of the text (a truncated call is still a call, to be validated, not trained on)."""
+    pattern = re.escape(open_tag) + "(?s:.*?)(?:" + re.escape(close_tag) + r"|\Z)"
+    return [m.span() for m in re.finditer(pattern, text)]
