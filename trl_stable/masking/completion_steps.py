@@ -16,14 +16,9 @@ from trl_stable.masking.validation import StepVerdict, find_tool_call_spans
 
 @dataclass
 class CompletionStepMasker:
-    """Per-token keep masks for sampled completions.
-
-    Args:
-        tools: Valid tools (names, ``{name: signature}`` or OpenAI specs); None checks only JSON and a name.
-        open_tag / close_tag: Delimiters of a tool-call block in the completion.
-        extra_steps: Optional ``f(text, index) -> list of step dicts`` (character boundaries into the completion
-            text, see `build_step_loss_mask`), e.g. code steps whose ``exec_status`` the environment reported.
-
+    """Per-token keep masks for sampled completions: the tool-call blocks between `open_tag` and `close_tag` checked
+    against `tools` (see `normalize_signatures`; None checks only JSON and a name), plus the steps of the optional
+    ``extra_steps(text, index) -> list of step dicts`` (character boundaries, e.g. code steps with ``exec_status``).
     Calling it gives one list of floats (1 keep, 0 drop) per completion, `keep_mask` a (B, T) tensor; ``last_counts``
     holds the last call's step counts by reason.
     """

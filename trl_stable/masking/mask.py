@@ -88,12 +88,10 @@ def build_step_loss_mask(
 
     Args:
         input_ids: The sequence's token ids (T,).
-        steps: Step dicts: ``start``/``end`` (``[start, end)``), ``unit`` ("token" or "char"), ``type``, and
-            ``metadata`` (see `validate_step` for the keys read).
-        tokenizer: Needed for character steps without `offsets`, and to decode token steps without `text`.
-        text: The sequence's text; character steps index into it. With `tokenizer` and no `offsets`, it is
-            tokenized and must give `input_ids` back (else ValueError: the offsets would be misaligned).
-        offsets: Per-token character offsets of `text` (as from ``return_offsets_mapping=True``).
+        steps: Step dicts: ``[start, end)`` in ``unit`` ("token"/"char"), ``type``, ``metadata`` (`validate_step`).
+        tokenizer: Needed for character steps without `offsets` (then `text` must tokenize back to `input_ids`), and
+            to decode token steps without `text`.
+        text, offsets: The sequence's text and each token's character span in it.
         tools: Valid tools (names, ``{name: schema}`` or OpenAI specs); None skips the name/argument checks.
         outside_steps: Mask value of tokens covered by no step (1: train them; 0: train only on valid steps).
     """

@@ -122,14 +122,9 @@ def find_transcript_steps(
 ) -> TranscriptSteps:
     """Render `messages` with the tokenizer's chat template and find its steps.
 
-    Args:
-        messages: Chat messages (``role``, ``content``, optional ``tool_calls``; tool messages may carry
-            ``tool_call_id`` and ``exec_status``).
-        tokenizer: A fast tokenizer with a chat template (offsets are needed).
-        open_tag / close_tag: Delimiters of a tool-call block in assistant text.
-        code_tools: Tool names that execute code: their call is a code step whose outcome is the tool's reply.
-        infer_exec_status: Read crash / timeout / oom from tool output when the message has no ``exec_status``.
-        template_kwargs: Extra arguments for ``apply_chat_template`` (e.g. ``tools=``).
+    `messages` have ``role``, ``content``, optional ``tool_calls`` (tool replies: ``tool_call_id``, ``exec_status``);
+    `tokenizer` is a fast one with a chat template; a call to one of `code_tools` is a code step whose outcome is its
+    reply (read from the output when `infer_exec_status`); `template_kwargs` go to ``apply_chat_template``.
     """
     template_kwargs = dict(template_kwargs or {})
     msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
@@ -228,8 +223,9 @@ def _attach_outcome(
 ) -> None:
     """Record a tool reply's outcome on the call it answers (by ``tool_call_id``, else the oldest unanswered one)."""
     call_id = msg.get("tool_call_id")
-    target = next((s for s in pending if call_id is not None and s["metadata"].get("tool_call_id") == call_id), None)
-    target = target if target is not None else pending[0]
+    target = next(
+        (s for s in pending if call_id is not None and s["metadata"].get("tool_call_id") == call_id), pending[0]
+    )
     pending.remove(target)
     status = msg.get("exec_status", msg.get("status"))
     is_code = target["type"] == "code" or target["metadata"].get("tool_name") in code_tools

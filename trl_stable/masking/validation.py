@@ -246,11 +246,9 @@ def validate_step(
     """Validate one step dict ``{"start", "end", "type", "metadata"}``.
 
     Args:
-        step: The step. Its ``type`` selects the checks (tool-call types: ``tool_call``, ``function_call``,
-            ``action``; code types: ``code``, ``code_exec``, ``code_execution``; anything else always passes). Keys
-            read from ``step`` or ``step["metadata"]``: ``text`` (overrides `text`), ``valid_tools`` / ``tools``
-            (override `tools` for this step), ``exec_status`` / ``status`` (a code step's outcome), ``valid``
-            (an explicit verdict set upstream, e.g. by an environment).
+        step: The step; its ``type`` selects the checks (`TOOL_CALL_TYPES`, `CODE_TYPES`; anything else passes). Keys
+            read from it or its ``metadata``: ``text`` and ``valid_tools`` / ``tools`` (override the arguments),
+            ``exec_status`` / ``status`` (a code step's outcome), ``valid`` (a verdict set upstream).
         text: The step's text (needed for tool calls unless the step carries ``text``).
         tools: Valid tools for tool-call steps (see `normalize_signatures`); None skips the name and argument checks.
     """

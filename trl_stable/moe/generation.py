@@ -18,11 +18,8 @@ def generate_with_routing(
     """``model.generate`` while recording routing: ``(generate output, routing [B, S_out, L, k])`` in generate's own
     layout. Beam search, which reorders its cache between steps and so would scramble the rows, is refused.
 
-    Args:
-        model: The MoE model `replay` hooks.
-        replay: Its RoutingReplay; its previous routing is replaced.
-        input_ids: [B, P] prompt ids (left-padded for batches).
-        generate_kwargs: Passed to ``generate`` (attention_mask, max_new_tokens, do_sample, ...).
+    `replay` is the RoutingReplay hooking `model` (its previous routing is replaced), `input_ids` [B, P] the
+    left-padded prompts, `generate_kwargs` go to ``generate``.
     """
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
     num_beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)

@@ -279,13 +279,9 @@ class RoutingReplay:
             setattr(block, attribute, value)
 
     def export(self, dim: str = "batch") -> torch.Tensor:
-        """The recorded routing as a [B, S, num_layers, k] tensor (dtype int16, or int32 beyond 32767 experts).
-
-        Args:
-            dim: How successive recorded calls join. "batch": calls were chunks of one batch with the same sequence
-                length (a chunked log-prob pass). "sequence": calls were steps of one generation with the same batch
-                (prefill, then one row per decode step); the result covers every token that was fed to the model.
-        """
+        """The recorded routing as a [B, S, num_layers, k] tensor (int16, or int32 beyond 32767 experts), successive
+        calls joined along `dim`: "batch" for chunks of one batch (a chunked log-prob pass), "sequence" for the steps
+        of one generation (prefill, then one row per decode step)."""
         if dim not in ("batch", "sequence"):
             raise ValueError(f"dim must be 'batch' or 'sequence', got {dim!r}.")
         if not self.has_routing:
