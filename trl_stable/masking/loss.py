@@ -32,8 +32,7 @@ def masked_cross_entropy(
         A scalar tensor.
     """
     if shift:
-        logits = logits[:, :-1, :]
-        labels = labels[:, 1:]
+        logits, labels = logits[:, :-1, :], labels[:, 1:]
         loss_mask = loss_mask[:, 1:] if loss_mask is not None else None
     valid = labels != ignore_index
     mask = valid.to(logits.dtype) if loss_mask is None else loss_mask.to(logits.dtype) * valid.to(logits.dtype)

@@ -68,7 +68,14 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
         if chunk is None:  # this token ends inside a multi-byte character
             continue
         start, pos = pos, pos + len(chunk)
-        offsets.extend(_run_offsets(tokenizer, ids[first_pending : k + 1], chunk, start, skip))
+        # The run of tokens the chunk completes: all but the last left a character incomplete, so the split inside the
+        # chunk comes from prefix decoding of the run alone; a run that does not decode alone as in context (a
+        # decoder that strips a leading space) gives every token the whole chunk, so no span over it is missed.
+        run = ids[first_pending : k + 1]
+        if len(run) > 1 and decode_response(tokenizer, run, skip) == chunk:
+            offsets.extend((start + a, start + b) for a, b in _incremental_offsets(tokenizer, run, chunk, skip))
+        else:
+            offsets.extend([(start, pos)] * len(run))
         first_pending = k + 1
     streamed = "".join(c for c in chunks if c is not None)
     tail = text[len(streamed) :]
@@ -76,20 +83,6 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
         return None
     offsets.extend([(pos, len(text))] * (len(ids) - first_pending))  # bytes left incomplete at the end (U+FFFD)
     return offsets
-
-
-def _run_offsets(
-    tokenizer: Any, run: Sequence[int], chunk: str, start: int, skip: bool = True
-) -> list[tuple[int, int]]:
-    """Offsets of a run of tokens whose text the stream emitted at once (`chunk`, at `start`): the run's tokens but
-    the last left a character incomplete, so the split inside `chunk` comes from prefix decoding of the run alone."""
-    if len(run) == 1:
-        return [(start, start + len(chunk))]
-    if decode_response(tokenizer, run, skip) == chunk:
-        return [(start + a, start + b) for a, b in _incremental_offsets(tokenizer, run, chunk, skip)]
-    # The run does not decode alone as in context (a decoder that strips a leading space): every token gets the
-    # whole chunk, so no span over it is missed.
-    return [(start, start + len(chunk))] * len(run)
 
 
 def token_char_offsets(

@@ -41,7 +41,4 @@ def generate_with_routing(
     missing = sequences.shape[1] - routing.shape[1]
     if missing < 0:
         raise RuntimeError(f"generate recorded {routing.shape[1]} positions for {sequences.shape[1]} tokens.")
-    if missing:
-        fill = routing.new_full((routing.shape[0], missing, *routing.shape[2:]), NO_ROUTING)
-        routing = torch.cat([routing, fill], dim=1)
-    return output, routing
+    return output, torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, missing), value=NO_ROUTING)
