@@ -3,28 +3,24 @@ trainer multiplies into its completion mask, so invalid steps' tokens carry no g
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trl_stable.masking.mask import StepSpanError, build_step_loss_mask, check_step, decode_offsets
-from trl_stable.masking.validation import StepVerdict, count_reasons, find_tool_call_spans
+from trl_stable.masking.mask import build_step_loss_mask, check_steps, decode_offsets
+from trl_stable.masking.validation import StepVerdict, find_tool_call_spans
 
 
 @dataclass
 class CompletionStepMasker:
-    """Per-token keep masks for sampled completions.
-
-    Args:
-        tools: Valid tools (names, ``{name: signature}`` or OpenAI specs); None checks only JSON and a name.
-        open_tag / close_tag: Delimiters of a tool-call block in the completion.
-        extra_steps: Optional ``f(text, index) -> list of step dicts`` (character boundaries into the completion
-            text, see `build_step_loss_mask`), e.g. code steps whose ``exec_status`` the environment reported.
-
-    Calling it returns one list of floats (1 keep, 0 drop) per completion; `keep_mask` returns a (B, T) tensor.
-    The counts of the last call, by failure reason, are in ``last_counts``.
+    """Per-token keep masks for sampled completions: the tool-call blocks between `open_tag` and `close_tag` checked
+    against `tools` (see `normalize_signatures`; None checks only JSON and a name), plus the steps of the optional
+    ``extra_steps(text, index) -> list of step dicts`` (character boundaries, e.g. code steps with ``exec_status``).
+    Calling it gives one list of floats (1 keep, 0 drop) per completion, `keep_mask` a (B, T) tensor; ``last_counts``
+    holds the last call's step counts by reason.
     """
 
     tools: Mapping[str, Any] | Sequence[Any] | None = None
@@ -45,8 +41,10 @@ class CompletionStepMasker:
                 {"start": a, "end": b, "unit": "char", "type": "tool_call"}
                 for a, b in find_tool_call_spans(text, self.open_tag, self.close_tag)
             ]
-            if self.extra_steps is not None:
-                steps += self._extra_steps(text, index, len(ids))
+            extra = self.extra_steps(text, index) if self.extra_steps is not None else None
+            if extra is not None:
+                check_steps(extra, f"extra_steps(text, {index})", len(ids), text, returned=True)
+                steps += list(extra)
             if not steps:
                 masks.append([1.0] * len(ids))
                 continue
@@ -56,20 +54,8 @@ class CompletionStepMasker:
             )  # fmt: skip
             verdicts.extend(result.verdicts)
             masks.append(result.mask.tolist())
-        self.last_counts = count_reasons(verdicts)
+        self.last_counts = dict(Counter(verdict.reason for verdict in verdicts))
         return masks
-
-    def _extra_steps(self, text: str, index: int, num_tokens: int) -> list[dict[str, Any]]:
-        """`extra_steps`' steps of completion `index` (None: none), each checked, the error naming the call."""
-        where = f"extra_steps(text, {index})"
-        steps = self.extra_steps(text, index)
-        if steps is None:
-            return []
-        if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
-            raise StepSpanError(f"{where} returned {steps!r:.80}; return a list of step dicts (or None for none).")
-        for j, step in enumerate(steps):
-            check_step(step, f"{where}[{j}]", num_tokens, text)
-        return list(steps)
 
     def keep_mask(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, tokenizer: Any) -> torch.Tensor:
         """A (B, T) keep mask for right-padded `completion_ids`, 0 on invalid steps (padding left to the caller)."""
@@ -85,13 +71,9 @@ class CompletionStepMasker:
     def stats(self) -> dict[str, float]:
         """Metrics of the last call: steps checked and the share masked, by reason."""
         total = sum(self.last_counts.values())
-        out = {"step_mask/steps": float(total)}
-        invalid = total - self.last_counts.get("ok", 0)
-        out["step_mask/frac_invalid_steps"] = invalid / total if total else 0.0
-        for reason, count in self.last_counts.items():
-            if reason != "ok":
-                out[f"step_mask/{reason}"] = float(count)
-        return out
+        invalid = {f"step_mask/{reason}": float(n) for reason, n in self.last_counts.items() if reason != "ok"}
+        frac = sum(invalid.values()) / total if total else 0.0
+        return {"step_mask/steps": float(total), "step_mask/frac_invalid_steps": frac, **invalid}
 
 
 def apply_step_mask(

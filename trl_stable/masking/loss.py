@@ -17,10 +17,8 @@ def masked_cross_entropy(
 
     loss = sum_t m_t * CE(logits_t, y_t) / max(1, sum_t m_t)
 
-    where m_t is `loss_mask` (0 for tokens of invalid steps, prompts, padding) times ``labels != ignore_index``.
-    Dividing by the number of *valid* tokens, at least 1, keeps a batch whose steps are all invalid at a finite
-    zero (no 0/0), and stops masked tokens from diluting the gradient of the valid ones. Masked positions get no
-    gradient at all.
+    where m_t is `loss_mask` times ``labels != ignore_index``: an all-invalid batch is a finite zero, masked tokens
+    neither dilute the valid ones' gradient nor get any.
 
     Args:
         logits: (B, T, V) model outputs.
@@ -34,8 +32,7 @@ def masked_cross_entropy(
         A scalar tensor.
     """
     if shift:
-        logits = logits[:, :-1, :]
-        labels = labels[:, 1:]
+        logits, labels = logits[:, :-1, :], labels[:, 1:]
         loss_mask = loss_mask[:, 1:] if loss_mask is not None else None
     valid = labels != ignore_index
     mask = valid.to(logits.dtype) if loss_mask is None else loss_mask.to(logits.dtype) * valid.to(logits.dtype)

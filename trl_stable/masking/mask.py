@@ -1,8 +1,5 @@
-"""Per-token loss masks from step boundaries (docs/agent_steps.md).
-
-A token that straddles a step boundary (byte-level BPE merges across it, e.g. ``"}\\n"``) is masked when it
-overlaps an invalid step at all: a token that carries part of a broken call must not be trained on.
-"""
+"""Per-token loss masks from step boundaries (docs/agent_steps.md); a token straddling a boundary is masked when it
+overlaps an invalid step at all."""
 
 from __future__ import annotations
 
@@ -19,13 +16,8 @@ from trl_stable.masking.validation import StepVerdict, normalize_signatures, val
 
 @dataclass
 class StepMask:
-    """The result of `build_step_loss_mask`.
-
-    Attributes:
-        mask: float tensor (T,), 1 = trains, 0 = masked.
-        verdicts: one `StepVerdict` per step, in the order given.
-        token_spans: per step, the ``[start, end)`` token range it covers.
-    """
+    """The result of `build_step_loss_mask`: the float `mask` (T,) (1 trains, 0 masked), one `StepVerdict` per step
+    in the order given, and each step's ``[start, end)`` token range."""
 
     mask: torch.Tensor
     verdicts: list[StepVerdict] = field(default_factory=list)
@@ -47,22 +39,32 @@ _STEP_FIX = (
 )
 
 
-def check_step(step: Any, where: str, num_tokens: int, text: str | None) -> None:
-    """Raise `StepSpanError` naming `where` (``steps[2]``) unless `step` is a span of a sequence of `num_tokens`
-    tokens (``unit="token"``, the default) or of `text`'s characters (``unit="char"``)."""
-    if not isinstance(step, Mapping):
-        raise StepSpanError(f"{where} is {step!r:.80} ({type(step).__name__}); {_STEP_FIX}.")
-    bounds = [step.get(key) for key in ("start", "end")]
-    if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds):
-        raise StepSpanError(f"{where} has start={bounds[0]!r}, end={bounds[1]!r}; {_STEP_FIX}.")
-    unit = step.get("unit") or "token"
-    if unit not in ("token", "char"):
-        raise StepSpanError(f"{where} has unit={unit!r}; {_STEP_FIX}.")
-    length = num_tokens if unit == "token" else None if text is None else len(text)
-    start, end = int(bounds[0]), int(bounds[1])
-    if not 0 <= start <= end or (length is not None and end > length):
-        of = "the sequence" if length is None else f"the sequence's {length} {unit}s"
-        raise StepSpanError(f"{where} is [{start}, {end}) in {unit}s, not a span of {of}; {_STEP_FIX}.")
+def check_steps(steps: Any, name: str, num_tokens: int, text: str | None, returned: bool = False) -> None:
+    """Raise `StepSpanError` naming `name` (``steps``, or the call that `returned` them) and the step unless `steps` is
+    a list of spans of a sequence of `num_tokens` tokens (``unit="token"``, the default) or of `text`'s characters
+    (``unit="char"``)."""
+    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
+        verb, fix = (
+            ("returned", "return a list of step dicts (or None for none)")
+            if returned
+            else ("is", "pass a list of step dicts")
+        )
+        raise StepSpanError(f"{name} {verb} {steps!r:.80}; {fix}.")
+    for i, step in enumerate(steps):
+        where = f"{name}[{i}]"
+        if not isinstance(step, Mapping):
+            raise StepSpanError(f"{where} is {step!r:.80} ({type(step).__name__}); {_STEP_FIX}.")
+        bounds = [step.get(key) for key in ("start", "end")]
+        if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bounds):
+            raise StepSpanError(f"{where} has start={bounds[0]!r}, end={bounds[1]!r}; {_STEP_FIX}.")
+        unit = step.get("unit") or "token"
+        if unit not in ("token", "char"):
+            raise StepSpanError(f"{where} has unit={unit!r}; {_STEP_FIX}.")
+        length = num_tokens if unit == "token" else None if text is None else len(text)
+        start, end = int(bounds[0]), int(bounds[1])
+        if not 0 <= start <= end or (length is not None and end > length):
+            of = "the sequence" if length is None else f"the sequence's {length} {unit}s"
+            raise StepSpanError(f"{where} is [{start}, {end}) in {unit}s, not a span of {of}; {_STEP_FIX}.")
 
 
 def decode_offsets(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
@@ -86,24 +88,16 @@ def build_step_loss_mask(
 
     Args:
         input_ids: The sequence's token ids (T,).
-        steps: Step dicts: ``start``/``end`` (``[start, end)``), ``unit`` ("token" or "char"), ``type``, and
-            ``metadata`` (see `validate_step` for the keys read).
-        tokenizer: Needed for character steps without `offsets`, and to decode token steps without `text`.
-        text: The sequence's text; character steps index into it. With `tokenizer` and no `offsets`, it is
-            tokenized and must give `input_ids` back (else ValueError: the offsets would be misaligned).
-        offsets: Per-token character offsets of `text` (as from ``return_offsets_mapping=True``).
+        steps: Step dicts: ``[start, end)`` in ``unit`` ("token"/"char"), ``type``, ``metadata`` (`validate_step`).
+        tokenizer: Needed for character steps without `offsets` (then `text` must tokenize back to `input_ids`), and
+            to decode token steps without `text`.
+        text, offsets: The sequence's text and each token's character span in it.
         tools: Valid tools (names, ``{name: schema}`` or OpenAI specs); None skips the name/argument checks.
         outside_steps: Mask value of tokens covered by no step (1: train them; 0: train only on valid steps).
-
-    Returns:
-        A `StepMask` with the mask (float, length T), one verdict per step and each step's token range.
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [int(i) for i in input_ids]
     n = len(ids)
-    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
-        raise StepSpanError(f"steps is {steps!r:.80}; pass a list of step dicts.")
-    for i, step in enumerate(steps):
-        check_step(step, f"steps[{i}]", n, text)
+    check_steps(steps, "steps", n, text)
     signatures = normalize_signatures(tools) if tools is not None else None
     if any((step.get("unit") or "token") == "char" for step in steps) and offsets is None:
         if text is None or tokenizer is None:

@@ -72,11 +72,8 @@ def step_mask_example(
 
 
 def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> Any:
-    """Map `step_mask_example` over a `datasets.Dataset` (or IterableDataset); kwargs go to `step_mask_example`.
-
-    The result has ``input_ids``, ``labels``, ``num_steps`` and ``num_invalid_steps``; the original columns are
-    dropped (TRL's SFTTrainer then only truncates / packs it).
-    """
+    """`step_mask_example` (with kwargs) mapped over a `datasets.Dataset` or IterableDataset, the original columns
+    dropped (TRL's SFTTrainer then only truncates / packs it)."""
     columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
 
     def one_row(example: Mapping[str, Any], index: int) -> dict[str, Any]:
@@ -128,16 +125,17 @@ class StepMaskedSFTConfig(trl.SFTConfig):
             raise ValueError("`step_tool_call_open` and `step_tool_call_close` must be non-empty strings.")
 
 
+_CONFIG_FIELDS = {
+    "tools": "step_tools", "assistant_only": "step_assistant_only", "outside_steps": "step_outside_value",
+    "open_tag": "step_tool_call_open", "close_tag": "step_tool_call_close", "code_tools": "step_code_tools",
+    "infer_exec_status": "step_infer_exec_status",
+}  # fmt: skip
+
+
 class StepMaskedSFTTrainer(trl.SFTTrainer):
-    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces (example: docs/agent_steps.md).
-
-    Args:
-        Same as `trl.SFTTrainer`. `args` may be a [`StepMaskedSFTConfig`] (a plain `SFTConfig` uses the step-mask
-        defaults). `processing_class` must be a fast tokenizer (offsets), loaded from `model` when it is a name.
-
-    After construction, ``trainer.step_mask_stats`` holds, per dataset name, the number of rows, steps and invalid
-    steps found.
-    """
+    """TRL's `SFTTrainer` that trains only on the valid steps of agent traces (docs/agent_steps.md). `args` may be a
+    [`StepMaskedSFTConfig`] or a plain `SFTConfig` (step-mask defaults); `processing_class` must be a fast tokenizer,
+    loaded from `model` when it is a name. ``step_mask_stats`` holds the rows, steps and invalid steps per dataset."""
 
     _tag_names = ["trl", "sft", "trl_stable", "step-mask"]
 
@@ -154,15 +152,8 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
             from transformers import AutoTokenizer
 
             processing_class = AutoTokenizer.from_pretrained(model)
-        options = {
-            "tools": getattr(args, "step_tools", None),
-            "assistant_only": getattr(args, "step_assistant_only", True),
-            "outside_steps": getattr(args, "step_outside_value", 1.0),
-            "open_tag": getattr(args, "step_tool_call_open", "<tool_call>"),
-            "close_tag": getattr(args, "step_tool_call_close", "</tool_call>"),
-            "code_tools": tuple(getattr(args, "step_code_tools", DEFAULT_CODE_TOOLS)),
-            "infer_exec_status": getattr(args, "step_infer_exec_status", True),
-        }
+        # A plain SFTConfig lacks the step fields: step_mask_example's defaults then apply.
+        options = {key: getattr(args, name) for key, name in _CONFIG_FIELDS.items() if hasattr(args, name)}
         self.step_mask_stats: dict[str, dict[str, int]] = {}
         train_dataset = self._step_mask(train_dataset, processing_class, options, "train")
         if isinstance(eval_dataset, Mapping):
@@ -183,28 +174,23 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
         if "messages" not in columns and "steps" not in columns:
             return dataset  # nothing step-shaped: plain SFT
         out = build_step_masked_dataset(dataset, tokenizer, **options)
-        if hasattr(out, "__len__") and not isinstance(out, torch.utils.data.IterableDataset):
-            try:
-                stats = {
-                    "rows": len(out),
-                    "steps": int(sum(out["num_steps"])),
-                    "invalid_steps": int(sum(out["num_invalid_steps"])),
-                }
-            except TypeError:  # IterableDataset: no column access
-                return out
-            self.step_mask_stats[name] = stats
-            logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
+        try:
+            stats = {
+                "rows": len(out),
+                "steps": int(sum(out["num_steps"])),
+                "invalid_steps": int(sum(out["num_invalid_steps"])),
+            }
+        except TypeError:  # IterableDataset: no length or column access
+            return out
+        self.step_mask_stats[name] = stats
+        logger.info("step mask (%s): %d of %d steps masked", name, stats["invalid_steps"], stats["steps"])
         return out
 
 
 @dataclass
 class StepMaskCollator(DataCollatorForLanguageModeling):
-    """`DataCollatorForLanguageModeling` that also applies a per-token ``step_mask`` column (0 -> label -100).
-
-    For pipelines that keep the mask as a column (``remove_unused_columns=False`` or
-    ``dataset_kwargs={"skip_prepare_dataset": True}``); `StepMaskedSFTTrainer` bakes the mask into the labels
-    instead and needs no special collator.
-    """
+    """`DataCollatorForLanguageModeling` that also applies a per-token ``step_mask`` column (0 -> label -100), for
+    pipelines that keep the mask as a column (`StepMaskedSFTTrainer` bakes it into the labels instead)."""
 
     mask_key: str = "step_mask"
 

@@ -1,13 +1,6 @@
-"""Character offsets of tokens: where each token of a sequence sits in its text.
-
-One implementation for everything that maps between characters and tokens: critic spans onto response tokens
-(`trl_stable.rewards.critic.alignment`), agent steps given in characters onto loss-mask tokens (`trl_stable.masking`).
-Two directions:
-
-- text known (SFT data): `encode_with_offsets` tokenizes it with the fast tokenizer's own offsets;
-- ids known (sampled RL completions, which need not be the canonical tokenization of their text):
-  `token_char_offsets` decodes them and gives each token the characters it adds, byte-level splits included.
-"""
+"""Character offsets of tokens, one implementation for critic spans on response tokens (`trl_stable.rewards.critic`)
+and agent steps in characters (`trl_stable.masking`): `encode_with_offsets` when the text is known (SFT data),
+`token_char_offsets` when only the ids are (sampled RL completions, not always the canonical tokenization)."""
 
 from __future__ import annotations
 
@@ -40,13 +33,9 @@ def decode_response(tokenizer: Any, ids: Sequence[int], skip_special_tokens: boo
 
 
 def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]]:
-    """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to decoding ids[:i].
-
-    Byte-level tokenizers can split one character over several tokens; a prefix that ends mid-character decodes to a
-    trailing U+FFFD. Only the part of a prefix that agrees with the full text counts as decoded. A token covers the
-    characters from the first one not complete before it (possibly one it finishes) up to the last one it touches,
-    including a character it only starts, so a span over that character reaches every token holding its bytes.
-    """
+    """Offsets by decoding growing prefixes: token i covers what decoding ids[:i+1] adds to ids[:i], where only the
+    part of a prefix that agrees with the full text counts (a prefix ending mid-character decodes to U+FFFD), plus a
+    character it only starts, so a span over that character reaches every token holding its bytes."""
     offsets = []
     complete = 0  # characters fully decoded so far
     for i in range(len(ids)):
@@ -60,11 +49,8 @@ def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bo
 
 
 def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]] | None:
-    """Offsets in one pass with the `tokenizers` streaming decoder (same rules as `_incremental_offsets`).
-
-    Returns None when the stream's text differs from `text` (decoders with clean-up or prefix-space rules), so the
-    caller falls back to the quadratic prefix decoding.
-    """
+    """Offsets in one pass with the `tokenizers` streaming decoder (rules of `_incremental_offsets`); None when the
+    stream's text differs from `text` (decoders with clean-up or prefix-space rules)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -82,7 +68,14 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
         if chunk is None:  # this token ends inside a multi-byte character
             continue
         start, pos = pos, pos + len(chunk)
-        offsets.extend(_run_offsets(tokenizer, ids[first_pending : k + 1], chunk, start, skip))
+        # The run of tokens the chunk completes: all but the last left a character incomplete, so the split inside the
+        # chunk comes from prefix decoding of the run alone; a run that does not decode alone as in context (a
+        # decoder that strips a leading space) gives every token the whole chunk, so no span over it is missed.
+        run = ids[first_pending : k + 1]
+        if len(run) > 1 and decode_response(tokenizer, run, skip) == chunk:
+            offsets.extend((start + a, start + b) for a, b in _incremental_offsets(tokenizer, run, chunk, skip))
+        else:
+            offsets.extend([(start, pos)] * len(run))
         first_pending = k + 1
     streamed = "".join(c for c in chunks if c is not None)
     tail = text[len(streamed) :]
@@ -92,37 +85,14 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
     return offsets
 
 
-def _run_offsets(
-    tokenizer: Any, run: Sequence[int], chunk: str, start: int, skip: bool = True
-) -> list[tuple[int, int]]:
-    """Offsets of a run of tokens whose text the stream emitted at once (`chunk`, at `start`): the run's tokens but
-    the last left a character incomplete, so the split inside `chunk` comes from prefix decoding of the run alone."""
-    if len(run) == 1:
-        return [(start, start + len(chunk))]
-    if decode_response(tokenizer, run, skip) == chunk:
-        return [(start + a, start + b) for a, b in _incremental_offsets(tokenizer, run, chunk, skip)]
-    # The run does not decode alone as in context (a decoder that strips a leading space): every token gets the
-    # whole chunk, so no span over it is missed.
-    return [(start, start + len(chunk))] * len(run)
-
-
 def token_char_offsets(
     tokenizer: Any, completion_ids: Sequence[int], skip_special_tokens: bool = True
 ) -> tuple[str, list[tuple[int, int]]]:
     """Decode `completion_ids` and give each token its (start, end) character offsets in the decoded text.
 
-    The text is ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``; token i
-    covers what decoding it adds to the text. Critic spans use the text without special tokens (what the critic
-    read); agent steps keep them (``skip_special_tokens=False``: a ``<tool_call>`` token can be a step marker).
-    Three ways, first that applies:
-
-    1. the `tokenizers` streaming decoder (one pass; used when its text equals the decoded text);
-    2. the tokenizer's own ``return_offsets_mapping`` on the re-encoded text, when re-encoding gives back exactly
-       the sampled ids (a sampled completion need not be the canonical tokenisation of its text);
-    3. decoding growing prefixes (quadratic, works for any tokenizer with `decode`).
-
-    A token covers every character it holds a byte of (byte-level BPE splits characters). Skipped special tokens
-    (EOS, pad) get empty offsets.
+    The text is ``decode_response``'s; token i covers every character it holds a byte of, skipped special tokens
+    (EOS, pad) nothing. The first way that applies: the `tokenizers` streaming decoder (one pass), the fast
+    tokenizer's offsets when re-encoding the text gives back exactly these ids, decoding growing prefixes (quadratic).
 
     Returns:
         `(text, offsets)` with ``len(offsets) == len(completion_ids)``.
@@ -135,11 +105,11 @@ def token_char_offsets(
     kept_offsets = _stream_offsets(tokenizer, kept_ids, text, skip) if kept_ids else []
     if kept_offsets is None and getattr(tokenizer, "is_fast", False):
         try:
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc_ids, mapped = encode_with_offsets(tokenizer, text)
         except (NotImplementedError, ValueError, TypeError):
-            enc = None
-        if enc is not None and list(enc["input_ids"]) == kept_ids:
-            mapped = [(int(s), int(e)) for s, e in enc["offset_mapping"]]
+            enc_ids = None
+        if enc_ids == kept_ids:
+            mapped = [(int(s), int(e)) for s, e in mapped]
             # Some tokenizers report offsets without the leading space of a word; the span overlap test is
             # unaffected, but offsets must stay inside the text.
             if all(0 <= s <= e <= len(text) for s, e in mapped):

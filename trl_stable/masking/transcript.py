@@ -43,15 +43,8 @@ def classify_exec_output(output: str) -> str:
 
 @dataclass
 class TranscriptSteps:
-    """A rendered transcript with its steps.
-
-    Attributes:
-        text: The rendered transcript.
-        input_ids: Its tokens (no special tokens added beyond what the template writes).
-        offsets: Each token's character span in `text`.
-        steps: Step dicts with character boundaries (``"unit": "char"``), in order.
-        assistant_mask: Per token, 1 inside an assistant turn's content (and its end-of-turn marker), else 0.
-    """
+    """A rendered transcript: its `text`, tokens (no special tokens beyond the template's) and their character
+    `offsets`, its character-boundary `steps` in order, and per token 1 inside an assistant turn's content."""
 
     text: str
     input_ids: list[int]
@@ -80,10 +73,20 @@ def _tool_call_text(call: Mapping[str, Any], open_tag: str, close_tag: str) -> s
     return f"{open_tag}\n{json.dumps({'name': fn.get('name'), 'arguments': arguments})}\n{close_tag}"
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False) -> str:
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False,
+            strict: bool = True) -> str | None:  # fmt: skip
+    """The chat template's text of `messages`; unless `strict`, None when the template rejects this prefix (e.g. one
+    ending on a tool message)."""
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen, **template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=gen, **template_kwargs
+        )
+    except Exception:  # noqa: BLE001 - fall back to locating the content
+        if strict:
+            raise
+        return None
 
 
 def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: dict, open_tag: str, close_tag: str):
@@ -96,28 +99,16 @@ def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: di
         renders_calls = _render(tokenizer, messages, template_kwargs) != _render(tokenizer, stripped, template_kwargs)
     except Exception:  # noqa: BLE001 - a template that cannot render structured calls at all
         renders_calls = False
-    out = []
-    for msg, bare in zip(messages, stripped):
+    out = [dict(m) if renders_calls or m.get("role") != "assistant" or not m.get("tool_calls") else b
+           for m, b in zip(messages, stripped)]  # fmt: skip
+    for entry, msg in zip(out, messages):
         calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
-        if not calls:
-            out.append(dict(msg))
-            continue
-        entry = dict(msg) if renders_calls else bare
-        if not renders_calls:
+        if calls and not renders_calls:
             blocks = "\n".join(_tool_call_text(c, open_tag, close_tag) for c in calls)
-            content = msg.get("content") or ""
-            entry["content"] = f"{content}\n{blocks}" if content else blocks
-        entry["_tool_call_ids"] = [c.get("id") for c in calls]
-        out.append(entry)
+            entry["content"] = f"{msg['content']}\n{blocks}" if msg.get("content") else blocks
+        if calls:
+            entry["_tool_call_ids"] = [c.get("id") for c in calls]
     return out
-
-
-def _try_render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: dict, gen: bool = False):
-    """`_render`, or None when the template rejects this prefix (e.g. one ending on a tool message)."""
-    try:
-        return _render(tokenizer, messages, template_kwargs, gen=gen)
-    except Exception:  # noqa: BLE001 - fall back to locating the content
-        return None
 
 
 def find_transcript_steps(
@@ -131,17 +122,9 @@ def find_transcript_steps(
 ) -> TranscriptSteps:
     """Render `messages` with the tokenizer's chat template and find its steps.
 
-    Args:
-        messages: Chat messages (``role``, ``content``, optional ``tool_calls``; tool messages may carry
-            ``tool_call_id`` and ``exec_status``).
-        tokenizer: A fast tokenizer with a chat template (offsets are needed).
-        open_tag / close_tag: Delimiters of a tool-call block in assistant text.
-        code_tools: Tool names that execute code: their call is a code step whose outcome is the tool's reply.
-        infer_exec_status: Read crash / timeout / oom from tool output when the message has no ``exec_status``.
-        template_kwargs: Extra arguments for ``apply_chat_template`` (e.g. ``tools=``).
-
-    Returns:
-        `TranscriptSteps` with the text, tokens, offsets, character steps and the assistant mask.
+    `messages` have ``role``, ``content``, optional ``tool_calls`` (tool replies: ``tool_call_id``, ``exec_status``);
+    `tokenizer` is a fast one with a chat template; a call to one of `code_tools` is a code step whose outcome is its
+    reply (read from the output when `infer_exec_status`); `template_kwargs` go to ``apply_chat_template``.
     """
     template_kwargs = dict(template_kwargs or {})
     msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
@@ -181,7 +164,7 @@ def _message_spans(
     content_starts: list[int] = []
     prev_text, pos = "", 0
     for k, msg in enumerate(messages):
-        cur = _try_render(tokenizer, messages[: k + 1], template_kwargs)
+        cur = _render(tokenizer, messages[: k + 1], template_kwargs, strict=False)
         content = msg.get("content") or ""
         start = len(prev_text)
         if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
@@ -192,7 +175,7 @@ def _message_spans(
             end = start + len(content)
         header_end = start
         if msg.get("role") == "assistant":
-            with_header = _try_render(tokenizer, messages[:k], template_kwargs, gen=True)
+            with_header = _render(tokenizer, messages[:k], template_kwargs, gen=True, strict=False)
             if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
                 header_end = len(with_header)
             else:
@@ -240,8 +223,9 @@ def _attach_outcome(
 ) -> None:
     """Record a tool reply's outcome on the call it answers (by ``tool_call_id``, else the oldest unanswered one)."""
     call_id = msg.get("tool_call_id")
-    target = next((s for s in pending if call_id is not None and s["metadata"].get("tool_call_id") == call_id), None)
-    target = target if target is not None else pending[0]
+    target = next(
+        (s for s in pending if call_id is not None and s["metadata"].get("tool_call_id") == call_id), pending[0]
+    )
     pending.remove(target)
     status = msg.get("exec_status", msg.get("status"))
     is_code = target["type"] == "code" or target["metadata"].get("tool_name") in code_tools

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 TOOL_CALL_TYPES = ("tool_call", "function_call", "action")
@@ -28,15 +28,9 @@ EXEC_STATUS_ALIASES = {
 NAME_KEYS = ("name", "tool", "tool_name", "function")
 ARGUMENT_KEYS = ("arguments", "args", "parameters", "tool_input", "input")
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "array": (list, tuple),
-    "object": (dict,),
-    "null": (type(None),),
-}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                             "boolean": (bool,), "array": (list, tuple), "object": (dict,),
+                                             "null": (type(None),)}  # fmt: skip
 _SHORTHAND_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array",
                     "dict": "object", "none": "null"}  # fmt: skip
 
@@ -68,15 +62,9 @@ def _reject_constant(name: str) -> None:
 
 
 def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> ParsedToolCall:
-    """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence).
-
-    Accepts ``{"name": ..., "arguments": {...}}`` (OpenAI / Hermes), ``{"tool": ..., "args": {...}}`` (a flat
-    format) and ``{"function": {"name": ..., "arguments": "<json string>"}}`` (OpenAI's message format).
-    Arguments given as a JSON string are decoded.
-
-    Raises:
-        ValueError: when the payload (or a string-encoded argument object) is not valid JSON, or is not an object.
-    """
+    """Parse one tool call from `text` (the JSON object, optionally inside tags or a code fence): OpenAI / Hermes
+    ``{"name", "arguments"}``, flat ``{"tool", "args"}`` or OpenAI's ``{"function": {"name", "arguments": "<json>"}}``
+    (string arguments decoded). ValueError when the payload or its arguments are not a JSON object."""
     payload = text.strip()  # the tags and a Markdown code fence around the JSON payload stripped
     if open_tag and payload.startswith(open_tag):
         payload = payload[len(open_tag) :]
@@ -99,8 +87,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
             arguments = json.loads(arguments, parse_constant=_reject_constant) if arguments.strip() else {}
         except json.JSONDecodeError as err:
             raise ValueError(f"tool-call arguments are not valid JSON: {err.msg}") from err
-    if arguments is None:
-        arguments = {}
+    arguments = {} if arguments is None else arguments
     if not isinstance(arguments, dict):
         raise ValueError(f"tool-call arguments must be a JSON object, got {type(arguments).__name__}")
     return ParsedToolCall(name=name if isinstance(name, str) else None, arguments=arguments, payload=payload)
@@ -112,11 +99,7 @@ def load_tools(value: Any) -> Any:
     no list of names / specs or ``{name: signature}`` dict, or a spec without a name."""
     if isinstance(value, str):
         try:
-            if os.path.isfile(value):
-                with open(value, encoding="utf-8") as f:
-                    value = json.load(f)
-            else:
-                value = json.loads(value)
+            value = json.loads(Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value)
         except (json.JSONDecodeError, OSError) as err:
             raise ValueError(
                 f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, "
@@ -127,27 +110,18 @@ def load_tools(value: Any) -> Any:
     if isinstance(value, str) or not isinstance(value, (Mapping, Sequence)):
         raise ValueError(
             f"Tools must be a list of tool names or specs, a {{name: signature}} dict, a JSON string or the path of a "
-            f"JSON file; got {type(value).__name__} {_short(value)}."
+            f"JSON file; got {type(value).__name__} {value!r:.120}."
         )
     if isinstance(value, Mapping) and (value.get("type") == "function" or isinstance(value.get("name"), str)):
-        raise ValueError(f"{_short(value)} is one tool spec; pass a list of specs ([spec]).")
+        raise ValueError(f"{value!r:.120} is one tool spec; pass a list of specs ([spec]).")
     normalize_signatures(value)  # raises on a spec without a name or a signature that is not a dict
     return value
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dict[str, dict[str, Any] | None]:
-    """Turn the accepted ways of describing tools into ``{name: parameters schema or None}``.
-
-    Accepted: a list of names (no argument check); a dict ``{name: schema}``; a list of OpenAI tool specs
-    (``{"type": "function", "function": {"name", "parameters"}}``) or of ``{"name", "parameters"}`` dicts. A schema
-    is JSON-schema-like (``{"type": "object", "properties": {...}, "required": [...]}``) or the shorthand
-    ``{"city": "string", "days": "integer"}`` (every listed argument required).
-    """
+    """``{name: parameters schema or None}`` from a list of names (no argument check), a ``{name: schema}`` dict, or a
+    list of OpenAI tool specs or ``{"name", "parameters"}`` dicts; a schema is JSON-schema-like or the shorthand
+    ``{"city": "string", "days": "integer"}`` (every listed argument required)."""
     if tools is None:
         return {}
     if isinstance(tools, Mapping):
@@ -159,7 +133,7 @@ def normalize_signatures(tools: Mapping[str, Any] | Sequence[Any] | None) -> dic
         elif isinstance(tool, Mapping):
             spec = tool.get("function", tool) if isinstance(tool.get("function"), Mapping) else tool
             if not isinstance(spec.get("name"), str) or not spec["name"]:
-                raise ValueError(f"A tool spec needs a non-empty 'name'; got {_short(dict(spec))}.")
+                raise ValueError(f"A tool spec needs a non-empty 'name'; got {dict(spec)!r:.120}.")
             out[str(spec["name"])] = _normalize_schema(spec.get("parameters"))
         else:
             raise ValueError(f"A tool must be a name or a spec dict, got {type(tool).__name__}.")
@@ -194,11 +168,8 @@ def _type_name(spec: Any) -> str | list[str]:
 
 
 def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arguments") -> list[str]:
-    """Mismatches between `value` and a JSON-schema-like `schema` (empty list when it conforms).
-
-    Supported keywords: ``type`` (a name or a list of names), ``enum``, ``properties``, ``required``,
-    ``additionalProperties`` (bool), ``items``. Booleans are not integers or numbers (JSON's view, not Python's).
-    """
+    """Mismatches between `value` and a JSON-schema-like `schema` (``type``, ``enum``, ``properties``, ``required``,
+    ``additionalProperties`` (bool), ``items``); booleans are not integers or numbers (JSON's view, not Python's)."""
     if schema is None:
         return []
     errors: list[str] = []
@@ -248,11 +219,8 @@ def validate_tool_call(
     open_tag: str = "<tool_call>",
     close_tag: str = "</tool_call>",
 ) -> StepVerdict:
-    """Validate one tool call against `tools` (``{name: schema or None}``, see `normalize_signatures`).
-
-    With `tools` None no name or argument check is made (only JSON and the presence of a name); with a dict, a
-    name outside it is ``unknown_tool`` and a schema mismatch is ``bad_arguments``.
-    """
+    """Validate one tool call against `tools` (``{name: schema or None}``; None checks only JSON and a name): a name
+    outside it is ``unknown_tool``, a schema mismatch ``bad_arguments``."""
     try:
         call = parse_tool_call(text, open_tag, close_tag)
     except ValueError as err:
@@ -278,11 +246,9 @@ def validate_step(
     """Validate one step dict ``{"start", "end", "type", "metadata"}``.
 
     Args:
-        step: The step. Its ``type`` selects the checks (tool-call types: ``tool_call``, ``function_call``,
-            ``action``; code types: ``code``, ``code_exec``, ``code_execution``; anything else always passes). Keys
-            read from ``step`` or ``step["metadata"]``: ``text`` (overrides `text`), ``valid_tools`` / ``tools``
-            (override `tools` for this step), ``exec_status`` / ``status`` (a code step's outcome), ``valid``
-            (an explicit verdict set upstream, e.g. by an environment).
+        step: The step; its ``type`` selects the checks (`TOOL_CALL_TYPES`, `CODE_TYPES`; anything else passes). Keys
+            read from it or its ``metadata``: ``text`` and ``valid_tools`` / ``tools`` (override the arguments),
+            ``exec_status`` / ``status`` (a code step's outcome), ``valid`` (a verdict set upstream).
         text: The step's text (needed for tool calls unless the step carries ``text``).
         tools: Valid tools for tool-call steps (see `normalize_signatures`); None skips the name and argument checks.
     """
@@ -313,23 +279,7 @@ def validate_step(
 def find_tool_call_spans(
     text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"
 ) -> list[tuple[int, int]]:
-    """Character spans ``[start, end)`` of the tool-call blocks in `text`, tags included.
-
-    An opened block with no closing tag runs to the end of the text (a truncated or malformed call is still a
-    call, and must be validated, not silently trained on).
-    """
-    spans = []
-    pos = 0
-    while True:
-        start = text.find(open_tag, pos)
-        if start < 0:
-            return spans
-        stop = text.find(close_tag, start + len(open_tag))
-        end = len(text) if stop < 0 else stop + len(close_tag)
-        spans.append((start, end))
-        pos = end
-
-
-def count_reasons(verdicts: Iterable[StepVerdict]) -> dict[str, int]:
-    """How many steps failed for each reason (valid steps under "ok")."""
-    return dict(Counter(verdict.reason for verdict in verdicts))
+    """Character spans ``[start, end)`` of the tool-call blocks in `text`, tags included; a block with no closing tag
+    runs to the end of the text (a truncated call is still a call, to be validated, not trained on)."""
+    pattern = re.escape(open_tag) + "(?s:.*?)(?:" + re.escape(close_tag) + r"|\Z)"
+    return [m.span() for m in re.finditer(pattern, text)]

@@ -1,8 +1,5 @@
-"""Per-family router adapters: which router classes routing replay supports, and each family's gating at fixed
-experts (docs/routing_replay.md). Every supported router returns ``(router_logits, top_k_weights, top_k_index)``;
-replay keeps the logits (and their gradient), swaps the index for the recorded experts and recomputes the weights
-with the family's normalisation, written line for line after its ``forward`` so that replaying the experts the
-router would have picked reproduces its output exactly.
+"""Per-family router adapters: the supported router classes and each family's gating at fixed experts, written after
+its ``forward`` so that replaying the router's own experts reproduces its output exactly (docs/routing_replay.md).
 """
 
 from __future__ import annotations
@@ -10,19 +7,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 
 def _renormalize(weights: torch.Tensor, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`weights / weights.sum(-1)`, the families' renormalisation over the k experts, safe where the sum is 0.
-
-    A router always renormalises over its own top-k, whose probabilities cannot all be 0. Replayed experts can be
-    ones a drifted router now gives fp32 probabilities that underflow to 0 (logit gaps of ~100), and 0 / 0 would
-    put NaN in the forward and in every gradient. There the weights take their exact value, the softmax of the
-    replayed experts' logits; every other row is the family's division, unchanged to the bit.
-    """
+    """`weights / weights.sum(-1)`, except where the sum underflows to 0 (replayed experts a drifted router now gives
+    ~0 probability): there the exact softmax of the replayed experts' logits, instead of NaN from 0 / 0."""
     total = weights.sum(dim=-1, keepdim=True)
     underflow = total == 0
     renormalized = weights / torch.where(underflow, torch.ones_like(total), total)
@@ -30,35 +23,21 @@ def _renormalize(weights: torch.Tensor, router_logits: torch.Tensor, index: torc
     return torch.where(underflow, exact, renormalized)
 
 
-def _softmax_topk_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Qwen2-MoE / Qwen3-MoE / OLMoE gating at fixed experts.
-
-    w = softmax(logits)[index], renormalised to sum 1 over the k experts when ``norm_topk_prob``, cast back to the
-    logits' dtype (as ``Qwen2MoeTopKRouter.forward`` does).
-    """
-    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-    weights = probs.gather(1, index)
-    if router.norm_topk_prob:
+def _softmax_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor, mixtral: bool = False):
+    """Qwen2-MoE / Qwen3-MoE / OLMoE / Mixtral gating at fixed experts: w = softmax(logits in fp32)[index],
+    renormalised over the k experts when ``norm_topk_prob`` and cast back to the logits' dtype; Mixtral always
+    renormalises and keeps fp32."""
+    weights = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1).gather(1, index)
+    if mixtral or router.norm_topk_prob:
         weights = _renormalize(weights, router_logits, index)
-    return weights.to(router_logits.dtype)
-
-
-def _mixtral_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Mixtral gating at fixed experts: w = softmax(logits in fp32)[index], always renormalised, kept in fp32."""
-    probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
-    weights = probs.gather(1, index)
-    return _renormalize(weights, router_logits, index)
+    return weights if mixtral else weights.to(router_logits.dtype)
 
 
 def _deepseek_v3_gate(router: nn.Module, router_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3 gating at fixed experts (arXiv 2412.19437, eq. 12-15).
-
-    Scores s = sigmoid(logits); the correction bias only steers the *selection*, so the weights come from the
-    unbiased scores: w = s[index], divided by (sum w + 1e-20) when ``norm_topk_prob``, times
-    ``routed_scaling_factor``.
-    """
-    scores = router_logits.sigmoid()
-    weights = scores.gather(1, index)
+    """DeepSeek-V3 gating at fixed experts (arXiv 2412.19437, eq. 12-15): the correction bias only steers selection,
+    so w = sigmoid(logits)[index], divided by (sum w + 1e-20) when ``norm_topk_prob``, times
+    ``routed_scaling_factor``."""
+    weights = router_logits.sigmoid().gather(1, index)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * router.routed_scaling_factor
@@ -66,15 +45,9 @@ def _deepseek_v3_gate(router: nn.Module, router_logits: torch.Tensor, index: tor
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How routing replay drives one router class.
-
-    Args:
-        family: transformers model type the router belongs to.
-        module: Module path of the modeling file that defines the router.
-        class_name: Router class name (matched by identity after import, never by name guessing).
-        gate: ``gate(router, router_logits, index) -> weights [N, k]``, the family's gating at fixed experts.
-        jitter_attribute: Attribute of the parent MoE block holding training-time input jitter, if any.
-    """
+    """How routing replay drives one router class: the transformers model type (`family`), the modeling module and
+    router class (matched by identity after import), ``gate(router, router_logits, index) -> weights [N, k]`` and the
+    MoE block's attribute holding training-time input jitter, if any."""
 
     family: str
     module: str
@@ -90,23 +63,19 @@ class RouterAdapter:
             return None
 
 
-_MODELS = "transformers.models"
-ADAPTERS: tuple[RouterAdapter, ...] = (
-    RouterAdapter("qwen2_moe", f"{_MODELS}.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter", _softmax_topk_gate),
-    RouterAdapter("qwen3_moe", f"{_MODELS}.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter", _softmax_topk_gate),
-    RouterAdapter(
-        "mixtral", f"{_MODELS}.mixtral.modeling_mixtral", "MixtralTopKRouter", _mixtral_gate, "jitter_noise"
-    ),
-    RouterAdapter("olmoe", f"{_MODELS}.olmoe.modeling_olmoe", "OlmoeTopKRouter", _softmax_topk_gate),
-    RouterAdapter(
-        "deepseek_v3", f"{_MODELS}.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter", _deepseek_v3_gate
-    ),
+ADAPTERS: tuple[RouterAdapter, ...] = tuple(
+    RouterAdapter(family, f"transformers.models.{family}.modeling_{family}", class_name, gate, jitter)
+    for family, class_name, gate, jitter in (
+        ("qwen2_moe", "Qwen2MoeTopKRouter", _softmax_gate, None),
+        ("qwen3_moe", "Qwen3MoeTopKRouter", _softmax_gate, None),
+        ("mixtral", "MixtralTopKRouter", partial(_softmax_gate, mixtral=True), "jitter_noise"),
+        ("olmoe", "OlmoeTopKRouter", _softmax_gate, None),
+        ("deepseek_v3", "DeepseekV3TopkRouter", _deepseek_v3_gate, None),
+    )
 )
-
 SUPPORTED_ROUTERS: tuple[str, ...] = tuple(adapter.class_name for adapter in ADAPTERS)
 
-# Class-name fragments of MoE routing modules. Used only to tell "an MoE model we do not support" from "not an MoE
-# model" in the error message; detection of supported routers is by class identity.
+# Class-name fragments of MoE modules, only to tell an unsupported MoE model from a dense one in the error message.
 _MOE_HINTS = ("router", "topkgate", "sparsemoe", "moeblock", "moegate")
 
 

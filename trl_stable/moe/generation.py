@@ -1,9 +1,5 @@
-"""R3 with HF generate: record the sampler's routing while it generates.
-
-With a KV cache, generate feeds the prompt once (prefill: one routing row per prompt position) and then one token per
-decode step (one row per step), so joining the recorded calls along the sequence gives a row for every position
-except the last generated token, which is never fed back; that row is -1.
-"""
+"""R3 with HF generate: the sampler's routing recorded while it generates (prefill rows, then one row per decode step;
+the last generated token is never fed back, so its row is -1)."""
 
 from __future__ import annotations
 
@@ -19,16 +15,11 @@ from trl_stable.moe.replay import RoutingReplay
 def generate_with_routing(
     model: nn.Module, replay: RoutingReplay, *, input_ids: torch.Tensor, **generate_kwargs: Any
 ) -> tuple[Any, torch.Tensor]:
-    """Run ``model.generate`` while recording routing; returns ``(generate output, routing [B, S_out, L, k])``.
+    """``model.generate`` while recording routing: ``(generate output, routing [B, S_out, L, k])`` in generate's own
+    layout. Beam search, which reorders its cache between steps and so would scramble the rows, is refused.
 
-    ``S_out`` is the length of the returned sequences, in generate's own layout (prompts left-padded as passed).
-    Beam search reorders its cache between steps, which would scramble the rows, so it is refused.
-
-    Args:
-        model: The MoE model `replay` hooks.
-        replay: Its RoutingReplay; its previous routing is replaced.
-        input_ids: [B, P] prompt ids (left-padded for batches).
-        generate_kwargs: Passed to ``generate`` (attention_mask, max_new_tokens, do_sample, ...).
+    `replay` is the RoutingReplay hooking `model` (its previous routing is replaced), `input_ids` [B, P] the
+    left-padded prompts, `generate_kwargs` go to ``generate``.
     """
     config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
     num_beams = generate_kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
@@ -50,7 +41,4 @@ def generate_with_routing(
     missing = sequences.shape[1] - routing.shape[1]
     if missing < 0:
         raise RuntimeError(f"generate recorded {routing.shape[1]} positions for {sequences.shape[1]} tokens.")
-    if missing:
-        fill = routing.new_full((routing.shape[0], missing, *routing.shape[2:]), NO_ROUTING)
-        routing = torch.cat([routing, fill], dim=1)
-    return output, routing
+    return output, torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, missing), value=NO_ROUTING)

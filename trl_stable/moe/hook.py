@@ -44,11 +44,8 @@ def batch_routing(sequences: Sequence[Any], attention_mask: torch.Tensor, prompt
 
 @dataclass
 class SampledRouting:
-    """What `RoutingHook.sampling` recorded around one ``generate`` call (empty unless R3).
-
-    `routing` is the sequence-joined export ([B, fed tokens, layers, k]: prefill, then one column per decode step)
-    and `prompt_width` the width of the (left-padded) prompt batch the prefill saw.
-    """
+    """What `RoutingHook.sampling` recorded around one ``generate`` call (empty unless R3): the sequence-joined export
+    [B, fed tokens, layers, k] and the width of the left-padded prompt batch the prefill saw."""
 
     routing: torch.Tensor | None = None
     prompt_width: int = 0
@@ -103,34 +100,27 @@ class RoutingHook:
     def rollout_pass(
         self, attention_mask: torch.Tensor, routing: torch.Tensor | None = None
     ) -> Iterator[RolloutRouting]:
-        """Around the no-grad old-logprob (proximal) pass on a fresh batch.
-
-        R2 records the routing this pass takes (the one the updates are compared with); R3 replays `routing`, the
-        sampler's, which it requires. After the block, ``.routing`` holds the batch's routing for the updates.
-        """
+        """Around the no-grad old-logprob pass on a fresh batch: R2 records its routing, R3 replays the sampler's
+        `routing` (required); after the block ``.routing`` holds the batch's routing for the updates."""
+        if self.mode == "R3" and routing is None:
+            raise ValueError("routing_replay='R3': the rollout pass needs the sampler's routing; none was given.")
         out = RolloutRouting()
         if self.mode == "off":
+            context = contextlib.nullcontext()
+        else:
+            context = self.replay.replay(routing) if self.mode == "R3" else self.replay.record()
+        with context:
             yield out
-            return
         if self.mode == "R3":
-            if routing is None:
-                raise ValueError("routing_replay='R3': the rollout pass needs the sampler's routing; none was given.")
-            with self.replay.replay(routing):
-                yield out
             out.routing = routing
-            return
-        with self.replay.record():
-            yield out
-        out.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
-        self.replay.clear()
+        elif self.mode == "R2":
+            out.routing = mask_routing(self.replay.export(dim="batch"), attention_mask)
+            self.replay.clear()
 
     @contextlib.contextmanager
     def update_pass(self, routing: torch.Tensor | None) -> Iterator[None]:
         """Around an update forward: replay `routing` (the batch's ``ROUTED_EXPERTS_KEY`` entry) when there is one."""
-        if self.replay is None or routing is None:
-            yield
-            return
-        with self.replay.replay(routing):
+        with contextlib.nullcontext() if self.replay is None or routing is None else self.replay.replay(routing):
             yield
 
     def take_metrics(self, prefix: str = "routing/", accelerator: Any | None = None) -> dict[str, float]:

@@ -1,9 +1,5 @@
-"""Layout helpers for routing tensors [B, S, num_layers, k] (-1: no routing, the router keeps its own choice).
-
-Routing rows follow every re-padding of the batch; a sampler (generate: left-padded prompts; vLLM: one unpadded
-array per sequence) and the trainer (prompts left, completions right) pad differently, so the helpers go through the
-unpadded per-sequence form, which every layout agrees on.
-"""
+"""Layout helpers for routing tensors [B, S, num_layers, k] (-1: the router keeps its own choice): samplers and the
+trainer pad differently, so the helpers go through the unpadded per-sequence form every layout agrees on."""
 
 from __future__ import annotations
 
@@ -15,12 +11,8 @@ NO_ROUTING = -1
 
 
 def mask_routing(routing: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Set the rows of padding tokens (``attention_mask == 0``) to -1, so metrics count real tokens only.
-
-    Args:
-        routing: [B, S, L, k] expert indices.
-        attention_mask: [B, S], 1 on real tokens.
-    """
+    """`routing` [B, S, L, k] with the rows of padding tokens (``attention_mask == 0``) set to -1, so metrics count
+    real tokens only."""
     if routing.shape[:2] != attention_mask.shape:
         raise ValueError(
             f"routing is {tuple(routing.shape[:2])} in [B, S] but attention_mask is {tuple(attention_mask.shape)}."
@@ -88,7 +80,4 @@ def repad_routing(
             f"repad_routing only widens: prompt {prompt_width} -> {new_prompt_width}, total {routing.shape[1]} -> "
             f"{new_total_width}."
         )
-    batch, _, layers, k = routing.shape
-    parts = [routing.new_full((batch, left, layers, k), NO_ROUTING), routing]
-    parts.append(routing.new_full((batch, right, layers, k), NO_ROUTING))
-    return torch.cat(parts, dim=1)
+    return torch.nn.functional.pad(routing, (0, 0, 0, 0, left, right), value=NO_ROUTING)

@@ -1,12 +1,6 @@
-"""Routing replay for HuggingFace MoE models (R2/R3, arXiv 2510.11370; docs/routing_replay.md): record each
-router's top-k experts, force them in later passes, with the gates recomputed from the current router.
-
-Mechanics: a forward hook on every supported router (`adapters.py`) sees its output ``(logits, weights, index)``;
-recording stores ``index``, replaying swaps it for the recorded rows and recomputes ``weights`` with the family's
-normalisation. A pre-hook on the MoE block gives each call's ``[B, S]``, so rows are consumed batch-row by batch-row
-(chunked or shuffled passes stay aligned). A pre-hook on the decoder layer tells whether gradient checkpointing will
-recompute the call in backward; its experts then wait for that recomputation (told from a forward by autograd's
-graph-task id) and are matched to it by the router logits.
+"""Routing replay for HuggingFace MoE models (R2/R3, arXiv 2510.11370; docs/routing_replay.md): a forward hook on
+every supported router records its top-k experts or swaps in the recorded ones with the family's gates recomputed; a
+pre-hook on the MoE block gives each call's [B, S], one on the decoder layer whether checkpointing will recompute it.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from trl_stable.moe.adapters import RouterAdapter, adapter_for, unsupported_erro
 from trl_stable.monitoring.reduction import Stat, reduce_metrics
 
 _OWNER_ATTRIBUTE = "_trl_stable_routing_replay"
+_COUNTERS = ("seen", "replayed", "agree")
 
 
 def _owner(module: nn.Module) -> RoutingReplay | None:
@@ -47,45 +42,30 @@ def _fingerprint(router_logits: torch.Tensor) -> torch.Tensor:
     return router_logits.detach().float().sum(dim=-1)
 
 
-@dataclass
-class _Pending:
-    """Experts a checkpointed forward used, kept until backward recomputes that forward."""
-
-    index: torch.Tensor
-    fingerprint: torch.Tensor
-
-
 def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.Tensor:
-    """Remove and return the experts of the pending forward that this recomputation repeats.
-
-    Backward usually recomputes forwards in order (one backward per forward), but a loss summed over several forwards
-    (gradient accumulation by hand) is recomputed in another order; the recomputed router logits equal those of the
-    original forward, so among pending forwards of the same token count the one with the closest fingerprint wins.
-    """
+    """Remove and return the experts of the pending ``(index, fingerprint)`` forward this recomputation repeats: among
+    those of its token count, the closest fingerprint (a loss summed over several forwards recomputes out of order)."""
     tokens = router_logits.shape[0]
-    candidates = [i for i, pending in enumerate(fifo) if pending.index.shape[0] == tokens]
+    candidates = [i for i, (index, _) in enumerate(fifo) if index.shape[0] == tokens]
     if not candidates:
         raise RuntimeError(
             f"Routing replay at router {name}: a gradient-checkpointing recomputation sees {tokens} tokens but no "
-            f"pending forward had that many ({[p.index.shape[0] for p in fifo]}). Call `clear()` after an aborted "
+            f"pending forward had that many ({[i.shape[0] for i, _ in fifo]}). Call `clear()` after an aborted "
             f"step."
         )
     best = candidates[0]
     if len(candidates) > 1:
         fingerprint = _fingerprint(router_logits)
-        distance = [float((fifo[i].fingerprint.to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
+        distance = [float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
         best = candidates[distance.index(min(distance))]
-    pending = fifo[best]
+    index = fifo[best][0]
     del fifo[best]
-    return pending.index
+    return index
 
 
 class _RowQueue:
-    """Recorded rows of one router, consumed in order by forward calls of shape [b, s].
-
-    Segments are [b_i, s_i, k] tensors (one per recorded call, or one per loaded batch). A call takes its b rows from
-    the current position, crossing segment borders when the sequence lengths match.
-    """
+    """Recorded [b_i, s_i, k] segments of one router (one per recorded call or loaded batch), whose rows forward calls
+    of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
 
     def __init__(self, segments: list[torch.Tensor]):
         self.segments = segments
@@ -140,20 +120,10 @@ class _RouterState:
     seen: int = 0
 
 
-def _checkpoint_layer(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
-    """The closest enclosing ``GradientCheckpointingLayer`` of module `name` (the decoder layer), or None."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    prefix = name.rpartition(".")[0]
-    while prefix:
-        if isinstance(modules.get(prefix), GradientCheckpointingLayer):
-            return modules[prefix]
-        prefix = prefix.rpartition(".")[0]
-    return None
-
-
 def _find_routers(model: nn.Module) -> list[_RouterState]:
     """A state for every router of a supported class in `model`, in module order (= layer order)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     modules = dict(model.named_modules())
     states = []
     for name, module in modules.items():
@@ -166,13 +136,16 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
                 f"RoutingReplay before creating a new one for the same model."
             )
         parent_name = name.rpartition(".")[0]
+        prefix = parent_name  # up to the closest enclosing GradientCheckpointingLayer (the decoder layer), if any
+        while prefix and not isinstance(modules[prefix], GradientCheckpointingLayer):
+            prefix = prefix.rpartition(".")[0]
         states.append(
             _RouterState(
                 name=name,
                 module=module,
                 adapter=adapter,
                 block=modules[parent_name] if parent_name else module,
-                layer=_checkpoint_layer(name, modules),
+                layer=modules[prefix] if prefix else None,
                 top_k=int(module.top_k),
                 num_experts=int(module.num_experts),
             )
@@ -181,10 +154,8 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
 
 
 class RoutingReplay:
-    """Record and replay the expert choices of every router of a HuggingFace MoE model (docs/routing_replay.md).
-
-    A routing tensor is [B, S, num_moe_layers, k], the layout of vLLM's `routed_experts`; rows of -1 fall back to the
-    router's own choice.
+    """Record and replay the expert choices of every router of a HuggingFace MoE model as a routing tensor
+    [B, S, num_moe_layers, k] (vLLM's `routed_experts` layout; rows of -1 keep the router's own choice).
 
     Args:
         model: A transformers MoE model (or a wrapper holding one, e.g. a PEFT model); every router of a supported
@@ -308,13 +279,9 @@ class RoutingReplay:
             setattr(block, attribute, value)
 
     def export(self, dim: str = "batch") -> torch.Tensor:
-        """The recorded routing as a [B, S, num_layers, k] tensor (dtype int16, or int32 beyond 32767 experts).
-
-        Args:
-            dim: How successive recorded calls join. "batch": calls were chunks of one batch with the same sequence
-                length (a chunked log-prob pass). "sequence": calls were steps of one generation with the same batch
-                (prefill, then one row per decode step); the result covers every token that was fed to the model.
-        """
+        """The recorded routing as a [B, S, num_layers, k] tensor (int16, or int32 beyond 32767 experts), successive
+        calls joined along `dim`: "batch" for chunks of one batch (a chunked log-prob pass), "sequence" for the steps
+        of one generation (prefill, then one row per decode step)."""
         if dim not in ("batch", "sequence"):
             raise ValueError(f"dim must be 'batch' or 'sequence', got {dim!r}.")
         if not self.has_routing:
@@ -380,21 +347,12 @@ class RoutingReplay:
         """``{prefix}agreement`` (mean over layers, and ``/layer_{i}``) and ``{prefix}replayed_frac`` of the
         replayed passes since the last `reset_metrics` (docs/routing_replay.md, "Logged metrics"); empty when none
         ran. With `accelerator` (a collective) the counts of every process are summed first."""
-        counts = {
-            f"{i}/{what}": Stat.total(getattr(state, what))
-            for i, state in enumerate(self._states)
-            for what in ("seen", "replayed", "agree")
-        }
+        counts = {f"{i}/{w}": Stat.total(getattr(s, w)) for i, s in enumerate(self._states) for w in _COUNTERS}
         totals = reduce_metrics(counts, accelerator)
-        seen = [totals[f"{i}/seen"] for i in range(len(self._states))]
-        replayed = [totals[f"{i}/replayed"] for i in range(len(self._states))]
+        seen, replayed, agree = ([totals[f"{i}/{w}"] for i in range(self.num_layers)] for w in _COUNTERS)
         if not any(n > 0 for n in seen):
             return {}
-        out = {
-            f"{prefix}agreement/layer_{i}": totals[f"{i}/agree"] / replayed[i]
-            for i in range(len(self._states))
-            if seen[i] > 0 and replayed[i] > 0
-        }
+        out = {f"{prefix}agreement/layer_{i}": a / r for i, (a, r) in enumerate(zip(agree, replayed)) if r > 0}
         if out:
             out[f"{prefix}agreement"] = sum(out.values()) / len(out)
         out[f"{prefix}replayed_frac"] = sum(replayed) / sum(seen)
@@ -452,44 +410,32 @@ class RoutingReplay:
             shape, state.shape = state.shape, None
             if self._mode == "off":
                 return None
-            batch, seq_len = shape if shape is not None and shape[0] * shape[1] == current.shape[0] else (1, -1)
+            tokens = current.shape[0]
+            batch, seq_len = shape if shape is not None and shape[0] * shape[1] == tokens else (1, tokens)
             if self._mode == "record":  # the router's own experts as [batch, seq, k] rows
-                state.record.append(current.detach().to(self.storage_dtype).view(batch, -1, current.shape[-1]))
+                state.record.append(current.detach().to(self.storage_dtype).view(batch, seq_len, -1))
                 if will_recompute:
-                    state.recompute_fifo.append(_Pending(current.detach(), _fingerprint(router_logits)))
+                    state.recompute_fifo.append((current.detach(), _fingerprint(router_logits)))
                 return None
-            return self._replay_call(state, router_logits, current, batch, seq_len, will_recompute)
+            # replay: the next recorded rows as experts, the family's gates at those experts
+            if will_recompute and _current_graph_task_id is None:
+                raise RuntimeError(
+                    "Routing replay with gradient checkpointing needs torch._C._current_graph_task_id (torch >= 1.13) "
+                    "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
+                    "gradient checkpointing."
+                )
+            rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
+            rows = rows.to(device=current.device, dtype=current.dtype)
+            valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
+            forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
+            with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
+                # the replayed experts are the router's own top-k set (indices within a row are distinct)
+                same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
+                state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
+                state.replayed = state.replayed + (tokens if valid is None else valid.sum())
+                state.seen += tokens
+            if will_recompute:
+                state.recompute_fifo.append((forced, _fingerprint(router_logits)))
+            return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
 
         return hook
-
-    def _replay_call(
-        self,
-        state: _RouterState,
-        router_logits: torch.Tensor,
-        current: torch.Tensor,
-        batch: int,
-        seq_len: int,
-        will_recompute: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router output with the next recorded rows as experts and the family's gates at those experts."""
-        if will_recompute and _current_graph_task_id is None:
-            raise RuntimeError(
-                "Routing replay with gradient checkpointing needs torch._C._current_graph_task_id (torch >= 1.13) "
-                "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
-                "gradient checkpointing."
-            )
-        tokens = current.shape[0]
-        seq_len = tokens // batch if seq_len < 0 else seq_len
-        rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
-        rows = rows.to(device=current.device, dtype=current.dtype)
-        valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
-        forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
-        with torch.no_grad():  # this call's agreeing / replayed / seen token counts (kept on device)
-            # the replayed experts are the router's own top-k set (indices within a row are distinct)
-            same = (forced.unsqueeze(-1) == current.unsqueeze(-2)).any(dim=-1).all(dim=-1)
-            state.agree = state.agree + (same.sum() if valid is None else (same & valid).sum())
-            state.replayed = state.replayed + (tokens if valid is None else valid.sum())
-            state.seen += tokens
-        if will_recompute:
-            state.recompute_fifo.append(_Pending(forced, _fingerprint(router_logits)))
-        return router_logits, state.adapter.gate(state.module, router_logits, forced), forced
