@@ -406,25 +406,23 @@ class HealthTracker:
                 continue
             kind = self._advance(name, state, holds, step)
             if kind is not None:
-                events.append(self._event(step, kind, name, value, threshold))
+                severity = CRITICAL if name in self.config.critical else "warning"
+                symptom, cause, remedy = self._symptom(name, value, threshold), ALARMS[name].cause, ALARMS[name].remedy
+                value = value if isinstance(value, (int, float)) else None
+                since = state.raised_step if kind == "repeated" else None
+                events.append(HealthEvent(step, kind, name, severity, value, threshold, symptom, cause, remedy, since))
         return events
-
-    def _patience(self, name: str) -> tuple[int, int]:
-        """(records to raise, records to clear) for alarm `name`."""
-        cfg = self.config
-        if name == "nonfinite":  # failures that corrupt the weights must not wait
-            return 1, cfg.clear_patience
-        if name == "kl_above_target":
-            return cfg.kl_patience, cfg.clear_patience
-        if name == "reward_plateau":
-            # A trend measured over a sliding window flickers with the reward's noise: a plateau must hold for a
-            # fifth of a window before it is raised and give way to half a window of rise before it clears.
-            return max(cfg.patience, cfg.plateau_window // 5), max(cfg.clear_patience, cfg.plateau_window // 2)
-        return cfg.patience, cfg.clear_patience
 
     def _advance(self, name: str, state: _AlarmState, holds: bool, step: int) -> str | None:
         """Debounce one alarm's condition; return the event kind it emits now ("raised", "repeated", "cleared")."""
-        raise_after, clear_after = self._patience(name)
+        cfg = self.config
+        # Failures that corrupt the weights must not wait. A trend measured over a sliding window flickers with the
+        # reward's noise: a plateau must hold for a fifth of a window before it is raised and give way to half a
+        # window of rise before it clears.
+        plateau = name == "reward_plateau"
+        raise_after = {"nonfinite": 1, "kl_above_target": cfg.kl_patience}.get(name, cfg.patience)
+        raise_after = max(cfg.patience, cfg.plateau_window // 5) if plateau else raise_after
+        clear_after = max(cfg.clear_patience, cfg.plateau_window // 2) if plateau else cfg.clear_patience
         if not holds:
             state.hits, state.misses = 0, state.misses + 1
             if state.active and state.misses >= clear_after:
@@ -438,23 +436,28 @@ class HealthTracker:
             state.active, state.raised_step, state.since_emit = True, step, 0
             return "raised"
         state.since_emit += 1
-        if self.config.repeat_every and state.since_emit >= self.config.repeat_every:
+        if cfg.repeat_every and state.since_emit >= cfg.repeat_every:
             state.since_emit = 0
             return "repeated"
         return None
 
-    def _event(self, step: int, kind: str, name: str, value, threshold) -> HealthEvent:
-        spec = ALARMS[name]
-        severity = CRITICAL if name in self.config.critical else "warning"
-        symptom = self._symptom(name, value, threshold)
-        value = value if isinstance(value, (int, float)) else None
-        since = self.states[name].raised_step if kind == "repeated" else None
-        return HealthEvent(step, kind, name, severity, value, threshold, symptom, spec.cause, spec.remedy, since)
-
     def _symptom(self, name: str, value, threshold) -> str:
         """The catalogue's symptom filled with the measured values, plus what the other gauges add to it."""
         if name == "length_near_cap":
-            return self._length_symptom(value, threshold)
+            parts = []
+            if value is not None and threshold:
+                part = f"mean completion length {value:.1f} is {value / threshold:.0%} of the cap {threshold:.0f}"
+                start = self._reference("completion_length")
+                parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
+            clipped = self.last_gauges.get("clipped_ratio")
+            if clipped is not None:
+                part = f"{clipped:.0%} of completions truncated at the cap"
+                start = self._reference("clipped_ratio")
+                if start is not None:
+                    rise = 100 * self.config.clipped_ratio_alarm
+                    part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
+                parts.append(part)
+            return ", ".join(parts)
         spec, gauges = ALARMS[name], self.last_gauges
         try:
             symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
@@ -472,22 +475,6 @@ class HealthTracker:
             symptom += f" ({value / self.kl_target:.1f}x the target {self.kl_target:g}"
             symptom += f"; kl_coef {gauges['kl_coef']:.3g})" if "kl_coef" in gauges else ")"
         return symptom
-
-    def _length_symptom(self, length: float | None, cap: float | None) -> str:
-        parts = []
-        if length is not None and cap:
-            part = f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}"
-            start = self._reference("completion_length")
-            parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
-        clipped = self.last_gauges.get("clipped_ratio")
-        if clipped is not None:
-            part = f"{clipped:.0%} of completions truncated at the cap"
-            start = self._reference("clipped_ratio")
-            if start is not None:
-                rise = 100 * self.config.clipped_ratio_alarm
-                part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
-            parts.append(part)
-        return ", ".join(parts)
 
     def meta(self) -> dict[str, Any]:
         """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
