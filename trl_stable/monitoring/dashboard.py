@@ -108,17 +108,6 @@ def _log_history(path: Path) -> list[Mapping[str, Any]]:
     return history
 
 
-def _latest_trainer_state(directory: Path) -> Path | None:
-    direct = directory / "trainer_state.json"
-    if direct.is_file():
-        return direct
-    checkpoints = [p for p in directory.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    if not checkpoints:
-        return None
-    latest = max(checkpoints, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
-    return latest / "trainer_state.json"
-
-
 def load_run(
     source: str | os.PathLike | Sequence[Mapping[str, Any]],
     config: HealthConfig | None = None,
@@ -136,13 +125,15 @@ def load_run(
         if (path / HEALTH_FILE).is_file():
             path = path / HEALTH_FILE
         else:
-            state = _latest_trainer_state(path)
-            if state is None:
+            states = [p for p in [path, *path.glob("checkpoint-*")] if (p / "trainer_state.json").is_file()]
+            if not states:
                 raise FileNotFoundError(
                     f"{source} has neither {HEALTH_FILE} nor a trainer_state.json (in it or a checkpoint-* folder): "
                     "pass a run's output_dir."
                 )
-            path = state
+            # the run's own state, else its latest checkpoint's
+            latest = states[0] if states[0] == path else max(states, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+            path = latest / "trainer_state.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist.")
     if path.suffix == ".jsonl":
@@ -378,19 +369,6 @@ def _place_labels(fig, labels: dict, tops: dict) -> None:
             text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
 
 
-def _legend(ax, top) -> None:
-    """One legend for a panel and its right-hand axis, under the panel, where it covers no data and no label."""
-    handles, names = ax.get_legend_handles_labels()
-    if top is not ax:
-        more = top.get_legend_handles_labels()
-        handles, names = handles + more[0], names + more[1]
-    if handles:
-        ax.legend(
-            handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
-            fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
-        )  # fmt: skip
-
-
 def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
     """`config` with the thresholds the run recorded (its health file's meta line), so the bands match its alarms."""
     recorded = {k: v for k, v in run.meta.items() if k in HealthConfig.__dataclass_fields__}
@@ -462,8 +440,16 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.grid(alpha=0.3)
     labels, raised = _alarm_marks(panels, run.events)
-    for ax in panels.values():
-        _legend(ax, tops[ax])
+    for ax in panels.values():  # one legend for a panel and its right-hand axis, under it, covering no data or label
+        handles, names = ax.get_legend_handles_labels()
+        if tops[ax] is not ax:
+            more = tops[ax].get_legend_handles_labels()
+            handles, names = handles + more[0], names + more[1]
+        if handles:
+            ax.legend(
+                handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
+                fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
+            )  # fmt: skip
     if not shown:
         axes.flat[0].set_axis_off()
         axes.flat[0].text(0.5, 0.5, "no health gauges recorded yet", ha="center", va="center", color="grey")
@@ -477,19 +463,6 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
     _place_labels(fig, labels, tops)
     return fig
-
-
-def _alarm_summary(run: RunHealth) -> str:
-    lines = []
-    for event in run.events:
-        if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
-            lines.append(
-                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
-                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
-            )
-        elif event.get("type") in ("remedy", "stop"):
-            lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
-    return "\n".join(lines) if lines else "  no alarms"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,7 +495,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as err:  # a missing, unreadable or foreign file, an unwritable -o: no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"alarms:\n{_alarm_summary(run)}")
+    lines = []
+    for event in run.events:
+        if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
+            lines.append(
+                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
+                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
+            )
+        elif event.get("type") in ("remedy", "stop"):
+            lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
+    print("alarms:\n" + ("\n".join(lines) if lines else "  no alarms"))
     print(f"dashboard written to {written}")
     return 0
 
