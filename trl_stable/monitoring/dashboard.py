@@ -302,73 +302,6 @@ _PANELS = {
 }
 
 
-def _alarm_marks(panels: dict, events: list[dict[str, Any]]) -> tuple[dict, list[str]]:
-    """Raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel. Returns
-    ({axes: [(step, alarm, color)]} of the labels to place, one per alarm and panel at its first raise; the names of
-    the alarms raised)."""
-    labels: dict[Any, list[tuple[int, str, str]]] = {}
-    raised = []
-    for event in events:
-        if event.get("type") == "stop":
-            for ax in panels.values():
-                ax.axvline(event["step"], color="black", lw=1.5)
-        if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
-            continue
-        name = event.get("alarm")
-        ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
-        color = _RED if event.get("severity") == "critical" else _AMBER
-        if event["kind"] == "cleared":
-            if ax is not None:
-                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
-            continue
-        raised.append(name)
-        if ax is not None:
-            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
-            if name not in {label[1] for label in labels.get(ax, [])}:
-                labels.setdefault(ax, []).append((int(event["step"]), name, color))
-    return labels, raised
-
-
-def _place_labels(fig, labels: dict, tops: dict) -> None:
-    """Write each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no
-    other label (measured in pixels on the final layout); a label that would leave the panel goes left of its
-    line."""
-    if not labels:
-        return
-    fig.canvas.draw()  # the final layout: from here on, positions in pixels are those of the saved figure
-    fig.set_layout_engine("none")
-    renderer = fig.canvas.get_renderer()
-    to_points = 72.0 / fig.dpi
-    for ax, items in labels.items():
-        top = tops.get(ax, ax)  # the right-hand axis, when there is one, is drawn over the panel's own lines
-        frame = ax.get_window_extent(renderer)
-        rows: list[float] = []  # right edge, in pixels, of the last label of each row
-        for step, name, color in sorted(items):
-            text = top.annotate(
-                name,
-                (step, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, -3),
-                textcoords="offset points",
-                ha="left",
-                va="top",
-                fontsize=_LABEL_FONT,
-                color=color,
-                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
-                zorder=6,
-            )
-            box = text.get_window_extent(renderer)
-            if box.x1 > frame.x1 - 3:  # keep clear of the frame
-                text.set_horizontalalignment("right")
-                text.xyann = (-3, -3)
-                box = text.get_window_extent(renderer)
-            row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
-            if row == len(rows):
-                rows.append(box.x1)
-            rows[row] = box.x1
-            text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
-
-
 def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
     """`config` with the thresholds the run recorded (its health file's meta line), so the bands match its alarms."""
     recorded = {k: v for k, v in run.meta.items() if k in HealthConfig.__dataclass_fields__}
@@ -439,7 +372,28 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.grid(alpha=0.3)
-    labels, raised = _alarm_marks(panels, run.events)
+    # raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; the labels to place:
+    # {axes: [(step, alarm, color)]}, one per alarm and panel at its first raise
+    labels: dict[Any, list[tuple[int, str, str]]] = {}
+    raised = []
+    for event in run.events:
+        if event.get("type") == "stop":
+            for ax in panels.values():
+                ax.axvline(event["step"], color="black", lw=1.5)
+        if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
+            continue
+        name = event.get("alarm")
+        ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
+        color = _RED if event.get("severity") == "critical" else _AMBER
+        if event["kind"] == "cleared":
+            if ax is not None:
+                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
+            continue
+        raised.append(name)
+        if ax is not None:
+            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
+            if name not in {label[1] for label in labels.get(ax, [])}:
+                labels.setdefault(ax, []).append((int(event["step"]), name, color))
     for ax in panels.values():  # one legend for a panel and its right-hand axis, under it, covering no data or label
         handles, names = ax.get_legend_handles_labels()
         if tops[ax] is not ax:
@@ -461,7 +415,41 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     summary = ", ".join(sorted(set(raised))) or "none"
     headline = f"{title or 'training health'} — alarms raised: {summary}"
     fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
-    _place_labels(fig, labels, tops)
+    # each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no other label
+    # (measured in pixels on the final layout); a label that would leave the panel goes left of its line
+    if labels:
+        fig.canvas.draw()  # the final layout: from here on, positions in pixels are those of the saved figure
+        fig.set_layout_engine("none")
+        renderer = fig.canvas.get_renderer()
+        to_points = 72.0 / fig.dpi
+        for ax, items in labels.items():
+            top = tops[ax]  # the right-hand axis, when there is one, is drawn over the panel's own lines
+            frame = ax.get_window_extent(renderer)
+            rows: list[float] = []  # right edge, in pixels, of the last label of each row
+            for step, name, color in sorted(items):
+                text = top.annotate(
+                    name,
+                    (step, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(3, -3),
+                    textcoords="offset points",
+                    ha="left",
+                    va="top",
+                    fontsize=_LABEL_FONT,
+                    color=color,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
+                    zorder=6,
+                )
+                box = text.get_window_extent(renderer)
+                if box.x1 > frame.x1 - 3:  # keep clear of the frame
+                    text.set_horizontalalignment("right")
+                    text.xyann = (-3, -3)
+                    box = text.get_window_extent(renderer)
+                row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
+                if row == len(rows):
+                    rows.append(box.x1)
+                rows[row] = box.x1
+                text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
     return fig
 
 
