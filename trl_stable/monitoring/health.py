@@ -237,13 +237,9 @@ def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[s
     keys = {**DEFAULT_METRIC_KEYS, **{k: tuple(v) for k, v in metric_keys.items()}}
     gauges: dict[str, float] = {}
     for gauge, candidates in keys.items():
-        if gauge == "masked_fraction":
-            continue
-        for key in candidates:
-            value = _finite_float(logs.get(key))
-            if value is not None:
-                gauges[gauge] = value
-                break
+        value = next((v for v in (_finite_float(logs.get(k)) for k in candidates) if v is not None), None)
+        if value is not None and gauge != "masked_fraction":
+            gauges[gauge] = value
     masked_keys = list(keys["masked_fraction"])
     if "masked_fraction" not in metric_keys:
         masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
