@@ -43,23 +43,6 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     return HealthConfig(**kwargs)
 
 
-def _max_completion_length(args: Any) -> int | None:
-    for name in ("max_completion_length", "response_length", "max_new_tokens"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _kl_target(args: Any) -> float | None:
-    """PPOConfig's `target` (the KL the adaptive controller steers to, in `objective/kl`'s unit); None for trainer
-    arguments without a KL controller (GRPO's `kl` has no target)."""
-    value = getattr(args, "target", None) if hasattr(args, "adap_kl_ctrl") else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    return None
-
-
 class HealthMonitor(TrainerCallback):
     """Watches the training logs and raises debounced alarms with symptom, likely cause and remedy.
 
@@ -164,9 +147,12 @@ class HealthMonitor(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.tracker.max_completion_length is None:
-            self.tracker.max_completion_length = _max_completion_length(args)
-        if self.tracker.kl_target is None:
-            self.tracker.kl_target = _kl_target(args)
+            caps = (getattr(args, n, None) for n in ("max_completion_length", "response_length", "max_new_tokens"))
+            self.tracker.max_completion_length = next((v for v in caps if isinstance(v, int) and v > 0), None)
+        # PPOConfig's `target` (the KL its adaptive controller steers to, in `objective/kl`'s unit); GRPO's has none
+        target = getattr(args, "target", None) if hasattr(args, "adap_kl_ctrl") else None
+        if self.tracker.kl_target is None and isinstance(target, (int, float)) and not isinstance(target, bool):
+            self.tracker.kl_target = float(target) if math.isfinite(target) and target > 0 else None
         if self.config.health_file and state.is_world_process_zero and getattr(args, "output_dir", None):
             os.makedirs(args.output_dir, exist_ok=True)
             self.health_path = os.path.join(args.output_dir, self.config.health_file)
@@ -194,7 +180,18 @@ class HealthMonitor(TrainerCallback):
             self._write(event.to_record())
 
         self._apply_virtual_samples(args, state, events)
-        self._apply_stop(state, control)
+        since = self.tracker.critical_held_since()
+        limit = self.config.stop_after_critical_steps
+        if limit is not None and not self._stopped and since is not None and state.global_step - since + 1 >= limit:
+            self._stopped = True
+            control.should_save = control.should_training_stop = True
+            critical = [name for name in self.tracker.active if name in self.config.critical]
+            if state.is_world_process_zero:
+                logger.error(
+                    f"[health] step {state.global_step}: critical alarm(s) {critical} held since step {since}: saving "
+                    "a checkpoint and stopping the run."
+                )
+            self._write({"type": "stop", "step": state.global_step, "alarms": critical, "since": since})
 
         if self.config.log_to_history:
             flags = self.tracker.flags()
@@ -259,22 +256,3 @@ class HealthMonitor(TrainerCallback):
                     "config_change": {attr: {"before": before, "after": after}},
                 }
             )
-
-    def _apply_stop(self, state, control) -> None:
-        limit = self.config.stop_after_critical_steps
-        if limit is None or self._stopped:
-            return
-        since = self.tracker.critical_held_since()
-        if since is None or state.global_step - since + 1 < limit:
-            return
-        self._stopped = True
-        control.should_save = True
-        control.should_training_stop = True
-        critical = [name for name in self.tracker.active if name in self.config.critical]
-        message = (
-            f"[health] step {state.global_step}: critical alarm(s) {critical} held since step {since}: saving a "
-            "checkpoint and stopping the run."
-        )
-        if state.is_world_process_zero:
-            logger.error(message)
-        self._write({"type": "stop", "step": state.global_step, "alarms": critical, "since": since})

@@ -108,17 +108,6 @@ def _log_history(path: Path) -> list[Mapping[str, Any]]:
     return history
 
 
-def _latest_trainer_state(directory: Path) -> Path | None:
-    direct = directory / "trainer_state.json"
-    if direct.is_file():
-        return direct
-    checkpoints = [p for p in directory.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    if not checkpoints:
-        return None
-    latest = max(checkpoints, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
-    return latest / "trainer_state.json"
-
-
 def load_run(
     source: str | os.PathLike | Sequence[Mapping[str, Any]],
     config: HealthConfig | None = None,
@@ -136,13 +125,15 @@ def load_run(
         if (path / HEALTH_FILE).is_file():
             path = path / HEALTH_FILE
         else:
-            state = _latest_trainer_state(path)
-            if state is None:
+            states = [p for p in [path, *path.glob("checkpoint-*")] if (p / "trainer_state.json").is_file()]
+            if not states:
                 raise FileNotFoundError(
                     f"{source} has neither {HEALTH_FILE} nor a trainer_state.json (in it or a checkpoint-* folder): "
                     "pass a run's output_dir."
                 )
-            path = state
+            # the run's own state, else its latest checkpoint's
+            latest = states[0] if states[0] == path else max(states, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+            path = latest / "trainer_state.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist.")
     if path.suffix == ".jsonl":
@@ -311,86 +302,6 @@ _PANELS = {
 }
 
 
-def _alarm_marks(panels: dict, events: list[dict[str, Any]]) -> tuple[dict, list[str]]:
-    """Raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel. Returns
-    ({axes: [(step, alarm, color)]} of the labels to place, one per alarm and panel at its first raise; the names of
-    the alarms raised)."""
-    labels: dict[Any, list[tuple[int, str, str]]] = {}
-    raised = []
-    for event in events:
-        if event.get("type") == "stop":
-            for ax in panels.values():
-                ax.axvline(event["step"], color="black", lw=1.5)
-        if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
-            continue
-        name = event.get("alarm")
-        ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
-        color = _RED if event.get("severity") == "critical" else _AMBER
-        if event["kind"] == "cleared":
-            if ax is not None:
-                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
-            continue
-        raised.append(name)
-        if ax is not None:
-            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
-            if name not in {label[1] for label in labels.get(ax, [])}:
-                labels.setdefault(ax, []).append((int(event["step"]), name, color))
-    return labels, raised
-
-
-def _place_labels(fig, labels: dict, tops: dict) -> None:
-    """Write each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no
-    other label (measured in pixels on the final layout); a label that would leave the panel goes left of its
-    line."""
-    if not labels:
-        return
-    fig.canvas.draw()  # the final layout: from here on, positions in pixels are those of the saved figure
-    fig.set_layout_engine("none")
-    renderer = fig.canvas.get_renderer()
-    to_points = 72.0 / fig.dpi
-    for ax, items in labels.items():
-        top = tops.get(ax, ax)  # the right-hand axis, when there is one, is drawn over the panel's own lines
-        frame = ax.get_window_extent(renderer)
-        rows: list[float] = []  # right edge, in pixels, of the last label of each row
-        for step, name, color in sorted(items):
-            text = top.annotate(
-                name,
-                (step, 1.0),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, -3),
-                textcoords="offset points",
-                ha="left",
-                va="top",
-                fontsize=_LABEL_FONT,
-                color=color,
-                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
-                zorder=6,
-            )
-            box = text.get_window_extent(renderer)
-            if box.x1 > frame.x1 - 3:  # keep clear of the frame
-                text.set_horizontalalignment("right")
-                text.xyann = (-3, -3)
-                box = text.get_window_extent(renderer)
-            row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
-            if row == len(rows):
-                rows.append(box.x1)
-            rows[row] = box.x1
-            text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
-
-
-def _legend(ax, top) -> None:
-    """One legend for a panel and its right-hand axis, under the panel, where it covers no data and no label."""
-    handles, names = ax.get_legend_handles_labels()
-    if top is not ax:
-        more = top.get_legend_handles_labels()
-        handles, names = handles + more[0], names + more[1]
-    if handles:
-        ax.legend(
-            handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
-            fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
-        )  # fmt: skip
-
-
 def _config_of(run: RunHealth, config: HealthConfig) -> HealthConfig:
     """`config` with the thresholds the run recorded (its health file's meta line), so the bands match its alarms."""
     recorded = {k: v for k, v in run.meta.items() if k in HealthConfig.__dataclass_fields__}
@@ -461,9 +372,38 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.grid(alpha=0.3)
-    labels, raised = _alarm_marks(panels, run.events)
-    for ax in panels.values():
-        _legend(ax, tops[ax])
+    # raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; the labels to place:
+    # {axes: [(step, alarm, color)]}, one per alarm and panel at its first raise
+    labels: dict[Any, list[tuple[int, str, str]]] = {}
+    raised = []
+    for event in run.events:
+        if event.get("type") == "stop":
+            for ax in panels.values():
+                ax.axvline(event["step"], color="black", lw=1.5)
+        if event.get("type") != "alarm" or event.get("kind") not in ("raised", "cleared"):
+            continue
+        name = event.get("alarm")
+        ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
+        color = _RED if event.get("severity") == "critical" else _AMBER
+        if event["kind"] == "cleared":
+            if ax is not None:
+                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
+            continue
+        raised.append(name)
+        if ax is not None:
+            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
+            if name not in {label[1] for label in labels.get(ax, [])}:
+                labels.setdefault(ax, []).append((int(event["step"]), name, color))
+    for ax in panels.values():  # one legend for a panel and its right-hand axis, under it, covering no data or label
+        handles, names = ax.get_legend_handles_labels()
+        if tops[ax] is not ax:
+            more = tops[ax].get_legend_handles_labels()
+            handles, names = handles + more[0], names + more[1]
+        if handles:
+            ax.legend(
+                handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
+                fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
+            )  # fmt: skip
     if not shown:
         axes.flat[0].set_axis_off()
         axes.flat[0].text(0.5, 0.5, "no health gauges recorded yet", ha="center", va="center", color="grey")
@@ -475,21 +415,42 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     summary = ", ".join(sorted(set(raised))) or "none"
     headline = f"{title or 'training health'} — alarms raised: {summary}"
     fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
-    _place_labels(fig, labels, tops)
+    # each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no other label
+    # (measured in pixels on the final layout); a label that would leave the panel goes left of its line
+    if labels:
+        fig.canvas.draw()  # the final layout: from here on, positions in pixels are those of the saved figure
+        fig.set_layout_engine("none")
+        renderer = fig.canvas.get_renderer()
+        to_points = 72.0 / fig.dpi
+        for ax, items in labels.items():
+            top = tops[ax]  # the right-hand axis, when there is one, is drawn over the panel's own lines
+            frame = ax.get_window_extent(renderer)
+            rows: list[float] = []  # right edge, in pixels, of the last label of each row
+            for step, name, color in sorted(items):
+                text = top.annotate(
+                    name,
+                    (step, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(3, -3),
+                    textcoords="offset points",
+                    ha="left",
+                    va="top",
+                    fontsize=_LABEL_FONT,
+                    color=color,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.7},
+                    zorder=6,
+                )
+                box = text.get_window_extent(renderer)
+                if box.x1 > frame.x1 - 3:  # keep clear of the frame
+                    text.set_horizontalalignment("right")
+                    text.xyann = (-3, -3)
+                    box = text.get_window_extent(renderer)
+                row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
+                if row == len(rows):
+                    rows.append(box.x1)
+                rows[row] = box.x1
+                text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
     return fig
-
-
-def _alarm_summary(run: RunHealth) -> str:
-    lines = []
-    for event in run.events:
-        if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
-            lines.append(
-                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
-                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
-            )
-        elif event.get("type") in ("remedy", "stop"):
-            lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
-    return "\n".join(lines) if lines else "  no alarms"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,7 +483,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as err:  # a missing, unreadable or foreign file, an unwritable -o: no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"alarms:\n{_alarm_summary(run)}")
+    lines = []
+    for event in run.events:
+        if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
+            lines.append(
+                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
+                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
+            )
+        elif event.get("type") in ("remedy", "stop"):
+            lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
+    print("alarms:\n" + ("\n".join(lines) if lines else "  no alarms"))
     print(f"dashboard written to {written}")
     return 0
 

@@ -52,6 +52,10 @@ GAUGES = tuple(DEFAULT_METRIC_KEYS)
 _REFERENCE_GAUGES = ("grad_norm", "entropy", "completion_length", "clipped_ratio")
 
 
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class HealthConfig:
     """Thresholds, debouncing and remedies of the health monitor (the alarm table of docs/health_monitoring.md).
@@ -59,108 +63,59 @@ class HealthConfig:
     Windows and patience count log records (one per `logging_steps`).
     """
 
-    zero_std_healthy: float = field(default=0.3, metadata={"help": "frac_reward_zero_std below this is healthy."})
-    zero_std_alarm: float = field(default=0.5, metadata={"help": "Alarm when frac_reward_zero_std exceeds this."})
-    reward_max: float | None = field(
-        default=1.0, metadata={"help": "Declared maximum reward; None disables the plateau and above-max alarms."}
+    zero_std_healthy: float = _opt(0.3, "frac_reward_zero_std below this is healthy.")
+    zero_std_alarm: float = _opt(0.5, "Alarm when frac_reward_zero_std exceeds this.")
+    reward_max: float | None = _opt(1.0, "Declared maximum reward; None disables the plateau and above-max alarms.")
+    # A noisy reward (std ~0.06 per record) that rises ~0.08 per 25 records is told apart from a flat one
+    # only over ~50 records; a window of 20 raised the alarm on such healthy runs.
+    plateau_window: int = _opt(50, "Log records over which the reward trend is measured for plateau detection.")
+    plateau_min_rise: float = _opt(0.01, "Plateau when the window's second half rises less than this over its first.")
+    ceiling_margin: float = _opt(0.05, "A flat reward this close to reward_max is converged, not a plateau.")
+    reference_window: int = _opt(5, "First finite values of a relative gauge whose median is its reference.")
+    grad_norm_floor: float = _opt(1e-6, "grad_norm below this is 'near zero'.")
+    grad_norm_relative_floor: float = _opt(0.01, "grad_norm below this fraction of its reference is near zero.")
+    max_completion_length: int | None = _opt(
+        None, "Completion cap; None: from the trainer arguments (max_completion_length, ...)."
     )
-    plateau_window: int = field(
-        # A noisy reward (std ~0.06 per record) that rises ~0.08 per 25 records is told apart from a flat one
-        # only over ~50 records; a window of 20 raised the alarm on such healthy runs.
-        default=50,
-        metadata={"help": "Log records over which the reward trend is measured for plateau detection."},
+    length_cap_ratio: float = _opt(0.9, "Alarm when the mean length reaches this fraction of the cap from below.")
+    clipped_ratio_alarm: float = _opt(0.3, "Alarm when the truncated share rises this much above its reference.")
+    entropy_floor: float = _opt(
+        0.05, "Entropy (nats/token) below this (or half its reference, if lower) has collapsed."
     )
-    plateau_min_rise: float = field(
-        default=0.01, metadata={"help": "Plateau when the window's second half rises less than this over its first."}
+    entropy_relative_floor: float = _opt(0.1, "Entropy below this fraction of its reference has collapsed.")
+    mismatch_threshold: float = _opt(0.01, "Alarm when the mean |logp_sampler - logp_trainer| exceeds this.")
+    mismatch_band: tuple[float, float] = _opt((0.9, 1.1), "Healthy band of the token ratio pi_trainer / pi_sampler.")
+    masked_fraction_alarm: float = _opt(0.1, "Alarm when IcePop/KPop mask more than this share of tokens.")
+    kl_target: float | None = _opt(
+        None, "KL target in the KL gauge's unit; None: PPOConfig's `target`, else the alarm is off."
     )
-    ceiling_margin: float = field(
-        default=0.05, metadata={"help": "A flat reward this close to reward_max is converged, not a plateau."}
-    )
-    reference_window: int = field(
-        default=5, metadata={"help": "First finite values of a relative gauge whose median is its reference."}
-    )
-    grad_norm_floor: float = field(default=1e-6, metadata={"help": "grad_norm below this is 'near zero'."})
-    grad_norm_relative_floor: float = field(
-        default=0.01, metadata={"help": "grad_norm below this fraction of its reference is near zero."}
-    )
-    max_completion_length: int | None = field(
-        default=None,
-        metadata={"help": "Completion cap; None: from the trainer arguments (max_completion_length, ...)."},
-    )
-    length_cap_ratio: float = field(
-        default=0.9, metadata={"help": "Alarm when the mean length reaches this fraction of the cap from below."}
-    )
-    clipped_ratio_alarm: float = field(
-        default=0.3, metadata={"help": "Alarm when the truncated share rises this much above its reference."}
-    )
-    entropy_floor: float = field(
-        default=0.05,
-        metadata={"help": "Entropy (nats/token) below this (or half its reference, if lower) has collapsed."},
-    )
-    entropy_relative_floor: float = field(
-        default=0.1, metadata={"help": "Entropy below this fraction of its reference has collapsed."}
-    )
-    mismatch_threshold: float = field(
-        default=0.01, metadata={"help": "Alarm when the mean |logp_sampler - logp_trainer| exceeds this."}
-    )
-    mismatch_band: tuple[float, float] = field(
-        default=(0.9, 1.1), metadata={"help": "Healthy band of the token ratio pi_trainer / pi_sampler."}
-    )
-    masked_fraction_alarm: float = field(
-        default=0.1, metadata={"help": "Alarm when IcePop/KPop mask more than this share of tokens."}
-    )
-    kl_target: float | None = field(
-        default=None,
-        metadata={"help": "KL target in the KL gauge's unit; None: PPOConfig's `target`, else the alarm is off."},
-    )
-    kl_alarm_ratio: float = field(
-        default=2.0, metadata={"help": "Alarm when the KL to the reference stays above this multiple of kl_target."}
-    )
-    kl_patience: int = field(
-        default=5, metadata={"help": "Consecutive log records above kl_alarm_ratio x kl_target to raise the alarm."}
-    )
-    patience: int = field(
-        default=3, metadata={"help": "Consecutive log records a condition must hold before its alarm is raised."}
-    )
-    clear_patience: int = field(
-        default=3, metadata={"help": "Consecutive healthy log records before a raised alarm is cleared."}
-    )
-    repeat_every: int = field(
-        default=50, metadata={"help": "While an alarm holds, repeat it every this-many log records (0: never)."}
-    )
+    kl_alarm_ratio: float = _opt(2.0, "Alarm when the KL to the reference stays above this multiple of kl_target.")
+    kl_patience: int = _opt(5, "Consecutive log records above kl_alarm_ratio x kl_target to raise the alarm.")
+    patience: int = _opt(3, "Consecutive log records a condition must hold before its alarm is raised.")
+    clear_patience: int = _opt(3, "Consecutive healthy log records before a raised alarm is cleared.")
+    repeat_every: int = _opt(50, "While an alarm holds, repeat it every this-many log records (0: never).")
     disabled_alarms: list[str] = field(
         default_factory=list, metadata={"help": f"Alarms to switch off, among {sorted(ALARMS)}."}
     )
-    critical_alarms: list[str] | None = field(
-        default=None, metadata={"help": "Alarms critical for stop_after_critical_steps; None: the catalogue's."}
+    critical_alarms: list[str] | None = _opt(
+        None, "Alarms critical for stop_after_critical_steps; None: the catalogue's."
     )
-    metric_keys: dict[str, list[str]] | None = field(
-        default=None, metadata={"help": f"Log keys of a gauge among {GAUGES}, e.g. {{'reward': ['my/reward']}}."}
+    metric_keys: dict[str, list[str]] | None = _opt(
+        None, f"Log keys of a gauge among {GAUGES}, e.g. {{'reward': ['my/reward']}}."
     )
-    remedy_virtual_samples: bool = field(
-        default=False, metadata={"help": "While the zero_std alarm holds, train with NGRPO virtual samples."}
+    remedy_virtual_samples: bool = _opt(False, "While the zero_std alarm holds, train with NGRPO virtual samples.")
+    virtual_samples_attr: str = _opt(
+        "advantage_estimator", "Trainer-argument attribute the virtual-samples remedy sets."
     )
-    virtual_samples_attr: str = field(
-        default="advantage_estimator", metadata={"help": "Trainer-argument attribute the virtual-samples remedy sets."}
+    virtual_samples_value: Any = _opt("ngrpo", "Value that switches NGRPO virtual samples on.")
+    stop_after_critical_steps: int | None = _opt(
+        None, "Save and stop once a critical alarm has held this many steps; None: never stop."
     )
-    virtual_samples_value: Any = field(
-        default="ngrpo", metadata={"help": "Value that switches NGRPO virtual samples on."}
+    health_file: str | None = _opt(
+        "health.jsonl", "JSON Lines file in output_dir receiving the gauges and alarm events; None: no file."
     )
-    stop_after_critical_steps: int | None = field(
-        default=None,
-        metadata={"help": "Save and stop once a critical alarm has held this many steps; None: never stop."},
-    )
-    health_file: str | None = field(
-        default="health.jsonl",
-        metadata={"help": "JSON Lines file in output_dir receiving the gauges and alarm events; None: no file."},
-    )
-    log_to_history: bool = field(
-        default=True,
-        metadata={"help": "Add `health/*` flags to the trainer's logs (log history, wandb, tensorboard)."},
-    )
-    dashboard_on_train_end: bool = field(
-        default=False, metadata={"help": "Render `health_dashboard.png` into output_dir when training ends."}
-    )
+    log_to_history: bool = _opt(True, "Add `health/*` flags to the trainer's logs (log history, wandb, tensorboard).")
+    dashboard_on_train_end: bool = _opt(False, "Render `health_dashboard.png` into output_dir when training ends.")
 
     def __post_init__(self):
         if not 0 <= self.zero_std_healthy <= self.zero_std_alarm <= 1:
@@ -168,25 +123,21 @@ class HealthConfig:
                 f"Need 0 <= zero_std_healthy <= zero_std_alarm <= 1, got zero_std_healthy={self.zero_std_healthy}, "
                 f"zero_std_alarm={self.zero_std_alarm}."
             )
-        for name in ("plateau_window", "reference_window", "patience", "clear_patience", "kl_patience"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        ranges = {  # bound -> the fields it applies to
+            ">= 1": ("plateau_window", "reference_window", "patience", "clear_patience", "kl_patience"),
+            ">= 0": ("grad_norm_floor", "entropy_floor", "mismatch_threshold", "plateau_min_rise", "ceiling_margin"),
+            "in [0, 1]": ("grad_norm_relative_floor", "entropy_relative_floor", "length_cap_ratio")
+            + ("clipped_ratio_alarm", "masked_fraction_alarm"),
+        }
+        for bound, names in ranges.items():
+            for name in names:
+                value = getattr(self, name)
+                if value < (1 if bound == ">= 1" else 0) or (bound == "in [0, 1]" and value > 1):
+                    raise ValueError(f"{name} must be {bound}, got {value}.")
         if self.plateau_window < 4:
             raise ValueError(f"plateau_window must be >= 4 to compare two halves, got {self.plateau_window}.")
         if self.repeat_every < 0:
             raise ValueError(f"repeat_every must be >= 0 (0 disables repeats), got {self.repeat_every}.")
-        for name in ("grad_norm_floor", "entropy_floor", "mismatch_threshold", "plateau_min_rise", "ceiling_margin"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}.")
-        for name in (
-            "grad_norm_relative_floor",
-            "entropy_relative_floor",
-            "length_cap_ratio",
-            "clipped_ratio_alarm",
-            "masked_fraction_alarm",
-        ):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}.")
         if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
             raise ValueError(f"kl_target must be a finite number > 0 or None (the trainer's), got {self.kl_target}.")
         if not (math.isfinite(self.kl_alarm_ratio) and self.kl_alarm_ratio >= 1):
@@ -286,13 +237,9 @@ def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[s
     keys = {**DEFAULT_METRIC_KEYS, **{k: tuple(v) for k, v in metric_keys.items()}}
     gauges: dict[str, float] = {}
     for gauge, candidates in keys.items():
-        if gauge == "masked_fraction":
-            continue
-        for key in candidates:
-            value = _finite_float(logs.get(key))
-            if value is not None:
-                gauges[gauge] = value
-                break
+        value = next((v for v in (_finite_float(logs.get(k)) for k in candidates) if v is not None), None)
+        if value is not None and gauge != "masked_fraction":
+            gauges[gauge] = value
     masked_keys = list(keys["masked_fraction"])
     if "masked_fraction" not in metric_keys:
         masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
@@ -394,19 +341,16 @@ class HealthTracker:
                     below = second < cfg.reward_max - cfg.ceiling_margin
                     out["reward_plateau"] = (flat and below, second, cfg.reward_max)
 
-        if "grad_norm" in finite:
-            value = finite["grad_norm"]
-            reference = self._reference("grad_norm", value)
-            floor = floor_from_reference(reference, cfg.grad_norm_floor, cfg.grad_norm_relative_floor)
-            out["grad_norm_vanishing"] = (value < floor, value, floor)
-
-        if "entropy" in finite:
-            value = finite["entropy"]
-            reference = self._reference("entropy", value)
-            # A confident model starts below the absolute floor: entropy is judged only against the run's own start.
-            if reference is not None:
-                floor = floor_from_reference(reference, cfg.entropy_floor, cfg.entropy_relative_floor)
-                out["entropy_collapse"] = (value < floor, value, floor)
+        # A confident model starts below the absolute entropy floor: entropy is judged only against its own start.
+        relative = (
+            ("grad_norm", "grad_norm_vanishing", cfg.grad_norm_floor, cfg.grad_norm_relative_floor, False),
+            ("entropy", "entropy_collapse", cfg.entropy_floor, cfg.entropy_relative_floor, True),
+        )
+        for gauge, alarm, absolute, fraction, needs_reference in relative:
+            reference = self._reference(gauge, finite[gauge]) if gauge in finite else None
+            if gauge in finite and (reference is not None or not needs_reference):
+                floor = floor_from_reference(reference, absolute, fraction)
+                out[alarm] = (finite[gauge] < floor, finite[gauge], floor)
 
         length_condition = self._length_condition(finite)
         if length_condition is not None:
@@ -458,25 +402,23 @@ class HealthTracker:
                 continue
             kind = self._advance(name, state, holds, step)
             if kind is not None:
-                events.append(self._event(step, kind, name, value, threshold))
+                severity = CRITICAL if name in self.config.critical else "warning"
+                symptom, cause, remedy = self._symptom(name, value, threshold), ALARMS[name].cause, ALARMS[name].remedy
+                value = value if isinstance(value, (int, float)) else None
+                since = state.raised_step if kind == "repeated" else None
+                events.append(HealthEvent(step, kind, name, severity, value, threshold, symptom, cause, remedy, since))
         return events
-
-    def _patience(self, name: str) -> tuple[int, int]:
-        """(records to raise, records to clear) for alarm `name`."""
-        cfg = self.config
-        if name == "nonfinite":  # failures that corrupt the weights must not wait
-            return 1, cfg.clear_patience
-        if name == "kl_above_target":
-            return cfg.kl_patience, cfg.clear_patience
-        if name == "reward_plateau":
-            # A trend measured over a sliding window flickers with the reward's noise: a plateau must hold for a
-            # fifth of a window before it is raised and give way to half a window of rise before it clears.
-            return max(cfg.patience, cfg.plateau_window // 5), max(cfg.clear_patience, cfg.plateau_window // 2)
-        return cfg.patience, cfg.clear_patience
 
     def _advance(self, name: str, state: _AlarmState, holds: bool, step: int) -> str | None:
         """Debounce one alarm's condition; return the event kind it emits now ("raised", "repeated", "cleared")."""
-        raise_after, clear_after = self._patience(name)
+        cfg = self.config
+        # Failures that corrupt the weights must not wait. A trend measured over a sliding window flickers with the
+        # reward's noise: a plateau must hold for a fifth of a window before it is raised and give way to half a
+        # window of rise before it clears.
+        plateau = name == "reward_plateau"
+        raise_after = {"nonfinite": 1, "kl_above_target": cfg.kl_patience}.get(name, cfg.patience)
+        raise_after = max(cfg.patience, cfg.plateau_window // 5) if plateau else raise_after
+        clear_after = max(cfg.clear_patience, cfg.plateau_window // 2) if plateau else cfg.clear_patience
         if not holds:
             state.hits, state.misses = 0, state.misses + 1
             if state.active and state.misses >= clear_after:
@@ -490,23 +432,28 @@ class HealthTracker:
             state.active, state.raised_step, state.since_emit = True, step, 0
             return "raised"
         state.since_emit += 1
-        if self.config.repeat_every and state.since_emit >= self.config.repeat_every:
+        if cfg.repeat_every and state.since_emit >= cfg.repeat_every:
             state.since_emit = 0
             return "repeated"
         return None
 
-    def _event(self, step: int, kind: str, name: str, value, threshold) -> HealthEvent:
-        spec = ALARMS[name]
-        severity = CRITICAL if name in self.config.critical else "warning"
-        symptom = self._symptom(name, value, threshold)
-        value = value if isinstance(value, (int, float)) else None
-        since = self.states[name].raised_step if kind == "repeated" else None
-        return HealthEvent(step, kind, name, severity, value, threshold, symptom, spec.cause, spec.remedy, since)
-
     def _symptom(self, name: str, value, threshold) -> str:
         """The catalogue's symptom filled with the measured values, plus what the other gauges add to it."""
         if name == "length_near_cap":
-            return self._length_symptom(value, threshold)
+            parts = []
+            if value is not None and threshold:
+                part = f"mean completion length {value:.1f} is {value / threshold:.0%} of the cap {threshold:.0f}"
+                start = self._reference("completion_length")
+                parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
+            clipped = self.last_gauges.get("clipped_ratio")
+            if clipped is not None:
+                part = f"{clipped:.0%} of completions truncated at the cap"
+                start = self._reference("clipped_ratio")
+                if start is not None:
+                    rise = 100 * self.config.clipped_ratio_alarm
+                    part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
+                parts.append(part)
+            return ", ".join(parts)
         spec, gauges = ALARMS[name], self.last_gauges
         try:
             symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
@@ -524,22 +471,6 @@ class HealthTracker:
             symptom += f" ({value / self.kl_target:.1f}x the target {self.kl_target:g}"
             symptom += f"; kl_coef {gauges['kl_coef']:.3g})" if "kl_coef" in gauges else ")"
         return symptom
-
-    def _length_symptom(self, length: float | None, cap: float | None) -> str:
-        parts = []
-        if length is not None and cap:
-            part = f"mean completion length {length:.1f} is {length / cap:.0%} of the cap {cap:.0f}"
-            start = self._reference("completion_length")
-            parts.append(part + (f" (it started at {start:.1f})" if start is not None else ""))
-        clipped = self.last_gauges.get("clipped_ratio")
-        if clipped is not None:
-            part = f"{clipped:.0%} of completions truncated at the cap"
-            start = self._reference("clipped_ratio")
-            if start is not None:
-                rise = 100 * self.config.clipped_ratio_alarm
-                part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
-            parts.append(part)
-        return ", ".join(parts)
 
     def meta(self) -> dict[str, Any]:
         """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,

@@ -7,8 +7,9 @@ tokens outside a band and the sequence perplexity ratio are reported next to it.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -47,18 +48,13 @@ class MismatchStats:
 
     def as_metrics(self, prefix: str = "mismatch/") -> dict[str, float]:
         """Flatten into TRL-style metric names, e.g. `mismatch/logp_abs_diff/mean`."""
-        return {
-            f"{prefix}logp_abs_diff/mean": self.abs_diff_mean,
-            f"{prefix}logp_abs_diff/max": self.abs_diff_max,
-            f"{prefix}ratio/min": self.ratio_min,
-            f"{prefix}ratio/mean": self.ratio_mean,
-            f"{prefix}ratio/max": self.ratio_max,
-            f"{prefix}ratio/outside_band": self.ratio_outside_band,
-            f"{prefix}ppl_ratio/mean": self.ppl_ratio_mean,
-            f"{prefix}ppl_ratio/min": self.ppl_ratio_min,
-            f"{prefix}ppl_ratio/max": self.ppl_ratio_max,
-            f"{prefix}nonfinite_frac": self.nonfinite_frac,
+        # abs_diff_mean -> logp_abs_diff/mean, ratio_outside_band -> ratio/outside_band, ppl_ratio_max -> ppl_ratio/max
+        names = [f.name for f in fields(self) if f.name != "num_tokens"]
+        rename = {
+            n: re.sub(r"^abs_diff", "logp_abs_diff", re.sub(r"_(mean|max|min|outside_band)$", r"/\1", n))
+            for n in names
         }
+        return {f"{prefix}{rename[n]}": getattr(self, n) for n in names}
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -154,19 +150,8 @@ def mismatch_stats(
     nonfinite_frac = (masked - tokens) / masked if masked else 0.0
     if tokens == 0:
         return MismatchStats(0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, float(nonfinite_frac), 0)
-    return MismatchStats(
-        abs_diff_mean=sum_abs / tokens,
-        abs_diff_max=max_abs,
-        ratio_min=min_ratio,
-        ratio_mean=sum_ratio / tokens,
-        ratio_max=max_ratio,
-        ratio_outside_band=outside / tokens,
-        ppl_ratio_mean=sum_ppl / seqs,
-        ppl_ratio_min=min_ppl,
-        ppl_ratio_max=max_ppl,
-        nonfinite_frac=float(nonfinite_frac),
-        num_tokens=int(tokens),
-    )
+    token_stats = (sum_abs / tokens, max_abs, min_ratio, sum_ratio / tokens, max_ratio, outside / tokens)
+    return MismatchStats(*token_stats, sum_ppl / seqs, min_ppl, max_ppl, float(nonfinite_frac), int(tokens))
 
 
 def behaviour_filter_metrics(
