@@ -14,9 +14,9 @@ def build_intrinsic_reward(config, task: str, tokenizer, backend=None):
     if not config.use_intrinsic_reward:
         return None
     from trl_stable.rewards import CriticIntrinsicReward
+    from trl_stable.settings.checks import field_default
 
-    default_task = type(config).__dataclass_fields__["critic_task"].default
-    if config.critic_task not in (default_task, task):
+    if config.critic_task not in (field_default(config, "critic_task"), task):
         raise ValueError(f"--critic_task {config.critic_task}: this script's task is {task}; leave the flag out.")
     config = replace(config, critic_task=task)
     if task == "toxicity" and config.positive_reward_value != 0.0:

@@ -20,7 +20,8 @@ from typing import Annotated, Any
 
 import tyro
 from embedded import is_embedded
-from transformers.trainer_utils import SaveStrategy
+
+from trl_stable.settings.checks import field_default
 
 # Paper mode keeps trl_stable.PPOConfig's defaults (learning rate 1.41e-5 as RELC's commands pass it, init KL
 # coefficient 0.2, batch 16), with the mini-batch following the batch; these learn within minutes on the embedded
@@ -80,8 +81,8 @@ def loop_ppo_config(ppo, output_dir: str, **overrides: Any):
     the loop would override it."""
     given = [
         f"--ppo_config.{name} {getattr(ppo, name)}"
-        for name, default in (("save_strategy", SaveStrategy.STEPS), ("save_steps", 500))
-        if getattr(ppo, name) != default
+        for name in ("save_strategy", "save_steps")
+        if getattr(ppo, name) != field_default(ppo, name)
     ]
     if given:
         raise ValueError(
