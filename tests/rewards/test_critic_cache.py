@@ -2,10 +2,8 @@
 the disk cache off with one warning: every answer still arrives, the counters stay those of the requests."""
 
 import errno
-import json
 import logging
 import os
-import types
 
 import pytest
 
@@ -46,7 +44,7 @@ def _full(*args, **kwargs):
 
 def read_only_files(monkeypatch, tmp_path):
     """A folder whose files cannot be created (what a read-only or immutable folder does, also to root)."""
-    monkeypatch.setattr(cache_module.tempfile, "mkstemp", _denied)
+    monkeypatch.setattr(cache_module.os, "open", _denied)
     return tmp_path / "cache"
 
 
@@ -55,8 +53,23 @@ def under_a_file(monkeypatch, tmp_path):
     return tmp_path / "a_file" / "cache"
 
 
+class _FullFile:
+    """A file on a full disk: it opens, its bytes do not fit."""
+
+    def __init__(self, fd, mode):
+        self.fd = fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+
+    write = staticmethod(_full)
+
+
 def full_disk(monkeypatch, tmp_path):
-    monkeypatch.setattr(cache_module, "json", types.SimpleNamespace(dump=_full, load=json.load, dumps=json.dumps))
+    monkeypatch.setattr(cache_module.os, "fdopen", _FullFile)
     return tmp_path / "cache"
 
 
@@ -122,3 +135,23 @@ def test_the_reward_keeps_its_critiques_and_does_not_count_failing_steps(server,
     m = fn.metrics()
     assert m["critic/failures"] == 0 and m["critic/failed_answers"] == 0 and fn.consecutive_failing_steps == 0
     fn.close()
+
+
+def test_disk_writes_wait_for_write_pending_or_max_pending(tmp_path):
+    from trl_stable.rewards.critic.cache import AnswerCache, cache_key
+    from trl_stable.rewards.critic.counters import CriticCounters
+
+    cache = AnswerCache(CriticCounters(), bool, "v1", "m", directory=tmp_path, max_pending=3)
+    keys = [cache_key("m", f"p{i}", {}) for i in range(5)]
+    cache.put(keys[0], "a0")
+    cache.put(keys[1], "a1")
+    assert not list(tmp_path.rglob("*.json"))  # requests may still be in flight: nothing written yet
+    assert cache.get(keys[0]) == "a0"  # served from memory meanwhile
+    cache.write_pending().result()
+    assert sorted(p.stem for p in tmp_path.rglob("*.json")) == sorted(keys[:2])
+    for i in (2, 3, 4):  # the third pending answer hands the batch to the writer without a call
+        cache.put(keys[i], f"a{i}")
+    assert cache._pending == []
+    cache.close()
+    fresh = AnswerCache(CriticCounters(), bool, "v1", "m", directory=tmp_path)  # a restarted process
+    assert [fresh.get(k) for k in keys] == [f"a{i}" for i in range(5)]

@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -106,27 +105,35 @@ class DiskCache:
             return
         path = self._path(key)
         folder = os.path.dirname(path)
-        tmp = None
+        data = json.dumps({"model": model, "answer": answer, "parser_version": parser_version}, ensure_ascii=False)
+        # A name no other process or thread writes to (a writer thread writes its files one after another); the
+        # rename makes the entry appear whole. Plain os calls: a third cheaper than tempfile + a text wrapper.
+        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+        fd = None
         try:
             if folder not in self._made:
                 os.makedirs(folder, exist_ok=True)
                 self._made.add(folder)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"model": model, "answer": answer, "parser_version": parser_version}, f, ensure_ascii=False)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode("utf-8"))
             os.replace(tmp, path)
         except OSError as exc:
             self._fail(exc)
-            if tmp is not None:
+            if fd is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
 
 class AnswerCache:
     """Answers `validator` accepts (else counted as ``cache_refused``: a cached garbage answer would be served to
-    every later step and restarted run), in memory and, with a `directory`, on disk, written in order by a writer
-    thread (`flush` waits for it). A disk entry of another validator version is served only if `validator` accepts
-    it too (``cache_revalidated``)."""
+    every later step and restarted run), in memory and, with a `directory`, on disk. A disk entry of another
+    validator version is served only if `validator` accepts it too (``cache_revalidated``).
+
+    Disk writes wait for `write_pending` (the backend calls it when no request is in flight, so that file creation
+    never takes CPU from a batch's requests: measured 85 ms of a 256-request stage) or for `max_pending` answers;
+    a writer thread writes them in order, and `flush` waits for it. A process killed mid-batch loses that batch's
+    entries, never a finished one."""
 
     def __init__(
         self,
@@ -136,6 +143,7 @@ class AnswerCache:
         model: str,
         memory_size: int = 4096,
         directory: str | os.PathLike | None = None,
+        max_pending: int = 1024,
     ) -> None:
         self.counters = counters
         self.validator = validator
@@ -143,6 +151,8 @@ class AnswerCache:
         self.model = model
         self.memory = MemoryCache(memory_size)
         self.disk = DiskCache(directory) if directory is not None else None
+        self.max_pending = max_pending
+        self._pending: list[tuple[str, str]] = []
         self._writer: cf.ThreadPoolExecutor | None = None
         self._writer_lock = threading.Lock()
 
@@ -169,26 +179,41 @@ class AnswerCache:
         return answer
 
     def put(self, key: str, answer: str) -> None:
-        """Keep `answer` (in memory now, on disk soon) if the validator accepts it."""
+        """Keep `answer` (in memory now, on disk at the next `write_pending`) if the validator accepts it."""
         if not self._valid(answer):
             self.counters.add("cache_refused")
             return
         self.memory.put(key, answer)
         if self.disk is not None and self.disk.broken is None:
             with self._writer_lock:
-                if self._writer is None:
-                    self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-cache")
-                self._writer.submit(self.disk.put, key, answer, self.model, self.version)
+                self._pending.append((key, answer))
+                full = len(self._pending) >= self.max_pending
+            if full:
+                self.write_pending()
+
+    def _write(self, entries: list[tuple[str, str]]) -> None:
+        for key, answer in entries:
+            self.disk.put(key, answer, self.model, self.version)
+
+    def write_pending(self) -> cf.Future | None:
+        """Hand the answers `put` since the last call to the writer thread; the future of their write."""
+        with self._writer_lock:
+            entries, self._pending = self._pending, []
+            if not entries and self._writer is None:
+                return None
+            if self._writer is None:
+                self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-cache")
+            return self._writer.submit(self._write, entries)  # one writer thread, in order
 
     def flush(self) -> None:
         """Wait until every answer `put` so far is on disk."""
-        with self._writer_lock:
-            writer = self._writer
-        if writer is not None:
-            writer.submit(lambda: None).result()  # one writer thread, in order: everything before is written
+        future = self.write_pending()
+        if future is not None:
+            future.result()
 
     def close(self) -> None:
         """Flush, and stop the writer thread (a later `put` starts another)."""
+        self.write_pending()
         with self._writer_lock:
             writer, self._writer = self._writer, None
         if writer is not None:

@@ -190,9 +190,9 @@ class OpenAICritic(CriticBackend):
             logger.warning("The critic server asked to retry after %.1f s%s; waiting %.1f s.", retry_after, cut, wait)
         return max(delay, wait)
 
-    def _ask(self, prompt: str, deadline: float) -> str | None:
-        """The answer to one prompt: from the cache, else requested with retries until `deadline`; None on failure."""
-        key = cache_key(self.model, prompt, self.params)
+    def _ask(self, prompt: str, key: str, deadline: float) -> str | None:
+        """The answer to one prompt (cache `key`): from the cache, else requested with retries until `deadline`; None
+        on failure."""
         cached = self.cache.get(key)
         if cached is not None:
             self.counters.add("successes")
@@ -260,9 +260,9 @@ class OpenAICritic(CriticBackend):
             "variable."
         )
 
-    def _guarded_ask(self, prompt: str, deadline: float) -> str | None:
+    def _guarded_ask(self, prompt: str, key: str, deadline: float) -> str | None:
         try:
-            return self._ask(prompt, deadline)
+            return self._ask(prompt, key, deadline)
         except Exception as exc:  # noqa: BLE001 - a bug in one request must not take the batch down
             logger.warning("Critic request crashed: %s", self._redact(f"{type(exc).__name__}: {exc}")[:200])
             return None
@@ -274,15 +274,15 @@ class OpenAICritic(CriticBackend):
         self._stop.clear()
         deadline = time.monotonic() + self.batch_seconds(len(prompts))
         self.counters.add("requests", len(prompts))
-        futures = []
+        futures, params = [], self.params
         with self._inflight_lock:
             for prompt in prompts:
-                key = cache_key(self.model, prompt, self.params)
+                key = cache_key(self.model, prompt, params)
                 fut = self._inflight.get(key)
                 if fut is not None and not fut.done():
                     self.counters.add("deduplicated")
                 else:
-                    fut = self._pool.submit(self._guarded_ask, prompt, deadline)
+                    fut = self._pool.submit(self._guarded_ask, prompt, key, deadline)
                     self._inflight[key] = fut
                     fut.add_done_callback(lambda f, k=key: self._forget(k, f))
                 futures.append(fut)
@@ -302,6 +302,9 @@ class OpenAICritic(CriticBackend):
         with self._inflight_lock:  # re-entrant: the callback runs inline when the future is already done
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
+            idle = not self._inflight
+        if idle:  # the last request of the batches in flight: the disk cache writes while nothing waits on it
+            self.cache.write_pending()
 
     def generate(self, prompts: Sequence[str], texts: Sequence[str] | None = None) -> list[str | None]:
         answers = self.submit(prompts, texts).result()
