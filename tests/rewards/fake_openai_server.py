@@ -159,10 +159,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _act(self, action: Action | None, prompt: str, body: dict) -> None:
         state = self.state
-        if state.latency:
-            state.stop.wait(state.latency)
+        start = time.monotonic()
         if action is None:
             action = reply(state.answer(prompt))
+        if state.latency:  # the latency is the model's time to answer: computing the scripted answer is part of it
+            state.stop.wait(max(0.0, state.latency - (time.monotonic() - start)))
         if action.kind in ("reply", "hang"):
             if action.delay:
                 state.stop.wait(action.delay)
@@ -202,7 +203,8 @@ class FakeOpenAIServer:
 
     Args:
         answer: Default answer for a prompt (when no scripted action applies).
-        latency: Seconds every request waits before its action (e.g. 0.1 for the benchmark).
+        latency: Seconds from a request's arrival to its action, the answer's computation included (e.g. 0.1 for
+            the benchmark).
     """
 
     def __init__(

@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import time
+from email.utils import formatdate
 
 import pytest
 
@@ -466,12 +467,12 @@ def test_disk_entries_of_another_parser_version_are_revalidated(server, tmp_path
 
 
 def test_parse_retry_after_forms():
-    from trl_stable.rewards.critic.transport import _utc_http_date, parse_retry_after
+    from trl_stable.rewards.critic.transport import parse_retry_after
 
     now = 1_700_000_000.0
     assert parse_retry_after({"Retry-After": "20"}) == 20.0
     assert parse_retry_after({"retry-after": "1.5"}) == 1.5
-    assert parse_retry_after({"Retry-After": _utc_http_date(now + 30)}, now=now) == 30.0
+    assert parse_retry_after({"Retry-After": formatdate(now + 30)}, now=now) == 30.0
     assert parse_retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, now=now) == 0.0  # in the past
     assert parse_retry_after({"retry-after-ms": "250"}) == 0.25
     assert parse_retry_after({"retry-after-ms": "250", "Retry-After": "9"}) == 0.25  # the finer one first
@@ -512,11 +513,10 @@ def test_retry_after_is_waited_up_to_its_ceiling(server, headers, expected, capl
 
 
 def test_retry_after_http_date_and_on_503(server):
-    from trl_stable.rewards.critic.transport import _utc_http_date
 
     critic = make(server, backoff_base=0.01, timeout=2.0)
     waits = record_waits(critic)
-    server.script(status(503, headers={"Retry-After": _utc_http_date(time.time() + 30)}))
+    server.script(status(503, headers={"Retry-After": formatdate(time.time() + 30)}))
     assert critic.generate(["a b"]) == ["Toxic Span 1: b"]
     (wait,) = waits
     assert 28.0 <= wait <= 30.0  # an HTTP-date has whole seconds

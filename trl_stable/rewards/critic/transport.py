@@ -206,8 +206,3 @@ def parse_retry_after(headers: Any, now: float | None = None) -> float | None:
         when = when.replace(tzinfo=timezone.utc)
     now = time.time() if now is None else now
     return max(0.0, when.timestamp() - now)
-
-
-def _utc_http_date(posix: float) -> str:
-    """`posix` as an HTTP-date (for tests and the fake server)."""
-    return email.utils.formatdate(posix, usegmt=True)
