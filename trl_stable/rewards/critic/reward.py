@@ -139,7 +139,8 @@ class CriticPrefetch:
     env_rewards: list[float] | None
     selected: list[int]  # the critiqued completions (env reward at or below the threshold), in job order
     prompt_texts: dict[int, str]
-    aligned: dict[int, tuple[str, list[tuple[int, int]]]]  # completion index -> (decoded text, token char offsets)
+    # completion index -> (decoded text, token char offsets); empty when aligned as the answers arrive
+    aligned: dict[int, tuple[str, list[tuple[int, int]]]]
     job: CriticJob | None
     started: float
     counters_before: dict[str, int]
@@ -255,8 +256,11 @@ class CriticIntrinsicReward:
         env = _env_reward_floats(env_rewards, len(completion_ids))
         return self._start(self._tokenizer(kwargs), prompts, completion_ids, env)
 
-    def _start(self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None) -> CriticPrefetch:
-        """Select the batch, submit its critic prompts, and align the token offsets while the critic answers."""
+    def _start(
+        self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None, align: bool = True
+    ) -> CriticPrefetch:
+        """Select the batch, submit its critic prompts, and (with `align`) align the token offsets while the critic
+        answers; else each completion is aligned when its answer arrives."""
         started = time.monotonic()
         before = self.backend.counters.snapshot()
         # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
@@ -268,7 +272,7 @@ class CriticIntrinsicReward:
         prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
         critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
-        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
+        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected} if align else {}
         return CriticPrefetch(ids, env_rewards, selected, prompt_texts, aligned, job, started, before)
 
     def __call__(
@@ -300,7 +304,10 @@ class CriticIntrinsicReward:
                 "(the prefetched answers are in the cache). Pass the prefetch the call's own arguments."
             )
             prefetched = None
-        batch = prefetched or self._start(self._tokenizer(kwargs), prompts, completion_ids, env_rewards)
+        tokenizer = self._tokenizer(kwargs)
+        # Without a prefetch the offsets wait for the answers: computed now, they would hold the GIL while the worker
+        # threads send the requests, delaying the whole batch.
+        batch = prefetched or self._start(tokenizer, prompts, completion_ids, env_rewards, align=False)
         step = StepCounts(
             steps=1,
             samples=n,
@@ -313,7 +320,8 @@ class CriticIntrinsicReward:
         for k, answer in batch.job.as_completed() if batch.job is not None else ():
             i = batch.selected[k]
             context = batch.prompt_texts[i] if self.config.critic_include_prompt else ""
-            critique = self._critique(answer, *batch.aligned[i], context=context)
+            aligned = batch.aligned.get(i) or token_char_offsets(tokenizer, batch.completion_ids[i])
+            critique = self._critique(answer, *aligned, context=context)
             step.record(critique)
             rows[i] = critique.row
         now = time.monotonic()
