@@ -169,7 +169,7 @@ class RoutingReplay:
         self.disable_router_jitter = disable_router_jitter
         self._mode = "off"
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._jitter_off: dict[int, tuple[nn.Module, str, float]] = {}  # id(block) -> (block, attribute, value)
+        self._jitter_off: dict[nn.Module, tuple[str, float]] = {}  # MoE block -> (jitter attribute, its value)
         self._states: list[_RouterState] = _find_routers(model)
         if not self._states:
             raise unsupported_error(model)
@@ -260,8 +260,8 @@ class RoutingReplay:
         for state in self._states if self.disable_router_jitter else ():
             # switch off each MoE block's router jitter, remembering its value (once, while already off)
             block, attribute = state.block, state.adapter.jitter_attribute
-            if attribute is not None and hasattr(block, attribute) and id(block) not in self._jitter_off:
-                self._jitter_off[id(block)] = (block, attribute, getattr(block, attribute))
+            if attribute is not None and hasattr(block, attribute) and block not in self._jitter_off:
+                self._jitter_off[block] = (attribute, getattr(block, attribute))
                 setattr(block, attribute, 0.0)
 
     def _exit(self) -> None:
@@ -273,10 +273,9 @@ class RoutingReplay:
     def _restore_jitter(self, only_settled: bool) -> None:
         """Give back the router jitter `disable_router_jitter` switched off; with `only_settled`, not yet to a block
         whose checkpointed forward awaits its backward recomputation (the router hook restores it after that)."""
-        pending = {id(s.block) for s in self._states if s.recompute_fifo} if only_settled else set()
-        for key in [key for key in self._jitter_off if key not in pending]:
-            block, attribute, value = self._jitter_off.pop(key)
-            setattr(block, attribute, value)
+        pending = {s.block for s in self._states if s.recompute_fifo} if only_settled else set()
+        for block in [block for block in self._jitter_off if block not in pending]:
+            setattr(block, *self._jitter_off.pop(block))
 
     def export(self, dim: str = "batch") -> torch.Tensor:
         """The recorded routing as a [B, S, num_layers, k] tensor (int16, or int32 beyond 32767 experts), successive
