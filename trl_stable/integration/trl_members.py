@@ -463,14 +463,7 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "a context manager (the proximal forward runs without recomputation)",
         _DECOUPLED_PY,
     ),
-    Member(
-        "trl.trainer.utils",
-        "is_async_callable",
-        "call",
-        ("func",),
-        "bool",
-        (*_REWARD_CALLS_PY, *_REWARDS_PY),
-    ),
+    Member("trl.trainer.utils", "is_async_callable", "call", ("func",), "bool", (*_REWARD_CALLS_PY, *_REWARDS_PY)),
     Member(
         "trl.trainer.utils",
         "start_event_loop_in_daemon",
@@ -479,14 +472,7 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "3-tuple (thread, loop, ready event)",
         _REWARD_CALLS_PY,
     ),
-    Member(
-        "trl.trainer.utils",
-        "shutdown_event_loop_in_daemon",
-        "call",
-        ("thread", "loop"),
-        "None",
-        _REWARD_CALLS_PY,
-    ),
+    Member("trl.trainer.utils", "shutdown_event_loop_in_daemon", "call", ("thread", "loop"), "None", _REWARD_CALLS_PY),
     Member(
         "trl.trainer.sft_trainer.DataCollatorForLanguageModeling",
         "torch_call",
