@@ -403,12 +403,9 @@ class PPOTrainer(_StablePPOTrainer):
         return super().step(queries, responses, token_rewards=token_rewards)
 
     def _scaled_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: the rows of every
-        process, right-padded with zeros to the longest on their process, update the running mean and std (every
-        entry counts, query positions and padding included, as in the fork); each row is divided by the running std
-        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``. Two
-        differences from the fork (a std of ~0, the std's floor): docs/coming_from_relc.md.
-        """
+        """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: every entry of every
+        process's rows (zero-padded to the longest on their process) updates the running moments, then `scale_scores`
+        (the two differences from the fork: docs/coming_from_relc.md)."""
         args = self.args
         if not args.use_score_scaling and args.score_clip is None:
             return rows
