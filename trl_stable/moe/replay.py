@@ -63,38 +63,31 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
     return index
 
 
-class _RowQueue:
-    """Recorded [b_i, s_i, k] segments of one router (one per recorded call or loaded batch), whose rows forward calls
-    of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
-
-    def __init__(self, segments: list[torch.Tensor]):
-        self.segments = segments
-        self.segment = 0
-        self.row = 0
+class _RowQueue(deque):
+    """The recorded [b_i, s_i, k] segments of one router still to replay (one per recorded call or loaded batch), whose
+    rows forward calls of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
 
     def take(self, batch: int, seq_len: int, layer: str) -> torch.Tensor:
         """The next `batch` rows [batch, seq_len, k]; ValueError when they run out or their length differs."""
         parts, needed = [], batch
         while needed > 0:
-            if self.segment >= len(self.segments):
+            if not self:
                 raise ValueError(
                     f"Routing replay ran out of recorded routing at router {layer}: a forward pass asked for {batch} "
                     f"more sequences than were recorded or loaded. Fix: replay exactly the batch that was recorded, "
                     f"or pass its routing tensor [B, S, layers, k] to `replay(routing)`."
                 )
-            segment = self.segments[self.segment]
+            segment = self.popleft()
             if segment.shape[1] != seq_len:
                 raise ValueError(
                     f"Routing replay at router {layer}: the recorded routing has sequence length {segment.shape[1]} "
                     f"but the forward pass has {seq_len}. Fix: pad or trim the routing tensor to the model input "
                     f"(trl_stable.moe.pad_routing), or replay the same padded batch that was recorded."
                 )
-            rows = segment[self.row : self.row + needed]
-            parts.append(rows)
-            needed -= rows.shape[0]
-            self.row += rows.shape[0]
-            if self.row >= segment.shape[0]:
-                self.segment, self.row = self.segment + 1, 0
+            parts.append(segment[:needed])
+            needed -= parts[-1].shape[0]
+            if segment.shape[0] > parts[-1].shape[0]:  # the rest of the segment is the next call's
+                self.appendleft(segment[parts[-1].shape[0] :])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -243,7 +236,7 @@ class RoutingReplay:
             raise ValueError("Nothing to replay: record a pass with `record()` or pass a routing tensor first.")
         self._enter("replay")
         for state in self._states:
-            state.queue = _RowQueue(list(state.record))
+            state.queue = _RowQueue(state.record)
         try:
             yield self
         finally:
