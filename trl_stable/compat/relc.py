@@ -317,9 +317,7 @@ class PPOTrainer(_StablePPOTrainer):
         takes plus "label", "query" and "response", as the fork did."""
         if self.config.remove_unused_columns and hasattr(dataset, "column_names"):
             keep = set(inspect.signature(self.unwrapped().policy.forward).parameters) | {"label", "query", "response"}
-            unused = [c for c in dataset.column_names if c not in keep]
-            if unused:
-                dataset = dataset.remove_columns(unused)
+            dataset = dataset.select_columns([c for c in dataset.column_names if c in keep])
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=self.config.batch_size, collate_fn=data_collator, shuffle=True, drop_last=True
         )
