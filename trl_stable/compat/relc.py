@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -61,6 +61,11 @@ class LengthSampler(_InclusiveLengthSampler):
         super().__init__(min_value, max_value - 1)
 
 
+def _carried(default: Any) -> Any:
+    """A `PPOConfig` field that `to_trl_stable` passes on as it is (trl_stable's PPOConfig has it, same meaning)."""
+    return field(default=default, metadata={"carried": True})
+
+
 @dataclass
 class PPOConfig:
     """`trl.PPOConfig` of RELC's TRL 0.x fork: the same fields and defaults (a plain dataclass, so `tyro` builds
@@ -74,30 +79,30 @@ class PPOConfig:
 
     exp_name: str = os.path.basename(sys.argv[0])[: -len(".py")]
     task_name: str | None = None
-    model_name: str | None = None
+    model_name: str | None = _carried(None)
     query_dataset: str | None = None
     reward_model: str | None = None
     steps: int = 20000
-    learning_rate: float = 1e-5
-    adap_kl_ctrl: bool = True
+    learning_rate: float = _carried(1e-5)
+    adap_kl_ctrl: bool = _carried(True)
     init_kl_coef: float | None = 0.2
-    kl_penalty: str = "kl"
+    kl_penalty: str = _carried("kl")
     target: float | None = 6
     horizon: float | None = 10000
     gamma: float = 1
-    lam: float = 0.95
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    batch_size: int = 256
+    lam: float = _carried(0.95)
+    cliprange: float = _carried(0.2)
+    cliprange_value: float = _carried(0.2)
+    vf_coef: float = _carried(0.1)
+    batch_size: int = _carried(256)
     forward_batch_size: int | None = None
-    mini_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
+    mini_batch_size: int = _carried(1)
+    gradient_accumulation_steps: int = _carried(1)
     world_size: int | None = None
     backward_batch_size: int | None = None
     global_backward_batch_size: int | None = None
     global_batch_size: int | None = None
-    ppo_epochs: int = 4
+    ppo_epochs: int = _carried(4)
     remove_unused_columns: bool = True
     log_with: str | None = None
     tracker_kwargs: dict = field(default_factory=dict)
@@ -105,16 +110,16 @@ class PPOConfig:
     project_kwargs: dict = field(default_factory=dict)
     tracker_project_name: str = "trl"
     max_grad_norm: float | None = None
-    seed: int = 0
+    seed: int = _carried(0)
     optimize_cuda_cache: bool = False
-    early_stopping: bool = False
+    early_stopping: bool = _carried(False)
     target_kl: float = 1
     push_to_hub_if_best_kwargs: dict = field(default_factory=dict)
     compare_steps: int = 1
-    ratio_threshold: float = 10.0
-    use_score_scaling: bool = False
-    use_score_norm: bool = False
-    score_clip: float | None = None
+    ratio_threshold: float = _carried(10.0)
+    use_score_scaling: bool = _carried(False)
+    use_score_norm: bool = _carried(False)
+    score_clip: float | None = _carried(None)
     is_encoder_decoder: bool | None = None
     is_peft_model: bool | None = None
 
@@ -146,35 +151,18 @@ class PPOConfig:
             os.environ.setdefault("WANDB_PROJECT", self.tracker_project_name)
         wandb_kwargs = self.tracker_kwargs.get("wandb", {}) if isinstance(self.tracker_kwargs, dict) else {}
         kwargs = dict(
+            {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("carried")},
             output_dir=output_dir or os.path.join("relc_output", self.exp_name or "ppo"),
-            model_name=self.model_name,
-            learning_rate=self.learning_rate,
-            adap_kl_ctrl=self.adap_kl_ctrl,
             init_kl_coef=self.init_kl_coef if self.init_kl_coef is not None else 0.2,
-            kl_penalty=self.kl_penalty,
             # old TRL ignored the controller's target/horizon with a fixed coefficient and target_kl without
             # early_stopping; trl_stable refuses an ignored setting, so only the ones that act are carried over
             **({"target": self.target, "horizon": self.horizon} if self.adap_kl_ctrl else {}),
             gamma=float(self.gamma),
-            lam=self.lam,
-            cliprange=self.cliprange,
-            cliprange_value=self.cliprange_value,
-            vf_coef=self.vf_coef,
-            batch_size=self.batch_size,
-            mini_batch_size=self.mini_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            ppo_epochs=self.ppo_epochs,
             report_to=self.log_with or "none",
             # RELC's wandb kwargs only reach wandb when log_with starts it (accelerate's init_trackers)
             run_name=wandb_kwargs.get("name") if self.log_with == "wandb" else None,
             max_grad_norm=self.max_grad_norm if self.max_grad_norm is not None else 0.0,  # 0: no clipping
-            seed=self.seed,
-            early_stopping=self.early_stopping,
             target_kl=self.target_kl if self.early_stopping else None,
-            ratio_threshold=self.ratio_threshold,
-            use_score_scaling=self.use_score_scaling,
-            use_score_norm=self.use_score_norm,
-            score_clip=self.score_clip,
             # RELC's scripts draw their lengths with a LengthSampler and show their own progress bars
             disable_tqdm=True,
             save_strategy="no",
@@ -329,9 +317,7 @@ class PPOTrainer(_StablePPOTrainer):
         takes plus "label", "query" and "response", as the fork did."""
         if self.config.remove_unused_columns and hasattr(dataset, "column_names"):
             keep = set(inspect.signature(self.unwrapped().policy.forward).parameters) | {"label", "query", "response"}
-            unused = [c for c in dataset.column_names if c not in keep]
-            if unused:
-                dataset = dataset.remove_columns(unused)
+            dataset = dataset.select_columns([c for c in dataset.column_names if c in keep])
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=self.config.batch_size, collate_fn=data_collator, shuffle=True, drop_last=True
         )
@@ -387,33 +373,27 @@ class PPOTrainer(_StablePPOTrainer):
             raise ValueError("step(response_masks=...) is not supported by trl_stable's PPO; mask with turn_ids.")
         if scores is None or len(scores) != len(queries):
             raise ValueError("step() needs one score (scalar or per-token row) per query.")
-        rows, scalars = [], []
+        values = []
         for i, (q, r, s) in enumerate(zip(queries, responses, scores)):
             s = torch.tensor(float("nan")) if s is None else torch.as_tensor(s, dtype=torch.float32).detach().cpu()
-            if s.dim() == 0:
-                scalars.append(float(s))
-                rows.append(None)
-                continue
             expected = len(q) + len(r) - 1
-            if s.dim() != 1 or len(s) != expected:
+            if s.dim() != 0 and (s.dim() != 1 or len(s) != expected):
                 raise ValueError(
                     f"scores[{i}] has shape {tuple(s.shape)}: give a scalar or one reward per predicted token of "
                     f"query + response, len(query) + len(response) - 1 = {expected} entries."
                 )
-            rows.append(s)
-            scalars.append(None)
+            values.append(s)
         self.current_step += 1
         dropped = self._samples_of_failed_calls(responses, take_failed_prompts())
-        if all(row is None for row in rows):
-            scalars = [float("nan") if i in dropped else v for i, v in enumerate(scalars)]
+        if all(s.dim() == 0 for s in values):
+            scalars = [float("nan") if i in dropped else float(s) for i, s in enumerate(values)]
             return super().step(queries, responses, scores=scalars)
-        full_rows = []
-        for q, r, row, scalar in zip(queries, responses, rows, scalars):
-            if row is None:  # a scalar among per-token rows: it goes on the last token, as a row would hold it
-                row = torch.zeros(len(q) + len(r) - 1)
-                row[-1] = scalar
-            full_rows.append(row)
-        full_rows = self._scaled_rows(full_rows)
+        # a scalar among per-token rows goes on the last token, as a row would hold it
+        rows = [
+            torch.cat([torch.zeros(len(q) + len(r) - 2), s.reshape(1)]) if s.dim() == 0 else s
+            for q, r, s in zip(queries, responses, values)
+        ]
+        full_rows = self._scaled_rows(rows)
         # only the response tokens reach PPO: the fork masked the query positions out as well
         token_rewards = [row[len(q) - 1 :] for q, row in zip(queries, full_rows)]
         for i in dropped:  # NaN: PPO drops the sample (counted in ppo/dropped_samples)
@@ -421,12 +401,9 @@ class PPOTrainer(_StablePPOTrainer):
         return super().step(queries, responses, token_rewards=token_rewards)
 
     def _scaled_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: the rows of every
-        process, right-padded with zeros to the longest on their process, update the running mean and std (every
-        entry counts, query positions and padding included, as in the fork); each row is divided by the running std
-        (minus the running mean first with `use_score_norm`), then clipped to ``[-score_clip, score_clip]``. Two
-        differences from the fork (a std of ~0, the std's floor): docs/coming_from_relc.md.
-        """
+        """The fork's `use_score_scaling` / `use_score_norm` / `score_clip` on per-token rows: every entry of every
+        process's rows (zero-padded to the longest on their process) updates the running moments, then `scale_scores`
+        (the two differences from the fork: docs/coming_from_relc.md)."""
         args = self.args
         if not args.use_score_scaling and args.score_clip is None:
             return rows

@@ -6,6 +6,7 @@ after ``Rewards assigned:``). docs/coming_from_relc.md and docs/critic_rewards.m
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import warnings
@@ -57,21 +58,12 @@ def word_score_spans(text: str) -> tuple[list[str], list[str]] | None:
     rows = [(m.group("word"), float(m.group("score"))) for m in _WORD_SCORE_RE.finditer(text)]
     if not rows:
         return None
-    positive: dict[str, None] = {}  # ordered sets: first occurrence kept, O(1) membership
-    negative: dict[str, None] = {}
-    run: list[str] = []
-    sign = 0
-    for word, score in [*rows, ("", 0.0)]:  # the sentinel closes the last run
-        now = (score > 0) - (score < 0)
-        if now != sign and run:
-            span = "".join(run).strip()
-            if span:
-                (positive if sign > 0 else negative).setdefault(span)
-            run = []
-        sign = now
-        if now:
-            run.append(word)
-    return list(positive), list(negative)
+    spans: dict[int, dict[str, None]] = {1: {}, -1: {}}  # ordered sets: first occurrence kept, O(1) membership
+    for sign, run in itertools.groupby(rows, key=lambda row: (row[1] > 0) - (row[1] < 0)):
+        span = "".join(word for word, _ in run).strip()
+        if sign and span:
+            spans[sign].setdefault(span)
+    return list(spans[1]), list(spans[-1])
 
 
 def relc_continuation_header(prompt: str | None) -> str | None:

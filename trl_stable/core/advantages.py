@@ -6,13 +6,7 @@ import torch
 
 from trl_stable.core.normalization import _group_index, _segment_sum
 
-__all__ = [
-    "dense_advantages",
-    "ngrpo_advantages",
-    "overlong_penalty",
-    "reward_to_go",
-    "zero_variance_groups",
-]
+__all__ = ["dense_advantages", "ngrpo_advantages", "overlong_penalty", "reward_to_go", "zero_variance_groups"]
 
 
 def ngrpo_advantages(

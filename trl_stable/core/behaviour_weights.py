@@ -54,6 +54,12 @@ def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return summed / mask.float().sum(dim=1).clamp(min=1.0)
 
 
+def _at_level(x: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """`x` per token [B, T], or at level "sequence" its masked mean per sequence [B, 1], which the token tests
+    broadcast to keep or drop the whole sequence."""
+    return _sequence_mean(x, mask).unsqueeze(1) if level == "sequence" else x
+
+
 def icepop_mask(
     prox_logps: torch.Tensor,
     behav_logps: torch.Tensor,
@@ -70,13 +76,8 @@ def icepop_mask(
     """
     _check_level(level)
     lo, hi = _log_band(lower, upper, "IcePop")
-    mask_b = mask.bool()
-    log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
-    if level == "sequence":
-        seq = _sequence_mean(log_ratio, mask)
-        keep_seq = (seq >= lo) & (seq <= hi)
-        return keep_seq.unsqueeze(1) & mask_b
-    return (log_ratio >= lo) & (log_ratio <= hi) & mask_b
+    log_ratio = _at_level(behaviour_log_ratio(prox_logps, behav_logps, mask), mask, level)
+    return (log_ratio >= lo) & (log_ratio <= hi) & mask.bool()
 
 
 def binary_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,6 @@ def kpop_mask(
     _check_level(level)
     if not upper > 0:
         raise ValueError(f"KPop needs upper > 0, got upper={upper}.")
-    mask_b = mask.bool()
     # fp64: 1 - 1e-8 rounds to 1.0 in fp32, and log1p(-1) would turn a certain token into NaN
     prox = prox_logps.detach().double()
     behav = behav_logps.detach().double()
@@ -111,10 +111,7 @@ def kpop_mask(
     kl = torch.maximum(binary_kl(p, q), binary_kl(q, p))
     # A NaN log-prob carries no evidence (see the module docstring): count it as agreement.
     kl = torch.where(torch.isnan(prox) | torch.isnan(behav), torch.zeros_like(kl), kl)
-    if level == "sequence":
-        keep_seq = _sequence_mean(kl, mask) <= upper
-        return keep_seq.unsqueeze(1) & mask_b
-    return (kl <= upper) & mask_b
+    return (_at_level(kl, mask, level) <= upper) & mask.bool()
 
 
 def clamp_behaviour_weight(
@@ -134,14 +131,13 @@ def clamp_behaviour_weight(
     """
     _check_level(level)
     lo, hi = _log_band(lower, upper, "IcePop clamp")
-    mask_b = mask.bool()
     log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
     if level == "token":
         out = torch.exp(log_ratio.clamp(lo, hi))
     else:
         seq = _sequence_mean(log_ratio, mask)
         out = torch.exp(log_ratio + (seq.clamp(lo, hi) - seq).unsqueeze(1))
-    return torch.where(mask_b, out, torch.ones_like(out))
+    return torch.where(mask.bool(), out, torch.ones_like(out))
 
 
 def filter_behaviour_weight(

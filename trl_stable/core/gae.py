@@ -10,14 +10,12 @@ __all__ = ["compute_gae", "compute_turn_gae", "count_turns", "relative_position_
 
 
 def _lam_column(lam: float | torch.Tensor, batch: int, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(lam, torch.Tensor):
-        lam = lam.to(device=like.device, dtype=like.dtype)
-        if lam.dim() == 0:
-            return lam.expand(batch)
-        if lam.shape != (batch,):
-            raise ValueError(f"lam must be a float or a [B] tensor with B={batch}, got shape {tuple(lam.shape)}.")
-        return lam
-    return torch.full((batch,), float(lam), device=like.device, dtype=like.dtype)
+    lam = torch.as_tensor(lam, device=like.device, dtype=like.dtype)
+    if lam.dim() == 0:
+        return lam.expand(batch)
+    if lam.shape != (batch,):
+        raise ValueError(f"lam must be a float or a [B] tensor with B={batch}, got shape {tuple(lam.shape)}.")
+    return lam
 
 
 def compute_gae(

@@ -1,15 +1,6 @@
-"""How trl_stable stands on TRL and transformers.
-
-- `trl_members` and `mirrored`: the registry, data only: every private TRL / transformers member trl_stable
-  overrides, calls, reads or patches ([`Member`]), and every piece of TRL logic it mirrors or relies on
-  ([`Mirrored`]), each checked against the installed versions by `tests/integration/test_trl_members.py`.
-- `patching`: [`wrapped_method`], a method replaced on one instance for the duration of a call.
-- `reward_calls`: calling a reward function as TRL does ([`call_reward_func`], [`reward_event_loop`]).
-- `hf_names`: names transformers gives things ([`model_name_of`], [`rng_state_file`]).
-- `version`: the version gate, one clear ImportError at import time for a TRL release trl_stable does not support.
-
-What reads or writes `trl.GRPOTrainer`'s own state lives with the GRPO trainer (`trl_stable.trainers.grpo`), PPO's
-with PPO. Nothing here imports another trl_stable package but this one.
+"""How trl_stable stands on TRL and transformers: the registry of every private member it uses and piece of logic it
+mirrors (`trl_members`, `mirrored`), and the generic helpers; docs/development.md, "TRL internals", has the table.
+Nothing here imports another trl_stable package but this one.
 """
 
 from trl_stable.integration.hf_names import model_name_of, rng_state_file

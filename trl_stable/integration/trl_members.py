@@ -32,9 +32,11 @@ class Member:
     used_in: tuple[str, ...] = ()
 
 
-def _attr(owner: str, name: str, used_in: tuple[str, ...], returns: str) -> Member:
-    """An attribute trl_stable reads on an instance (checked on a tiny trainer)."""
-    return Member(owner, name, "attribute", returns=returns, used_in=used_in)
+def _attrs(owner: str, rows: dict[str, tuple[tuple[str, ...], str]]) -> list[Member]:
+    """Attributes trl_stable reads on an instance of `owner` (checked on a tiny trainer): {name: (used_in, what)}."""
+    return [
+        Member(owner, name, "attribute", returns=returns, used_in=used_in) for name, (used_in, returns) in rows.items()
+    ]
 
 
 _GRPO = "trl.GRPOTrainer"
@@ -119,42 +121,6 @@ GRPO_MEMBERS: tuple[Member, ...] = (
     Member(_GRPO, "_compute_loss", "override", ("model", "inputs"), "a scalar loss tensor", _TRAINER_PY),
     Member(_GRPO, "_log_completion_extra", "call", ("column", "values"), "", _REWARDS_PY),
     Member(_GRPO, "_log_metric", "call", ("name", "value"), "", _REWARDS_PY),
-    # attributes, read on an instance (checked on a tiny trainer)
-    _attr(
-        _GRPO, "_metrics", _LOGS_PY, '{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`'
-    ),
-    _attr(_GRPO, "_logs", _LOGS_PY, 'dict with an "advantages" list: the completions table\'s advantage column'),
-    _attr(
-        _GRPO,
-        "_pending_metrics",
-        _LOGS_PY,
-        "defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
-    ),
-    _attr(
-        _GRPO,
-        "_pending_extra_logs",
-        _LOGS_PY,
-        "dict of columns reward functions logged with `log_extra`, flushed after the rewards",
-    ),
-    _attr(_GRPO, "_tokenizer", _BATCH_PY, "the tokenizer (pad_token_id)"),
-    _attr(
-        _GRPO,
-        "reward_funcs",
-        (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
-        "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
-        "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
-        "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
-    ),
-    _attr(
-        _GRPO,
-        "async_loop",
-        _DENSE_PY,
-        "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
-    ),
-    _attr(
-        _GRPO, "environments", _REWARDS_PY, "per-rollout environment instances or None (passed to reward functions)"
-    ),
-    _attr(_GRPO, "num_generations_eval", _TRAINER_PY, "group size in evaluation"),
     # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
     Member(
         _GRPO,
@@ -167,60 +133,74 @@ GRPO_MEMBERS: tuple[Member, ...] = (
         _CHECKPOINTS_PY,
     ),
     Member(_GRPO, "_get_output_dir", "call", ("trial",), "the folder checkpoints are written into", _MARKED_PY),
-    # attributes trl_stable edits once, at construction, and TRL reads at every call (see MIRRORED:
-    # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
-    _attr(
-        _GRPO, "reward_func_names", (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"
-    ),
-    _attr(
-        _GRPO,
-        "reward_processing_classes",
-        (*_TRAINER_PY, *_DENSE_PY),
-        "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
-    ),
-    _attr(
-        _GRPO,
-        "reward_weights",
-        (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
-        "[K] float tensor, aligned with reward_funcs",
-    ),
-    # attributes trl_stable reads to decide its own path (TRL sets them from its config in `__init__`)
-    _attr(_GRPO, "num_generations", (*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
-    _attr(_GRPO, "max_completion_length", _TRAINER_PY, "int, the completion cap"),
-    _attr(_GRPO, "loss_type", _TRAINER_PY, "str, TRL's loss (named in describe)"),
-    _attr(
-        _GRPO,
-        "importance_sampling_level",
-        (*_TRAINER_PY, *_DECOUPLED_PY),
-        '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
-    ),
-    _attr(_GRPO, "use_vllm", _TRAINER_PY, "bool: the sampler is vLLM"),
-    _attr(
-        _GRPO,
-        "use_transformers_continuous_batching",
-        _TRAINER_PY,
-        "bool: the sampler is transformers' continuous batching (no sampler log-probs)",
-    ),
-    _attr(_GRPO, "tools", _TRAINER_PY, "list of tool functions (R3 refuses tool calling)"),
-    _attr(_GRPO, "rollout_func", _TRAINER_PY, "the user's rollout function or None"),
-    _attr(
-        _GRPO,
-        "environment_factories",
-        _TRAINER_PY,
-        "None unless environments make the prompts (then no prompt column is checked)",
-    ),
-    _attr(
-        _GRPO,
-        "ref_model",
-        ("trl_stable/trainers/grpo/forward_passes.py",),
-        "the KL reference model, or None (PEFT: the policy with adapters off)",
-    ),
     Member(
         _GRPO, "create_model_card", "call", ("model_name",), "None (writes README.md in output_dir)", _CHECKPOINTS_PY
     ),
-    _attr(_GRPO, "use_adaptive_entropy", _CHECKPOINTS_PY, "bool: TRL saves its entropy state"),
-    _attr(_GRPO, "entropy_coef", _CHECKPOINTS_PY, "float, in TRL's entropy state file"),
-    _attr(_GRPO, "_last_world_entropy", _CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+    *_attrs(
+        _GRPO,
+        {
+            "_metrics": (_LOGS_PY, '{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`'),
+            "_logs": (_LOGS_PY, 'dict with an "advantages" list: the completions table\'s advantage column'),
+            "_pending_metrics": (
+                _LOGS_PY,
+                "defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
+            ),
+            "_pending_extra_logs": (
+                _LOGS_PY,
+                "dict of columns reward functions logged with `log_extra`, flushed after the rewards",
+            ),
+            "_tokenizer": (_BATCH_PY, "the tokenizer (pad_token_id)"),
+            "reward_funcs": (
+                (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
+                "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
+                "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
+                "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
+            ),
+            "async_loop": (
+                _DENSE_PY,
+                "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
+            ),
+            "environments": (_REWARDS_PY, "per-rollout environment instances or None (passed to reward functions)"),
+            "num_generations_eval": (_TRAINER_PY, "group size in evaluation"),
+            # edited once by trl_stable, at construction, and read by TRL at every call (see MIRRORED:
+            # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
+            "reward_func_names": ((*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"),
+            "reward_processing_classes": (
+                (*_TRAINER_PY, *_DENSE_PY),
+                "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
+            ),
+            "reward_weights": (
+                (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+                "[K] float tensor, aligned with reward_funcs",
+            ),
+            # read by trl_stable to decide its own path (TRL sets them from its config in `__init__`)
+            "num_generations": ((*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
+            "max_completion_length": (_TRAINER_PY, "int, the completion cap"),
+            "loss_type": (_TRAINER_PY, "str, TRL's loss (named in describe)"),
+            "importance_sampling_level": (
+                (*_TRAINER_PY, *_DECOUPLED_PY),
+                '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
+            ),
+            "use_vllm": (_TRAINER_PY, "bool: the sampler is vLLM"),
+            "use_transformers_continuous_batching": (
+                _TRAINER_PY,
+                "bool: the sampler is transformers' continuous batching (no sampler log-probs)",
+            ),
+            "tools": (_TRAINER_PY, "list of tool functions (R3 refuses tool calling)"),
+            "rollout_func": (_TRAINER_PY, "the user's rollout function or None"),
+            "environment_factories": (
+                _TRAINER_PY,
+                "None unless environments make the prompts (then no prompt column is checked)",
+            ),
+            "ref_model": (
+                ("trl_stable/trainers/grpo/forward_passes.py",),
+                "the KL reference model, or None (PEFT: the policy with adapters off)",
+            ),
+            "use_adaptive_entropy": (_CHECKPOINTS_PY, "bool: TRL saves its entropy state"),
+            "entropy_coef": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+            "_last_world_entropy": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+        },
+    ),
 )
 
 TRANSFORMERS_MEMBERS: tuple[Member, ...] = (
@@ -433,8 +413,9 @@ VLLM_MEMBERS: tuple[Member, ...] = (
     Member(
         _VLLM_GENERATION, "sync_weights", "call", (), "None (gathers shards, merges LoRA, loads into vLLM)", _PPO_VLLM
     ),
-    _attr(
-        _VLLM_GENERATION, "max_completion_length", _PPO_VLLM, "set per call: `generate` reads it for vLLM's max_tokens"
+    *_attrs(
+        _VLLM_GENERATION,
+        {"max_completion_length": (_PPO_VLLM, "set per call: `generate` reads it for vLLM's max_tokens")},
     ),
     Member(
         _VLLM_GENERATION,
@@ -463,14 +444,7 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "a context manager (the proximal forward runs without recomputation)",
         _DECOUPLED_PY,
     ),
-    Member(
-        "trl.trainer.utils",
-        "is_async_callable",
-        "call",
-        ("func",),
-        "bool",
-        (*_REWARD_CALLS_PY, *_REWARDS_PY),
-    ),
+    Member("trl.trainer.utils", "is_async_callable", "call", ("func",), "bool", (*_REWARD_CALLS_PY, *_REWARDS_PY)),
     Member(
         "trl.trainer.utils",
         "start_event_loop_in_daemon",
@@ -479,14 +453,7 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         "3-tuple (thread, loop, ready event)",
         _REWARD_CALLS_PY,
     ),
-    Member(
-        "trl.trainer.utils",
-        "shutdown_event_loop_in_daemon",
-        "call",
-        ("thread", "loop"),
-        "None",
-        _REWARD_CALLS_PY,
-    ),
+    Member("trl.trainer.utils", "shutdown_event_loop_in_daemon", "call", ("thread", "loop"), "None", _REWARD_CALLS_PY),
     Member(
         "trl.trainer.sft_trainer.DataCollatorForLanguageModeling",
         "torch_call",

@@ -63,38 +63,31 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
     return index
 
 
-class _RowQueue:
-    """Recorded [b_i, s_i, k] segments of one router (one per recorded call or loaded batch), whose rows forward calls
-    of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
-
-    def __init__(self, segments: list[torch.Tensor]):
-        self.segments = segments
-        self.segment = 0
-        self.row = 0
+class _RowQueue(deque):
+    """The recorded [b_i, s_i, k] segments of one router still to replay (one per recorded call or loaded batch), whose
+    rows forward calls of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
 
     def take(self, batch: int, seq_len: int, layer: str) -> torch.Tensor:
         """The next `batch` rows [batch, seq_len, k]; ValueError when they run out or their length differs."""
         parts, needed = [], batch
         while needed > 0:
-            if self.segment >= len(self.segments):
+            if not self:
                 raise ValueError(
                     f"Routing replay ran out of recorded routing at router {layer}: a forward pass asked for {batch} "
                     f"more sequences than were recorded or loaded. Fix: replay exactly the batch that was recorded, "
                     f"or pass its routing tensor [B, S, layers, k] to `replay(routing)`."
                 )
-            segment = self.segments[self.segment]
+            segment = self.popleft()
             if segment.shape[1] != seq_len:
                 raise ValueError(
                     f"Routing replay at router {layer}: the recorded routing has sequence length {segment.shape[1]} "
                     f"but the forward pass has {seq_len}. Fix: pad or trim the routing tensor to the model input "
                     f"(trl_stable.moe.pad_routing), or replay the same padded batch that was recorded."
                 )
-            rows = segment[self.row : self.row + needed]
-            parts.append(rows)
-            needed -= rows.shape[0]
-            self.row += rows.shape[0]
-            if self.row >= segment.shape[0]:
-                self.segment, self.row = self.segment + 1, 0
+            parts.append(segment[:needed])
+            needed -= parts[-1].shape[0]
+            if segment.shape[0] > parts[-1].shape[0]:  # the rest of the segment is the next call's
+                self.appendleft(segment[parts[-1].shape[0] :])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -169,7 +162,7 @@ class RoutingReplay:
         self.disable_router_jitter = disable_router_jitter
         self._mode = "off"
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._jitter_off: dict[int, tuple[nn.Module, str, float]] = {}  # id(block) -> (block, attribute, value)
+        self._jitter_off: dict[nn.Module, tuple[str, float]] = {}  # MoE block -> (jitter attribute, its value)
         self._states: list[_RouterState] = _find_routers(model)
         if not self._states:
             raise unsupported_error(model)
@@ -243,7 +236,7 @@ class RoutingReplay:
             raise ValueError("Nothing to replay: record a pass with `record()` or pass a routing tensor first.")
         self._enter("replay")
         for state in self._states:
-            state.queue = _RowQueue(list(state.record))
+            state.queue = _RowQueue(state.record)
         try:
             yield self
         finally:
@@ -260,8 +253,8 @@ class RoutingReplay:
         for state in self._states if self.disable_router_jitter else ():
             # switch off each MoE block's router jitter, remembering its value (once, while already off)
             block, attribute = state.block, state.adapter.jitter_attribute
-            if attribute is not None and hasattr(block, attribute) and id(block) not in self._jitter_off:
-                self._jitter_off[id(block)] = (block, attribute, getattr(block, attribute))
+            if attribute is not None and hasattr(block, attribute) and block not in self._jitter_off:
+                self._jitter_off[block] = (attribute, getattr(block, attribute))
                 setattr(block, attribute, 0.0)
 
     def _exit(self) -> None:
@@ -273,10 +266,9 @@ class RoutingReplay:
     def _restore_jitter(self, only_settled: bool) -> None:
         """Give back the router jitter `disable_router_jitter` switched off; with `only_settled`, not yet to a block
         whose checkpointed forward awaits its backward recomputation (the router hook restores it after that)."""
-        pending = {id(s.block) for s in self._states if s.recompute_fifo} if only_settled else set()
-        for key in [key for key in self._jitter_off if key not in pending]:
-            block, attribute, value = self._jitter_off.pop(key)
-            setattr(block, attribute, value)
+        pending = {s.block for s in self._states if s.recompute_fifo} if only_settled else set()
+        for block in [block for block in self._jitter_off if block not in pending]:
+            setattr(block, *self._jitter_off.pop(block))
 
     def export(self, dim: str = "batch") -> torch.Tensor:
         """The recorded routing as a [B, S, num_layers, k] tensor (int16, or int32 beyond 32767 experts), successive
