@@ -95,6 +95,9 @@ def test_config_translates_to_trl_stable():
     assert stable.learning_rate == 1e-5 and stable.report_to == []
     with pytest.raises(ValueError, match="multiple"):
         relc.PPOConfig(batch_size=6, mini_batch_size=4)
+    relc._warned.discard("optimize_cuda_cache")
+    with pytest.warns(UserWarning, match="optimize_cuda_cache has no trl_stable counterpart"):
+        relc.PPOConfig(optimize_cuda_cache=True).to_trl_stable("unused")
 
 
 def test_length_sampler_upper_bound_is_exclusive():

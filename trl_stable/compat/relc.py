@@ -73,8 +73,8 @@ class PPOConfig:
 
     Fields the fork used only for tracking (`exp_name`, `task_name`, `model_name`, `query_dataset`, `reward_model`,
     `steps`) are kept and logged. `log_with` becomes `report_to`, `tracker_project_name` the wandb project,
-    ``max_grad_norm=None`` no clipping. `accelerator_kwargs`, `project_kwargs` and `push_to_hub_if_best_kwargs` have
-    no trl_stable counterpart and are ignored with a warning; `optimize_cuda_cache` is ignored.
+    ``max_grad_norm=None`` no clipping. `accelerator_kwargs`, `project_kwargs`, `push_to_hub_if_best_kwargs` and
+    `optimize_cuda_cache` have no trl_stable counterpart and are ignored with a warning when set.
     """
 
     exp_name: str = os.path.basename(sys.argv[0])[: -len(".py")]
@@ -143,7 +143,7 @@ class PPOConfig:
 
     def to_trl_stable(self, output_dir: str | None = None, **overrides: Any) -> _StablePPOConfig:
         """The equivalent `trl_stable.PPOConfig` (`overrides` win)."""
-        for name in ("accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
+        for name in ("accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs", "optimize_cuda_cache"):
             if getattr(self, name):
                 _warn_once(name, f"PPOConfig.{name} has no trl_stable counterpart and is ignored.")
         if self.log_with == "wandb":
