@@ -174,8 +174,6 @@ def _call_judges(
 ) -> tuple[list[float | None], str | None]:
     """Judge every (prompt, a, b) triple concurrently (None for a failed call), and say why the first failed call
     failed (None when none did)."""
-    if not triples:
-        return [], None
     errors: list[str] = []
 
     def guarded(call: Callable[..., Any], *args: Any) -> Any:
