@@ -23,6 +23,7 @@ PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, l
 # Backtracking steps allowed to find one round's rematch-free pairing: the search is exponential in the worst case
 # (many rounds for a large G, e.g. 31 rounds of G = 32 took seconds), and a round that needs more stops the arena.
 MAX_PAIRING_SEARCH = 20_000
+_VERDICTS = (("[[a]]", 1.0), ("[[b]]", 0.0), ("[[c]]", 0.5), ("[[tie]]", 0.5))
 
 
 def check_arena_args(pairing: str, rounds: int | None) -> None:
@@ -305,12 +306,9 @@ def parse_verdict(answer: str | None) -> float | None:
     without a verdict (a failed call)."""
     if not answer:
         return None
-    best, verdict = -1, None
-    for token, value in (("[[a]]", 1.0), ("[[b]]", 0.0), ("[[c]]", 0.5), ("[[tie]]", 0.5)):
-        pos = answer.lower().rfind(token)
-        if pos > best:
-            best, verdict = pos, value
-    return verdict
+    lower = answer.lower()
+    pos, verdict = max((lower.rfind(token), value) for token, value in _VERDICTS)
+    return verdict if pos >= 0 else None
 
 
 def completion_text(value: Any) -> str:
@@ -470,10 +468,9 @@ class ArenaReward:
         )
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
-        keys = [json.dumps(p, sort_keys=True, default=str) if not isinstance(p, str) else p for p in prompts]
         order: dict[str, list[int]] = {}
-        for idx, key in enumerate(keys):
-            order.setdefault(key, []).append(idx)
+        for idx, p in enumerate(prompts):
+            order.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(idx)
         members = list(order.values())
         groups = [(_prompt_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
         with self._lock:
