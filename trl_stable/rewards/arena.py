@@ -333,13 +333,6 @@ class JudgeRequestsFailed(RuntimeError):
     """Every request of a judge batch failed (the message names the first failure)."""
 
 
-@dataclass(frozen=True)
-class _FailedRequest:
-    """A judge request that raised, in place of its answer: why."""
-
-    cause: str
-
-
 class LLMJudge:
     """A pairwise judge over an LLM: fills a template, asks a backend, parses the "[[A]]/[[B]]/[[C]]" verdict.
 
@@ -377,13 +370,13 @@ class LLMJudge:
         """A judge over ``chat(messages) -> text`` (e.g. a wrapper around ``client.chat.completions.create``),
         called concurrently on `max_workers` threads; an exception is a failed call (None)."""
 
-        def backend(prompts: list[str]) -> list[str | _FailedRequest | None]:
-            def ask(prompt: str) -> str | _FailedRequest | None:
+        def backend(prompts: list[str]) -> list[str | Exception | None]:
+            def ask(prompt: str) -> str | Exception | None:
                 messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
                 try:
                     return chat([*messages, {"role": "user", "content": prompt}])
                 except Exception as err:  # noqa: BLE001 - a failed request is a draw, counted by the arena
-                    return _FailedRequest(f"{type(err).__name__}: {str(err)[:200]}")
+                    return err  # in place of its answer
 
             with cf.ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(prompts) or 1))) as pool:
                 return list(pool.map(ask, prompts))
@@ -401,10 +394,11 @@ class LLMJudge:
         answers = list(self.backend(prompts))
         if len(answers) != len(prompts):
             raise ValueError(f"The judge backend returned {len(answers)} answers for {len(prompts)} prompts.")
-        failed = [a for a in answers if isinstance(a, _FailedRequest)]
+        failed = [a for a in answers if isinstance(a, Exception)]
         if failed and len(failed) == len(answers):
-            raise JudgeRequestsFailed(f"every judge request failed, e.g. {failed[0].cause}")
-        return [None if isinstance(a, _FailedRequest) else self.parser(a) for a in answers]
+            cause = f"{type(failed[0]).__name__}: {str(failed[0])[:200]}"
+            raise JudgeRequestsFailed(f"every judge request failed, e.g. {cause}")
+        return [None if isinstance(a, Exception) else self.parser(a) for a in answers]
 
     def __call__(self, prompt: str, a: str, b: str) -> float | None:
         """P(a beats b) for one pair; None for a failed request or an answer without a verdict."""

@@ -54,11 +54,6 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 DEFAULT_MAX_ABS_REWARD = 1e6
 
 
-def out_of_range(value: float, limit: float | None) -> bool:
-    """Whether a reward value is beyond the bound: +-inf, or (with a `limit`) larger in magnitude than `limit`."""
-    return math.isinf(value) or (limit is not None and abs(value) > limit)
-
-
 def reward_number(value: Any, subject: str, where: str) -> float:
     """`value` as a float under the contract's number rule; None -> NaN, beyond float32's range -> +-inf. A value
     that is not a real number raises `RewardTypeError` naming `subject` ("Reward function 'f'") and `where`."""
@@ -247,7 +242,7 @@ def _dense_row(row: Any, length: int, subject: str, where: str, limit: float | N
             f"{subject} returned {len(out)} token rewards for {where}, which has {length} tokens; align the "
             "per-token rewards to the completion's token ids."
         )
-    bad = [t for t, v in enumerate(out) if out_of_range(v, limit)]
+    bad = [t for t, v in enumerate(out) if math.isinf(v) or (limit is not None and abs(v) > limit)]
     if bad:
         _warn_out_of_range(subject, [f"token {t} of {where}" for t in bad], [out[t] for t in bad], limit)
         for t in bad:
