@@ -84,7 +84,6 @@ class _Tournament:
         random.Random(seed).shuffle(self.seed_order)
         self.seed_rank = {player: rank for rank, player in enumerate(self.seed_order)}
         self.done = n < 2 or self.max_rounds == 0
-        self._budget = MAX_PAIRING_SEARCH
 
     def buchholz(self, i: int) -> float:
         return sum(self.wins[j] for j in self.opponents[i])

@@ -382,5 +382,4 @@ def start_dense_rewards(
     """Prefetch every dense function that has a `prefetch` through the trainer's `prefetch(func)` (its handle is
     later passed as ``prefetched=``); the other arguments are those of `collect_dense_rewards`."""
     handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
-    lengths = list(completion_lengths)
-    return PendingDenseRewards(list(funcs), list(names), list(weights), lengths, call, handles, limit)
+    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call, handles, limit)

@@ -380,5 +380,4 @@ class StepReward:
 
     def reward_weights(self) -> list[float]:
         """Weights aligned with `reward_funcs` (1.0 for the penalty function)."""
-        weights = [self.weights.as_dict()[d] for d in DIMENSIONS]
-        return weights + ([1.0] if self.penalties else [])
+        return list(self.weights.as_dict().values()) + ([1.0] if self.penalties else [])
