@@ -64,17 +64,20 @@ def reward_number(value: Any, subject: str, where: str) -> float:
     if isinstance(value, complex):
         raise RewardTypeError(f"{subject} returned the complex number {value!r} for {where}; return a real number.")
     if not isinstance(value, numbers.Real):
-        if isinstance(value, (torch.Tensor, np.ndarray)):
-            what = f"a {type(value).__name__} of shape {tuple(value.shape)}"
-        elif isinstance(value, (list, tuple)):
-            what = f"a {type(value).__name__} ({value!r:.60})"
-        else:
-            what = f"{value!r:.60} ({type(value).__name__})"
         raise RewardTypeError(
-            f"{subject} returned {what} for {where}, which is not a number; return a float (or None where it does not "
-            "apply)."
+            f"{subject} returned {_describe(value)} for {where}, which is not a number; return a float (or None where "
+            "it does not apply)."
         )
     return _float32_range(float(value))
+
+
+def _describe(value: Any) -> str:
+    """A returned value as an error message names it."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} ({value!r:.60})"
+    return f"{value!r:.60} ({type(value).__name__})"
 
 
 def _float32_range(number: float) -> float:
@@ -84,13 +87,11 @@ def _float32_range(number: float) -> float:
 def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
     """A reward output's entries as a list: a list, tuple, generator or 1-D tensor / array; anything else raises."""
     if isinstance(values, (torch.Tensor, np.ndarray)):
-        if values.ndim != 1:
-            raise RewardTypeError(
-                f"{subject} returned a {type(values).__name__} of shape {tuple(values.shape)}; return {expected}."
-            )
-        return list(values)
-    if isinstance(values, (str, bytes, Mapping, Set)) or not isinstance(values, Iterable):
-        raise RewardTypeError(f"{subject} returned {values!r:.60} ({type(values).__name__}); return {expected}.")
+        bad = values.ndim != 1
+    else:
+        bad = isinstance(values, (str, bytes, Mapping, Set)) or not isinstance(values, Iterable)
+    if bad:
+        raise RewardTypeError(f"{subject} returned {_describe(values)}; return {expected}.")
     return list(values)
 
 
