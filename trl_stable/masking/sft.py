@@ -62,8 +62,7 @@ def step_mask_example(
             f"A step-masked SFT row needs 'messages', 'text' (+ 'steps') or 'input_ids' (+ 'steps'); got keys "
             f"{sorted(example)}."
         )
-    keep = result.mask.tolist()
-    labels = [label if m > 0 else -100 for label, m in zip(base_labels, keep)]
+    labels = [label if m > 0 else -100 for label, m in zip(base_labels, result.mask.tolist())]
     return {
         "input_ids": input_ids,
         "labels": labels,

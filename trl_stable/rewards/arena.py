@@ -312,11 +312,9 @@ def parse_verdict(answer: str | None) -> float | None:
 
 def completion_text(value: Any) -> str:
     """A completion as plain text: a conversational one is the concatenation of its messages' contents."""
-    if value is None:
-        return ""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
-    return _prompt_text(value)
+    return "" if value is None else _prompt_text(value)
 
 
 def _prompt_text(value: Any) -> str:
