@@ -75,7 +75,9 @@ class _Tournament:
         self.opponents: list[list[int]] = [[] for _ in range(n)]  # per player, one entry per match
         self.byes: set[int | None] = set()
         self.pairings: list[tuple[int, int]] = []
-        self.rounds_played = self.judge_calls = self.failed_calls = 0
+        self.rounds_played = 0
+        self.judge_calls = 0
+        self.failed_calls = 0
         self.failure: str | None = None
         swiss_rounds = rounds or (math.ceil(math.log2(n)) if n > 1 else 0)
         self.max_rounds = 1 if pairing == "round_robin" else swiss_rounds
