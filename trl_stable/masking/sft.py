@@ -168,11 +168,9 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
         )  # fmt: skip
 
     def _step_mask(self, dataset: Any, tokenizer: Any, options: dict, name: str) -> Any:
-        if dataset is None:
-            return None
         columns = set(getattr(dataset, "column_names", None) or [])
         if "messages" not in columns and "steps" not in columns:
-            return dataset  # nothing step-shaped: plain SFT
+            return dataset  # None, or nothing step-shaped: plain SFT
         out = build_step_masked_dataset(dataset, tokenizer, **options)
         try:
             stats = {

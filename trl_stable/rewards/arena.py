@@ -305,9 +305,7 @@ def load_prompt(name: str) -> str:
 def parse_verdict(answer: str | None) -> float | None:
     """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5; None
     without a verdict (a failed call)."""
-    if not answer:
-        return None
-    lower = answer.lower()
+    lower = (answer or "").lower()
     pos, verdict = max((lower.rfind(token), value) for token, value in _VERDICTS)
     return verdict if pos >= 0 else None
 
