@@ -130,7 +130,7 @@ class _Tournament:
 
     def record(
         self, pairs: Sequence[tuple[int, int]], outcomes: list[float | None], per_match: int, cause: str | None
-    ):
+    ) -> None:
         """Score the round's matches from their judge calls (`per_match` each, None a failed call, `cause` why)."""
         self.judge_calls += len(outcomes)
         self.failed_calls += outcomes.count(None)
