@@ -44,12 +44,9 @@ def check_steps(steps: Any, name: str, num_tokens: int, text: str | None, return
     a list of spans of a sequence of `num_tokens` tokens (``unit="token"``, the default) or of `text`'s characters
     (``unit="char"``)."""
     if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Sequence):
-        verb, fix = (
-            ("returned", "return a list of step dicts (or None for none)")
-            if returned
-            else ("is", "pass a list of step dicts")
-        )
-        raise StepSpanError(f"{name} {verb} {steps!r:.80}; {fix}.")
+        if returned:
+            raise StepSpanError(f"{name} returned {steps!r:.80}; return a list of step dicts (or None for none).")
+        raise StepSpanError(f"{name} is {steps!r:.80}; pass a list of step dicts.")
     for i, step in enumerate(steps):
         where = f"{name}[{i}]"
         if not isinstance(step, Mapping):

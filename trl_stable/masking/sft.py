@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import trl
+from torch.nn.utils.rnn import pad_sequence
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from trl_stable.integration.hf_names import model_name_of
@@ -61,8 +62,7 @@ def step_mask_example(
             f"A step-masked SFT row needs 'messages', 'text' (+ 'steps') or 'input_ids' (+ 'steps'); got keys "
             f"{sorted(example)}."
         )
-    keep = result.mask.tolist()
-    labels = [label if m > 0 else -100 for label, m in zip(base_labels, keep)]
+    labels = [label if m > 0 else -100 for label, m in zip(base_labels, result.mask.tolist())]
     return {
         "input_ids": input_ids,
         "labels": labels,
@@ -168,11 +168,9 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
         )  # fmt: skip
 
     def _step_mask(self, dataset: Any, tokenizer: Any, options: dict, name: str) -> Any:
-        if dataset is None:
-            return None
         columns = set(getattr(dataset, "column_names", None) or [])
         if "messages" not in columns and "steps" not in columns:
-            return dataset  # nothing step-shaped: plain SFT
+            return dataset  # None, or nothing step-shaped: plain SFT
         out = build_step_masked_dataset(dataset, tokenizer, **options)
         try:
             stats = {
@@ -208,12 +206,8 @@ class StepMaskCollator(DataCollatorForLanguageModeling):
                 raise ValueError(f"'{self.mask_key}' has {row.numel()} entries for {length} tokens.")
             rows.append(row)
         labels = batch["labels"]
-        if self.padding_free:
-            keep = torch.cat(rows)
-            keep = torch.nn.functional.pad(keep, (0, labels.size(1) - keep.numel()), value=False).unsqueeze(0)
-        else:
-            keep = torch.zeros_like(labels, dtype=torch.bool)
-            for i, row in enumerate(rows):
-                keep[i, : row.numel()] = row
+        # Right-padded like the labels: one packed row when padding-free, else one row per example.
+        keep = torch.cat(rows).unsqueeze(0) if self.padding_free else pad_sequence(rows, batch_first=True)
+        keep = torch.nn.functional.pad(keep, (0, labels.size(1) - keep.size(1)), value=False)
         batch["labels"] = labels.masked_fill(~keep, -100)
         return batch

@@ -51,15 +51,13 @@ def _incremental_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bo
 def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = True) -> list[tuple[int, int]] | None:
     """Offsets in one pass with the `tokenizers` streaming decoder (rules of `_incremental_offsets`); None when the
     stream's text differs from `text` (decoders with clean-up or prefix-space rules)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
     try:
         from tokenizers.decoders import DecodeStream
 
+        backend = tokenizer.backend_tokenizer
         stream = DecodeStream(skip_special_tokens=skip)
         chunks = [stream.step(backend, int(i)) for i in ids]
-    except Exception:  # noqa: BLE001 - an old `tokenizers` or an unusual backend: use the fallback
+    except Exception:  # noqa: BLE001 - a slow tokenizer, an old `tokenizers` or an unusual backend: the fallback
         return None
     offsets: list[tuple[int, int]] = []
     first_pending = 0  # first token of the run that the next chunk completes

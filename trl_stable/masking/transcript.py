@@ -130,13 +130,7 @@ def find_transcript_steps(
     msgs = _inline_tool_calls(tokenizer, [dict(m) for m in messages], template_kwargs, open_tag, close_tag)
     rendered_msgs = [{k: v for k, v in m.items() if not k.startswith("_")} for m in msgs]
     text = _render(tokenizer, rendered_msgs, template_kwargs)
-    spans, content_starts = _message_spans(tokenizer, rendered_msgs, text, template_kwargs)
-    # Each assistant turn's own content: after its role header, trailing whitespace (end-of-turn newline) excluded.
-    bodies = {
-        k: (content_starts[k], content_starts[k] + len(text[content_starts[k] : spans[k][1]].rstrip()))
-        for k, msg in enumerate(msgs)
-        if msg.get("role") == "assistant"
-    }
+    bodies = _assistant_bodies(tokenizer, rendered_msgs, text, template_kwargs)
 
     steps: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # executable steps of the last assistant turn, waiting for their outcome
@@ -154,14 +148,13 @@ def find_transcript_steps(
     return TranscriptSteps(text=text, input_ids=input_ids, offsets=offsets, steps=steps, assistant_mask=assistant)
 
 
-def _message_spans(
+def _assistant_bodies(
     tokenizer: Any, messages: list[dict[str, Any]], text: str, template_kwargs: dict
-) -> tuple[list[tuple[int, int]], list[int]]:
-    """Each message's character span in `text`, and where each one's own content starts (after an assistant's role
-    header), from rendering growing prefixes; falls back to locating the content when the template is not
-    prefix-stable (e.g. it rewrites earlier turns)."""
-    spans: list[tuple[int, int]] = []
-    content_starts: list[int] = []
+) -> dict[int, tuple[int, int]]:
+    """Each assistant turn's own content in `text`: after its role header, trailing whitespace (end-of-turn newline)
+    excluded; from rendering growing prefixes, or by locating the content when the template is not prefix-stable (e.g.
+    it rewrites earlier turns)."""
+    bodies: dict[int, tuple[int, int]] = {}
     prev_text, pos = "", 0
     for k, msg in enumerate(messages):
         cur = _render(tokenizer, messages[: k + 1], template_kwargs, strict=False)
@@ -173,18 +166,16 @@ def _message_spans(
             found = text.find(content, pos) if content else -1
             start = found if found >= 0 else pos
             end = start + len(content)
-        header_end = start
         if msg.get("role") == "assistant":
             with_header = _render(tokenizer, messages[:k], template_kwargs, gen=True, strict=False)
             if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
-                header_end = len(with_header)
+                body_start = len(with_header)
             else:
                 found = text.find(content, start, end) if content else -1
-                header_end = found if found >= 0 else start
-        spans.append((start, end))
-        content_starts.append(header_end)
+                body_start = found if found >= 0 else start
+            bodies[k] = (body_start, body_start + len(text[body_start:end].rstrip()))
         prev_text, pos = (cur if cur is not None else text[:end]), end
-    return spans, content_starts
+    return bodies
 
 
 def _assistant_steps(

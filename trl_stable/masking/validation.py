@@ -67,9 +67,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     (string arguments decoded). ValueError when the payload or its arguments are not a JSON object."""
     payload = text.strip()  # the tags and a Markdown code fence around the JSON payload stripped
     if open_tag and payload.startswith(open_tag):
-        payload = payload[len(open_tag) :]
-        if close_tag and payload.rstrip().endswith(close_tag):
-            payload = payload.rstrip()[: -len(close_tag)]
+        payload = payload[len(open_tag) :].rstrip().removesuffix(close_tag)
     fence = re.fullmatch(r"```[A-Za-z0-9_-]*\s*\n?(.*?)\n?```", payload.strip(), flags=re.DOTALL)
     payload = fence.group(1).strip() if fence else payload.strip()
     try:
@@ -253,11 +251,8 @@ def validate_step(
         tools: Valid tools for tool-call steps (see `normalize_signatures`); None skips the name and argument checks.
     """
     # None values are dropped: a datasets/Arrow round trip fills the keys other rows use with None.
-    meta = {
-        k: v
-        for k, v in {**(step.get("metadata") or {}), **{k: v for k, v in step.items() if k != "metadata"}}.items()
-        if v is not None
-    }
+    merged = {**(step.get("metadata") or {}), **step}
+    meta = {k: v for k, v in merged.items() if v is not None and k != "metadata"}
     if meta.get("valid") is False:
         return StepVerdict(False, str(meta.get("reason", "marked_invalid")))
     kind = str(meta.get("type", "text"))

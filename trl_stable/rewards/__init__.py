@@ -1,5 +1,6 @@
 """Reward components: dense (per-token) reward contract, critic rewards, step rewards and arena rewards."""
 
+from trl_stable.rewards import critic
 from trl_stable.rewards.arena import (
     ArenaResult,
     ArenaReward,
@@ -9,25 +10,7 @@ from trl_stable.rewards.arena import (
     run_arena,
     run_arenas,
 )
-from trl_stable.rewards.critic import (
-    CriticBackend,
-    CriticBackendConfig,
-    CriticFailureError,
-    CriticIntrinsicReward,
-    CriticJob,
-    CriticRewardConfig,
-    LexiconCritic,
-    OpenAICritic,
-    ParsedCritique,
-    TransformersCritic,
-    build_critic_backend,
-    locate_span,
-    make_intrinsic_reward,
-    parse_critic_answer,
-    scale_intrinsic_rewards,
-    span_token_rewards,
-    token_char_offsets,
-)
+from trl_stable.rewards.critic import *  # noqa: F403 - the critic's public names (critic.__all__), re-exported
 from trl_stable.rewards.dense import (
     RewardContractError,
     RewardTypeError,
@@ -51,23 +34,7 @@ __all__ = [
     "is_dense_reward",
     "validate_dense_rewards",
     # critic intrinsic rewards (Drlc / RELC)
-    "CriticBackend",
-    "CriticBackendConfig",
-    "CriticFailureError",
-    "CriticIntrinsicReward",
-    "CriticJob",
-    "CriticRewardConfig",
-    "LexiconCritic",
-    "OpenAICritic",
-    "ParsedCritique",
-    "TransformersCritic",
-    "build_critic_backend",
-    "locate_span",
-    "make_intrinsic_reward",
-    "parse_critic_answer",
-    "scale_intrinsic_rewards",
-    "span_token_rewards",
-    "token_char_offsets",
+    *critic.__all__,
     # agent-step rewards and group arena rewards (GAR)
     "ArenaResult",
     "ArenaReward",

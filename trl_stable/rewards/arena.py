@@ -23,6 +23,7 @@ PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, l
 # Backtracking steps allowed to find one round's rematch-free pairing: the search is exponential in the worst case
 # (many rounds for a large G, e.g. 31 rounds of G = 32 took seconds), and a round that needs more stops the arena.
 MAX_PAIRING_SEARCH = 20_000
+_VERDICTS = (("[[a]]", 1.0), ("[[b]]", 0.0), ("[[c]]", 0.5), ("[[tie]]", 0.5))
 
 
 def check_arena_args(pairing: str, rounds: int | None) -> None:
@@ -65,60 +66,50 @@ class ArenaResult:
 
 
 class _Tournament:
-    """The pairing state of one arena; the driver asks for a round's pairs and records their outcomes."""
+    """The state of one arena; the driver asks for a round's pairs and records their judge outcomes."""
 
     def __init__(self, n: int, pairing: str, rounds: int | None, seed: int):
         self.n = n
         self.pairing = pairing
         self.wins = [0.0] * n
-        self.matches = [0] * n
-        self.opponents: list[list[int]] = [[] for _ in range(n)]
-        self.played: set[tuple[int, int]] = set()
-        self.byes: set[int] = set()
+        self.opponents: list[list[int]] = [[] for _ in range(n)]  # per player, one entry per match
+        self.byes: set[int | None] = set()
         self.pairings: list[tuple[int, int]] = []
         self.rounds_played = 0
-        self.max_rounds = 1 if pairing == "round_robin" else (math.ceil(math.log2(n)) if n > 1 else 0)
-        if pairing == "swiss" and rounds is not None:
-            self.max_rounds = rounds
+        self.judge_calls = 0
+        self.failed_calls = 0
+        self.failure: str | None = None
+        swiss_rounds = rounds or (math.ceil(math.log2(n)) if n > 1 else 0)
+        self.max_rounds = 1 if pairing == "round_robin" else swiss_rounds
         # A copy: the seeded order decides round 1 and breaks remaining ties, never touching the caller's list.
         self.seed_order = list(range(n))
         random.Random(seed).shuffle(self.seed_order)
         self.seed_rank = {player: rank for rank, player in enumerate(self.seed_order)}
         self.done = n < 2 or self.max_rounds == 0
-        self._budget = MAX_PAIRING_SEARCH
 
     def buchholz(self, i: int) -> float:
         return sum(self.wins[j] for j in self.opponents[i])
 
     def next_round(self) -> list[tuple[int, int]]:
+        """The next round's pairs; [] (and done) when the arena is over or no rematch-free pairing is found."""
         if self.done:
             return []
         if self.pairing == "round_robin":
             return [(i, j) for i in range(self.n) for j in range(i + 1, self.n)]
         if self.rounds_played == 0:
-            order = list(self.seed_order)
+            order = self.seed_order
         else:
             order = sorted(range(self.n), key=lambda i: (-self.wins[i], -self.buchholz(i), self.seed_rank[i]))
-        pairs = self._pair_with_bye(order)
-        if pairs is None:
-            self.done = True
-            return []
-        return pairs
-
-    def _pair_with_bye(self, order: list[int]) -> list[tuple[int, int]] | None:
-        if len(order) % 2 == 0:
-            self._budget = MAX_PAIRING_SEARCH
-            return self._pair(order)
         # Odd: the lowest-ranked player without a bye sits out (all had one: the lowest-ranked), if the rest pair.
-        ranked = list(reversed(order))
-        candidates = [p for p in ranked if p not in self.byes] + [p for p in ranked if p in self.byes]
-        for bye in candidates:
+        byes = sorted(reversed(order), key=lambda p: p in self.byes) if len(order) % 2 else [None]
+        for bye in byes:
             self._budget = MAX_PAIRING_SEARCH
             pairs = self._pair([p for p in order if p != bye])
             if pairs is not None:
-                self.byes.add(bye)
+                self.byes.add(bye)  # None for an even count: nobody sits out
                 return pairs
-        return None
+        self.done = True
+        return []
 
     def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
         """Pair neighbours in rank order with no rematch, backtracking when a greedy choice strands a player; None when
@@ -130,45 +121,48 @@ class _Tournament:
             return None
         first, rest = players[0], players[1:]
         for k, other in enumerate(rest):
-            if (min(first, other), max(first, other)) in self.played:
+            if other in self.opponents[first]:
                 continue
             tail = self._pair(rest[:k] + rest[k + 1 :])
             if tail is not None:
                 return [(first, other), *tail]
         return None
 
-    def record(self, pairs: Sequence[tuple[int, int]], probs: Sequence[float]) -> None:
-        for (i, j), p in zip(pairs, probs):
+    def record(
+        self, pairs: Sequence[tuple[int, int]], outcomes: list[float | None], per_match: int, cause: str | None
+    ) -> None:
+        """Score the round's matches from their judge calls (`per_match` each, None a failed call, `cause` why)."""
+        self.judge_calls += len(outcomes)
+        self.failed_calls += outcomes.count(None)
+        if self.failure is None and None in outcomes:
+            self.failure = cause
+        for m, (i, j) in enumerate(pairs):
+            p = _match_score(outcomes[m * per_match : (m + 1) * per_match])
             self.wins[i] += p
             self.wins[j] += 1.0 - p
-            self.matches[i] += 1
-            self.matches[j] += 1
             self.opponents[i].append(j)
             self.opponents[j].append(i)
-            self.played.add((min(i, j), max(i, j)))
-            self.pairings.append((i, j))
+        self.pairings += pairs
         self.rounds_played += 1
-        if self.rounds_played >= self.max_rounds:
-            self.done = True
+        self.done = self.rounds_played >= self.max_rounds
 
-    def result(self, judge_calls: int, failed_calls: int, failure: str | None = None) -> ArenaResult:
-        rewards = [self.wins[i] / self.matches[i] if self.matches[i] else 0.5 for i in range(self.n)]
+    def result(self) -> ArenaResult:
+        matches = [len(o) for o in self.opponents]
+        rewards = [self.wins[i] / matches[i] if matches[i] else 0.5 for i in range(self.n)]
         buchholz = [self.buchholz(i) for i in range(self.n)]
         standings = sorted(range(self.n), key=lambda i: (-self.wins[i], -buchholz[i], i))
         return ArenaResult(
-            rewards=rewards, wins=list(self.wins), matches=list(self.matches), buchholz=buchholz,
-            standings=standings, pairings=list(self.pairings), rounds=self.rounds_played, judge_calls=judge_calls,
-            failed_calls=failed_calls, failure=failure,
+            rewards=rewards, wins=list(self.wins), matches=matches, buchholz=buchholz, standings=standings,
+            pairings=list(self.pairings), rounds=self.rounds_played, judge_calls=self.judge_calls,
+            failed_calls=self.failed_calls, failure=self.failure,
         )  # fmt: skip
 
 
 def _check_prob(value: Any) -> float | None:
     """A judge output as a float in [0, 1]; None for a failed call. Out of range is a judge bug: ValueError."""
-    if value is None:
-        return None
     try:
         p = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # None included
         return None
     if math.isnan(p):
         return None
@@ -182,8 +176,6 @@ def _call_judges(
 ) -> tuple[list[float | None], str | None]:
     """Judge every (prompt, a, b) triple concurrently (None for a failed call), and say why the first failed call
     failed (None when none did)."""
-    if not triples:
-        return [], None
     errors: list[str] = []
 
     def guarded(call: Callable[..., Any], *args: Any) -> Any:
@@ -210,21 +202,6 @@ def _call_judges(
     return probs, errors[0] if errors else None
 
 
-def _round_triples(
-    groups: Sequence[tuple[str, Sequence[str]]], pending: list[tuple[int, list[tuple[int, int]]]], both_orders: bool
-) -> tuple[list[tuple[str, str, str]], list[int]]:
-    """The judge calls of one round of every pending arena, ``(prompt, a, b)`` (then ``(prompt, b, a)`` with
-    `both_orders`), and the arena each call belongs to."""
-    triples, owners = [], []
-    for k, pairs in pending:
-        prompt, responses = groups[k]
-        for i, j in pairs:
-            orders = [(i, j), (j, i)] if both_orders else [(i, j)]
-            triples += [(prompt, responses[a], responses[b]) for a, b in orders]
-            owners += [k] * len(orders)
-    return triples, owners
-
-
 def _match_score(outcomes: Sequence[float | None]) -> float:
     """The first player's score from P(first wins) [, P(second wins) with the order swapped]; a failed call is 0.5.
 
@@ -248,29 +225,22 @@ def run_arenas(
     `max_workers`, or ``judge.judge_batch``)."""
     check_arena_args(pairing, rounds)
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
-    calls = [0] * len(groups)
-    failed = [0] * len(groups)
-    causes: list[str | None] = [None] * len(groups)
+    per_match = 2 if both_orders else 1  # judge calls: (a, b), then (b, a) with `both_orders`
     while True:
-        pending = [(k, t.next_round()) for k, t in enumerate(tournaments) if not t.done]
-        pending = [(k, pairs) for k, pairs in pending if pairs]
+        pending = [(k, pairs) for k, t in enumerate(tournaments) if (pairs := t.next_round())]
         if not pending:
-            break
-        triples, owners = _round_triples(groups, pending, both_orders)
+            return [t.result() for t in tournaments]
+        triples = [
+            (groups[k][0], groups[k][1][a], groups[k][1][b])
+            for k, pairs in pending
+            for i, j in pairs
+            for a, b in [(i, j), (j, i)][:per_match]
+        ]
         outcomes, cause = _call_judges(judge, triples, max_workers)
-        for k, p in zip(owners, outcomes):
-            calls[k] += 1
-            failed[k] += p is None
-            if p is None and causes[k] is None:
-                causes[k] = cause
-        per_order = 2 if both_orders else 1
         cursor = 0
         for k, pairs in pending:
-            chunk = outcomes[cursor : cursor + per_order * len(pairs)]
-            scores = [_match_score(chunk[m : m + per_order]) for m in range(0, len(chunk), per_order)]
-            tournaments[k].record(pairs, scores)
-            cursor += len(chunk)
-    return [t.result(calls[k], failed[k], causes[k]) for k, t in enumerate(tournaments)]
+            tournaments[k].record(pairs, outcomes[cursor : cursor + per_match * len(pairs)], per_match, cause)
+            cursor += per_match * len(pairs)
 
 
 def run_arena(
@@ -335,23 +305,16 @@ def load_prompt(name: str) -> str:
 def parse_verdict(answer: str | None) -> float | None:
     """A judge answer's verdict as P(A wins): the last "[[A]]" -> 1, "[[B]]" -> 0, "[[C]]" / "[[tie]]" -> 0.5; None
     without a verdict (a failed call)."""
-    if not answer:
-        return None
-    best, verdict = -1, None
-    for token, value in (("[[a]]", 1.0), ("[[b]]", 0.0), ("[[c]]", 0.5), ("[[tie]]", 0.5)):
-        pos = answer.lower().rfind(token)
-        if pos > best:
-            best, verdict = pos, value
-    return verdict
+    lower = (answer or "").lower()
+    pos, verdict = max((lower.rfind(token), value) for token, value in _VERDICTS)
+    return verdict if pos >= 0 else None
 
 
 def completion_text(value: Any) -> str:
     """A completion as plain text: a conversational one is the concatenation of its messages' contents."""
-    if value is None:
-        return ""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "\n".join(str(m.get("content", "")) if isinstance(m, Mapping) else str(m) for m in value)
-    return _prompt_text(value)
+    return "" if value is None else _prompt_text(value)
 
 
 def _prompt_text(value: Any) -> str:
@@ -365,13 +328,6 @@ def _prompt_text(value: Any) -> str:
 
 class JudgeRequestsFailed(RuntimeError):
     """Every request of a judge batch failed (the message names the first failure)."""
-
-
-@dataclass(frozen=True)
-class _FailedRequest:
-    """A judge request that raised, in place of its answer: why."""
-
-    cause: str
 
 
 class LLMJudge:
@@ -411,13 +367,13 @@ class LLMJudge:
         """A judge over ``chat(messages) -> text`` (e.g. a wrapper around ``client.chat.completions.create``),
         called concurrently on `max_workers` threads; an exception is a failed call (None)."""
 
-        def backend(prompts: list[str]) -> list[str | _FailedRequest | None]:
-            def ask(prompt: str) -> str | _FailedRequest | None:
+        def backend(prompts: list[str]) -> list[str | Exception | None]:
+            def ask(prompt: str) -> str | Exception | None:
                 messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
                 try:
                     return chat([*messages, {"role": "user", "content": prompt}])
                 except Exception as err:  # noqa: BLE001 - a failed request is a draw, counted by the arena
-                    return _FailedRequest(f"{type(err).__name__}: {str(err)[:200]}")
+                    return err  # in place of its answer
 
             with cf.ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(prompts) or 1))) as pool:
                 return list(pool.map(ask, prompts))
@@ -435,10 +391,11 @@ class LLMJudge:
         answers = list(self.backend(prompts))
         if len(answers) != len(prompts):
             raise ValueError(f"The judge backend returned {len(answers)} answers for {len(prompts)} prompts.")
-        failed = [a for a in answers if isinstance(a, _FailedRequest)]
+        failed = [a for a in answers if isinstance(a, Exception)]
         if failed and len(failed) == len(answers):
-            raise JudgeRequestsFailed(f"every judge request failed, e.g. {failed[0].cause}")
-        return [None if isinstance(a, _FailedRequest) else self.parser(a) for a in answers]
+            cause = f"{type(failed[0]).__name__}: {str(failed[0])[:200]}"
+            raise JudgeRequestsFailed(f"every judge request failed, e.g. {cause}")
+        return [None if isinstance(a, Exception) else self.parser(a) for a in answers]
 
     def __call__(self, prompt: str, a: str, b: str) -> float | None:
         """P(a beats b) for one pair; None for a failed request or an answer without a verdict."""
@@ -502,10 +459,9 @@ class ArenaReward:
         )
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
-        keys = [json.dumps(p, sort_keys=True, default=str) if not isinstance(p, str) else p for p in prompts]
         order: dict[str, list[int]] = {}
-        for idx, key in enumerate(keys):
-            order.setdefault(key, []).append(idx)
+        for idx, p in enumerate(prompts):
+            order.setdefault(p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str), []).append(idx)
         members = list(order.values())
         groups = [(_prompt_text(prompts[m[0]]), [completion_text(completions[i]) for i in m]) for m in members]
         with self._lock:

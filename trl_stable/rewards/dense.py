@@ -54,11 +54,6 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 DEFAULT_MAX_ABS_REWARD = 1e6
 
 
-def out_of_range(value: float, limit: float | None) -> bool:
-    """Whether a reward value is beyond the bound: +-inf, or (with a `limit`) larger in magnitude than `limit`."""
-    return math.isinf(value) or (limit is not None and abs(value) > limit)
-
-
 def reward_number(value: Any, subject: str, where: str) -> float:
     """`value` as a float under the contract's number rule; None -> NaN, beyond float32's range -> +-inf. A value
     that is not a real number raises `RewardTypeError` naming `subject` ("Reward function 'f'") and `where`."""
@@ -69,17 +64,20 @@ def reward_number(value: Any, subject: str, where: str) -> float:
     if isinstance(value, complex):
         raise RewardTypeError(f"{subject} returned the complex number {value!r} for {where}; return a real number.")
     if not isinstance(value, numbers.Real):
-        if isinstance(value, (torch.Tensor, np.ndarray)):
-            what = f"a {type(value).__name__} of shape {tuple(value.shape)}"
-        elif isinstance(value, (list, tuple)):
-            what = f"a {type(value).__name__} ({value!r:.60})"
-        else:
-            what = f"{value!r:.60} ({type(value).__name__})"
         raise RewardTypeError(
-            f"{subject} returned {what} for {where}, which is not a number; return a float (or None where it does not "
-            "apply)."
+            f"{subject} returned {_describe(value)} for {where}, which is not a number; return a float (or None where "
+            "it does not apply)."
         )
     return _float32_range(float(value))
+
+
+def _describe(value: Any) -> str:
+    """A returned value as an error message names it."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} ({value!r:.60})"
+    return f"{value!r:.60} ({type(value).__name__})"
 
 
 def _float32_range(number: float) -> float:
@@ -89,13 +87,11 @@ def _float32_range(number: float) -> float:
 def _as_list(values: Any, subject: str, expected: str) -> list[Any]:
     """A reward output's entries as a list: a list, tuple, generator or 1-D tensor / array; anything else raises."""
     if isinstance(values, (torch.Tensor, np.ndarray)):
-        if values.ndim != 1:
-            raise RewardTypeError(
-                f"{subject} returned a {type(values).__name__} of shape {tuple(values.shape)}; return {expected}."
-            )
-        return list(values)
-    if isinstance(values, (str, bytes, Mapping, Set)) or not isinstance(values, Iterable):
-        raise RewardTypeError(f"{subject} returned {values!r:.60} ({type(values).__name__}); return {expected}.")
+        bad = values.ndim != 1
+    else:
+        bad = isinstance(values, (str, bytes, Mapping, Set)) or not isinstance(values, Iterable)
+    if bad:
+        raise RewardTypeError(f"{subject} returned {_describe(values)}; return {expected}.")
     return list(values)
 
 
@@ -247,7 +243,7 @@ def _dense_row(row: Any, length: int, subject: str, where: str, limit: float | N
             f"{subject} returned {len(out)} token rewards for {where}, which has {length} tokens; align the "
             "per-token rewards to the completion's token ids."
         )
-    bad = [t for t, v in enumerate(out) if out_of_range(v, limit)]
+    bad = [t for t, v in enumerate(out) if math.isinf(v) or (limit is not None and abs(v) > limit)]
     if bad:
         _warn_out_of_range(subject, [f"token {t} of {where}" for t in bad], [out[t] for t in bad], limit)
         for t in bad:
@@ -387,5 +383,4 @@ def start_dense_rewards(
     """Prefetch every dense function that has a `prefetch` through the trainer's `prefetch(func)` (its handle is
     later passed as ``prefetched=``); the other arguments are those of `collect_dense_rewards`."""
     handles = [prefetch(func) if has_prefetch(func) else None for func in funcs]
-    lengths = list(completion_lengths)
-    return PendingDenseRewards(list(funcs), list(names), list(weights), lengths, call, handles, limit)
+    return PendingDenseRewards(list(funcs), list(names), list(weights), list(completion_lengths), call, handles, limit)

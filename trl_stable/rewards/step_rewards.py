@@ -148,6 +148,13 @@ def _plan_items(plan: Any) -> list[str]:
     return [re.sub(r"^[-*\d.)\s]+", "", i).strip() for i in items if i and i.strip(" -*.")]
 
 
+def _add_call(step: AgentStep, text: str, *tags: str) -> None:
+    try:
+        step.calls.append(parse_tool_call(text, *tags))
+    except ValueError:
+        step.invalid_calls += 1
+
+
 def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>") -> AgentStep:
     """Read a completion as an agent step.
 
@@ -170,17 +177,11 @@ def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = 
             if calls is None and any(k in obj for k in NAME_KEYS):
                 calls = [obj]
             for call in calls or []:
-                try:
-                    step.calls.append(parse_tool_call(json.dumps(call)))
-                except ValueError:
-                    step.invalid_calls += 1
+                _add_call(step, json.dumps(call))
             return step
     spans = find_tool_call_spans(text, open_tag, close_tag)
     for a, b in spans:
-        try:
-            step.calls.append(parse_tool_call(text[a:b], open_tag, close_tag))
-        except ValueError:
-            step.invalid_calls += 1
+        _add_call(step, text[a:b], open_tag, close_tag)
     outside = text
     for a, b in reversed(spans):
         outside = outside[:a] + outside[b:]
@@ -346,26 +347,20 @@ class StepReward:
         return reasoning
 
     def _batch(self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: Mapping[str, Any], key: str):
+        """``score(...)[key]`` of each row (None without ground truth). The per-dimension functions of `reward_funcs`
+        are called one after the other on the same batch, so the last batch's scores are kept rather than parsed
+        again."""
         truths = kwargs.get(self.ground_truth_key)
         if truths is None:
             raise ValueError(
                 f"StepReward needs a '{self.ground_truth_key}' dataset column (or set `ground_truth_key`); the reward "
                 f"function got columns {sorted(k for k in kwargs if not k.startswith('log_'))}."
             )
-        return [None if scores is None else scores[key] for scores in self._batch_scores(prompts, completions, truths)]
-
-    def _batch_scores(self, prompts: Sequence[Any], completions: Sequence[Any], truths: Sequence[Any]):
-        """`score` of each row (None without ground truth). The per-dimension functions of `reward_funcs` are called
-        one after the other on the same batch, so the last batch's scores are kept rather than parsed again."""
         cache_key = repr((list(prompts), list(completions), list(truths)))
-        if self._cache is not None and self._cache[0] == cache_key:
-            return self._cache[1]
-        scores = [
-            None if truth is None else self.score(completion, truth, prompt)
-            for prompt, completion, truth in zip(prompts, completions, truths)
-        ]
-        self._cache = (cache_key, scores)
-        return scores
+        if self._cache is None or self._cache[0] != cache_key:
+            rows = zip(prompts, completions, truths)
+            self._cache = (cache_key, [None if t is None else self.score(c, t, p) for p, c, t in rows])
+        return [None if scores is None else scores[key] for scores in self._cache[1]]
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         return self._batch(prompts, completions, kwargs, "total")
@@ -373,9 +368,8 @@ class StepReward:
     def reward_funcs(self) -> list[Callable[..., list[float | None]]]:
         """One reward function per dimension (``step_tool_name``, ...), plus ``step_penalty`` when there are
         penalty rules; pair with `reward_weights` and ``multi_objective_aggregation="normalize_then_sum"``."""
-        keys = list(DIMENSIONS) + (["penalty"] if self.penalties else [])
         funcs = []
-        for key in keys:
+        for key in list(DIMENSIONS) + (["penalty"] if self.penalties else []):
 
             def func(prompts, completions, _key=key, **kwargs):
                 return self._batch(prompts, completions, kwargs, _key)
@@ -386,5 +380,4 @@ class StepReward:
 
     def reward_weights(self) -> list[float]:
         """Weights aligned with `reward_funcs` (1.0 for the penalty function)."""
-        weights = [self.weights.as_dict()[d] for d in DIMENSIONS]
-        return weights + ([1.0] if self.penalties else [])
+        return list(self.weights.as_dict().values()) + ([1.0] if self.penalties else [])
