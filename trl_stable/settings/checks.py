@@ -166,9 +166,10 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
             warn(message)
 
 
-def ignored_setting(message: str) -> None:
-    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`."""
-    warnings.warn(message, IgnoredSettingWarning, stacklevel=4)
+def ignored_setting(message: str, stacklevel: int = 4) -> None:
+    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`
+    (`stacklevel` counted from here: the default points at the config's `__post_init__`)."""
+    warnings.warn(message, IgnoredSettingWarning, stacklevel=stacklevel)
 
 
 def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: str) -> None:
@@ -181,11 +182,7 @@ def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: s
     for name, (accepted, why) in ignored.items():
         value = getattr(config, name)
         if value != accepted and not (accepted == [] and not value):
-            warnings.warn(
-                f"{name}={value!r} is ignored by {trainer}: {why} Leave it at {accepted!r}.",
-                IgnoredSettingWarning,
-                stacklevel=3,
-            )
+            ignored_setting(f"{name}={value!r} is ignored by {trainer}: {why} Leave it at {accepted!r}.")
 
 
 # The launchers' world-size variables (accelerate / torchrun, MPI): none of them set means a process started alone.
