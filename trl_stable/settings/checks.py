@@ -61,11 +61,8 @@ class Bound:
 
     def accepts(self, value: float) -> bool:
         """Whether a finite number `value` lies within the bounds."""
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
+        above_low = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return above_low and (self.high is None or (value < self.high if self.high_open else value <= self.high))
 
 
 def _num(value: float) -> str:
@@ -190,12 +187,9 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 
 
 def check_ddp_backend(config: Any) -> None:
-    """Refuse `ddp_backend` in a process started alone (call it before `TrainingArguments.__post_init__`, whose
-    device set-up would fail on it with torch's "Default process group has not been initialized").
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
+    """Refuse (ValueError naming the field and the fix) `ddp_backend` in a process started alone; call it before
+    `TrainingArguments.__post_init__`, whose device set-up would fail on it with torch's "Default process group has
+    not been initialized"."""
     sizes = [int(os.environ[key]) for key in _WORLD_SIZE_VARIABLES if os.environ.get(key)]
     if config.ddp_backend is not None and (sizes[0] if sizes else 1) <= 1:
         raise ValueError(
@@ -206,12 +200,8 @@ def check_ddp_backend(config: Any) -> None:
 
 
 def check_fp16_device(config: Any) -> None:
-    """Refuse `fp16=True` on a CPU, where accelerate trains in float32 without a word (call it after
-    `TrainingArguments.__post_init__`, which resolves the device).
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
+    """Refuse (ValueError naming the field and the fix) `fp16=True` on a CPU, where accelerate trains in float32
+    without a word; call it after `TrainingArguments.__post_init__`, which resolves the device."""
     if config.fp16 and config.device.type == "cpu":
         raise ValueError(
             "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "

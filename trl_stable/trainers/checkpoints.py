@@ -116,7 +116,7 @@ def _read_marker(folder: str) -> dict[str, Any] | None:
         with open(path, encoding="utf-8") as f:
             marker = json.load(f)
     except (OSError, ValueError):
-        return {"complete": False, "unreadable": True}
+        marker = None
     return marker if isinstance(marker, dict) else {"complete": False, "unreadable": True}
 
 
@@ -142,22 +142,16 @@ def checkpoint_problem(folder: str) -> str | None:
     return None
 
 
-def _checkpoints_newest_first(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = [
-        (int(match.group(1)), name)
-        for name in os.listdir(output_dir)
-        if (match := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))
-    ]
-    return [name for _, name in sorted(found, reverse=True)]
-
-
 def newest_complete_checkpoint(output_dir: str, log: bool = True) -> str:
     """The newest complete ``checkpoint-N`` of `output_dir`, logging each newer one skipped and why (`log`);
     ValueError listing them when there is none."""
+    found = [
+        (int(match.group(1)), name)
+        for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else ())
+        if (match := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     skipped = []
-    for name in _checkpoints_newest_first(output_dir):
+    for _, name in sorted(found, reverse=True):
         path = os.path.join(output_dir, name)
         problem = checkpoint_problem(path)
         if problem is None:

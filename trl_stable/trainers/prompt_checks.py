@@ -80,11 +80,6 @@ def check_generation_budget(
         )
 
 
-def _show(prompt: Any, limit: int = 80) -> str:
-    text = repr(prompt)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
     """The error for a prompt (text, chat messages or token ids) that is missing, of another type, or empty; None
     when it is fine. `where` names the sample (``"train_dataset row 7"``)."""
@@ -98,7 +93,8 @@ def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
         problem = f"is a {type(prompt).__name__}, not text, chat messages or token ids"
     if problem is None:
         return None
-    shown = "" if prompt is None else f": {_show(prompt)}"
+    text = repr(prompt)
+    shown = "" if prompt is None else f": {text if len(text) <= 80 else text[:77] + '...'}"
     return ValueError(
         f"The prompt of {where} {problem}{shown}. Every sample needs a prompt to generate from: drop or fill such "
         "rows (e.g. dataset.filter(lambda row: bool(row['prompt'])))."

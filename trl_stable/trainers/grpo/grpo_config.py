@@ -443,17 +443,13 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         if name not in NORMALIZATION_PRESETS:  # a user-registered estimator: its own defaults
             return {"estimator": name, **({} if self.advantage_eps is None else {"eps": self.advantage_eps})}
         settings = dict(NORMALIZATION_PRESETS[name])
-        overrides = {
-            "mean_level": self.advantage_mean_level,
-            "std_level": self.advantage_std_level,
-            "leave_one_out": self.advantage_leave_one_out,
-        }
-        for key, value in overrides.items():
-            if value is not None:
-                settings[key] = _LEVEL_NAMES[value] if key != "leave_one_out" else value
-        settings["unbiased"] = self.advantage_std_unbiased
-        settings["eps"] = 1e-4 if self.advantage_eps is None else self.advantage_eps
-        return {"estimator": name, **settings}
+        for key in ("mean_level", "std_level"):
+            if (level := getattr(self, f"advantage_{key}")) is not None:
+                settings[key] = _LEVEL_NAMES[level]
+        if self.advantage_leave_one_out is not None:
+            settings["leave_one_out"] = self.advantage_leave_one_out
+        eps = 1e-4 if self.advantage_eps is None else self.advantage_eps
+        return {"estimator": name, **settings, "unbiased": self.advantage_std_unbiased, "eps": eps}
 
 
 # Defaults of the trl_stable fields, for a trainer given a plain `trl.GRPOConfig`.
