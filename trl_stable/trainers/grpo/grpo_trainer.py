@@ -111,16 +111,8 @@ class GRPOTrainer(
                 "passed in reward_funcs (dense ones included); give one weight per reward function."
             )
         if isinstance(args, GRPOConfig) and not any(is_dense_reward(func) for func in funcs):
-            check_dependents(
-                args,
-                (
-                    Dependent(
-                        ("dense_reward_coef", "dense_reward_gamma"),
-                        False,
-                        "a dense reward function in reward_funcs (marked with trl_stable.rewards.dense_reward)",
-                    ),
-                ),
-            )
+            dense = "a dense reward function in reward_funcs (marked with trl_stable.rewards.dense_reward)"
+            check_dependents(args, (Dependent(("dense_reward_coef", "dense_reward_gamma"), False, dense),))
         self._rollout: RolloutRecord | None = None  # set only inside `_generate_and_score_round`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
         tools = "tools (GRPOTrainer(tools=...), or an environment_factory with tool methods)"
@@ -422,8 +414,7 @@ class GRPOTrainer(
             return output, None
         mode = train_mode(self)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        num_local = output["completion_ids"].size(0)
-        local = process_slice(self.accelerator, num_local)
+        local = process_slice(self.accelerator, output["completion_ids"].size(0))
         group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
 
