@@ -211,11 +211,8 @@ def resolve_checkpoint(
             f"it holds only a saved model). Fix: {_fix_hint(folder)}."
         )
     marker = _read_marker(folder)
-    verified = marker is not None
-    if verified:
-        problem = checkpoint_problem(folder)
-        if problem is not None:
-            raise ValueError(f"{folder} is not a complete checkpoint: {problem}. Fix: {_fix_hint(folder)}.")
+    if marker is not None and (problem := checkpoint_problem(folder)) is not None:
+        raise ValueError(f"{folder} is not a complete checkpoint: {problem}. Fix: {_fix_hint(folder)}.")
     saved_processes = marker.get("num_processes") if marker else None
     same = saved_processes in (None, num_processes)
     if not same:
@@ -233,13 +230,13 @@ def resolve_checkpoint(
             + ("" if saved_processes else " (or it was written by a different number of processes)")
             + f". Fix: {_fix_hint(folder)}."
         )
-    if not verified:
+    if marker is None:
         logger.warning(
             f"{folder} has no {MARKER_FILE} (written by another trainer or an older trl_stable): its completeness "
             "cannot be checked, and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG "
             "and NaN count) is not in it and starts fresh."
         )
-    return CheckpointInfo(folder, verified, same)
+    return CheckpointInfo(folder, marker is not None, same)
 
 
 # ---------------------------------------------------------------------------------------------- trl_stable's state
