@@ -185,10 +185,9 @@ def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_K
         raise ValueError(f"{field_name} must name an environment variable holding the key, e.g. {example!r}.")
     if is_env_var_name(value):
         return
-    valid = _ENV_NAME.fullmatch(value) is not None
     what = (
         "looks like a key (a variable really named so needs a name like MY_API_KEY)"
-        if valid
+        if _ENV_NAME.fullmatch(value) is not None
         else "is not a valid environment variable name (letters, digits and underscores, not starting with a digit)"
     )
     raise ValueError(

@@ -397,8 +397,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                 "(before the trainer) to change them."
             )
         changed = copy.copy(self)
-        for name, value in changes.items():
-            setattr(changed, name, value)
+        vars(changed).update(changes)
         check_bounds(changed, {name: GRPO_BOUNDS[name] for name in changes if name in GRPO_BOUNDS})
         changed._validate()
         return changed
