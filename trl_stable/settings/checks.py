@@ -165,7 +165,7 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
 
 def ignored_setting(message: str, stacklevel: int = 4) -> None:
     """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`
-    (`stacklevel` counted from here: the default points at the config's `__post_init__`)."""
+    (`stacklevel` as `warnings.warn` counts it from here; the default suits a call through `check_dependents`)."""
     warnings.warn(message, IgnoredSettingWarning, stacklevel=stacklevel)
 
 
