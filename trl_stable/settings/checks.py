@@ -61,11 +61,8 @@ class Bound:
 
     def accepts(self, value: float) -> bool:
         """Whether a finite number `value` lies within the bounds."""
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
+        above_low = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return above_low and (self.high is None or (value < self.high if self.high_open else value <= self.high))
 
 
 def _num(value: float) -> str:
@@ -166,9 +163,10 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
             warn(message)
 
 
-def ignored_setting(message: str) -> None:
-    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`."""
-    warnings.warn(message, IgnoredSettingWarning, stacklevel=4)
+def ignored_setting(message: str, stacklevel: int = 4) -> None:
+    """`check_dependents`' `warn` for a combination TRL accepts: an [`IgnoredSettingWarning`] with `message`
+    (`stacklevel` as `warnings.warn` counts it from here; the default suits a call through `check_dependents`)."""
+    warnings.warn(message, IgnoredSettingWarning, stacklevel=stacklevel)
 
 
 def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: str) -> None:
@@ -181,11 +179,7 @@ def warn_ignored(config: Any, ignored: Mapping[str, tuple[Any, str]], trainer: s
     for name, (accepted, why) in ignored.items():
         value = getattr(config, name)
         if value != accepted and not (accepted == [] and not value):
-            warnings.warn(
-                f"{name}={value!r} is ignored by {trainer}: {why} Leave it at {accepted!r}.",
-                IgnoredSettingWarning,
-                stacklevel=3,
-            )
+            ignored_setting(f"{name}={value!r} is ignored by {trainer}: {why} Leave it at {accepted!r}.")
 
 
 # The launchers' world-size variables (accelerate / torchrun, MPI): none of them set means a process started alone.
@@ -193,12 +187,9 @@ _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_
 
 
 def check_ddp_backend(config: Any) -> None:
-    """Refuse `ddp_backend` in a process started alone (call it before `TrainingArguments.__post_init__`, whose
-    device set-up would fail on it with torch's "Default process group has not been initialized").
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
+    """Refuse (ValueError naming the field and the fix) `ddp_backend` in a process started alone; call it before
+    `TrainingArguments.__post_init__`, whose device set-up would fail on it with torch's "Default process group has
+    not been initialized"."""
     sizes = [int(os.environ[key]) for key in _WORLD_SIZE_VARIABLES if os.environ.get(key)]
     if config.ddp_backend is not None and (sizes[0] if sizes else 1) <= 1:
         raise ValueError(
@@ -209,12 +200,8 @@ def check_ddp_backend(config: Any) -> None:
 
 
 def check_fp16_device(config: Any) -> None:
-    """Refuse `fp16=True` on a CPU, where accelerate trains in float32 without a word (call it after
-    `TrainingArguments.__post_init__`, which resolves the device).
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
+    """Refuse (ValueError naming the field and the fix) `fp16=True` on a CPU, where accelerate trains in float32
+    without a word; call it after `TrainingArguments.__post_init__`, which resolves the device."""
     if config.fp16 and config.device.type == "cpu":
         raise ValueError(
             "fp16=True on a CPU would train in float32 without a word: accelerate runs float16 autocast and its "

@@ -12,20 +12,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 from typing import Any
 
-__all__ = [
-    "REDACTED",
-    "Secret",
-    "SecretsNotPickled",
-    "check_env_fields",
-    "check_env_var_name",
-    "is_env_var_name",
-    "is_secret_name",
-    "looks_like_secret",
-    "redact",
-    "redact_argv",
-    "redact_text",
-]
-
 REDACTED = "<redacted>"
 
 _SECRET_SUFFIXES = ("_token", "_key", "_secret", "_password", "_passwd", "_credentials", "_apikey")
@@ -53,10 +39,8 @@ def _normalize(name: str) -> str:
 
 
 def is_secret_name(name: str) -> bool:
-    """Whether a field, mapping key or flag called `name` holds a secret: names ending in `_token`, `_key`,
-    `_secret`, `_password` or `_credentials`, and `token`, `password`, `api_key`, `authorization`,
-    `perspective_api`, ...; not special-token fields such as `pad_token`, nor fields that point at a secret (`*_env`,
-    `*_file`, `*_path`, `*_dir`, ...).
+    """Whether a field, mapping key or flag called `name` holds a secret (the rule docs/research_reproductions.md,
+    "Secrets", spells out): not special-token fields such as `pad_token`, nor fields that point at one (`*_env`, ...).
 
     Example:
         >>> [is_secret_name(n) for n in ("hub_token", "--grpo.hub_token", "pad_token", "critic_api_key_env")]
@@ -75,16 +59,11 @@ def redact_text(text: str) -> str:
     return _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
 
 
-def _is_set(value: Any) -> bool:
-    # An unset secret (None, "") is shown as it is: the reader learns no secret was given.
-    return value is not None and value != "" and not (isinstance(value, str) and _PLACEHOLDER.fullmatch(value))
-
-
 def _hidden(name: str, value: Any) -> bool:
     """Whether field `name`'s value is replaced: a secret that is set, or a key typed where a variable's name belongs
     (the configs refuse that; belt and braces, for one typed after the config was built)."""
-    if is_secret_name(name) and _is_set(value):
-        return True
+    if is_secret_name(name):  # an unset one (None, "", a placeholder) is shown: the reader learns none was given
+        return value is not None and value != "" and not (isinstance(value, str) and _PLACEHOLDER.fullmatch(value))
     return _normalize(name).endswith("_env") and isinstance(value, str) and value != "" and not is_env_var_name(value)
 
 
@@ -170,20 +149,9 @@ def _case_switches(text: str) -> int:
 
 
 def looks_like_secret(value: str) -> bool:
-    """Whether `value`, given where an environment variable's name belongs, looks like a key instead.
-
-    Names are made of words (``OPENAI``, ``API``, ``KEY``, ``CriticKey``) and short numbers (``2``, ``V2``,
-    ``2024``); keys are long random strings, whatever their provider's prefix and case. A value is a key when:
-
-    - it starts with a known key prefix (``sk``, ``hf``, ``gsk``, ``fw``, ``r8``, ``ghp``, ``xoxb``, ``AIza``, ...)
-      followed by at least 8 letters and digits that alternate at least twice (``hf_token_file_2`` does not);
-    - it is an AWS access key id (``AKIA`` / ``ASIA`` and 16 upper-case letters or digits);
-    - its letters and digits alternate at least 6 times in all (``a1b2c3d4``; ``GPT4_O1_KEY`` has 2);
-    - or one of its parts (split at underscores and other separators) has 24 or more characters, 16 or more mixing
-      letters and digits, or 16 or more switching case at every other letter.
-
-    No conventional name trips it: ``OPENAI_API_KEY``, ``HF_TOKEN``, ``MY_CRITIC_KEY_2``, ``AZURE_OPENAI_API_KEY``,
-    ``ASIA_PACIFIC_KEY_2024``, ``my_critic_key_2``, ``CriticKey`` (`tests/test_redaction.py` lists more).
+    """Whether `value`, given where an environment variable's name belongs, looks like a key instead: names are made
+    of words and short numbers (``OPENAI_API_KEY``, ``MY_CRITIC_KEY_2``, ``CriticKey``), keys are long random strings
+    whatever their provider's prefix and case (the rules: docs/research_reproductions.md, "Secrets").
 
     Example:
         >>> [looks_like_secret(v) for v in ("OPENAI_API_KEY", "gsk_" + "aB3" * 10, "r8_" + "x7Q" * 10, "fw_3Zk9Xq2")]
@@ -217,10 +185,9 @@ def check_env_var_name(field_name: str, value: Any, example: str = "OPENAI_API_K
         raise ValueError(f"{field_name} must name an environment variable holding the key, e.g. {example!r}.")
     if is_env_var_name(value):
         return
-    valid = _ENV_NAME.fullmatch(value) is not None
     what = (
         "looks like a key (a variable really named so needs a name like MY_API_KEY)"
-        if valid
+        if _ENV_NAME.fullmatch(value) is not None
         else "is not a valid environment variable name (letters, digits and underscores, not starting with a digit)"
     )
     raise ValueError(
@@ -276,9 +243,6 @@ class SecretsNotPickled:
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: _scrub(name, value, None) for name, value in self.__dict__.items()}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __copy__(self):
         new = object.__new__(type(self))

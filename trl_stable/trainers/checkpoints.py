@@ -116,7 +116,7 @@ def _read_marker(folder: str) -> dict[str, Any] | None:
         with open(path, encoding="utf-8") as f:
             marker = json.load(f)
     except (OSError, ValueError):
-        return {"complete": False, "unreadable": True}
+        marker = None
     return marker if isinstance(marker, dict) else {"complete": False, "unreadable": True}
 
 
@@ -142,22 +142,16 @@ def checkpoint_problem(folder: str) -> str | None:
     return None
 
 
-def _checkpoints_newest_first(output_dir: str) -> list[str]:
-    if not os.path.isdir(output_dir):
-        return []
-    found = [
-        (int(match.group(1)), name)
-        for name in os.listdir(output_dir)
-        if (match := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))
-    ]
-    return [name for _, name in sorted(found, reverse=True)]
-
-
 def newest_complete_checkpoint(output_dir: str, log: bool = True) -> str:
     """The newest complete ``checkpoint-N`` of `output_dir`, logging each newer one skipped and why (`log`);
     ValueError listing them when there is none."""
+    found = [
+        (int(match.group(1)), name)
+        for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else ())
+        if (match := _CHECKPOINT.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     skipped = []
-    for name in _checkpoints_newest_first(output_dir):
+    for _, name in sorted(found, reverse=True):
         path = os.path.join(output_dir, name)
         problem = checkpoint_problem(path)
         if problem is None:
@@ -217,11 +211,8 @@ def resolve_checkpoint(
             f"it holds only a saved model). Fix: {_fix_hint(folder)}."
         )
     marker = _read_marker(folder)
-    verified = marker is not None
-    if verified:
-        problem = checkpoint_problem(folder)
-        if problem is not None:
-            raise ValueError(f"{folder} is not a complete checkpoint: {problem}. Fix: {_fix_hint(folder)}.")
+    if marker is not None and (problem := checkpoint_problem(folder)) is not None:
+        raise ValueError(f"{folder} is not a complete checkpoint: {problem}. Fix: {_fix_hint(folder)}.")
     saved_processes = marker.get("num_processes") if marker else None
     same = saved_processes in (None, num_processes)
     if not same:
@@ -239,13 +230,13 @@ def resolve_checkpoint(
             + ("" if saved_processes else " (or it was written by a different number of processes)")
             + f". Fix: {_fix_hint(folder)}."
         )
-    if not verified:
+    if marker is None:
         logger.warning(
             f"{folder} has no {MARKER_FILE} (written by another trainer or an older trl_stable): its completeness "
             "cannot be checked, and trl_stable's state (health monitor, reward function counters, GRPO's refill RNG "
             "and NaN count) is not in it and starts fresh."
         )
-    return CheckpointInfo(folder, verified, same)
+    return CheckpointInfo(folder, marker is not None, same)
 
 
 # ---------------------------------------------------------------------------------------------- trl_stable's state

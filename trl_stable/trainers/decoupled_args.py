@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trl_stable.settings.checks import field_default
+
 TOKEN_FILTERS = ("icepop", "kpop")
 # (lower, upper) when the field is None; KPop has only an upper KL threshold.
 _FILTER_DEFAULT_BOUNDS = {"icepop": (0.5, 5.0), "kpop": (None, 2.0)}
-_FILTER_FIELD_DEFAULTS = {
-    "token_filter_level": "token",
-    "token_filter_action": "mask",
-    "token_filter_lower": None,
-    "token_filter_upper": None,
-}
 
 
 @dataclass
@@ -33,11 +29,11 @@ class DecoupledLossArguments:
         metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
     )
     token_filter_level: str = field(
-        default=_FILTER_FIELD_DEFAULTS["token_filter_level"],
+        default="token",
         metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."},
     )
     token_filter_action: str = field(
-        default=_FILTER_FIELD_DEFAULTS["token_filter_action"],
+        default="mask",
         metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
     )
     token_filter_lower: float | None = field(
@@ -56,8 +52,9 @@ class DecoupledLossArguments:
                     f"token_filter={self.token_filter!r} filters the decoupled loss's tokens; set "
                     "use_decoupled_loss=True (or token_filter=None)."
                 )
-        if self.token_filter is None:
-            unused = [name for name, default in _FILTER_FIELD_DEFAULTS.items() if getattr(self, name) != default]
+        else:
+            settings = ("token_filter_level", "token_filter_action", "token_filter_lower", "token_filter_upper")
+            unused = [name for name in settings if getattr(self, name) != field_default(self, name)]
             if unused:
                 raise ValueError(
                     f"{', '.join(unused)} only apply to a token filter, but token_filter=None; set "

@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from trl_stable.trainers.processes import raise_on_every_process
-
 logger = logging.getLogger(__name__)
 
 
@@ -77,19 +75,9 @@ def check_generation_budget(
         logger.warning(message)
     elif prompt_tokens is not None and prompt_tokens + generation_tokens > context.limit and not context.learned:
         logger.warning(
-            "max_prompt_length=%d + %s=%d exceeds %s. Lower max_prompt_length to %d or less, or %s.",
-            prompt_tokens,
-            field,
-            generation_tokens,
-            context.describe(),
-            context.limit - generation_tokens,
-            field,
+            f"max_prompt_length={prompt_tokens} + {field}={generation_tokens} exceeds {context.describe()}. Lower "
+            f"max_prompt_length to {context.limit - generation_tokens} or less, or {field}."
         )
-
-
-def _show(prompt: Any, limit: int = 80) -> str:
-    text = repr(prompt)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
@@ -105,7 +93,8 @@ def empty_prompt_error(prompt: Any, where: str) -> ValueError | None:
         problem = f"is a {type(prompt).__name__}, not text, chat messages or token ids"
     if problem is None:
         return None
-    shown = "" if prompt is None else f": {_show(prompt)}"
+    text = repr(prompt)
+    shown = "" if prompt is None else f": {text if len(text) <= 80 else text[:77] + '...'}"
     return ValueError(
         f"The prompt of {where} {problem}{shown}. Every sample needs a prompt to generate from: drop or fill such "
         "rows (e.g. dataset.filter(lambda row: bool(row['prompt'])))."
@@ -152,18 +141,5 @@ def check_prompt_column(
             raise error
 
 
-def raise_together(error: Exception | None, accelerator: Any) -> None:
-    """Raise `error` on every process when any process has one (a collective: every process calls it)."""
-    if accelerator.num_processes > 1:
-        raise_on_every_process(
-            error,
-            accelerator,
-            lambda: ValueError("A prompt of another process's batch was refused; that process's error names it."),
-        )
-    elif error is not None:
-        raise error
-
-
 def first_error(errors: Iterable[ValueError | None]) -> ValueError | None:
-    """The first of `errors` that is not None."""
     return next((e for e in errors if e is not None), None)

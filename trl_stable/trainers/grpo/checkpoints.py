@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 from trl_stable.integration.hf_names import rng_state_file
-from trl_stable.settings.checks import IgnoredSettingWarning
+from trl_stable.settings.checks import ignored_setting
 from trl_stable.trainers.checkpoints import (
     MarkedCheckpoints,
     load_stable_state,
@@ -29,12 +28,11 @@ class GRPOCheckpoints(MarkedCheckpoints):
         """`transformers.Trainer.train`, resuming from the newest *complete* checkpoint (`resolve_checkpoint`) and
         restoring trl_stable's state; ``args.resume_from_checkpoint`` alone is not read (as in TRL): warned."""
         if resume_from_checkpoint is None and self.args.resume_from_checkpoint is not None:
-            warnings.warn(
+            ignored_setting(
                 f"resume_from_checkpoint={self.args.resume_from_checkpoint!r} is not read by trainer.train() (as in "
                 "transformers and TRL, the field is for your script): this run starts from scratch. Call "
                 "trainer.train(resume_from_checkpoint=args.resume_from_checkpoint), or unset it.",
-                IgnoredSettingWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         info = resolve_checkpoint(
             resume_from_checkpoint,

@@ -28,17 +28,15 @@ class DenseRewards:
 
     def _split_dense_reward_funcs(self) -> None:
         dense = [i for i, func in enumerate(self.reward_funcs) if is_dense_reward(func)]
-        self.dense_reward_funcs = [self.reward_funcs[i] for i in dense]
-        self.dense_reward_func_names = [self.reward_func_names[i] for i in dense]
-        self.dense_reward_weights = self.reward_weights[dense].clone()
-        if not dense:
-            return
         keep = [i for i in range(len(self.reward_funcs)) if i not in dense]
-        if not keep:
+        if dense and not keep:
             raise ValueError(
                 "Every reward function is dense: GRPO needs at least one sequence-level reward function for the "
                 "group baseline; add one to reward_funcs (the dense rewards are added on top)."
             )
+        self.dense_reward_funcs = [self.reward_funcs[i] for i in dense]
+        self.dense_reward_func_names = [self.reward_func_names[i] for i in dense]
+        self.dense_reward_weights = self.reward_weights[dense].clone()
         self.reward_funcs = [self.reward_funcs[i] for i in keep]
         self.reward_func_names = [self.reward_func_names[i] for i in keep]
         self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]

@@ -397,8 +397,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                 "(before the trainer) to change them."
             )
         changed = copy.copy(self)
-        for name, value in changes.items():
-            setattr(changed, name, value)
+        vars(changed).update(changes)
         check_bounds(changed, {name: GRPO_BOUNDS[name] for name in changes if name in GRPO_BOUNDS})
         changed._validate()
         return changed
@@ -443,17 +442,13 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         if name not in NORMALIZATION_PRESETS:  # a user-registered estimator: its own defaults
             return {"estimator": name, **({} if self.advantage_eps is None else {"eps": self.advantage_eps})}
         settings = dict(NORMALIZATION_PRESETS[name])
-        overrides = {
-            "mean_level": self.advantage_mean_level,
-            "std_level": self.advantage_std_level,
-            "leave_one_out": self.advantage_leave_one_out,
-        }
-        for key, value in overrides.items():
-            if value is not None:
-                settings[key] = _LEVEL_NAMES[value] if key != "leave_one_out" else value
-        settings["unbiased"] = self.advantage_std_unbiased
-        settings["eps"] = 1e-4 if self.advantage_eps is None else self.advantage_eps
-        return {"estimator": name, **settings}
+        for key in ("mean_level", "std_level"):
+            if (level := getattr(self, f"advantage_{key}")) is not None:
+                settings[key] = _LEVEL_NAMES[level]
+        if self.advantage_leave_one_out is not None:
+            settings["leave_one_out"] = self.advantage_leave_one_out
+        eps = 1e-4 if self.advantage_eps is None else self.advantage_eps
+        return {"estimator": name, **settings, "unbiased": self.advantage_std_unbiased, "eps": eps}
 
 
 # Defaults of the trl_stable fields, for a trainer given a plain `trl.GRPOConfig`.

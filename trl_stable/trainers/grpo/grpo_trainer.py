@@ -52,7 +52,6 @@ from trl_stable.trainers.prompt_checks import (
     empty_prompt_error,
     first_error,
     model_context,
-    raise_together,
     too_long_error,
 )
 from trl_stable.trainers.sampler_logprobs import record_sampler_logps
@@ -60,10 +59,12 @@ from trl_stable.trainers.sampler_logprobs import record_sampler_logps
 logger = logging.getLogger(__name__)
 
 
-def _overlong_penalty_reward(max_length: int, overlong_tokens: int, factor: float):
+def _overlong_penalty_reward(args: GRPOConfig):
+    settings = (args.max_completion_length, args.overlong_penalty_tokens, args.overlong_penalty_factor)
+
     def overlong_penalty_reward(completion_ids, **kwargs):
         lengths = torch.tensor([len(ids) for ids in completion_ids])
-        return overlong_penalty(lengths, max_length, overlong_tokens, factor).tolist()
+        return overlong_penalty(lengths, *settings).tolist()
 
     overlong_penalty_reward.__name__ = "overlong_penalty"
     return overlong_penalty_reward
@@ -110,16 +111,8 @@ class GRPOTrainer(
                 "passed in reward_funcs (dense ones included); give one weight per reward function."
             )
         if isinstance(args, GRPOConfig) and not any(is_dense_reward(func) for func in funcs):
-            check_dependents(
-                args,
-                (
-                    Dependent(
-                        ("dense_reward_coef", "dense_reward_gamma"),
-                        False,
-                        "a dense reward function in reward_funcs (marked with trl_stable.rewards.dense_reward)",
-                    ),
-                ),
-            )
+            dense = "a dense reward function in reward_funcs (marked with trl_stable.rewards.dense_reward)"
+            check_dependents(args, (Dependent(("dense_reward_coef", "dense_reward_gamma"), False, dense),))
         self._rollout: RolloutRecord | None = None  # set only inside `_generate_and_score_round`
         super().__init__(model, reward_funcs, args, *more, **kwargs)
         tools = "tools (GRPOTrainer(tools=...), or an environment_factory with tool methods)"
@@ -131,11 +124,7 @@ class GRPOTrainer(
         self._split_dense_reward_funcs()
         self._num_user_reward_funcs = len(self.reward_funcs)
         if self._opt("overlong_penalty_tokens") is not None:
-            func = _overlong_penalty_reward(
-                self.args.max_completion_length,
-                self._opt("overlong_penalty_tokens"),
-                self._opt("overlong_penalty_factor"),
-            )
+            func = _overlong_penalty_reward(self.args)
             self.reward_funcs.append(func)
             self.reward_func_names.append(func.__name__)
             self.reward_processing_classes.append(None)
@@ -155,8 +144,17 @@ class GRPOTrainer(
         check_generation_budget(self.model_context, self.max_completion_length, "max_completion_length")
         if self.rollout_func is None and self.environment_factories is None:  # else the prompts are theirs to make
             check_prompt_column(self.train_dataset)
-        if self.routing.mode == "R3":
-            self._check_r3_support()
+        if self.routing.mode == "R3" and self.use_vllm and self.rollout_func is None:
+            raise ValueError(
+                "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
+                "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
+                "routing_replay='R2'."
+            )
+        if self.routing.mode == "R3" and (self.use_transformers_continuous_batching or self.tools):
+            raise ValueError(
+                "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
+                "continuous batching or tool calling. Fix: use routing_replay='R2'."
+            )
         # Reads the logs only (no forward, no RNG): a default run stays identical to TRL's.
         self.health_monitor = attach_health_monitor(self)
         # the configuration the virtual-samples remedy trains with, validated as a config (None without the remedy)
@@ -186,19 +184,15 @@ class GRPOTrainer(
         settings = self._advantage_settings()
         estimator = self._opt("advantage_estimator")
         advantages = f"{estimator} (TRL)" if settings is None else f"{settings['estimator']} (trl_stable)"
-        loss = f"{self.loss_type} (TRL"
-        loss += ", sequence-level IS)" if self.importance_sampling_level == "sequence" else ")"
-        name = self._opt("token_filter")
-        if name is None:
-            token_filter = "off"
-        else:
-            lower, upper = self.args.filter_bounds
-            band = f"{lower},{upper}" if lower is not None else f"{upper}"
+        sequence_is = ", sequence-level IS" if self.importance_sampling_level == "sequence" else ""
+        name, token_filter = self._opt("token_filter"), "off"
+        if name is not None:
+            band = ",".join(str(bound) for bound in self.args.filter_bounds if bound is not None)
             token_filter = f"{name}[{band}] {self._opt('token_filter_level')}/{self._opt('token_filter_action')}"
         decoupled = "on" if self._opt("use_decoupled_loss") else "off"
         return (
-            f"trl_stable GRPO: advantages={advantages}, loss={loss}, decoupled={decoupled}, filter={token_filter}, "
-            f"routing={self.routing.mode}"
+            f"trl_stable GRPO: advantages={advantages}, loss={self.loss_type} (TRL{sequence_is}), "
+            f"decoupled={decoupled}, filter={token_filter}, routing={self.routing.mode}"
         )
 
     def _needs_sampler_logps(self) -> bool:
@@ -212,20 +206,6 @@ class GRPOTrainer(
     def _log_routing(self, prefix: str) -> None:
         for name, value in self.routing.take_metrics(prefix, self.accelerator).items():
             log_metric(self, name, value)
-
-    def _check_r3_support(self) -> None:
-        """Raise ValueError when this trainer's generation cannot hand R3 the sampler's routing."""
-        if self.use_vllm and self.rollout_func is None:
-            raise ValueError(
-                "routing_replay='R3' with vLLM needs the sampler's routing: pass a rollout_func whose output has "
-                "'routed_experts' (one [tokens, layers, k] array per sequence, as vLLM returns them), or use "
-                "routing_replay='R2'."
-            )
-        if self.use_transformers_continuous_batching or self.tools:
-            raise ValueError(
-                "routing_replay='R3' supports single-turn HF generate or a rollout_func; it does not support "
-                "continuous batching or tool calling. Fix: use routing_replay='R2'."
-            )
 
     # ------------------------------------------------------------------ generation (routing point: sampling)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -274,7 +254,11 @@ class GRPOTrainer(
                     "Drop or shorten the long prompts (e.g. dataset.filter on their token count), or lower "
                     "max_completion_length.",
                 )
-        raise_together(error, self.accelerator)
+        raise_on_every_process(
+            error,
+            self.accelerator,
+            lambda: ValueError("A prompt of another process's batch was refused; that process's error names it."),
+        )
         return result
 
     def _generate(self, prompts):
@@ -430,8 +414,7 @@ class GRPOTrainer(
             return output, None
         mode = train_mode(self)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        num_local = output["completion_ids"].size(0)
-        local = process_slice(self.accelerator, num_local)
+        local = process_slice(self.accelerator, output["completion_ids"].size(0))
         group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
 

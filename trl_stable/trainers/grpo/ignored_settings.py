@@ -4,14 +4,12 @@ fix (a script written for `trl.GRPOTrainer` keeps running); docs/grpo.md's "Ever
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import trl
 
 from trl_stable.settings.checks import (
     Dependent,
-    IgnoredSettingWarning,
     check_dependents,
     ignored_setting,
     training_argument_dependents,
@@ -130,13 +128,11 @@ def warn_ignored_settings(config: Any) -> None:
     checkpointing = config.activation_checkpointing_kwargs or config.gradient_checkpointing_kwargs or {}
     dropped = ", ".join(key for key in _TRAINER_CHECKPOINTING_OPTIONS if key in checkpointing)
     if dropped:
-        warnings.warn(
+        ignored_setting(
             f"activation_checkpointing_kwargs={checkpointing!r}: {dropped} is ignored by GRPOTrainer: TRL switches "
             "activation checkpointing off around its no-grad passes and back on for every layer with these kwargs "
             f"handed to torch's checkpoint function (a reentrant one refuses them). Remove {dropped} from "
-            "activation_checkpointing_kwargs.",
-            IgnoredSettingWarning,
-            stacklevel=3,
+            "activation_checkpointing_kwargs."
         )
     # Each dependent field GRPO_IGNORED names is warned about there already.
     dependents = [

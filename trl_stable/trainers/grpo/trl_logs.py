@@ -56,17 +56,17 @@ def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None
     logged.extend(advantages)
 
 
-def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> dict[str, float] | None:
+def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> None:
     """Log `mismatch/*` between `sampling_per_token_logps` and `old_per_token_logps` (recomputed, not stored, when
-    missing and `health_mismatch_monitor` is on); returns the metrics, or None when nothing was logged."""
+    missing and `health_mismatch_monitor` is on)."""
     monitor = getattr(trainer, "health_monitor", None)
     behav = output.get("sampling_per_token_logps")
     if monitor is None or behav is None:
-        return None
+        return
     prox = output.get("old_per_token_logps")
     if prox is None:
         if not getattr(trainer.args, "health_mismatch_monitor", False):
-            return None
+            return
         prox = trainer._compute_proximal_logps(output)
     with torch.no_grad():
         stats = mismatch_stats(
@@ -76,7 +76,5 @@ def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> dict[str, f
             band=monitor.config.mismatch_band,
             gather=trainer.accelerator.gather,  # every process takes this path together
         )
-    metrics = stats.as_metrics()
-    for name, value in metrics.items():
+    for name, value in stats.as_metrics().items():
         log_metric(trainer, name, value)
-    return metrics
