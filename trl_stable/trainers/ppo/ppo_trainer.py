@@ -70,8 +70,7 @@ from trl_stable.trainers.ppo.step_inputs import (
     trim_micro_batch,
 )
 from trl_stable.trainers.ppo.step_rewards import StepRewards
-from trl_stable.trainers.ppo.tables import Tables
-from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
+from trl_stable.trainers.ppo.vllm import VLLMRollouts, vllm_rollout
 from trl_stable.trainers.processes import call_on_every_process
 from trl_stable.trainers.prompt_checks import model_context
 
@@ -97,7 +96,6 @@ class PPOTrainer(
     PromptData,
     LoopEvents,
     Evaluation,
-    Tables,
     SaveAndResume,
     MarkedCheckpoints,
     _BaseTrainer,
@@ -212,10 +210,7 @@ class PPOTrainer(
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
         if args.use_vllm:
-            check_vllm_routing(args)
-            self.vllm_rollouts = VLLMRollouts(
-                self.unwrapped().policy, self.accelerator, processing_class, args, models.model_id
-            )
+            self.vllm_rollouts = VLLMRollouts(self.policy, self.accelerator, processing_class, args, models.model_id)
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)

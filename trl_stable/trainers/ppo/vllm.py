@@ -21,6 +21,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl_stable.integration.patching import wrapped_method
 from trl_stable.trainers.ppo.generation import trim_response
 from trl_stable.trainers.ppo.rollout import Rollout
+from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 
 ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
 
@@ -49,18 +50,6 @@ def vllm_routed_experts_support() -> str | None:
     return f"vLLM {version} does not return routed experts (it has no {' / '.join(missing)})" if missing else None
 
 
-def check_vllm_routing(args: Any) -> None:
-    """Raise ValueError when routing replay R3 cannot get the sampler's routing from vLLM (called at trainer init)."""
-    if getattr(args, "routing_replay", "off") != "R3" or not args.use_vllm:
-        return
-    reason = vllm_routed_experts_support()
-    if reason is not None:
-        raise ValueError(
-            f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}: use a vLLM taking "
-            f"`{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False."
-        )
-
-
 @contextmanager
 def _request_outputs(generation: Any) -> Iterator[list[Any]]:
     """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` in one helper call (TRL keeps only their
@@ -81,26 +70,31 @@ def _request_outputs(generation: Any) -> Iterator[list[Any]]:
 
 class VLLMRollouts:
     """TRL's vLLM helper built from a `PPOConfig` for the (unwrapped) `policy` loaded from `model_id`, with the PPO
-    step its weights were last synced at."""
+    step its weights were last synced at; refuses routing replay R3 when vLLM cannot return the sampler's routing."""
 
     def __init__(self, policy: torch.nn.Module, accelerator: Any, processing_class: Any, args: Any, model_id: Any):
+        self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
+        reason = vllm_routed_experts_support() if self.return_routing else None
+        if reason is not None:
+            raise ValueError(
+                f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}: use a vLLM taking "
+                f"`{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False."
+            )
         if args.vllm_mode == "colocate" and not model_id:
             raise ValueError(
                 "vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` so, or use 'server'."
             )
-        self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
         # TRL's `LLM(...)` call takes no extra engine arguments: R3's flag is passed through a patch while it is built
         llm = functools.partial(trl_vllm.LLM, **{ROUTED_EXPERTS_FLAG: True}) if self.return_routing else None
         with patch.object(trl_vllm, "LLM", llm) if llm else nullcontext():
-            # GRPO's names: PPOConfig.vllm_<name> is the helper's <name>
-            named = ("mode", "server_base_url", "server_host", "server_port", "server_timeout", "group_port")
-            named += ("tensor_parallel_size", "gpu_memory_utilization", "max_model_length", "enable_sleep_mode")
+            # GRPO's names: each `VLLMArguments` field vllm_<name> is the helper's <name>
+            named = [f.name for f in dataclasses.fields(VLLMArguments) if f.name != "use_vllm"]
             self.generation = VLLMGeneration(
                 model=policy,
                 accelerator=accelerator,
                 processing_class=processing_class,
-                **{name: getattr(args, f"vllm_{name}") for name in (*named, "model_impl")},
+                **{name.removeprefix("vllm_"): getattr(args, name) for name in named},
                 max_num_seqs=chunk * args.vllm_tensor_parallel_size,
                 temperature=args.temperature,
                 top_p=args.top_p,
