@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
 from trl_stable.integration.hf_names import model_name_of
-from trl_stable.trainers.ppo.engines import is_zero3_partitioned
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 
@@ -98,22 +97,6 @@ def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | Non
         module_name, _, attr = name.rpartition(".")
         setattr(ref.get_submodule(module_name), attr, param)
     return ref.eval()
-
-
-def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: bool, args: Any) -> nn.Module | None:
-    """The frozen reference: `ref_model` if given; None for a PEFT policy (the policy with its adapter disabled);
-    else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
-    if ref_model is None and is_peft:  # the adapter-free policy
-        if args.num_shared_layers is not None:
-            raise ValueError(
-                f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its "
-                "adapter (no copy to share layers with): leave num_shared_layers=None."
-            )
-        return None
-    ref = create_reference_model(policy, args.num_shared_layers) if ref_model is None else ref_model.eval()
-    ref.requires_grad_(False)
-    disable_dropout_in_model(ref)
-    return ref
 
 
 def build_value_head(
@@ -375,12 +358,22 @@ def build_models(
         model, is_peft = get_peft_model(model, peft_config), True
     if args.disable_dropout:
         disable_dropout_in_model(model)
-    if ref_model is None and not is_peft and is_zero3_partitioned(model):
-        # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
+    # ZeRO-3 (``zero3_init_flag``) partitioned the policy as it was built, and a partitioned model cannot be copied
+    if ref_model is None and not is_peft and any(hasattr(p, "ds_id") for p in model.parameters()):
         if not model_id:
             raise ValueError("Under DeepSpeed ZeRO-3 pass `ref_model` (or the policy by name) for the reference.")
         ref_model = load_policy(model_id, args, None, PartialState().local_process_index)
-    ref_model = reference_model(model, ref_model, is_peft, args)
+    # the reference: `ref_model`, the adapter-free policy under PEFT (None), or a frozen copy of the policy
+    if ref_model is None and is_peft:
+        if args.num_shared_layers is not None:
+            raise ValueError(
+                f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its "
+                "adapter (no copy to share layers with): leave num_shared_layers=None."
+            )
+    else:
+        ref_model = create_reference_model(model, args.num_shared_layers) if ref_model is None else ref_model.eval()
+        ref_model.requires_grad_(False)
+        disable_dropout_in_model(ref_model)
     value_head, value_backbone = build_value_head(model, value_model, args.disable_dropout)
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, value_backbone, is_peft, args)
