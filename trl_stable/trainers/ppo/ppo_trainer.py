@@ -47,7 +47,7 @@ from trl_stable.trainers.ppo.engines import (
     require_deepspeed_if_asked,
 )
 from trl_stable.trainers.ppo.evaluation import Evaluation
-from trl_stable.trainers.ppo.generation import hf_rollout
+from trl_stable.trainers.ppo.generation import hf_sampler, trim_response
 from trl_stable.trainers.ppo.loop_events import LoopEvents
 from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
@@ -70,7 +70,7 @@ from trl_stable.trainers.ppo.step_inputs import (
     trim_micro_batch,
 )
 from trl_stable.trainers.ppo.step_rewards import StepRewards
-from trl_stable.trainers.ppo.vllm import VLLMRollouts, vllm_rollout
+from trl_stable.trainers.ppo.vllm import VLLMRollouts, vllm_sampler
 from trl_stable.trainers.processes import call_on_every_process
 from trl_stable.trainers.prompt_checks import model_context
 
@@ -276,14 +276,24 @@ class PPOTrainer(
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
         chunk = batch_size or args.generation_batch_size or len(queries)
-        if self.vllm_rollouts is not None:
-            if generation_kwargs:
-                raise ValueError(
-                    f"generate() got {sorted(generation_kwargs)} with use_vllm: set sampling on PPOConfig."
-                )
-            rollout = vllm_rollout(self, queries, chunk, length_sampler, return_prompt)
-        else:
-            rollout = hf_rollout(self, queries, chunk, length_sampler, return_prompt, generation_kwargs)
+        if self.vllm_rollouts is not None and generation_kwargs:
+            raise ValueError(f"generate() got {sorted(generation_kwargs)} with use_vllm: set sampling on PPOConfig.")
+        sampler = vllm_sampler(self) if self.vllm_rollouts is not None else hf_sampler(self, generation_kwargs)
+        sequences, logps, routing = [], [], []
+        with sampler as sample:
+            for start in range(0, len(queries), chunk):
+                batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
+                cap = max(1, int(length_sampler())) if length_sampler is not None else None
+                completions, chunk_logps, chunk_routing = sample(start, batch, cap)
+                responses = [trim_response(c, self.eos_token_id) for c in completions]
+                if chunk_logps is not None:
+                    logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(chunk_logps, responses)]
+                if chunk_routing is not None:
+                    routing += [
+                        torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(chunk_routing, batch, responses)
+                    ]
+                sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
+        rollout = Rollout(sequences, queries, logps or None, routing or None, with_prompt=return_prompt)
         return rollout[0] if single else rollout
 
     # ------------------------------------------------------------------ the PPO step

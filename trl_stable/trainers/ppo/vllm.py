@@ -19,8 +19,6 @@ import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_stable.integration.patching import wrapped_method
-from trl_stable.trainers.ppo.generation import trim_response
-from trl_stable.trainers.ppo.rollout import Rollout
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 
 ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
@@ -130,27 +128,17 @@ class VLLMRollouts:
         return [list(c) for c in completion_ids], sampler, routing
 
 
-def vllm_rollout(
-    trainer: Any, queries: list[torch.Tensor], chunk: int, length_sampler: Callable | None, return_prompt: bool
-) -> Rollout:
-    """`PPOTrainer.generate` through vLLM: the `Rollout` HF generation makes, with vLLM's log-probs and routing."""
-    device = trainer.accelerator.device
-    rollouts: VLLMRollouts = trainer.vllm_rollouts
-    sequences, sampler_logps, routing = [], [], []
-    for start in range(0, len(queries), chunk):
-        batch = [q.to(device).long() for q in queries[start : start + chunk]]
-        max_new = max(1, int(length_sampler())) if length_sampler is not None else trainer.args.max_new_tokens
-        ids, logps, routes = rollouts.sample([q.tolist() for q in batch], max_new, trainer.state.global_step)
-        responses = [
-            trim_response(torch.tensor(c, dtype=torch.long, device=device), trainer.eos_token_id) for c in ids
-        ]
-        if any(len(r) == 0 for r in responses):
+@contextmanager
+def vllm_sampler(trainer: Any) -> Iterator[Callable[..., tuple]]:
+    """`PPOTrainer.generate`'s chunk sampler through vLLM (`hf_sampler`'s contract), with vLLM's log-probs and
+    routing."""
+    device, rollouts = trainer.accelerator.device, trainer.vllm_rollouts
+
+    def sample(start: int, batch: list[torch.Tensor], max_new_tokens: int | None) -> tuple:
+        cap = max_new_tokens or trainer.args.max_new_tokens
+        ids, logps, routing = rollouts.sample([q.tolist() for q in batch], cap, trainer.state.global_step)
+        if any(len(c) == 0 for c in ids):
             raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
-        if logps is not None:
-            sampler_logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(logps, responses)]
-        if routes is not None:
-            routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
-        sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
-    return Rollout(
-        sequences, queries, sampler_logprobs=sampler_logps or None, routing=routing or None, with_prompt=return_prompt
-    )
+        return [torch.tensor(c, dtype=torch.long, device=device) for c in ids], logps, routing
+
+    yield sample
