@@ -375,14 +375,10 @@ class PPOTrainer(
         the routing this pass took; and the routing metrics. It reads ids and masks only, never the rewards.
         """
         args = self.args
-        out: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
-        }
-        recorded = []
-        n = batch["input_ids"].shape[0]
-        for start in range(0, n, args.per_device_train_batch_size):
+        parts, recorded = [], []
+        full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
+        for start in range(0, batch["input_ids"].shape[0], args.per_device_train_batch_size):
             mb = {k: v[start : start + args.per_device_train_batch_size] for k, v in batch.items()}
-            full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
             with self.accelerator.autocast():
                 with self.routing.rollout_pass(mb["attention_mask"], mb.get(ROUTED_EXPERTS_KEY)) as rollout:
                     scores, values = self._forward(self.model_wrapped, mb, need_logits=full)
@@ -394,11 +390,11 @@ class PPOTrainer(
                 kl = kl_estimate(logp, ref_logp, args.kl_penalty)
             values = values.float()
             bootstrap = values.gather(1, mb["response_lengths"].unsqueeze(1)).squeeze(1)
-            for key, value in zip(out, (logp, ref_logp, values[:, :-1], bootstrap, kl, entropy)):
-                out[key].append(value)
+            parts.append((logp, ref_logp, values[:, :-1], bootstrap, kl, entropy))
             if self.routing.mode == "R2":
                 recorded.append(rollout.routing)
-        result = {**batch, **{k: torch.cat(v) for k, v in out.items()}}
+        keys = ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
+        result = {**batch, **{k: torch.cat(v) for k, v in zip(keys, zip(*parts))}}
         if recorded:
             result[ROUTED_EXPERTS_KEY] = torch.cat(recorded)
         return result, self.routing.take_metrics("routing/rollout_", self.accelerator)
