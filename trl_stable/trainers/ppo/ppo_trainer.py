@@ -284,14 +284,12 @@ class PPOTrainer(
             for start in range(0, len(queries), chunk):
                 batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
                 cap = max(1, int(length_sampler())) if length_sampler is not None else None
-                completions, chunk_logps, chunk_routing = sample(start, batch, cap)
+                completions, chunk_logps, routes = sample(start, batch, cap)
                 responses = [trim_response(c, self.eos_token_id) for c in completions]
                 if chunk_logps is not None:
                     logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(chunk_logps, responses)]
-                if chunk_routing is not None:
-                    routing += [
-                        torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(chunk_routing, batch, responses)
-                    ]
+                if routes is not None:
+                    routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
                 sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
         rollout = Rollout(sequences, queries, logps or None, routing or None, with_prompt=return_prompt)
         return rollout[0] if single else rollout
@@ -652,7 +650,7 @@ class PPOTrainer(
         stats = self.step(
             queries,
             responses,
-            token_rewards=pending.token_rewards if pending.has_dense else None,
+            token_rewards=pending.token_rewards if pending.pending_dense is not None else None,
             scores=pending.scores,
             extra_logs=pending.stats,  # the dense metrics join it when step() collects them
         )

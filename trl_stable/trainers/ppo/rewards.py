@@ -62,10 +62,6 @@ class PendingRewards:
             self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
 
     @property
-    def has_dense(self) -> bool:
-        return self.pending_dense is not None
-
-    @property
     def per_func(self) -> dict[str, torch.Tensor]:
         """Each sequence-level function's rewards [N], by name."""
         if self.rewards_per_func is None:

@@ -10,7 +10,7 @@ import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 from unittest.mock import patch
 
@@ -128,8 +128,7 @@ class VLLMRollouts:
         return [list(c) for c in completion_ids], sampler, routing
 
 
-@contextmanager
-def vllm_sampler(trainer: Any) -> Iterator[Callable[..., tuple]]:
+def vllm_sampler(trainer: Any) -> AbstractContextManager[Callable[..., tuple]]:
     """`PPOTrainer.generate`'s chunk sampler through vLLM (`hf_sampler`'s contract), with vLLM's log-probs and
     routing."""
     device, rollouts = trainer.accelerator.device, trainer.vllm_rollouts
@@ -141,4 +140,4 @@ def vllm_sampler(trainer: Any) -> Iterator[Callable[..., tuple]]:
             raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
         return [torch.tensor(c, dtype=torch.long, device=device) for c in ids], logps, routing
 
-    yield sample
+    return nullcontext(sample)
