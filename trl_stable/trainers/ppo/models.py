@@ -308,9 +308,9 @@ class ResponseForwards:
 
     def _response_scores(self, out: Any, batch: dict[str, torch.Tensor], fused: bool) -> ResponseScores:
         """`ResponseScores` from a pass with `response_head(batch, fused)`'s arguments."""
-        if not fused:
-            return logits_scores(out.logits, batch["response_ids"], self.args.temperature)
         width = batch["response_ids"].shape[1]
+        if not fused:  # the last R + 1 positions' logits (`logits_to_keep`)
+            return logits_scores(out.logits[:, -width - 1 :], batch["response_ids"], self.args.temperature)
         return ResponseScores(out.log_probs[:, -width:].float(), out.entropy[:, -width:].detach().float())
 
 
