@@ -96,8 +96,3 @@ def generation_call(trainer: Any, policy: nn.Module) -> Iterator[Callable[..., t
         yield through_root
     else:
         yield policy.generate
-
-
-def is_zero3_partitioned(model: nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitioned `model`'s parameters as it was built (``zero3_init_flag``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())

@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
 from trl_stable.integration.hf_names import model_name_of
-from trl_stable.trainers.ppo.engines import is_zero3_partitioned
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 
@@ -100,22 +99,6 @@ def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | Non
     return ref.eval()
 
 
-def reference_model(policy: nn.Module, ref_model: nn.Module | None, is_peft: bool, args: Any) -> nn.Module | None:
-    """The frozen reference: `ref_model` if given; None for a PEFT policy (the policy with its adapter disabled);
-    else a frozen copy of the policy sharing its first `args.num_shared_layers` layers."""
-    if ref_model is None and is_peft:  # the adapter-free policy
-        if args.num_shared_layers is not None:
-            raise ValueError(
-                f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its "
-                "adapter (no copy to share layers with): leave num_shared_layers=None."
-            )
-        return None
-    ref = create_reference_model(policy, args.num_shared_layers) if ref_model is None else ref_model.eval()
-    ref.requires_grad_(False)
-    disable_dropout_in_model(ref)
-    return ref
-
-
 def build_value_head(
     policy: nn.Module, value_model: nn.Module | None, disable_dropout: bool
 ) -> tuple[ValueHead, nn.Module | None]:
@@ -172,12 +155,15 @@ def add_fused_logprob_head(model: nn.Module, temperature: float) -> bool:
     return True
 
 
-def fused_logprob_labels(input_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
-    """Labels for the fused head: the response block (the last R columns of `input_ids`, padding included, as the
-    logits path scores it) scored, the rest -100."""
-    labels = torch.full_like(input_ids, -100)
+def response_head(batch: dict[str, torch.Tensor], fused: bool) -> dict[str, Any]:
+    """The LM-head arguments of a pass that scores the response block (the last R columns of `input_ids`, padding
+    included): the fused head's labels (the rest -100), or the logits of the last R + 1 positions."""
+    ids, response_ids = batch["input_ids"], batch["response_ids"]
+    if not fused:
+        return dict(logits_to_keep=response_ids.shape[1] + 1)
+    labels = torch.full_like(ids, -100)
     labels[:, -response_ids.shape[1] :] = response_ids
-    return labels
+    return dict(labels=labels, fused_lm_head=True)
 
 
 @dataclass
@@ -189,16 +175,10 @@ class ResponseScores:
     logits: torch.Tensor | None = None
 
 
-def fused_scores(out: Any, response_width: int) -> ResponseScores:
-    """`ResponseScores` from a fused-head output (the last `response_width` positions are the response)."""
-    return ResponseScores(
-        out.log_probs[:, -response_width:].float(), out.entropy[:, -response_width:].detach().float()
-    )
-
-
 class PolicyAndValue(nn.Module):
     """The trainable modules in one `nn.Module`, so that the engine wraps and synchronizes them together; forward
-    returns the logits (with `labels`: the fused head's output) and values of the last `logits_to_keep` positions."""
+    returns the policy's output (with `labels`: the fused head's) and the values of the last `logits_to_keep`
+    positions."""
 
     # read by `transformers.Trainer` on the model it trains (`_issue_warnings_after_load`)
     _keys_to_ignore_on_save = None
@@ -280,10 +260,7 @@ class PolicyAndValue(nn.Module):
             hidden = self.value_backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
-        values = self.value_head(hidden[:, -logits_to_keep:])
-        if labels is not None:
-            return out, values
-        return out.logits[:, -logits_to_keep:], values
+        return out, self.value_head(hidden[:, -logits_to_keep:])
 
 
 def logits_scores(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> ResponseScores:
@@ -308,36 +285,33 @@ class ResponseForwards:
     ) -> tuple[ResponseScores, torch.Tensor]:
         """The response tokens' log-probs and entropies, and values [B, R + 1] (V(s_t) for each token, then the value
         after the last position). Through the fused LM head unless `need_logits` (then also the raw [B, R, V])."""
-        ids, response_ids = batch["input_ids"], batch["response_ids"]
-        keep = response_ids.shape[1] + 1
-        inputs = (ids, batch["attention_mask"], batch["position_ids"])
-        if self.fused_policy and not need_logits:
-            out, values = model(*inputs, logits_to_keep=keep, labels=fused_logprob_labels(ids, response_ids))
-            return fused_scores(out, keep - 1), values
-        logits, values = model(*inputs, logits_to_keep=keep)
-        return logits_scores(logits, response_ids, self.args.temperature), values
+        fused = self.fused_policy and not need_logits
+        inputs = (batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        keep = batch["response_ids"].shape[1] + 1
+        out, values = model(*inputs, logits_to_keep=keep, labels=response_head(batch, fused).get("labels"))
+        return self._response_scores(out, batch, fused), values
 
     def _ref_scores(self, batch: dict[str, torch.Tensor], need_logits: bool = False) -> ResponseScores:
         """The reference model's view of the response tokens (the policy without its adapter under PEFT)."""
-        ids, response_ids = batch["input_ids"], batch["response_ids"]
-        kwargs = dict(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
         fused = (self.fused_ref if self.ref_model is not None else self.fused_policy) and not need_logits
-        if fused:
-            kwargs.update(labels=fused_logprob_labels(ids, response_ids), fused_lm_head=True)
-        else:
-            kwargs.update(logits_to_keep=response_ids.shape[1] + 1, use_cache=False)
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        head = {**response_head(batch, fused), "use_cache": False}
         if self.ref_model is not None:
-            out = self.ref_model(**kwargs)
+            out = self.ref_model(**inputs, **head)
         elif self.is_fsdp_enabled:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
-            ids, mask, positions = (kwargs.pop(k) for k in ("input_ids", "attention_mask", "position_ids"))
-            out = self.model_wrapped(ids, mask, positions, reference_kwargs=kwargs)
+            out = self.model_wrapped(*inputs.values(), reference_kwargs=head)
         else:
             policy = self.unwrapped().policy
             with policy.disable_adapter():
-                out = policy(**kwargs)
-        if fused:
-            return fused_scores(out, response_ids.shape[1])
-        return logits_scores(out.logits, response_ids, self.args.temperature)
+                out = policy(**inputs, **head)
+        return self._response_scores(out, batch, fused)
+
+    def _response_scores(self, out: Any, batch: dict[str, torch.Tensor], fused: bool) -> ResponseScores:
+        """`ResponseScores` from a pass with `response_head(batch, fused)`'s arguments."""
+        width = batch["response_ids"].shape[1]
+        if not fused:  # the last R + 1 positions' logits (`logits_to_keep`)
+            return logits_scores(out.logits[:, -width - 1 :], batch["response_ids"], self.args.temperature)
+        return ResponseScores(out.log_probs[:, -width:].float(), out.entropy[:, -width:].detach().float())
 
 
 @dataclass
@@ -384,12 +358,22 @@ def build_models(
         model, is_peft = get_peft_model(model, peft_config), True
     if args.disable_dropout:
         disable_dropout_in_model(model)
-    if ref_model is None and not is_peft and is_zero3_partitioned(model):
-        # ZeRO-3 partitioned the policy as it was built, and a partitioned model cannot be deep-copied
+    # ZeRO-3 (``zero3_init_flag``) partitioned the policy as it was built, and a partitioned model cannot be copied
+    if ref_model is None and not is_peft and any(hasattr(p, "ds_id") for p in model.parameters()):
         if not model_id:
             raise ValueError("Under DeepSpeed ZeRO-3 pass `ref_model` (or the policy by name) for the reference.")
         ref_model = load_policy(model_id, args, None, PartialState().local_process_index)
-    ref_model = reference_model(model, ref_model, is_peft, args)
+    # the reference: `ref_model`, the adapter-free policy under PEFT (None), or a frozen copy of the policy
+    if ref_model is None and is_peft:
+        if args.num_shared_layers is not None:
+            raise ValueError(
+                f"num_shared_layers={args.num_shared_layers}: a PEFT policy's reference is the policy without its "
+                "adapter (no copy to share layers with): leave num_shared_layers=None."
+            )
+    else:
+        ref_model = create_reference_model(model, args.num_shared_layers) if ref_model is None else ref_model.eval()
+        ref_model.requires_grad_(False)
+        disable_dropout_in_model(ref_model)
     value_head, value_backbone = build_value_head(model, value_model, args.disable_dropout)
     if args.activation_checkpointing:
         enable_activation_checkpointing(model, value_backbone, is_peft, args)

@@ -47,7 +47,7 @@ from trl_stable.trainers.ppo.engines import (
     require_deepspeed_if_asked,
 )
 from trl_stable.trainers.ppo.evaluation import Evaluation
-from trl_stable.trainers.ppo.generation import hf_rollout
+from trl_stable.trainers.ppo.generation import hf_sampler, trim_response
 from trl_stable.trainers.ppo.loop_events import LoopEvents
 from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
@@ -70,8 +70,7 @@ from trl_stable.trainers.ppo.step_inputs import (
     trim_micro_batch,
 )
 from trl_stable.trainers.ppo.step_rewards import StepRewards
-from trl_stable.trainers.ppo.tables import Tables
-from trl_stable.trainers.ppo.vllm import VLLMRollouts, check_vllm_routing, vllm_rollout
+from trl_stable.trainers.ppo.vllm import VLLMRollouts, vllm_sampler
 from trl_stable.trainers.processes import call_on_every_process
 from trl_stable.trainers.prompt_checks import model_context
 
@@ -97,7 +96,6 @@ class PPOTrainer(
     PromptData,
     LoopEvents,
     Evaluation,
-    Tables,
     SaveAndResume,
     MarkedCheckpoints,
     _BaseTrainer,
@@ -212,10 +210,7 @@ class PPOTrainer(
         # vLLM rollouts (TRL's helper): after `prepare`, so the helper sees the engine's (possibly sharded) policy
         self.vllm_rollouts = None
         if args.use_vllm:
-            check_vllm_routing(args)
-            self.vllm_rollouts = VLLMRollouts(
-                self.unwrapped().policy, self.accelerator, processing_class, args, models.model_id
-            )
+            self.vllm_rollouts = VLLMRollouts(self.policy, self.accelerator, processing_class, args, models.model_id)
         # per-process streams: mini-batch shuffling, and sampling in generate (seeded per rank below)
         self.shuffle_generator = torch.Generator().manual_seed(args.seed + self.accelerator.process_index)
         set_seed(args.seed, device_specific=True)
@@ -281,14 +276,22 @@ class PPOTrainer(
         if length_sampler is None and args.min_new_tokens is not None:
             length_sampler = LengthSampler(args.min_new_tokens, args.max_new_tokens)
         chunk = batch_size or args.generation_batch_size or len(queries)
-        if self.vllm_rollouts is not None:
-            if generation_kwargs:
-                raise ValueError(
-                    f"generate() got {sorted(generation_kwargs)} with use_vllm: set sampling on PPOConfig."
-                )
-            rollout = vllm_rollout(self, queries, chunk, length_sampler, return_prompt)
-        else:
-            rollout = hf_rollout(self, queries, chunk, length_sampler, return_prompt, generation_kwargs)
+        if self.vllm_rollouts is not None and generation_kwargs:
+            raise ValueError(f"generate() got {sorted(generation_kwargs)} with use_vllm: set sampling on PPOConfig.")
+        sampler = vllm_sampler(self) if self.vllm_rollouts is not None else hf_sampler(self, generation_kwargs)
+        sequences, logps, routing = [], [], []
+        with sampler as sample:
+            for start in range(0, len(queries), chunk):
+                batch = [q.to(self.accelerator.device).long() for q in queries[start : start + chunk]]
+                cap = max(1, int(length_sampler())) if length_sampler is not None else None
+                completions, chunk_logps, routes = sample(start, batch, cap)
+                responses = [trim_response(c, self.eos_token_id) for c in completions]
+                if chunk_logps is not None:
+                    logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(chunk_logps, responses)]
+                if routes is not None:
+                    routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
+                sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
+        rollout = Rollout(sequences, queries, logps or None, routing or None, with_prompt=return_prompt)
         return rollout[0] if single else rollout
 
     # ------------------------------------------------------------------ the PPO step
@@ -370,14 +373,10 @@ class PPOTrainer(
         the routing this pass took; and the routing metrics. It reads ids and masks only, never the rewards.
         """
         args = self.args
-        out: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
-        }
-        recorded = []
-        n = batch["input_ids"].shape[0]
-        for start in range(0, n, args.per_device_train_batch_size):
+        parts, recorded = [], []
+        full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
+        for start in range(0, batch["input_ids"].shape[0], args.per_device_train_batch_size):
             mb = {k: v[start : start + args.per_device_train_batch_size] for k, v in batch.items()}
-            full = args.kl_penalty == "full"  # the whole distributions: the only pass that needs the logits
             with self.accelerator.autocast():
                 with self.routing.rollout_pass(mb["attention_mask"], mb.get(ROUTED_EXPERTS_KEY)) as rollout:
                     scores, values = self._forward(self.model_wrapped, mb, need_logits=full)
@@ -389,11 +388,11 @@ class PPOTrainer(
                 kl = kl_estimate(logp, ref_logp, args.kl_penalty)
             values = values.float()
             bootstrap = values.gather(1, mb["response_lengths"].unsqueeze(1)).squeeze(1)
-            for key, value in zip(out, (logp, ref_logp, values[:, :-1], bootstrap, kl, entropy)):
-                out[key].append(value)
+            parts.append((logp, ref_logp, values[:, :-1], bootstrap, kl, entropy))
             if self.routing.mode == "R2":
                 recorded.append(rollout.routing)
-        result = {**batch, **{k: torch.cat(v) for k, v in out.items()}}
+        keys = ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
+        result = {**batch, **{k: torch.cat(v) for k, v in zip(keys, zip(*parts))}}
         if recorded:
             result[ROUTED_EXPERTS_KEY] = torch.cat(recorded)
         return result, self.routing.take_metrics("routing/rollout_", self.accelerator)
@@ -651,7 +650,7 @@ class PPOTrainer(
         stats = self.step(
             queries,
             responses,
-            token_rewards=pending.token_rewards if pending.has_dense else None,
+            token_rewards=pending.token_rewards if pending.pending_dense is not None else None,
             scores=pending.scores,
             extra_logs=pending.stats,  # the dense metrics join it when step() collects them
         )

@@ -38,21 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class BatchRewards:
-    """A batch's rewards: `scores` [N] float64 (the weighted sequence-level sum, NaN where none applies), `dense`,
-    their `metrics` (this process's values) and `stats` (`Stat` shares), each sequence-level function's `per_func`."""
-
-    scores: torch.Tensor | None
-    dense: DenseRewards | None
-    metrics: dict[str, float] = field(default_factory=dict)
-    stats: dict[str, Stat] = field(default_factory=dict)
-    per_func: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
 class PendingRewards:
-    """A batch's rewards with the sequence-level part computed and the dense functions prefetched, called by `result`
-    (`train()` defers `token_rewards` to `step`, so a critic's latency hides behind the forwards)."""
+    """A batch's rewards, the sequence-level part computed and the dense functions prefetched, called by `result`
+    (`train()` defers `token_rewards` to `step`, so a critic's latency hides behind the forwards): `scores` [N]
+    float64 (the weighted sequence-level sum, NaN where none applies), `dense` (once collected), their `metrics` (this
+    process's values) and `stats` (`Stat` shares)."""
 
     scores: torch.Tensor | None
     pending_dense: PendingDenseRewards | None
@@ -62,7 +52,8 @@ class PendingRewards:
     weights: list[float] = field(default_factory=list)
     names: list[str] = field(default_factory=list)  # of the K sequence-level functions
     failures: dict[str, str] = field(default_factory=dict)  # the functions whose call raised, and why
-    _result: BatchRewards | None = field(default=None, init=False, repr=False)
+    dense: DenseRewards | None = field(default=None, init=False)
+    _collected: bool = field(default=False, init=False, repr=False)
 
     def normalize_then_sum(self, reduce_sum: Reduce | None = None) -> None:
         """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`), a collective with `reduce_sum`; the dense
@@ -71,31 +62,36 @@ class PendingRewards:
             self.scores = gdpo_scores(self.rewards_per_func, self.weights, reduce_sum=reduce_sum)
 
     @property
-    def has_dense(self) -> bool:
-        return self.pending_dense is not None
+    def per_func(self) -> dict[str, torch.Tensor]:
+        """Each sequence-level function's rewards [N], by name."""
+        if self.rewards_per_func is None:
+            return {}
+        return {name: self.rewards_per_func[:, k] for k, name in enumerate(self.names)}
 
-    def result(self) -> BatchRewards:
-        """Collect the dense rewards (once) and return the batch's rewards."""
-        if self._result is None:
-            dense = None
-            if self.pending_dense is not None:
-                dense = self.pending_dense.collect()
-                # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
-                self.stats.update(
-                    {name: logged_metric_stat(name, [v]) for name, v in self.metrics.items() if name not in self.stats}
-                )
-                self.stats.update(dense_reward_stats(dense.metrics, self.pending_dense.completion_lengths))
-                self.metrics.update(dense.metrics)
-            per_func = {}
-            if self.rewards_per_func is not None:
-                per_func = {name: self.rewards_per_func[:, k] for k, name in enumerate(self.names)}
-            self._result = BatchRewards(self.scores, dense, self.metrics, self.stats, per_func)
-        return self._result
+    def result(self) -> PendingRewards:
+        """Collect the dense rewards (once); returns itself."""
+        if not self._collected and self.pending_dense is not None:
+            self.dense = self.pending_dense.collect()
+            # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
+            self.stats.update(
+                {name: logged_metric_stat(name, [v]) for name, v in self.metrics.items() if name not in self.stats}
+            )
+            self.stats.update(dense_reward_stats(self.dense.metrics, self.pending_dense.completion_lengths))
+            self.metrics.update(self.dense.metrics)
+        self._collected = True
+        return self
 
     def token_rewards(self) -> list[list[float]] | None:
         """The per-token dense rows for `step` (None without dense functions); collects them."""
         dense = self.result().dense
         return dense.rows if dense is not None else None
+
+
+def _as_list(value: Any, default: list[Any]) -> list[Any]:
+    """`default` for None, a list or tuple as a list, anything else as a one-entry list."""
+    if value is None:
+        return default
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class RewardFunctions:
@@ -110,13 +106,9 @@ class RewardFunctions:
         policy_tokenizer: Any,
         limit: float | None = DEFAULT_MAX_ABS_REWARD,
     ):
-        if reward_funcs is None:
-            reward_funcs = []
-        elif not isinstance(reward_funcs, (list, tuple)):
-            reward_funcs = [reward_funcs]
         funcs = [
             AutoModelForSequenceClassification.from_pretrained(f, num_labels=1) if isinstance(f, str) else f
-            for f in reward_funcs
+            for f in _as_list(reward_funcs, [])
         ]
         for func in funcs:
             if not (isinstance(func, nn.Module) or callable(func)):
@@ -128,10 +120,7 @@ class RewardFunctions:
             model_name_of(f) or type(f).__name__ if isinstance(f, nn.Module) else get_callable_name(f) for f in funcs
         ]
         self.weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
-        if processing_classes is None:
-            processing_classes = [None] * len(funcs)
-        elif not isinstance(processing_classes, (list, tuple)):
-            processing_classes = [processing_classes]
+        processing_classes = _as_list(processing_classes, [None] * len(funcs))
         if len(processing_classes) != len(funcs):
             raise ValueError("reward_processing_classes must have one entry per reward function.")
         self.processing_classes = [
@@ -157,7 +146,7 @@ class RewardFunctions:
 
     def __call__(
         self, rows: list[dict], prompts: list[Any], responses: list[torch.Tensor], trainer_state: Any
-    ) -> BatchRewards:
+    ) -> PendingRewards:
         """Score one batch: sequence-level functions first, then the dense ones with ``env_rewards``."""
         return self.start(rows, prompts, responses, trainer_state).result()
 

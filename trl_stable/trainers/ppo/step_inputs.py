@@ -33,28 +33,6 @@ def check_token_ids(ids: Any, where: str, vocab_size: int | None) -> None:
         )
 
 
-def _check_values(name: str, rows) -> None:
-    """`turn_ids` rows hold integers; `sampler_logprobs` rows log-probabilities: finite and <= 0, NaN where the
-    sampler gave none (as vLLM's None, and TRL's GRPO, which leaves such a token uncorrected)."""
-    for i, row in enumerate(rows):
-        try:
-            values = torch.as_tensor(row)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError(f"{name}[{i}] is not a row of numbers ({err}).") from None
-        if name == "turn_ids" and values.dtype not in _INTEGER_DTYPES:
-            raise ValueError(
-                f"turn_ids[{i}] has dtype {values.dtype}; turn ids are integers (0, 1, ...; -1: no action)."
-            )
-        if name == "sampler_logprobs":
-            bad = (values.isinf() | (values > 0)).nonzero()
-            if len(bad):
-                t = int(bad[0])
-                raise ValueError(
-                    f"sampler_logprobs[{i}] holds {float(values[t]):.6g} at position {t}, not a log-prob (finite and "
-                    "<= 0, NaN: not reported): pass the sampler's log-probs, not logits or probabilities."
-                )
-
-
 def is_sized(value: Any) -> bool:
     """Whether `value` holds entries (a list, tuple, >= 1-D tensor or array), not a string or a number."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
@@ -93,7 +71,9 @@ def _sampler_record(queries, responses, sampler_logprobs, use_decoupled_loss: bo
 
 def check_per_token(name: str, rows, responses) -> None:
     """One entry of `rows` per response token of each sample. For token rewards the errors are the reward
-    contract's (`RewardContractError`, `RewardTypeError`), so deferred token rewards stop every process with them."""
+    contract's (`RewardContractError`, `RewardTypeError`), so deferred token rewards stop every process with them.
+    `turn_ids` rows hold integers; `sampler_logprobs` rows log-probabilities: finite and <= 0, NaN where the sampler
+    gave none (as vLLM's None, and TRL's GRPO, which leaves such a token uncorrected)."""
     rewards = name == "token_rewards"
     value_error, type_error = (RewardContractError, RewardTypeError) if rewards else (ValueError, TypeError)
     if not is_sized(rows):
@@ -106,6 +86,25 @@ def check_per_token(name: str, rows, responses) -> None:
             raise type_error(f"{name}[{i}] is {row!r:.60} ({type(row).__name__}); give one {what} per response token.")
         if len(row) != len(r):
             raise value_error(f"{name}[{i}] has {len(row)} entries for {len(r)} tokens; give one {what} per token.")
+    if rewards:
+        return  # their numbers are the reward contract's, checked when they are read
+    for i, row in enumerate(rows):
+        try:
+            values = torch.as_tensor(row)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{name}[{i}] is not a row of numbers ({err}).") from None
+        if name == "turn_ids" and values.dtype not in _INTEGER_DTYPES:
+            raise ValueError(
+                f"turn_ids[{i}] has dtype {values.dtype}; turn ids are integers (0, 1, ...; -1: no action)."
+            )
+        if name == "sampler_logprobs":
+            bad = (values.isinf() | (values > 0)).nonzero()
+            if len(bad):
+                t = int(bad[0])
+                raise ValueError(
+                    f"sampler_logprobs[{i}] holds {float(values[t]):.6g} at position {t}, not a log-prob (finite and "
+                    "<= 0, NaN: not reported): pass the sampler's log-probs, not logits or probabilities."
+                )
 
 
 def check_step_inputs(trainer, queries, responses, token_rewards, scores, turn_ids, sampler_logprobs):
@@ -143,8 +142,6 @@ def check_step_inputs(trainer, queries, responses, token_rewards, scores, turn_i
     for name in ("token_rewards", "turn_ids", "sampler_logprobs"):
         if per_sample[name] is not None:
             check_per_token(name, per_sample[name], responses)
-            if name != "token_rewards":
-                _check_values(name, per_sample[name])
     return sampler_logprobs, routing, deferred
 
 
@@ -190,14 +187,7 @@ def trim_micro_batch(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     full = mb["response_ids"].shape[1]
     if width == full:
         return mb
-    cut = full - width
     seq = mb["input_ids"].shape[1]  # > full: every query has a token
-    out = {}
-    for k, v in mb.items():
-        if v.dim() >= 2 and v.shape[1] == seq:  # sequence-aligned (ids, masks, routing, any per-position extra)
-            out[k] = v[:, : seq - cut]
-        elif v.dim() >= 2 and v.shape[1] == full:  # response-aligned
-            out[k] = v[:, :width]
-        else:
-            out[k] = v
-    return out
+    # sequence-aligned entries (ids, masks, routing, any per-position extra) and response-aligned ones lose the columns
+    kept = {seq: seq - (full - width), full: width}
+    return {k: v[:, : kept[v.shape[1]]] if v.dim() >= 2 and v.shape[1] in kept else v for k, v in mb.items()}

@@ -10,7 +10,7 @@ import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 from unittest.mock import patch
 
@@ -19,8 +19,7 @@ import trl.generation.vllm_generation as trl_vllm
 from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_stable.integration.patching import wrapped_method
-from trl_stable.trainers.ppo.generation import trim_response
-from trl_stable.trainers.ppo.rollout import Rollout
+from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 
 ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
 
@@ -49,18 +48,6 @@ def vllm_routed_experts_support() -> str | None:
     return f"vLLM {version} does not return routed experts (it has no {' / '.join(missing)})" if missing else None
 
 
-def check_vllm_routing(args: Any) -> None:
-    """Raise ValueError when routing replay R3 cannot get the sampler's routing from vLLM (called at trainer init)."""
-    if getattr(args, "routing_replay", "off") != "R3" or not args.use_vllm:
-        return
-    reason = vllm_routed_experts_support()
-    if reason is not None:
-        raise ValueError(
-            f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}: use a vLLM taking "
-            f"`{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False."
-        )
-
-
 @contextmanager
 def _request_outputs(generation: Any) -> Iterator[list[Any]]:
     """Collect the `RequestOutput`s of the colocate engine's ``llm.generate`` in one helper call (TRL keeps only their
@@ -81,26 +68,31 @@ def _request_outputs(generation: Any) -> Iterator[list[Any]]:
 
 class VLLMRollouts:
     """TRL's vLLM helper built from a `PPOConfig` for the (unwrapped) `policy` loaded from `model_id`, with the PPO
-    step its weights were last synced at."""
+    step its weights were last synced at; refuses routing replay R3 when vLLM cannot return the sampler's routing."""
 
     def __init__(self, policy: torch.nn.Module, accelerator: Any, processing_class: Any, args: Any, model_id: Any):
+        self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
+        reason = vllm_routed_experts_support() if self.return_routing else None
+        if reason is not None:
+            raise ValueError(
+                f"routing_replay='R3' with use_vllm needs the sampler's routing, but {reason}: use a vLLM taking "
+                f"`{ROUTED_EXPERTS_FLAG}`, routing_replay='R2', or use_vllm=False."
+            )
         if args.vllm_mode == "colocate" and not model_id:
             raise ValueError(
                 "vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` so, or use 'server'."
             )
-        self.return_routing = args.routing_replay == "R3"  # colocate mode: `PPOConfig` refuses R3 with a server
         chunk = args.generation_batch_size or args.batch_size
         # TRL's `LLM(...)` call takes no extra engine arguments: R3's flag is passed through a patch while it is built
         llm = functools.partial(trl_vllm.LLM, **{ROUTED_EXPERTS_FLAG: True}) if self.return_routing else None
         with patch.object(trl_vllm, "LLM", llm) if llm else nullcontext():
-            # GRPO's names: PPOConfig.vllm_<name> is the helper's <name>
-            named = ("mode", "server_base_url", "server_host", "server_port", "server_timeout", "group_port")
-            named += ("tensor_parallel_size", "gpu_memory_utilization", "max_model_length", "enable_sleep_mode")
+            # GRPO's names: each `VLLMArguments` field vllm_<name> is the helper's <name>
+            named = [f.name for f in dataclasses.fields(VLLMArguments) if f.name != "use_vllm"]
             self.generation = VLLMGeneration(
                 model=policy,
                 accelerator=accelerator,
                 processing_class=processing_class,
-                **{name: getattr(args, f"vllm_{name}") for name in (*named, "model_impl")},
+                **{name.removeprefix("vllm_"): getattr(args, name) for name in named},
                 max_num_seqs=chunk * args.vllm_tensor_parallel_size,
                 temperature=args.temperature,
                 top_p=args.top_p,
@@ -136,27 +128,16 @@ class VLLMRollouts:
         return [list(c) for c in completion_ids], sampler, routing
 
 
-def vllm_rollout(
-    trainer: Any, queries: list[torch.Tensor], chunk: int, length_sampler: Callable | None, return_prompt: bool
-) -> Rollout:
-    """`PPOTrainer.generate` through vLLM: the `Rollout` HF generation makes, with vLLM's log-probs and routing."""
-    device = trainer.accelerator.device
-    rollouts: VLLMRollouts = trainer.vllm_rollouts
-    sequences, sampler_logps, routing = [], [], []
-    for start in range(0, len(queries), chunk):
-        batch = [q.to(device).long() for q in queries[start : start + chunk]]
-        max_new = max(1, int(length_sampler())) if length_sampler is not None else trainer.args.max_new_tokens
-        ids, logps, routes = rollouts.sample([q.tolist() for q in batch], max_new, trainer.state.global_step)
-        responses = [
-            trim_response(torch.tensor(c, dtype=torch.long, device=device), trainer.eos_token_id) for c in ids
-        ]
-        if any(len(r) == 0 for r in responses):
+def vllm_sampler(trainer: Any) -> AbstractContextManager[Callable[..., tuple]]:
+    """`PPOTrainer.generate`'s chunk sampler through vLLM (`hf_sampler`'s contract), with vLLM's log-probs and
+    routing."""
+    device, rollouts = trainer.accelerator.device, trainer.vllm_rollouts
+
+    def sample(start: int, batch: list[torch.Tensor], max_new_tokens: int | None) -> tuple:
+        cap = max_new_tokens or trainer.args.max_new_tokens
+        ids, logps, routing = rollouts.sample([q.tolist() for q in batch], cap, trainer.state.global_step)
+        if any(len(c) == 0 for c in ids):
             raise ValueError("vLLM returned an empty completion; PPO needs at least one response token per sample.")
-        if logps is not None:
-            sampler_logps += [torch.tensor(lp[: len(r)], dtype=torch.float32) for lp, r in zip(logps, responses)]
-        if routes is not None:
-            routing += [torch.as_tensor(x)[: len(q) + len(r)] for x, q, r in zip(routes, batch, responses)]
-        sequences += [torch.cat([q, r]) if return_prompt else r for q, r in zip(batch, responses)]
-    return Rollout(
-        sequences, queries, sampler_logprobs=sampler_logps or None, routing=routing or None, with_prompt=return_prompt
-    )
+        return [torch.tensor(c, dtype=torch.long, device=device) for c in ids], logps, routing
+
+    return nullcontext(sample)

@@ -12,52 +12,43 @@ from trl_stable.settings.checks import Dependent, check_dependents
 _MODES = ("server", "colocate")
 
 
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class VLLMArguments:
     """Fields that route PPO's rollouts through vLLM (TRL's integration: colocate or a `trl vllm-serve` server)."""
 
-    use_vllm: bool = field(
-        default=False,
-        metadata={
-            "help": "Sample the rollouts with vLLM instead of HF generate (TRL's vLLM integration, as in GRPO). The "
-            "sampler's log-probs come from vLLM and feed the decoupled loss and the mismatch monitor. Needs `vllm`."
-        },
+    use_vllm: bool = _opt(
+        False,
+        "Sample the rollouts with vLLM instead of HF generate (TRL's vLLM integration, as in GRPO). The "
+        "sampler's log-probs come from vLLM and feed the decoupled loss and the mismatch monitor. Needs `vllm`.",
     )
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={
-            "help": "'colocate': a vLLM engine in each training process, on its GPU; 'server': requests to a "
-            "separate `trl vllm-serve` server (see vllm_server_*)."
-        },
+    vllm_mode: str = _opt(
+        "colocate",
+        "'colocate': a vLLM engine in each training process, on its GPU; 'server': requests to a "
+        "separate `trl vllm-serve` server (see vllm_server_*).",
     )
-    vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "Server mode: base URL of the server; overrides host and port."}
+    vllm_server_base_url: str | None = _opt(None, "Server mode: base URL of the server; overrides host and port.")
+    vllm_server_host: str = _opt("0.0.0.0", "Server mode: host of the server.")
+    vllm_server_port: int = _opt(8000, "Server mode: port of the server.")
+    vllm_server_timeout: float = _opt(240.0, "Server mode: seconds to wait for the server to come up.")
+    vllm_group_port: int = _opt(51216, "Server mode: port of the weight-update communicator.")
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "Colocate mode: share of GPU memory vLLM reserves (weights and KV cache)."
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the server."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the server."})
-    vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to come up."}
+    vllm_tensor_parallel_size: int = _opt(
+        1, "Colocate mode: tensor-parallel size; must divide the number of processes."
     )
-    vllm_group_port: int = field(
-        default=51216, metadata={"help": "Server mode: port of the weight-update communicator."}
+    vllm_max_model_length: int | None = _opt(
+        None, "Colocate mode: context length (prompt + response); None: from the model config."
     )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocate mode: share of GPU memory vLLM reserves (weights and KV cache)."}
+    vllm_enable_sleep_mode: bool = _opt(
+        False, "Colocate mode: offload vLLM's weights and cache between rollouts (less memory, slower)."
     )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode: tensor-parallel size; must divide the number of processes."}
-    )
-    vllm_max_model_length: int | None = field(
-        default=None,
-        metadata={"help": "Colocate mode: context length (prompt + response); None: from the model config."},
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False,
-        metadata={"help": "Colocate mode: offload vLLM's weights and cache between rollouts (less memory, slower)."},
-    )
-    vllm_model_impl: str = field(
-        default="vllm",
-        metadata={"help": "Colocate mode: vLLM's model implementation, 'vllm', 'transformers' or 'auto'."},
+    vllm_model_impl: str = _opt(
+        "vllm", "Colocate mode: vLLM's model implementation, 'vllm', 'transformers' or 'auto'."
     )
 
     def validate_vllm_arguments(self) -> None:
