@@ -11,12 +11,13 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from trl_stable.rewards.critic.config import CRITIC_TASKS, CriticRewardConfig
 from trl_stable.rewards.critic.openai_critic import OpenAICritic
 from trl_stable.rewards.critic.parsing import ParsedCritique, continuation_header, parse_critic_answer
+from trl_stable.settings.checks import option
 
 __all__ = [
     "FAILED_CALLS_ENV",
@@ -97,9 +98,8 @@ class RelcCriticRewardConfig(CriticRewardConfig):
     """`CriticRewardConfig` with RELC's flag spelling (``--use_instric_reward``), its token-reward meaning per task
     (`from_relc`) and its per-word answer format (`parse_relc_answer`)."""
 
-    use_instric_reward: bool = field(
-        default=False,
-        metadata={"help": "Alias of `use_intrinsic_reward` (RELC's spelling in its sentiment/summarization scripts)."},
+    use_instric_reward: bool = option(
+        False, "Alias of `use_intrinsic_reward` (RELC's spelling in its sentiment/summarization scripts)."
     )
 
     continuation_header = staticmethod(relc_continuation_header)

@@ -18,6 +18,7 @@ from trl_stable.masking.mask import StepSpanError, build_step_loss_mask
 from trl_stable.masking.token_offsets import encode_with_offsets
 from trl_stable.masking.transcript import DEFAULT_CODE_TOOLS, find_transcript_steps
 from trl_stable.masking.validation import load_tools
+from trl_stable.settings.checks import option
 
 logger = logging.getLogger(__name__)
 
@@ -89,28 +90,21 @@ def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> An
 class StepMaskedSFTConfig(trl.SFTConfig):
     """Configuration for [`StepMaskedSFTTrainer`]: every field of `trl.SFTConfig`, plus the step-mask options."""
 
-    step_tools: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Valid tools: names, {name: signature}, OpenAI tool specs, or a JSON string/file of these. "
-            "None skips the name and argument checks."
-        },
+    step_tools: dict[str, Any] | str | None = option(
+        None,
+        "Valid tools: names, {name: signature}, OpenAI tool specs, or a JSON string/file of these. "
+        "None skips the name and argument checks.",
     )
-    step_assistant_only: bool = field(
-        default=True, metadata={"help": "For 'messages' rows, train only the assistant turns."}
-    )
-    step_outside_value: float = field(
-        default=1.0, metadata={"help": "Mask value (0 or 1) of tokens covered by no step."}
-    )
-    step_tool_call_open: str = field(default="<tool_call>", metadata={"help": "Opening tag of a tool-call block."})
-    step_tool_call_close: str = field(default="</tool_call>", metadata={"help": "Closing tag of a tool-call block."})
+    step_assistant_only: bool = option(True, "For 'messages' rows, train only the assistant turns.")
+    step_outside_value: float = option(1.0, "Mask value (0 or 1) of tokens covered by no step.")
+    step_tool_call_open: str = option("<tool_call>", "Opening tag of a tool-call block.")
+    step_tool_call_close: str = option("</tool_call>", "Closing tag of a tool-call block.")
     step_code_tools: list[str] = field(
         default_factory=lambda: list(DEFAULT_CODE_TOOLS),
         metadata={"help": "Tool names whose calls execute code; their reply decides crash/timeout/oom."},
     )
-    step_infer_exec_status: bool = field(
-        default=True,
-        metadata={"help": "Infer crash/timeout/oom from a code tool's output when the message has no exec_status."},
+    step_infer_exec_status: bool = option(
+        True, "Infer crash/timeout/oom from a code tool's output when the message has no exec_status."
     )
 
     def __post_init__(self):

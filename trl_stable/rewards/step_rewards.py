@@ -21,6 +21,7 @@ from trl_stable.masking.validation import (
     parse_tool_call,
 )
 from trl_stable.rewards.arena import completion_text
+from trl_stable.settings.checks import option
 
 DIMENSIONS = ("tool_name", "arguments", "reasoning", "plan")
 
@@ -47,10 +48,10 @@ class StepRewardWeights:
     off is a ValueError.
     """
 
-    tool_name: float = field(default=0.5, metadata={"help": "Weight of the tool-name match."})
-    arguments: float = field(default=0.2, metadata={"help": "Weight of the argument key-value match."})
-    reasoning: float = field(default=0.2, metadata={"help": "Weight of the reasoning quality."})
-    plan: float = field(default=0.1, metadata={"help": "Weight of the plan completeness."})
+    tool_name: float = option(0.5, "Weight of the tool-name match.")
+    arguments: float = option(0.2, "Weight of the argument key-value match.")
+    reasoning: float = option(0.2, "Weight of the reasoning quality.")
+    plan: float = option(0.1, "Weight of the plan completeness.")
 
     def __post_init__(self):
         values = self.as_dict()

@@ -114,6 +114,11 @@ def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
             raise ValueError(f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful.")
 
 
+def option(default: Any, help: str) -> Any:  # noqa: A002 - the metadata key HfArgumentParser reads
+    """A config field: ``field(default=default, metadata={"help": help})``, the flag and help text of the scripts."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 def field_default(config: Any, name: str) -> Any:
     """The default of dataclass field `name` of `config` (its default factory called), or `dataclasses.MISSING`."""
     f = type(config).__dataclass_fields__[name]

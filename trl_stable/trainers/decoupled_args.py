@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from trl_stable.settings.checks import field_default
+from trl_stable.settings.checks import field_default, option
 
 TOKEN_FILTERS = ("icepop", "kpop")
 # (lower, upper) when the field is None; KPop has only an upper KL threshold.
@@ -17,30 +17,19 @@ class DecoupledLossArguments:
     """Fields of AReaL's decoupled PPO loss and its IcePop / KPop token filter (`trl_stable.core.behaviour_weights`);
     a config may redeclare `use_decoupled_loss` to say how its trainer gets the sampler's log-probs."""
 
-    use_decoupled_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "Decoupled PPO loss (AReaL): the clipped term times the behaviour weight "
-            "exp(logp_prox - logp_sampler)."
-        },
+    use_decoupled_loss: bool = option(
+        False, "Decoupled PPO loss (AReaL): the clipped term times the behaviour weight exp(logp_prox - logp_sampler)."
     )
-    token_filter: str | None = field(
-        default=None,
-        metadata={"help": "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."},
+    token_filter: str | None = option(
+        None, "Token filter of the decoupled loss: 'icepop' (ratio band) or 'kpop' (binary KL)."
     )
-    token_filter_level: str = field(
-        default="token",
-        metadata={"help": "Filter level: 'token', or 'sequence' (keep or drop whole sequences)."},
+    token_filter_level: str = option("token", "Filter level: 'token', or 'sequence' (keep or drop whole sequences).")
+    token_filter_action: str = option(
+        "mask", "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."
     )
-    token_filter_action: str = field(
-        default="mask",
-        metadata={"help": "'mask' drops filtered tokens from the loss; 'clamp' bounds the weight (IcePop only)."},
-    )
-    token_filter_lower: float | None = field(
-        default=None, metadata={"help": "IcePop lower bound of the weight (default 0.5). Unused by KPop."}
-    )
-    token_filter_upper: float | None = field(
-        default=None, metadata={"help": "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."}
+    token_filter_lower: float | None = option(None, "IcePop lower bound of the weight (default 0.5). Unused by KPop.")
+    token_filter_upper: float | None = option(
+        None, "IcePop upper bound of the weight (default 5.0); KPop KL threshold (2.0)."
     )
 
     def validate_decoupled_loss_arguments(self) -> None:

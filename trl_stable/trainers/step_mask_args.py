@@ -3,8 +3,10 @@ configs call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from trl_stable.settings.checks import option
 
 
 @dataclass
@@ -12,19 +14,15 @@ class StepMaskArguments:
     """Fields that remove invalid agent steps from the policy loss (`trl_stable.masking.CompletionStepMasker`); a
     config may redeclare `step_loss_mask` to say what else its trainer does with the masked tokens."""
 
-    step_loss_mask: bool = field(
-        default=False,
-        metadata={
-            "help": "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
-            "have wrongly typed arguments) from the policy loss."
-        },
+    step_loss_mask: bool = option(
+        False,
+        "Remove the tokens of invalid agent steps (tool calls that are not JSON, name an unknown tool or "
+        "have wrongly typed arguments) from the policy loss.",
     )
-    step_mask_tools: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
-            "file of these. None checks only that a tool call is JSON with a name."
-        },
+    step_mask_tools: dict[str, Any] | str | None = option(
+        None,
+        "Valid tools for step_loss_mask: names, {name: signature}, OpenAI tool specs, or a JSON string/"
+        "file of these. None checks only that a tool call is JSON with a name.",
     )
 
     def validate_step_mask_arguments(self) -> None:

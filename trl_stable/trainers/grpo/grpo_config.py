@@ -5,7 +5,7 @@ TRL accepts it: `ignored_settings`) by name, plus trl_stable's options (docs/grp
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trl
@@ -26,6 +26,7 @@ from trl_stable.settings.checks import (
     check_fp16_device,
     check_reward_scale,
     check_training_length,
+    option,
     training_argument_bounds,
 )
 from trl_stable.settings.secrets import SecretsNotPickled
@@ -101,117 +102,84 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
     r"""Configuration for [`GRPOTrainer`]: every field of `trl.GRPOConfig`, plus trl_stable's options, each off by
     default (identical to `trl.GRPOTrainer`; the health monitor only reads the logs). docs/grpo.md has the table."""
 
-    advantage_estimator: str = field(
-        default="grpo",
-        metadata={
-            "help": "Advantage estimator preset: 'grpo' (TRL default), 'dr_grpo', 'liteppo', 'rloo', 'gdpo' or "
-            "'ngrpo'. Presets set the TRL fields they need (dr_grpo: scale_rewards='none', loss_type='dr_grpo'; "
-            "gdpo: multi_objective_aggregation='normalize_then_sum')."
-        },
+    advantage_estimator: str = option(
+        "grpo",
+        "Advantage estimator preset: 'grpo' (TRL default), 'dr_grpo', 'liteppo', 'rloo', 'gdpo' or "
+        "'ngrpo'. Presets set the TRL fields they need (dr_grpo: scale_rewards='none', loss_type='dr_grpo'; "
+        "gdpo: multi_objective_aggregation='normalize_then_sum').",
     )
-    advantage_mean_level: str | None = field(
-        default=None,
-        metadata={"help": "Override the preset's mean level: 'batch', 'group' or 'none'. None keeps the preset."},
+    advantage_mean_level: str | None = option(
+        None, "Override the preset's mean level: 'batch', 'group' or 'none'. None keeps the preset."
     )
-    advantage_std_level: str | None = field(
-        default=None,
-        metadata={"help": "Override the preset's std level: 'batch', 'group' or 'none'. None keeps the preset."},
+    advantage_std_level: str | None = option(
+        None, "Override the preset's std level: 'batch', 'group' or 'none'. None keeps the preset."
     )
-    advantage_leave_one_out: bool | None = field(
-        default=None,
-        metadata={"help": "Override the preset's leave-one-out mean (RLOO baseline). None keeps the preset."},
+    advantage_leave_one_out: bool | None = option(
+        None, "Override the preset's leave-one-out mean (RLOO baseline). None keeps the preset."
     )
-    advantage_std_unbiased: bool = field(
-        default=True, metadata={"help": "Use the unbiased (n - 1) std in trl_stable's advantage estimators."}
+    advantage_std_unbiased: bool = option(True, "Use the unbiased (n - 1) std in trl_stable's advantage estimators.")
+    advantage_eps: float | None = option(
+        None,
+        "Added to the std when dividing. None: 1e-4 (TRL's value), 1e-6 for 'ngrpo'. Set with 'grpo' (as "
+        "is advantage_std_unbiased=False), trl_stable computes the group/group advantages itself; not for 'gdpo'.",
     )
-    advantage_eps: float | None = field(
-        default=None,
-        metadata={
-            "help": "Added to the std when dividing. None: 1e-4 (TRL's value), 1e-6 for 'ngrpo'. Set with 'grpo' (as "
-            "is advantage_std_unbiased=False), trl_stable computes the group/group advantages itself; not for 'gdpo'."
-        },
-    )
-    ngrpo_r_max: float = field(
-        default=1.0, metadata={"help": "NGRPO: reward of the virtual samples (the best achievable reward)."}
-    )
-    ngrpo_num_virtual: int = field(default=1, metadata={"help": "NGRPO: number of virtual samples per group (>= 1)."})
-    use_decoupled_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "Decoupled PPO loss (AReaL): clip against proximal log-probs recomputed before the update, "
-            "times the behaviour weight exp(logp_prox - logp_sampler). With HF generation the sampler's log-probs "
-            "are recorded during generation."
-        },
+    ngrpo_r_max: float = option(1.0, "NGRPO: reward of the virtual samples (the best achievable reward).")
+    ngrpo_num_virtual: int = option(1, "NGRPO: number of virtual samples per group (>= 1).")
+    use_decoupled_loss: bool = option(
+        False,
+        "Decoupled PPO loss (AReaL): clip against proximal log-probs recomputed before the update, "
+        "times the behaviour weight exp(logp_prox - logp_sampler). With HF generation the sampler's log-probs "
+        "are recorded during generation.",
     )
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
-    capture_sampler_logps: bool = field(
-        default=False,
-        metadata={
-            "help": "Record the HF sampler's per-token log-probs (as `sampling_per_token_logps`) even without the "
-            "decoupled loss, e.g. for mismatch monitoring."
-        },
+    capture_sampler_logps: bool = option(
+        False,
+        "Record the HF sampler's per-token log-probs (as `sampling_per_token_logps`) even without the "
+        "decoupled loss, e.g. for mismatch monitoring.",
     )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "DAPO dynamic sampling: drop groups whose rewards are all equal from the loss and its token "
-            "normalisation."
-        },
+    dynamic_sampling: bool = option(
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal from the loss and its token normalisation.",
     )
-    dynamic_sampling_max_refills: int = field(
-        default=0,
-        metadata={
-            "help": "With dynamic_sampling: extra generation rounds (new random prompts) that refill the batch with "
-            "informative groups so it keeps its size, as DAPO does. 0: the batch shrinks instead (dropped groups are "
-            "only masked). Map-style train datasets only."
-        },
+    dynamic_sampling_max_refills: int = option(
+        0,
+        "With dynamic_sampling: extra generation rounds (new random prompts) that refill the batch with "
+        "informative groups so it keeps its size, as DAPO does. 0: the batch shrinks instead (dropped groups are "
+        "only masked). Map-style train datasets only.",
     )
-    overlong_penalty_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "DAPO overlong penalty: the buffer (tokens) before max_completion_length where the penalty ramps "
-            "from 0 to -overlong_penalty_factor. None disables it."
-        },
+    overlong_penalty_tokens: int | None = option(
+        None,
+        "DAPO overlong penalty: the buffer (tokens) before max_completion_length where the penalty ramps "
+        "from 0 to -overlong_penalty_factor. None disables it.",
     )
-    overlong_penalty_factor: float = field(
-        default=1.0, metadata={"help": "DAPO overlong penalty at max_completion_length (a positive number)."}
+    overlong_penalty_factor: float = option(1.0, "DAPO overlong penalty at max_completion_length (a positive number).")
+    dense_reward_coef: float = option(
+        1.0, "Coefficient of the dense reward-to-go added to the sequence advantage (dense rewards only)."
     )
-    dense_reward_coef: float = field(
-        default=1.0,
-        metadata={
-            "help": "Coefficient of the dense reward-to-go added to the sequence advantage (dense rewards only)."
-        },
+    dense_reward_gamma: float = option(1.0, "Discount of the dense reward-to-go, in (0, 1].")
+    nan_reward_action: str = option(
+        "zero",
+        "A completion that every reward function scored None/NaN/inf: 'zero' keeps TRL's behavior "
+        "(advantage 0, outside the group baseline, still counted in the loss's token normalizer); 'drop' "
+        "(recommended) removes it from the loss with a warning and the `rewards/nan_dropped` counter (a batch "
+        "with no scorable completion raises).",
     )
-    dense_reward_gamma: float = field(default=1.0, metadata={"help": "Discount of the dense reward-to-go, in (0, 1]."})
-    nan_reward_action: str = field(
-        default="zero",
-        metadata={
-            "help": "A completion that every reward function scored None/NaN/inf: 'zero' keeps TRL's behavior "
-            "(advantage 0, outside the group baseline, still counted in the loss's token normalizer); 'drop' "
-            "(recommended) removes it from the loss with a warning and the `rewards/nan_dropped` counter (a batch "
-            "with no scorable completion raises)."
-        },
+    reward_max_failing_steps: int | None = option(
+        5,
+        "Stop training when a reward function fails on every completion (it raises, or gives None/NaN or "
+        "an out-of-range value for all of them) this many steps in a row; each such step warns, naming the "
+        "function and the cause, and its completions are unscored (nan_reward_action). None: never stop.",
     )
-    reward_max_failing_steps: int | None = field(
-        default=5,
-        metadata={
-            "help": "Stop training when a reward function fails on every completion (it raises, or gives None/NaN or "
-            "an out-of-range value for all of them) this many steps in a row; each such step warns, naming the "
-            "function and the cause, and its completions are unscored (nan_reward_action). None: never stop."
-        },
-    )
-    max_abs_reward: float | None = field(
-        default=DEFAULT_MAX_ABS_REWARD,
-        metadata={
-            "help": "The largest reward magnitude taken: a reward (sequence value, reward-model logit, dense token) "
-            "beyond +-max_abs_reward is treated as NaN (does not apply; nan_reward_action), with a warning and "
-            "`rewards/<name>/out_of_range` (logged on the steps where it happens), so the float32 arithmetic stays "
-            "finite (a 1e20 reward gave inf losses). None: only +-inf. Runs whose rewards stay within the bound are "
-            "TRL's, number for number."
-        },
+    max_abs_reward: float | None = option(
+        DEFAULT_MAX_ABS_REWARD,
+        "The largest reward magnitude taken: a reward (sequence value, reward-model logit, dense token) "
+        "beyond +-max_abs_reward is treated as NaN (does not apply; nan_reward_action), with a warning and "
+        "`rewards/<name>/out_of_range` (logged on the steps where it happens), so the float32 arithmetic stays "
+        "finite (a 1e20 reward gave inf losses). None: only +-inf. Runs whose rewards stay within the bound are "
+        "TRL's, number for number.",
     )
     # step_loss_mask, step_mask_tools: from StepMaskArguments
-    routing_replay: str = field(default="off", metadata={"help": ROUTING_REPLAY_HELP})
+    routing_replay: str = option("off", ROUTING_REPLAY_HELP)
 
     def __post_init__(self):
         # Before TRL's own checks, which divide by some of these (num_generations=0 would be a ZeroDivisionError).

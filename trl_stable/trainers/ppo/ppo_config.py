@@ -6,8 +6,7 @@ Every inherited field is honored as `transformers.Trainer` honors it, or refused
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from transformers import TrainingArguments
 from transformers.utils import is_torch_tf32_available
@@ -25,6 +24,7 @@ from trl_stable.settings.checks import (
     check_fp16_device,
     check_reward_scale,
     check_training_length,
+    option,
     training_argument_bounds,
     training_argument_dependents,
 )
@@ -103,10 +103,6 @@ PPO_BOUNDS: dict[str, Bound] = {
 }
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class PPOConfig(
     SecretsNotPickled, TrainingArguments, PPOHealthArguments, DecoupledLossArguments, StepMaskArguments, VLLMArguments
@@ -119,105 +115,105 @@ class PPOConfig(
     """
 
     # --- overridden TrainingArguments defaults ---
-    learning_rate: float = _opt(1.41e-5, "Adam learning rate (RELC default 1.41e-5).")
-    seed: int = _opt(0, "Random seed (sampling, shuffling, value-head init).")
-    logging_steps: float = _opt(1, "Log every X PPO steps (a float in [0, 1) is a ratio of the total steps).")
-    lr_scheduler_type: str = _opt("constant", "Learning-rate schedule over optimizer steps (transformers names).")
-    average_tokens_across_devices: bool = _opt(
+    learning_rate: float = option(1.41e-5, "Adam learning rate (RELC default 1.41e-5).")
+    seed: int = option(0, "Random seed (sampling, shuffling, value-head init).")
+    logging_steps: float = option(1, "Log every X PPO steps (a float in [0, 1) is a ratio of the total steps).")
+    lr_scheduler_type: str = option("constant", "Learning-rate schedule over optimizer steps (transformers names).")
+    average_tokens_across_devices: bool = option(
         False, "False: each micro-batch's loss is averaged over its own tokens."
     )
-    remove_unused_columns: bool = _opt(False, "False: every train_dataset column reaches the reward functions.")
+    remove_unused_columns: bool = option(False, "False: every train_dataset column reaches the reward functions.")
 
     # --- model / run identity ---
-    model_name: str | None = _opt(None, "Name or path of the policy, used when `PPOTrainer(model=None)`.")
-    model_init_kwargs: dict | None = _opt(None, "Keyword arguments of `from_pretrained` for a policy given by name.")
-    load_in_4bit: bool = _opt(False, "Load a policy given by name in 4-bit (bitsandbytes, CUDA, `peft_config`).")
-    load_in_8bit: bool = _opt(False, "Load a policy given by name in 8-bit (bitsandbytes, CUDA, `peft_config`).")
-    num_shared_layers: int | None = _opt(
+    model_name: str | None = option(None, "Name or path of the policy, used when `PPOTrainer(model=None)`.")
+    model_init_kwargs: dict | None = option(None, "Keyword arguments of `from_pretrained` for a policy given by name.")
+    load_in_4bit: bool = option(False, "Load a policy given by name in 4-bit (bitsandbytes, CUDA, `peft_config`).")
+    load_in_8bit: bool = option(False, "Load a policy given by name in 8-bit (bitsandbytes, CUDA, `peft_config`).")
+    num_shared_layers: int | None = option(
         None, "First layers (and embeddings) shared by the policy and the reference, frozen. None: none."
     )
-    disable_dropout: bool = _opt(True, "Turn dropout off in every model, so the first update's ratio is 1.")
-    log_with: str | None = _opt(None, "RELC-era alias of `report_to`; overrides it.")
+    disable_dropout: bool = option(True, "Turn dropout off in every model, so the first update's ratio is 1.")
+    log_with: str | None = option(None, "RELC-era alias of `report_to`; overrides it.")
 
     # --- batch geometry ---
-    batch_size: int = _opt(16, "Rollout samples (prompts) per process per PPO step.")
-    per_device_train_batch_size: int = _opt(
+    batch_size: int = option(16, "Rollout samples (prompts) per process per PPO step.")
+    per_device_train_batch_size: int = option(
         _DEFAULT_MICRO_BATCH,
         "The micro-batch: samples per forward/backward (x gradient_accumulation_steps: one step).",
     )
-    mini_batch_size: int | None = _opt(
+    mini_batch_size: int | None = option(
         None, "RELC's name of the micro-batch: when set, `per_device_train_batch_size`."
     )
-    ppo_epochs: int = _opt(4, "Optimization passes over each rollout batch.")
+    ppo_epochs: int = option(4, "Optimization passes over each rollout batch.")
 
     # --- KL penalty and controller ---
-    kl_penalty: str = _opt(
+    kl_penalty: str = option(
         "kl", "Per-token KL estimator: 'kl', 'abs', 'mse', 'k3', 'low_var_kl', 'full' or registered."
     )
-    adap_kl_ctrl: bool = _opt(True, "Adapt kl_coef toward `target` (Ziegler et al. 2019); else fixed.")
-    init_kl_coef: float = _opt(0.2, "Initial (or fixed) KL coefficient.")
-    target: float = _opt(6.0, "Target sequence KL of the adaptive controller.")
-    horizon: float = _opt(10000.0, "Horizon (in samples) of the adaptive controller.")
-    target_kl: float | None = _opt(6.0, "Stop a step's epochs when the policy KL exceeds 1.5 x target_kl.")
-    early_stopping: bool = _opt(True, "Enable the `target_kl` early stop.")
+    adap_kl_ctrl: bool = option(True, "Adapt kl_coef toward `target` (Ziegler et al. 2019); else fixed.")
+    init_kl_coef: float = option(0.2, "Initial (or fixed) KL coefficient.")
+    target: float = option(6.0, "Target sequence KL of the adaptive controller.")
+    horizon: float = option(10000.0, "Horizon (in samples) of the adaptive controller.")
+    target_kl: float | None = option(6.0, "Stop a step's epochs when the policy KL exceeds 1.5 x target_kl.")
+    early_stopping: bool = option(True, "Enable the `target_kl` early stop.")
 
     # --- losses ---
-    cliprange: float = _opt(0.2, "PPO ratio clip range epsilon.")
-    cliprange_value: float = _opt(0.2, "Clip range of the value predictions.")
-    vf_coef: float = _opt(0.1, "Value loss coefficient.")
-    ratio_threshold: float = _opt(10.0, "Zero a mini-batch's loss when its mean ratio exceeds this (loss spikes).")
-    use_decoupled_loss: bool = _opt(False, "Decoupled PPO loss (AReaL): the clip term times the behavior weight.")
+    cliprange: float = option(0.2, "PPO ratio clip range epsilon.")
+    cliprange_value: float = option(0.2, "Clip range of the value predictions.")
+    vf_coef: float = option(0.1, "Value loss coefficient.")
+    ratio_threshold: float = option(10.0, "Zero a mini-batch's loss when its mean ratio exceeds this (loss spikes).")
+    use_decoupled_loss: bool = option(False, "Decoupled PPO loss (AReaL): the clip term times the behavior weight.")
     # token_filter, token_filter_level/_action/_lower/_upper: from DecoupledLossArguments
 
     # --- advantages ---
-    gamma: float = _opt(1.0, "Discount factor of GAE.")
-    lam: float = _opt(0.95, "GAE lambda (used when `lam_schedule` is None).")
-    lam_schedule: str | None = _opt(None, "Per-sequence GAE lambda from its length: 'vapo' or 'relative_position'.")
-    lam_alpha: float = _opt(0.05, "alpha of the VAPO length-adaptive lambda.")
-    lam_q: float = _opt(0.5, "q of the relative-position lambda: weight of the last token's TD error.")
-    whiten_rewards: bool = _opt(False, "Whiten the per-token rewards over the batch before GAE, keeping their mean.")
-    whiten_advantages: bool = _opt(True, "Whiten the advantages over the batch.")
-    bootstrap_truncated: bool = _opt(
+    gamma: float = option(1.0, "Discount factor of GAE.")
+    lam: float = option(0.95, "GAE lambda (used when `lam_schedule` is None).")
+    lam_schedule: str | None = option(None, "Per-sequence GAE lambda from its length: 'vapo' or 'relative_position'.")
+    lam_alpha: float = option(0.05, "alpha of the VAPO length-adaptive lambda.")
+    lam_q: float = option(0.5, "q of the relative-position lambda: weight of the last token's TD error.")
+    whiten_rewards: bool = option(False, "Whiten the per-token rewards over the batch before GAE, keeping their mean.")
+    whiten_advantages: bool = option(True, "Whiten the advantages over the batch.")
+    bootstrap_truncated: bool = option(
         False, "Bootstrap responses cut before EOS from the value after their last token (Pardo 2018)."
     )
 
     # --- scores ---
-    reward_weights: list[float] | None = _opt(
+    reward_weights: list[float] | None = option(
         None, "Weights of the reward functions (sequence and dense), in order. None: all 1."
     )
-    multi_objective_aggregation: str = _opt(
+    multi_objective_aggregation: str = option(
         "sum", "'sum' (weighted) or 'normalize_then_sum' (GDPO) of the sequence rewards."
     )
-    use_score_scaling: bool = _opt(False, "Divide the scores by their running std.")
-    use_score_norm: bool = _opt(False, "With `use_score_scaling`, also subtract the running mean of the scores.")
-    score_clip: float | None = _opt(None, "Clip the sequence scores to +-score_clip.")
-    reward_max_failing_steps: int | None = _opt(
+    use_score_scaling: bool = option(False, "Divide the scores by their running std.")
+    use_score_norm: bool = option(False, "With `use_score_scaling`, also subtract the running mean of the scores.")
+    score_clip: float | None = option(None, "Clip the sequence scores to +-score_clip.")
+    reward_max_failing_steps: int | None = option(
         5, "Stop after a reward function failed wholesale this many steps in a row."
     )
-    max_abs_reward: float | None = _opt(
+    max_abs_reward: float | None = option(
         DEFAULT_MAX_ABS_REWARD, "Rewards beyond +-max_abs_reward count as NaN, with a warning (None: only +-inf)."
     )
-    nan_reward_action: str = _opt("drop", "A sample without a reward: 'drop' it, or give it advantage 0 ('zero').")
+    nan_reward_action: str = option("drop", "A sample without a reward: 'drop' it, or give it advantage 0 ('zero').")
 
     # --- generation ---
-    max_prompt_length: int | None = _opt(512, "Keep at most this many (rightmost) prompt tokens in `train()`.")
-    min_new_tokens: int | None = _opt(None, "Draw each generation cap from [min_new_tokens, max_new_tokens] (RELC).")
-    max_new_tokens: int = _opt(20, "Maximum number of generated tokens.")
-    temperature: float = _opt(1.0, "Sampling temperature (log-probs use it too).")
-    top_k: int = _opt(0, "Top-k sampling (0: off).")
-    top_p: float = _opt(1.0, "Nucleus sampling threshold (1.0: off).")
-    generation_batch_size: int | None = _opt(None, "Generate in chunks of this many prompts (None: all at once).")
-    fused_lm_head: bool | None = _opt(
+    max_prompt_length: int | None = option(512, "Keep at most this many (rightmost) prompt tokens in `train()`.")
+    min_new_tokens: int | None = option(None, "Draw each generation cap from [min_new_tokens, max_new_tokens] (RELC).")
+    max_new_tokens: int = option(20, "Maximum number of generated tokens.")
+    temperature: float = option(1.0, "Sampling temperature (log-probs use it too).")
+    top_k: int = option(0, "Top-k sampling (0: off).")
+    top_p: float = option(1.0, "Nucleus sampling threshold (1.0: off).")
+    generation_batch_size: int | None = option(None, "Generate in chunks of this many prompts (None: all at once).")
+    fused_lm_head: bool | None = option(
         None, "Log-probs through TRL's fused LM head (no [B, R, V] logits). None: on CUDA."
     )
-    generation_kwargs: dict | None = _opt(
+    generation_kwargs: dict | None = option(
         None, "Extra `generate` arguments (override the fields above); with `use_vllm`, SamplingParams."
     )
-    step_loss_mask: bool = _opt(
+    step_loss_mask: bool = option(
         False, "Remove the tokens of invalid agent steps (malformed tool calls) from the policy loss."
     )
     # step_mask_tools: from StepMaskArguments
-    routing_replay: str = _opt("off", "MoE routing replay: 'off', 'R2' (rollout pass's) or 'R3' (sampler's).")
+    routing_replay: str = option("off", "MoE routing replay: 'off', 'R2' (rollout pass's) or 'R3' (sampler's).")
 
     def __post_init__(self):
         if self.log_with is not None:

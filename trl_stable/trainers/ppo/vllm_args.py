@@ -4,50 +4,46 @@ a GRPO user's vLLM settings carry over; `trl_stable.trainers.ppo.vllm` hands the
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from trl_stable.settings.checks import Dependent, check_dependents
+from trl_stable.settings.checks import Dependent, check_dependents, option
 
 _MODES = ("server", "colocate")
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class VLLMArguments:
     """Fields that route PPO's rollouts through vLLM (TRL's integration: colocate or a `trl vllm-serve` server)."""
 
-    use_vllm: bool = _opt(
+    use_vllm: bool = option(
         False,
         "Sample the rollouts with vLLM instead of HF generate (TRL's vLLM integration, as in GRPO). The "
         "sampler's log-probs come from vLLM and feed the decoupled loss and the mismatch monitor. Needs `vllm`.",
     )
-    vllm_mode: str = _opt(
+    vllm_mode: str = option(
         "colocate",
         "'colocate': a vLLM engine in each training process, on its GPU; 'server': requests to a "
         "separate `trl vllm-serve` server (see vllm_server_*).",
     )
-    vllm_server_base_url: str | None = _opt(None, "Server mode: base URL of the server; overrides host and port.")
-    vllm_server_host: str = _opt("0.0.0.0", "Server mode: host of the server.")
-    vllm_server_port: int = _opt(8000, "Server mode: port of the server.")
-    vllm_server_timeout: float = _opt(240.0, "Server mode: seconds to wait for the server to come up.")
-    vllm_group_port: int = _opt(51216, "Server mode: port of the weight-update communicator.")
-    vllm_gpu_memory_utilization: float = _opt(
+    vllm_server_base_url: str | None = option(None, "Server mode: base URL of the server; overrides host and port.")
+    vllm_server_host: str = option("0.0.0.0", "Server mode: host of the server.")
+    vllm_server_port: int = option(8000, "Server mode: port of the server.")
+    vllm_server_timeout: float = option(240.0, "Server mode: seconds to wait for the server to come up.")
+    vllm_group_port: int = option(51216, "Server mode: port of the weight-update communicator.")
+    vllm_gpu_memory_utilization: float = option(
         0.3, "Colocate mode: share of GPU memory vLLM reserves (weights and KV cache)."
     )
-    vllm_tensor_parallel_size: int = _opt(
+    vllm_tensor_parallel_size: int = option(
         1, "Colocate mode: tensor-parallel size; must divide the number of processes."
     )
-    vllm_max_model_length: int | None = _opt(
+    vllm_max_model_length: int | None = option(
         None, "Colocate mode: context length (prompt + response); None: from the model config."
     )
-    vllm_enable_sleep_mode: bool = _opt(
+    vllm_enable_sleep_mode: bool = option(
         False, "Colocate mode: offload vLLM's weights and cache between rollouts (less memory, slower)."
     )
-    vllm_model_impl: str = _opt(
+    vllm_model_impl: str = option(
         "vllm", "Colocate mode: vLLM's model implementation, 'vllm', 'transformers' or 'auto'."
     )
 
