@@ -106,18 +106,18 @@ class HealthMonitor(TrainerCallback):
         checkpoint of `step` redoes them."""
         if self.health_path is None or not os.path.isfile(self.health_path):
             return
-        kept, dropped = [], 0
+
+        def later(line: str) -> bool:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by the kill
+                return True
+            return isinstance(record, dict) and int(record.get("step") or 0) > step
+
         with open(self.health_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a line cut short by the kill
-                    dropped += 1
-                    continue
-                if isinstance(record, dict) and int(record.get("step") or 0) > step:
-                    dropped += 1
-                else:
-                    kept.append(line if line.endswith("\n") else line + "\n")
+            lines = f.readlines()
+        kept = [line if line.endswith("\n") else line + "\n" for line in lines if not later(line)]
+        dropped = len(lines) - len(kept)
         if not dropped:
             return
         tmp = self.health_path + ".tmp"

@@ -298,9 +298,8 @@ class HealthTracker:
 
     def critical_held_since(self) -> int | None:
         """Earliest step at which a currently active critical alarm was raised, or None."""
-        steps = [s.raised_step for n, s in self.states.items() if s.active and n in self.config.critical]
-        steps = [s for s in steps if s is not None]
-        return min(steps) if steps else None
+        critical = self.config.critical
+        return min((s.raised_step for n, s in self.states.items() if s.active and n in critical), default=None)
 
     def _reference(self, gauge: str, value: float | None = None) -> float | None:
         """The run's reference of `gauge` (the median of its first `reference_window` finite values), None while
@@ -475,9 +474,7 @@ class HealthTracker:
     def meta(self) -> dict[str, Any]:
         """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
         and the completion cap and KL target in use."""
-        scalars = {
-            k: v for k, v in self.config.to_dict().items() if isinstance(v, (bool, int, float, str, type(None)))
-        }
+        scalars = {k: v for k, v in self.config.to_dict().items() if isinstance(v, (int, float, str, type(None)))}
         return {
             **scalars,
             "mismatch_band": list(self.config.mismatch_band),
