@@ -29,9 +29,7 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     then `health_monitor_kwargs`, any [`HealthConfig`] field); None when `health_monitor` is False."""
     if not getattr(args, "health_monitor", True):
         return None
-    kwargs = {
-        field_name: getattr(args, arg_name) for arg_name, field_name in _ARG_FIELDS.items() if hasattr(args, arg_name)
-    }
+    kwargs = {name: getattr(args, arg) for arg, name in _ARG_FIELDS.items() if hasattr(args, arg)}
     extra = getattr(args, "health_monitor_kwargs", None) or {}
     if not isinstance(extra, dict):
         raise ValueError(f"health_monitor_kwargs must be a dict of HealthConfig fields, got {type(extra).__name__}.")
@@ -229,10 +227,8 @@ class HealthMonitor(TrainerCallback):
             return
         attr, value = self.config.virtual_samples_attr, self.config.virtual_samples_value
         for event in events:
-            if event.alarm != "zero_std" or event.kind == "repeated":
-                continue
             on = event.kind == "raised"
-            if on == self.remedy_active:
+            if event.alarm != "zero_std" or event.kind == "repeated" or on == self.remedy_active:
                 continue
             if on and not hasattr(args, attr):
                 logger.warning(
