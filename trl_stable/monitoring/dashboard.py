@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl_stable.monitoring.health import HealthConfig, HealthTracker, floor_from_reference
+from trl_stable.monitoring.health import HealthConfig, HealthTracker, _finite_float, floor_from_reference
 
 __all__ = ["RunHealth", "load_run", "main", "render_dashboard"]
 
@@ -34,11 +34,8 @@ class RunHealth:
 
     def add(self, step: int, gauges: Mapping[str, Any]) -> None:
         for name, value in gauges.items():
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                continue
-            self.steps.setdefault(name, []).append((step, value))
+            if (value := _finite_float(value)) is not None:  # the tracker's rule for a gauge's value
+                self.steps.setdefault(name, []).append((step, value))
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         points = self.steps.get(name, [])

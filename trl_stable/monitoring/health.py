@@ -187,8 +187,7 @@ class HealthEvent:
     since: int | None = None
 
     def to_record(self) -> dict[str, Any]:
-        record = {"type": "alarm", **asdict(self)}
-        return {key: json_number(value) for key, value in record.items()}
+        return {key: json_number(value) for key, value in {"type": "alarm", **asdict(self)}.items()}
 
     def message(self) -> str:
         if self.kind == "cleared":
@@ -396,10 +395,8 @@ class HealthTracker:
         step = int(step if step is not None else logs.get("step", 0) or 0)
         events = []
         for name, (holds, value, threshold) in self._conditions(gauges).items():
-            state = self.states.get(name)
-            if state is None:
-                continue
-            kind = self._advance(name, state, holds, step)
+            state = self.states.get(name)  # None: a disabled alarm
+            kind = None if state is None else self._advance(name, state, holds, step)
             if kind is not None:
                 severity = CRITICAL if name in self.config.critical else "warning"
                 symptom, cause, remedy = self._symptom(name, value, threshold), ALARMS[name].cause, ALARMS[name].remedy
