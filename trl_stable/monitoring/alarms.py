@@ -22,10 +22,11 @@ class AlarmSpec:
     remedy: str
 
 
-_SPECS = [
-    AlarmSpec(
-        name="zero_std",
-        severity=WARNING,
+# The alarms that corrupt the run rather than slow it (those `stop_after_critical_steps` acts on by default).
+_CRITICAL = ("grad_norm_vanishing", "entropy_collapse", "nonfinite")
+
+_TEXTS = {
+    "zero_std": dict(
         metric="frac_reward_zero_std",
         symptom="{value:.0%} of the groups have zero reward variance "
         "(healthy < {healthy:.0%}, alarm > {threshold:.0%})",
@@ -34,9 +35,7 @@ _SPECS = [
         remedy="inject virtual samples (NGRPO, advantage_estimator='ngrpo'), refine the reward (partial credit, "
         "dense rewards), or drop such groups with dynamic sampling",
     ),
-    AlarmSpec(
-        name="reward_plateau",
-        severity=WARNING,
+    "reward_plateau": dict(
         metric="reward",
         symptom="reward/mean stuck at {value:.3f} below the declared maximum {threshold:.3f}",
         cause="the reward stopped rising short of its maximum: a perfect answer may not score the declared maximum, "
@@ -44,9 +43,7 @@ _SPECS = [
         remedy="check that a perfect answer scores exactly 1.0 (the reward cap); inspect the reward function on "
         "known-good answers; give partial credit or denser rewards",
     ),
-    AlarmSpec(
-        name="reward_above_max",
-        severity=WARNING,
+    "reward_above_max": dict(
         metric="reward",
         symptom="reward/mean {value:.3f} exceeds the declared maximum {threshold:.3f}",
         cause="the reward functions return more than the declared maximum (weights not summing to 1, unscaled "
@@ -54,18 +51,14 @@ _SPECS = [
         remedy="rescale the rewards so that a perfect answer scores exactly the maximum (1.0), or declare the real "
         "maximum in health_reward_max",
     ),
-    AlarmSpec(
-        name="grad_norm_vanishing",
-        severity=CRITICAL,
+    "grad_norm_vanishing": dict(
         metric="grad_norm",
         symptom="grad_norm {value:.2e} stays near zero (floor {threshold:.2e})",
         cause="zero-variance groups (all advantages 0) or gradients of opposite sign cancelling",
         remedy="check frac_reward_zero_std; inject virtual samples (NGRPO) or refine the reward; check the loss is "
         "not fully masked by filters",
     ),
-    AlarmSpec(
-        name="length_near_cap",
-        severity=WARNING,
+    "length_near_cap": dict(
         metric="completions/mean_length",
         symptom="completion length {value:.1f} is near the cap {threshold:.0f}",
         cause="completions run into max_completion_length more than they did at the start of the run: the model "
@@ -73,18 +66,14 @@ _SPECS = [
         remedy="add an overlong penalty (DAPO soft punishment), mask truncated completions "
         "(mask_truncated_completions=True), or raise max_completion_length if answers are legitimately long",
     ),
-    AlarmSpec(
-        name="entropy_collapse",
-        severity=CRITICAL,
+    "entropy_collapse": dict(
         metric="entropy",
         symptom="entropy {value:.3f} collapsed below {threshold:.3f}",
         cause="the policy became nearly deterministic: exploration is gone and rewards can only plateau",
         remedy="raise epsilon_high (clip-higher), lower the learning rate, raise the sampling temperature, add a KL "
         "or entropy term",
     ),
-    AlarmSpec(
-        name="mismatch",
-        severity=WARNING,
+    "mismatch": dict(
         metric="mismatch/logp_abs_diff/mean",
         symptom="sampler vs trainer log-prob mean |diff| {value:.4f} > {threshold:.4f}",
         cause="the sampler and the trainer compute different probabilities for the same tokens: precision (fp8/int8 "
@@ -96,18 +85,14 @@ _SPECS = [
         "capture_sampler_logps or health_mismatch_monitor; PPO always), set disable_dropout=True, and correct with "
         "the decoupled loss plus IcePop/KPop",
     ),
-    AlarmSpec(
-        name="token_filter_masked",
-        severity=WARNING,
+    "token_filter_masked": dict(
         metric="masked fraction",
         symptom="IcePop/KPop mask {value:.1%} of the tokens (alarm > {threshold:.1%})",
         cause="many tokens have a behaviour weight outside the filter band: large sampler/trainer mismatch",
         remedy="check precision, tokenizer, MoE routing (routing replay), left-padding positions and dropout (see the "
         "mismatch alarm); the filters hide the problem but waste the masked samples",
     ),
-    AlarmSpec(
-        name="retokenization",
-        severity=WARNING,
+    "retokenization": dict(
         metric="retokenization/mismatched",
         symptom="{value:.0f} sample(s) re-tokenize to different ids than the sampler produced",
         cause="the trainer re-encodes the conversation (prompt, tool outputs, earlier turns) differently from the "
@@ -115,9 +100,7 @@ _SPECS = [
         remedy="keep the sampler's token ids instead of re-encoding text, align the chat template, or drop the "
         "mismatching samples from the loss",
     ),
-    AlarmSpec(
-        name="kl_above_target",
-        severity=WARNING,
+    "kl_above_target": dict(
         metric="objective/kl",
         symptom="KL to the reference {value:.2f} stays above {threshold:.2f}",
         cause="the policy moves away from the reference faster than the KL penalty pulls it back: the KL "
@@ -128,9 +111,7 @@ _SPECS = [
         "kl_coef can respond within the run; lower the learning rate (or ppo_epochs); read some samples for "
         "reward hacking",
     ),
-    AlarmSpec(
-        name="nonfinite",
-        severity=CRITICAL,
+    "nonfinite": dict(
         metric="loss / grad_norm",
         symptom="non-finite training value: {value}",
         cause="the update diverged (NaN/inf in loss or gradient): too high a learning rate, an exploding ratio, or "
@@ -138,6 +119,7 @@ _SPECS = [
         remedy="restore the last checkpoint, lower the learning rate, enable gradient clipping and the "
         "decoupled loss with IcePop; check the reward functions for NaN",
     ),
-]
-
-ALARMS: dict[str, AlarmSpec] = {spec.name: spec for spec in _SPECS}
+}
+ALARMS: dict[str, AlarmSpec] = {
+    name: AlarmSpec(name, CRITICAL if name in _CRITICAL else WARNING, **texts) for name, texts in _TEXTS.items()
+}

@@ -29,9 +29,7 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     then `health_monitor_kwargs`, any [`HealthConfig`] field); None when `health_monitor` is False."""
     if not getattr(args, "health_monitor", True):
         return None
-    kwargs = {
-        field_name: getattr(args, arg_name) for arg_name, field_name in _ARG_FIELDS.items() if hasattr(args, arg_name)
-    }
+    kwargs = {name: getattr(args, arg) for arg, name in _ARG_FIELDS.items() if hasattr(args, arg)}
     extra = getattr(args, "health_monitor_kwargs", None) or {}
     if not isinstance(extra, dict):
         raise ValueError(f"health_monitor_kwargs must be a dict of HealthConfig fields, got {type(extra).__name__}.")
@@ -106,18 +104,18 @@ class HealthMonitor(TrainerCallback):
         checkpoint of `step` redoes them."""
         if self.health_path is None or not os.path.isfile(self.health_path):
             return
-        kept, dropped = [], 0
+
+        def later(line: str) -> bool:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by the kill
+                return True
+            return isinstance(record, dict) and int(record.get("step") or 0) > step
+
         with open(self.health_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a line cut short by the kill
-                    dropped += 1
-                    continue
-                if isinstance(record, dict) and int(record.get("step") or 0) > step:
-                    dropped += 1
-                else:
-                    kept.append(line if line.endswith("\n") else line + "\n")
+            lines = f.readlines()
+        kept = [line if line.endswith("\n") else line + "\n" for line in lines if not later(line)]
+        dropped = len(lines) - len(kept)
         if not dropped:
             return
         tmp = self.health_path + ".tmp"
@@ -229,10 +227,8 @@ class HealthMonitor(TrainerCallback):
             return
         attr, value = self.config.virtual_samples_attr, self.config.virtual_samples_value
         for event in events:
-            if event.alarm != "zero_std" or event.kind == "repeated":
-                continue
             on = event.kind == "raised"
-            if on == self.remedy_active:
+            if event.alarm != "zero_std" or event.kind == "repeated" or on == self.remedy_active:
                 continue
             if on and not hasattr(args, attr):
                 logger.warning(

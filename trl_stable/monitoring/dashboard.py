@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl_stable.monitoring.health import HealthConfig, HealthTracker, floor_from_reference
+from trl_stable.monitoring.health import HealthConfig, HealthTracker, _finite_float, floor_from_reference
 
 __all__ = ["RunHealth", "load_run", "main", "render_dashboard"]
 
@@ -34,11 +34,8 @@ class RunHealth:
 
     def add(self, step: int, gauges: Mapping[str, Any]) -> None:
         for name, value in gauges.items():
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                continue
-            self.steps.setdefault(name, []).append((step, value))
+            if (value := _finite_float(value)) is not None:  # the tracker's rule for a gauge's value
+                self.steps.setdefault(name, []).append((step, value))
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         points = self.steps.get(name, [])
@@ -365,10 +362,9 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     for ax in axes.flat[max(len(shown), 1) :]:
         ax.remove()
     panels = dict(zip(shown, axes.flat))
-    tops = {}
+    tops = {}  # each panel's topmost axes: its right-hand axis, or itself
     for name, ax in panels.items():
-        top = _PANELS[name][1](ax, run, cfg)
-        tops[ax] = top if top is not None else ax
+        tops[ax] = _PANELS[name][1](ax, run, cfg) or ax
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.grid(alpha=0.3)
@@ -385,14 +381,12 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         name = event.get("alarm")
         ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
         color = _RED if event.get("severity") == "critical" else _AMBER
-        if event["kind"] == "cleared":
-            if ax is not None:
-                ax.axvline(event["step"], color=color, lw=1.0, ls=":", alpha=0.8)
-            continue
-        raised.append(name)
+        cleared = event["kind"] == "cleared"
+        if not cleared:
+            raised.append(name)
         if ax is not None:
-            ax.axvline(event["step"], color=color, lw=1.2, alpha=0.8)
-            if name not in {label[1] for label in labels.get(ax, [])}:
+            ax.axvline(event["step"], color=color, lw=1.0 if cleared else 1.2, ls=":" if cleared else "-", alpha=0.8)
+            if not cleared and name not in {label[1] for label in labels.get(ax, [])}:
                 labels.setdefault(ax, []).append((int(event["step"]), name, color))
     for ax in panels.values():  # one legend for a panel and its right-hand axis, under it, covering no data or label
         handles, names = ax.get_legend_handles_labels()
@@ -446,9 +440,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
                     text.xyann = (-3, -3)
                     box = text.get_window_extent(renderer)
                 row = next((i for i, right in enumerate(rows) if box.x0 > right + 2), len(rows))
-                if row == len(rows):
-                    rows.append(box.x1)
-                rows[row] = box.x1
+                rows[row : row + 1] = [box.x1]  # a new row when none has room
                 text.xyann = (text.xyann[0], -3 - row * (box.height + 2) * to_points)
     return fig
 
@@ -469,10 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
 
-    output = args.output
-    if output is None:
-        base = Path(args.source) if Path(args.source).is_dir() else Path(args.source).parent
-        output = base / DASHBOARD_FILE
+    source = Path(args.source)
+    output = (
+        args.output if args.output is not None else (source if source.is_dir() else source.parent) / DASHBOARD_FILE
+    )
     try:
         given = {"reward_max": args.reward_max, "kl_target": args.kl_target}
         given = {name: value for name, value in given.items() if value is not None}

@@ -187,8 +187,7 @@ class HealthEvent:
     since: int | None = None
 
     def to_record(self) -> dict[str, Any]:
-        record = {"type": "alarm", **asdict(self)}
-        return {key: json_number(value) for key, value in record.items()}
+        return {key: json_number(value) for key, value in {"type": "alarm", **asdict(self)}.items()}
 
     def message(self) -> str:
         if self.kind == "cleared":
@@ -298,9 +297,8 @@ class HealthTracker:
 
     def critical_held_since(self) -> int | None:
         """Earliest step at which a currently active critical alarm was raised, or None."""
-        steps = [s.raised_step for n, s in self.states.items() if s.active and n in self.config.critical]
-        steps = [s for s in steps if s is not None]
-        return min(steps) if steps else None
+        critical = self.config.critical
+        return min((s.raised_step for n, s in self.states.items() if s.active and n in critical), default=None)
 
     def _reference(self, gauge: str, value: float | None = None) -> float | None:
         """The run's reference of `gauge` (the median of its first `reference_window` finite values), None while
@@ -397,10 +395,8 @@ class HealthTracker:
         step = int(step if step is not None else logs.get("step", 0) or 0)
         events = []
         for name, (holds, value, threshold) in self._conditions(gauges).items():
-            state = self.states.get(name)
-            if state is None:
-                continue
-            kind = self._advance(name, state, holds, step)
+            state = self.states.get(name)  # None: a disabled alarm
+            kind = None if state is None else self._advance(name, state, holds, step)
             if kind is not None:
                 severity = CRITICAL if name in self.config.critical else "warning"
                 symptom, cause, remedy = self._symptom(name, value, threshold), ALARMS[name].cause, ALARMS[name].remedy
@@ -475,9 +471,7 @@ class HealthTracker:
     def meta(self) -> dict[str, Any]:
         """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
         and the completion cap and KL target in use."""
-        scalars = {
-            k: v for k, v in self.config.to_dict().items() if isinstance(v, (bool, int, float, str, type(None)))
-        }
+        scalars = {k: v for k, v in self.config.to_dict().items() if isinstance(v, (int, float, str, type(None)))}
         return {
             **scalars,
             "mismatch_band": list(self.config.mismatch_band),

@@ -16,10 +16,6 @@ MASKED_TOKEN_FRAC = "masked_token_frac"
 MASKED_SEQ_FRAC = "masked_seq_frac"  # sequences with at least one filtered token
 CLAMPED_TOKEN_FRAC = "clamped_token_frac"
 
-# Sampler / trainer log-prob mismatch (`monitoring.mismatch.MismatchStats.as_metrics`).
-MISMATCH_ABS_DIFF_MEAN = "mismatch/logp_abs_diff/mean"
-MISMATCH_ABS_DIFF_MAX = "mismatch/logp_abs_diff/max"
-
 
 def token_filter_metric(filter_name: str, what: str) -> str:
     """``token_filter/<filter_name>/<what>``, e.g. ``token_filter/icepop/masked_token_frac``."""

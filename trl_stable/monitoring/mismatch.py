@@ -119,34 +119,19 @@ def mismatch_stats(
     has_tokens = tokens_per_seq > 0
     seq_sum = torch.where(valid, diff, torch.zeros_like(diff)).sum(dim=1)
     ppl_ratio = torch.exp(-seq_sum[has_tokens] / tokens_per_seq[has_tokens])
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=diff.device)
-    zero = torch.zeros((), dtype=torch.float64, device=diff.device)
 
-    def reduce(x, op, empty):
-        return op(x) if x.numel() else empty
+    def top(x, empty):
+        return x.max() if x.numel() else diff.new_tensor(empty)
 
-    # sufficient statistics, combinable across processes by sum / min / max
-    row = torch.stack(
-        [
-            mask.sum().double(),
-            valid.sum().double(),
-            abs_d.sum(),
-            reduce(abs_d, torch.max, zero),
-            reduce(ratio, torch.min, inf),
-            ratio.sum(),
-            reduce(ratio, torch.max, zero),
-            ((ratio < low) | (ratio > high)).sum().double(),
-            has_tokens.sum().double(),
-            ppl_ratio.sum(),
-            reduce(ppl_ratio, torch.min, inf),
-            reduce(ppl_ratio, torch.max, zero),
-        ]
-    )
-    rows = row.unsqueeze(0) if gather is None else gather(row.unsqueeze(0)).reshape(-1, row.numel())
-    rows = rows.double()
-    (masked, tokens, sum_abs, _, _, sum_ratio, _, outside, seqs, sum_ppl, _, _) = rows.sum(dim=0).tolist()
-    max_abs, max_ratio, max_ppl = (rows[:, k].max().item() for k in (3, 6, 11))
-    min_ratio, min_ppl = (rows[:, k].min().item() for k in (4, 10))
+    # sufficient statistics, combinable across processes: sums, then maxima (a minimum as the maximum of -x)
+    out_of_band = (ratio < low) | (ratio > high)
+    sums = [mask.sum(), valid.sum(), abs_d.sum(), ratio.sum(), out_of_band.sum(), has_tokens.sum(), ppl_ratio.sum()]
+    tops = [top(abs_d, 0.0), top(ratio, 0.0), top(ppl_ratio, 0.0), top(-ratio, -math.inf), top(-ppl_ratio, -math.inf)]
+    row = torch.stack([v.double() for v in sums + tops]).unsqueeze(0)
+    rows = (row if gather is None else gather(row).reshape(-1, row.numel())).double()
+    masked, tokens, sum_abs, sum_ratio, outside, seqs, sum_ppl = rows[:, : len(sums)].sum(dim=0).tolist()
+    max_abs, max_ratio, max_ppl, min_ratio, min_ppl = rows[:, len(sums) :].max(dim=0).values.tolist()
+    min_ratio, min_ppl = -min_ratio, -min_ppl
     nonfinite_frac = (masked - tokens) / masked if masked else 0.0
     if tokens == 0:
         return MismatchStats(0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, float(nonfinite_frac), 0)
@@ -173,22 +158,11 @@ def behaviour_filter_metrics(
     has_tokens = maskb.any(dim=1)
     masked_out = maskb & ~keep if keep is not None else torch.zeros_like(maskb)
     clamped = maskb & ~torch.isclose(weight, raw_weight) if keep is None else torch.zeros_like(maskb)
-    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-    sums = torch.stack(
-        [
-            torch.where(maskb, raw_weight.float(), zero).sum(),
-            maskb.sum().float(),
-            masked_out.sum().float(),
-            (has_tokens & masked_out.any(dim=1)).sum().float(),
-            has_tokens.sum().float(),
-            clamped.sum().float(),
-        ]
-    )
+    weights = raw_weight.float()
+    counts = (maskb, masked_out, has_tokens & masked_out.any(dim=1), has_tokens, clamped)
+    sums = torch.stack([torch.where(maskb, weights, 0.0).sum(), *(c.sum().float() for c in counts)])
     extremes = torch.stack(
-        [
-            torch.where(maskb, raw_weight.float(), torch.full_like(zero, -math.inf)).max(),
-            -torch.where(maskb, raw_weight.float(), torch.full_like(zero, math.inf)).min(),
-        ]
+        [torch.where(maskb, weights, -math.inf).max(), -torch.where(maskb, weights, math.inf).min()]
     )
     totals = gather(sums.unsqueeze(0)).view(-1, sums.numel()).sum(dim=0)
     extremes = gather(extremes.unsqueeze(0)).view(-1, 2).max(dim=0).values

@@ -182,8 +182,7 @@ def reduce_metrics(
     counts = {name[len(CRITIC_STEP_PREFIX) :]: v for name, v in reduced.items() if name.startswith(CRITIC_STEP_PREFIX)}
     reduced.update({name: v for name, v in critic_step_ratios(counts).items() if name in reduced})
     out = {name: reduced[name] if name in reduced else float(value) for name, value in metrics.items()}
-    out.update({name: value for name, value in reduced.items() if name not in out})
-    return out
+    return {**out, **reduced}  # then the names only other processes logged
 
 
 def dense_reward_stats(metrics: Mapping[str, float], completion_lengths: Sequence[int]) -> dict[str, Stat]:
@@ -195,10 +194,9 @@ def dense_reward_stats(metrics: Mapping[str, float], completion_lengths: Sequenc
     tokens, rows = float(sum(completion_lengths)), float(len(completion_lengths))
     out: dict[str, Stat] = {}
     for name, value in metrics.items():
-        if name.endswith("/token_mean"):  # the local mean divides by max(tokens, 1): undo exactly that
-            out[name] = Stat.ratio(value * max(tokens, 1.0), tokens)
-        elif name.endswith("/sum_mean"):
-            out[name] = Stat.ratio(value * max(rows, 1.0), rows)
+        count = {"/token_mean": tokens, "/sum_mean": rows}.get(name[name.rfind("/") :])
+        if count is not None:  # the local mean divides by max(count, 1): undo exactly that
+            out[name] = Stat.ratio(value * max(count, 1.0), count)
         elif name.endswith("/nan_tokens"):
             out[name] = Stat.total(value)
         else:

@@ -111,10 +111,8 @@ def check_retokenization(
         raise ValueError(f"sampler has {len(s_lists)} samples but trainer has {len(t_lists)}; pass the same batch.")
     first_diff = []
     for s, t in zip(s_lists, t_lists, strict=True):
-        pos = next((k for k, (a, b) in enumerate(zip(s, t, strict=False)) if a != b), None)
-        if pos is None:
-            pos = -1 if len(s) == len(t) else min(len(s), len(t))
-        first_diff.append(pos)
+        same_prefix = -1 if len(s) == len(t) else min(len(s), len(t))  # a length difference counts there
+        first_diff.append(next((k for k, (a, b) in enumerate(zip(s, t, strict=False)) if a != b), same_prefix))
     return RetokenizationReport(first_diff=first_diff, sampler_ids=s_lists, trainer_ids=t_lists)
 
 
