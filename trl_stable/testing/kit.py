@@ -1,15 +1,10 @@
-"""Builders for the tiny test-model kit.
-
-Everything here is built from configs and a tokenizer trained on an embedded text, so tests, examples and
-benchmarks run with ``HF_HUB_OFFLINE=1``. Given a seed, every builder is deterministic.
-"""
+"""Builders of the tiny test models, from configs and a tokenizer trained on an embedded text (so everything runs
+with ``HF_HUB_OFFLINE=1``); given a seed, every builder is deterministic."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -162,11 +157,11 @@ def build_causal_lm(
 ) -> PreTrainedModel:
     """A randomly initialised tiny causal LM of `family`, deterministic given `seed`."""
     config = tiny_config(family, tokenizer, **overrides)
-    with _seeded(seed):
+    with torch.random.fork_rng(devices=[]):  # neither depends on nor disturbs the caller's RNG state
+        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.bos_token_id = config.bos_token_id
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, name, getattr(config, name))
     return model
 
 
@@ -184,7 +179,8 @@ def build_reward_model(
     from transformers import AutoModelForSequenceClassification
 
     config = tiny_config(family, tokenizer, num_labels=num_labels, **overrides)
-    with _seeded(seed):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         return AutoModelForSequenceClassification.from_config(config).eval()
 
 
@@ -194,11 +190,3 @@ def save_tiny(path: str | os.PathLike, model: PreTrainedModel, tokenizer: PreTra
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Fork the torch RNG so building a model neither depends on nor disturbs the caller's RNG state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield

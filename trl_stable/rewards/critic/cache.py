@@ -109,20 +109,17 @@ class DiskCache:
         # A name no other process or thread writes to (a writer thread writes its files one after another); the
         # rename makes the entry appear whole. Plain os calls: a third cheaper than tempfile + a text wrapper.
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-        fd = None
         try:
             if folder not in self._made:
                 os.makedirs(folder, exist_ok=True)
                 self._made.add(folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "wb") as f:
                 f.write(data.encode("utf-8"))
             os.replace(tmp, path)
         except OSError as exc:
             self._fail(exc)
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            with contextlib.suppress(OSError):  # a torn temporary file, if it was created
+                os.unlink(tmp)
 
 
 class AnswerCache:

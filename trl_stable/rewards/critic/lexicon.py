@@ -96,9 +96,8 @@ class LexiconCritic(CriticBackend):
             self._predict_prob = predict_prob
 
     def __repr__(self) -> str:
-        if self.task == "sentiment":
-            return f"LexiconCritic(task={self.task!r}, lexicon={self.lexicon!r})"
-        return f"LexiconCritic(task={self.task!r})"
+        lexicon = f", lexicon={self.lexicon!r}" if self.task == "sentiment" else ""
+        return f"LexiconCritic(task={self.task!r}{lexicon})"
 
     def scored_spans(self, text: str) -> list[tuple[int, int, float]]:
         """(start, end, valence) of each sentiment word of `text`, its range including a negator and a booster."""

@@ -35,8 +35,5 @@ class RateLimiter:
         early (e.g. on close)."""
         start, now = self._book()
         if start > now:
-            if stop is None:
-                time.sleep(start - now)
-            else:
-                stop.wait(start - now)
+            (time.sleep if stop is None else stop.wait)(start - now)
         return start

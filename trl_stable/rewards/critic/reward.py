@@ -259,8 +259,7 @@ class CriticIntrinsicReward:
     def _start(
         self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None, align: bool = True
     ) -> CriticPrefetch:
-        """Select the batch, submit its critic prompts, and (with `align`) align the token offsets while the critic
-        answers; else each completion is aligned when its answer arrives."""
+        """Select the batch and submit its critic prompts; with `align`, compute the token offsets while it answers."""
         started = time.monotonic()
         before = self.backend.counters.snapshot()
         # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
@@ -325,13 +324,7 @@ class CriticIntrinsicReward:
             step.record(critique)
             rows[i] = critique.row
         now = time.monotonic()
-        last = self._record(
-            step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric")
-        )
-        fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
-        if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
-            raise CriticFailureError(fatal)
-        self._track_failing_steps(step, last)
+        self._end_step(step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric"))
         return rows
 
     def _critique(self, answer: str | None, text: str, offsets: list[tuple[int, int]], context: str = "") -> Critique:
@@ -357,46 +350,13 @@ class CriticIntrinsicReward:
         """Steps in a row in which no critique was usable."""
         return self._guard.consecutive
 
-    def _track_failing_steps(self, step: StepCounts, last: dict[str, float]) -> None:
-        """Warn about unusable answers; a step in which no critique was usable (every request failed or its answer
-        did not parse) counts toward `max_consecutive_failing_steps`, and the error names the failures by kind, e.g.
-        "2 failed requests (timeouts 3, server_errors 1), 1 unparseable answers"."""
-        if step["unparseable"]:
-            logger.warning(
-                "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
-                "critic/unparseable_fraction).",
-                step["unparseable"],
-                step["answers"],
-            )
-        if step["answers_with_ignored_text"]:
-            logger.warning(
-                "%d critic answers had spans before their first header, which were ignored: the prompt seems to end "
-                "with a header the parser was not told about (critic/answers_with_ignored_text).",
-                step["answers_with_ignored_text"],
-            )
-        if not step["critiqued"]:  # a step that critiques nothing says nothing about the critic
-            return
-        failed = step["failed_answers"] + step["unparseable"] >= step["critiqued"]
-        fix = (
-            "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "
-            "critic_max_tokens (a cut-off answer does not parse)"
-            if step["unparseable"] and not step["failed_answers"]
-            else "Check critic_base_url / critic_model and that the server is up"
-        )
-        counts = {k: int(last.get(f"{CRITIC_STEP_PREFIX}{k}", 0)) for k in FAILURE_KINDS}
-        kinds = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
-        parts = []
-        if step["failed_answers"]:
-            parts.append(f"{step['failed_answers']} failed requests" + (f" ({kinds})" if kinds else ""))
-        if step["unparseable"]:
-            parts.append(f"{step['unparseable']} unparseable answers")
-        self._guard.record(failed, (", ".join(parts) or "no usable answer") if failed else None, fix)
-
-    def _record(
+    def _end_step(
         self, step: StepCounts, seconds: float, wait: float, before: dict[str, int], log_metric: Any
-    ) -> dict[str, float]:
-        """Add `step` to the cumulative counts; the step's metrics (kept as the last step's, and handed to TRL's
-        `log_metric` hook)."""
+    ) -> None:
+        """Count the step, keep its metrics as the last step's and hand them to TRL's `log_metric` hook; then warn
+        about unusable answers and stop the run on a rejected key or after `max_consecutive_failing_steps` steps
+        without a usable critique (the error names the failures by kind, e.g. "2 failed requests (timeouts 3,
+        server_errors 1), 1 unparseable answers")."""
         self.totals.add(step)
         # the fractions from one table, which the trainers also use to recompute them from the counts of every process
         last = {
@@ -412,7 +372,39 @@ class CriticIntrinsicReward:
         if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
             for name, value in last.items():
                 log_metric(name, float(value))
-        return last
+        fatal = self.backend.fatal_error() if hasattr(self.backend, "fatal_error") else None
+        if fatal is not None:  # a rejected key fails every later step too: stop now, not after N paid steps
+            raise CriticFailureError(fatal)
+        failed, unparseable = step["failed_answers"], step["unparseable"]
+        if unparseable:
+            logger.warning(
+                "%d of %d critic answers had no recognisable span format (their samples get no intrinsic reward; "
+                "critic/unparseable_fraction).",
+                unparseable,
+                step["answers"],
+            )
+        if step["answers_with_ignored_text"]:
+            logger.warning(
+                "%d critic answers had spans before their first header, which were ignored: the prompt seems to end "
+                "with a header the parser was not told about (critic/answers_with_ignored_text).",
+                step["answers_with_ignored_text"],
+            )
+        if not step["critiqued"]:  # a step that critiques nothing says nothing about the critic
+            return
+        if failed + unparseable < step["critiqued"]:
+            self._guard.record(False)
+            return
+        counts = {k: int(last[f"{CRITIC_STEP_PREFIX}{k}"]) for k in FAILURE_KINDS}
+        kinds = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+        parts = [f"{failed} failed requests" + (f" ({kinds})" if kinds else "")] if failed else []
+        parts += [f"{unparseable} unparseable answers"] if unparseable else []
+        fix = (
+            "The server answers, but not in the span format of the prompt: check critic_model, prompt_file and "
+            "critic_max_tokens (a cut-off answer does not parse)"
+            if unparseable and not failed
+            else "Check critic_base_url / critic_model and that the server is up"
+        )
+        self._guard.record(True, ", ".join(parts), fix)
 
     @property
     def last_metrics(self) -> dict[str, float]:
