@@ -12,6 +12,7 @@ from typing import Any
 
 from trl_stable.monitoring.alarms import ALARMS, CRITICAL
 from trl_stable.monitoring.metric_names import MASKED_FRACTION_KEYS
+from trl_stable.settings.checks import option
 
 __all__ = [
     "DEFAULT_METRIC_KEYS",
@@ -52,10 +53,6 @@ GAUGES = tuple(DEFAULT_METRIC_KEYS)
 _REFERENCE_GAUGES = ("grad_norm", "entropy", "completion_length", "clipped_ratio")
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class HealthConfig:
     """Thresholds, debouncing and remedies of the health monitor (the alarm table of docs/health_monitoring.md).
@@ -63,59 +60,63 @@ class HealthConfig:
     Windows and patience count log records (one per `logging_steps`).
     """
 
-    zero_std_healthy: float = _opt(0.3, "frac_reward_zero_std below this is healthy.")
-    zero_std_alarm: float = _opt(0.5, "Alarm when frac_reward_zero_std exceeds this.")
-    reward_max: float | None = _opt(1.0, "Declared maximum reward; None disables the plateau and above-max alarms.")
+    zero_std_healthy: float = option(0.3, "frac_reward_zero_std below this is healthy.")
+    zero_std_alarm: float = option(0.5, "Alarm when frac_reward_zero_std exceeds this.")
+    reward_max: float | None = option(1.0, "Declared maximum reward; None disables the plateau and above-max alarms.")
     # A noisy reward (std ~0.06 per record) that rises ~0.08 per 25 records is told apart from a flat one
     # only over ~50 records; a window of 20 raised the alarm on such healthy runs.
-    plateau_window: int = _opt(50, "Log records over which the reward trend is measured for plateau detection.")
-    plateau_min_rise: float = _opt(0.01, "Plateau when the window's second half rises less than this over its first.")
-    ceiling_margin: float = _opt(0.05, "A flat reward this close to reward_max is converged, not a plateau.")
-    reference_window: int = _opt(5, "First finite values of a relative gauge whose median is its reference.")
-    grad_norm_floor: float = _opt(1e-6, "grad_norm below this is 'near zero'.")
-    grad_norm_relative_floor: float = _opt(0.01, "grad_norm below this fraction of its reference is near zero.")
-    max_completion_length: int | None = _opt(
+    plateau_window: int = option(50, "Log records over which the reward trend is measured for plateau detection.")
+    plateau_min_rise: float = option(
+        0.01, "Plateau when the window's second half rises less than this over its first."
+    )
+    ceiling_margin: float = option(0.05, "A flat reward this close to reward_max is converged, not a plateau.")
+    reference_window: int = option(5, "First finite values of a relative gauge whose median is its reference.")
+    grad_norm_floor: float = option(1e-6, "grad_norm below this is 'near zero'.")
+    grad_norm_relative_floor: float = option(0.01, "grad_norm below this fraction of its reference is near zero.")
+    max_completion_length: int | None = option(
         None, "Completion cap; None: from the trainer arguments (max_completion_length, ...)."
     )
-    length_cap_ratio: float = _opt(0.9, "Alarm when the mean length reaches this fraction of the cap from below.")
-    clipped_ratio_alarm: float = _opt(0.3, "Alarm when the truncated share rises this much above its reference.")
-    entropy_floor: float = _opt(
+    length_cap_ratio: float = option(0.9, "Alarm when the mean length reaches this fraction of the cap from below.")
+    clipped_ratio_alarm: float = option(0.3, "Alarm when the truncated share rises this much above its reference.")
+    entropy_floor: float = option(
         0.05, "Entropy (nats/token) below this (or half its reference, if lower) has collapsed."
     )
-    entropy_relative_floor: float = _opt(0.1, "Entropy below this fraction of its reference has collapsed.")
-    mismatch_threshold: float = _opt(0.01, "Alarm when the mean |logp_sampler - logp_trainer| exceeds this.")
-    mismatch_band: tuple[float, float] = _opt((0.9, 1.1), "Healthy band of the token ratio pi_trainer / pi_sampler.")
-    masked_fraction_alarm: float = _opt(0.1, "Alarm when IcePop/KPop mask more than this share of tokens.")
-    kl_target: float | None = _opt(
+    entropy_relative_floor: float = option(0.1, "Entropy below this fraction of its reference has collapsed.")
+    mismatch_threshold: float = option(0.01, "Alarm when the mean |logp_sampler - logp_trainer| exceeds this.")
+    mismatch_band: tuple[float, float] = option((0.9, 1.1), "Healthy band of the token ratio pi_trainer / pi_sampler.")
+    masked_fraction_alarm: float = option(0.1, "Alarm when IcePop/KPop mask more than this share of tokens.")
+    kl_target: float | None = option(
         None, "KL target in the KL gauge's unit; None: PPOConfig's `target`, else the alarm is off."
     )
-    kl_alarm_ratio: float = _opt(2.0, "Alarm when the KL to the reference stays above this multiple of kl_target.")
-    kl_patience: int = _opt(5, "Consecutive log records above kl_alarm_ratio x kl_target to raise the alarm.")
-    patience: int = _opt(3, "Consecutive log records a condition must hold before its alarm is raised.")
-    clear_patience: int = _opt(3, "Consecutive healthy log records before a raised alarm is cleared.")
-    repeat_every: int = _opt(50, "While an alarm holds, repeat it every this-many log records (0: never).")
+    kl_alarm_ratio: float = option(2.0, "Alarm when the KL to the reference stays above this multiple of kl_target.")
+    kl_patience: int = option(5, "Consecutive log records above kl_alarm_ratio x kl_target to raise the alarm.")
+    patience: int = option(3, "Consecutive log records a condition must hold before its alarm is raised.")
+    clear_patience: int = option(3, "Consecutive healthy log records before a raised alarm is cleared.")
+    repeat_every: int = option(50, "While an alarm holds, repeat it every this-many log records (0: never).")
     disabled_alarms: list[str] = field(
         default_factory=list, metadata={"help": f"Alarms to switch off, among {sorted(ALARMS)}."}
     )
-    critical_alarms: list[str] | None = _opt(
+    critical_alarms: list[str] | None = option(
         None, "Alarms critical for stop_after_critical_steps; None: the catalogue's."
     )
-    metric_keys: dict[str, list[str]] | None = _opt(
+    metric_keys: dict[str, list[str]] | None = option(
         None, f"Log keys of a gauge among {GAUGES}, e.g. {{'reward': ['my/reward']}}."
     )
-    remedy_virtual_samples: bool = _opt(False, "While the zero_std alarm holds, train with NGRPO virtual samples.")
-    virtual_samples_attr: str = _opt(
+    remedy_virtual_samples: bool = option(False, "While the zero_std alarm holds, train with NGRPO virtual samples.")
+    virtual_samples_attr: str = option(
         "advantage_estimator", "Trainer-argument attribute the virtual-samples remedy sets."
     )
-    virtual_samples_value: Any = _opt("ngrpo", "Value that switches NGRPO virtual samples on.")
-    stop_after_critical_steps: int | None = _opt(
+    virtual_samples_value: Any = option("ngrpo", "Value that switches NGRPO virtual samples on.")
+    stop_after_critical_steps: int | None = option(
         None, "Save and stop once a critical alarm has held this many steps; None: never stop."
     )
-    health_file: str | None = _opt(
+    health_file: str | None = option(
         "health.jsonl", "JSON Lines file in output_dir receiving the gauges and alarm events; None: no file."
     )
-    log_to_history: bool = _opt(True, "Add `health/*` flags to the trainer's logs (log history, wandb, tensorboard).")
-    dashboard_on_train_end: bool = _opt(False, "Render `health_dashboard.png` into output_dir when training ends.")
+    log_to_history: bool = option(
+        True, "Add `health/*` flags to the trainer's logs (log history, wandb, tensorboard)."
+    )
+    dashboard_on_train_end: bool = option(False, "Render `health_dashboard.png` into output_dir when training ends.")
 
     def __post_init__(self):
         if not 0 <= self.zero_std_healthy <= self.zero_std_alarm <= 1:

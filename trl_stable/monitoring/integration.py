@@ -5,31 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from trl_stable.monitoring.callback import HealthMonitor, health_config_from_args
 from trl_stable.monitoring.health import HealthConfig
-from trl_stable.settings.checks import Dependent, check_dependents
+from trl_stable.settings.checks import Dependent, check_dependents, option
 
 
 def _shortcut(name: str, help: str | None = None) -> Any:
     """The `health_<name>` trainer-argument field: `HealthConfig.<name>`'s default and, unless `help` says it for a
     trainer, its help (one definition, so the two cannot drift apart)."""
     source = HealthConfig.__dataclass_fields__[name]
-    return field(default=source.default, metadata={"help": help or source.metadata["help"]})
+    return option(source.default, help or source.metadata["help"])
 
 
 @dataclass
 class HealthArguments:
     """Health-monitor fields of a trl_stable trainer config (see `docs/health_monitoring.md`)."""
 
-    health_monitor: bool = field(
-        default=True,
-        metadata={
-            "help": "Watch the training logs and raise alarms (health.jsonl in output_dir, `health/*` log "
-            "flags). It only reads the logs: training numbers are unchanged. False switches it off."
-        },
+    health_monitor: bool = option(
+        True,
+        "Watch the training logs and raise alarms (health.jsonl in output_dir, `health/*` log "
+        "flags). It only reads the logs: training numbers are unchanged. False switches it off.",
     )
     health_reward_max: float | None = _shortcut("reward_max")
     health_mismatch_threshold: float = _shortcut("mismatch_threshold")
@@ -45,20 +43,16 @@ class HealthArguments:
         "Save a checkpoint and stop training once a critical alarm (grad_norm_vanishing, entropy_collapse, "
         "nonfinite) has held this many steps. None: never stop.",
     )
-    health_mismatch_monitor: bool = field(
-        default=False,
-        metadata={
-            "help": "Log the sampler/trainer log-prob mismatch (mismatch/*) on every generation batch: record "
-            "the HF sampler's log-probs and recompute the trainer's when no other option does (one extra "
-            "forward per batch without the decoupled loss)."
-        },
+    health_mismatch_monitor: bool = option(
+        False,
+        "Log the sampler/trainer log-prob mismatch (mismatch/*) on every generation batch: record "
+        "the HF sampler's log-probs and recompute the trainer's when no other option does (one extra "
+        "forward per batch without the decoupled loss).",
     )
-    health_monitor_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Any other `trl_stable.monitoring.HealthConfig` field, as a dict (or a JSON string), e.g. "
-            "{'patience': 5, 'zero_std_alarm': 0.6}."
-        },
+    health_monitor_kwargs: dict | str | None = option(
+        None,
+        "Any other `trl_stable.monitoring.HealthConfig` field, as a dict (or a JSON string), e.g. "
+        "{'patience': 5, 'zero_std_alarm': 0.6}.",
     )
 
     def validate_health_arguments(self) -> None:
@@ -79,12 +73,10 @@ class PPOHealthArguments(HealthArguments):
     """Health-monitor fields of the PPO config: PPO scores are often unbounded (classifier logits), so no reward
     maximum is declared by default, and there are no groups for virtual samples."""
 
-    health_reward_max: float | None = field(
-        default=None,
-        metadata={
-            "help": "Declared maximum of the sequence score (env/reward_mean). None (default) disables the "
-            "reward-plateau-below-maximum and reward-above-maximum alarms."
-        },
+    health_reward_max: float | None = option(
+        None,
+        "Declared maximum of the sequence score (env/reward_mean). None (default) disables the "
+        "reward-plateau-below-maximum and reward-above-maximum alarms.",
     )
 
     def validate_health_arguments(self) -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trl_stable.rewards.critic.alignment import import_rapidfuzz
 from trl_stable.rewards.critic.lexicon import SENTIMENT_LEXICONS
 from trl_stable.rewards.critic.parsing import continuation_header, parse_critic_answer
 from trl_stable.rewards.critic.templates import default_prompt_file
 from trl_stable.rewards.critic.transport import check_transport
-from trl_stable.settings.checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents
+from trl_stable.settings.checks import Bound, Dependent, check_all_finite, check_bounds, check_dependents, option
 from trl_stable.settings.secrets import SecretsNotPickled
 
 logger = logging.getLogger(__name__)
@@ -59,66 +59,50 @@ class CriticBackendConfig(SecretsNotPickled):
     """Which critic answers and how it is reached: the backend, its model, and the OpenAI-compatible transport's
     settings (URL, key variable, concurrency, timeouts, retries, rate limit, cache)."""
 
-    critic_backend: str = field(
-        default="lexicon",
-        metadata={"help": "'openai' (any OpenAI-compatible server), 'transformers' (local model) or 'lexicon'."},
+    critic_backend: str = option(
+        "lexicon", "'openai' (any OpenAI-compatible server), 'transformers' (local model) or 'lexicon'."
     )
-    critic_model: str | None = field(
-        default=None,
-        metadata={"help": "Served model name (openai; default gpt-4o-mini) or local path (transformers)."},
+    critic_model: str | None = option(
+        None, "Served model name (openai; default gpt-4o-mini) or local path (transformers)."
     )
-    critic_lexicon: str = field(
-        default="vader",
-        metadata={
-            "help": "Word list of the lexicon sentiment critic: 'vader' (the environment reward's own) or 'afinn' "
-            "(AFINN-165, an independent list; pip install afinn)."
-        },
+    critic_lexicon: str = option(
+        "vader",
+        "Word list of the lexicon sentiment critic: 'vader' (the environment reward's own) or 'afinn' "
+        "(AFINN-165, an independent list; pip install afinn).",
     )
-    critic_base_url: str | None = field(
-        default=None,
-        metadata={"help": "Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM)."},
+    critic_base_url: str | None = option(
+        None, "Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1 (vLLM)."
     )
-    critic_api_key_env: str = field(
-        default="OPENAI_API_KEY",
-        metadata={
-            "help": "Name of the environment variable holding the critic API key (a value that looks like a key is "
-            "refused, without repeating it)."
-        },
+    critic_api_key_env: str = option(
+        "OPENAI_API_KEY",
+        "Name of the environment variable holding the critic API key (a value that looks like a key is "
+        "refused, without repeating it).",
     )
-    critic_concurrency: int | None = field(
-        default=None,
-        metadata={"help": "Critic requests in flight (openai); None: the whole batch, up to critic_max_concurrency."},
+    critic_concurrency: int | None = option(
+        None, "Critic requests in flight (openai); None: the whole batch, up to critic_max_concurrency."
     )
-    critic_max_concurrency: int = field(
-        default=256,
-        metadata={"help": "Most critic requests in flight at once when critic_concurrency is None (openai)."},
+    critic_max_concurrency: int = option(
+        256, "Most critic requests in flight at once when critic_concurrency is None (openai)."
     )
-    critic_retry_after_max: float = field(
-        default=60.0,
-        metadata={"help": "Longest wait (s) a critic server's Retry-After may ask for (openai); longer is cut."},
+    critic_retry_after_max: float = option(
+        60.0, "Longest wait (s) a critic server's Retry-After may ask for (openai); longer is cut."
     )
-    critic_cache_dir: str | None = field(
-        default=None, metadata={"help": "Directory of the on-disk critic answer cache (openai); None: memory only."}
+    critic_cache_dir: str | None = option(
+        None, "Directory of the on-disk critic answer cache (openai); None: memory only."
     )
-    critic_timeout: float = field(default=30.0, metadata={"help": "Seconds per critic request (openai)."})
-    critic_transport: str = field(
-        default="http",
-        metadata={
-            "help": "HTTP client of the openai backend: 'http' (httpx; proxies and TLS from the environment) or "
-            "'openai' (the OpenAI SDK, slower: more CPU per request)."
-        },
+    critic_timeout: float = option(30.0, "Seconds per critic request (openai).")
+    critic_transport: str = option(
+        "http",
+        "HTTP client of the openai backend: 'http' (httpx; proxies and TLS from the environment) or "
+        "'openai' (the OpenAI SDK, slower: more CPU per request).",
     )
-    critic_max_retries: int = field(
-        default=4, metadata={"help": "Retries of a critic request on 429/5xx/timeout/connection errors (openai)."}
+    critic_max_retries: int = option(4, "Retries of a critic request on 429/5xx/timeout/connection errors (openai).")
+    critic_rate_limit: float | None = option(
+        None, "Most critic requests started per second (openai); None: unlimited."
     )
-    critic_rate_limit: float | None = field(
-        default=None, metadata={"help": "Most critic requests started per second (openai); None: unlimited."}
-    )
-    critic_max_tokens: int = field(
-        default=128, metadata={"help": "Longest critic answer, in tokens (openai, transformers)."}
-    )
-    critic_temperature: float = field(default=0.0, metadata={"help": "Critic sampling temperature (openai)."})
-    critic_batch_size: int = field(default=8, metadata={"help": "Prompts per generate call (transformers)."})
+    critic_max_tokens: int = option(128, "Longest critic answer, in tokens (openai, transformers).")
+    critic_temperature: float = option(0.0, "Critic sampling temperature (openai).")
+    critic_batch_size: int = option(8, "Prompts per generate call (transformers).")
 
     def backend_dependents(self) -> tuple[Dependent, ...]:
         """The backend fields and the `critic_backend` that reads them (checked by `build_critic_backend`)."""
@@ -148,58 +132,42 @@ class CriticRewardConfig(CriticBackendConfig):
     continuation_header = staticmethod(continuation_header)
     parse_answer = staticmethod(parse_critic_answer)
 
-    use_intrinsic_reward: bool = field(
-        default=False, metadata={"help": "Add the critic's per-token intrinsic rewards to the environment reward."}
+    use_intrinsic_reward: bool = option(
+        False, "Add the critic's per-token intrinsic rewards to the environment reward."
     )
-    critic_task: str = field(
-        default="sentiment",
-        metadata={"help": "Answer format and default prompt/lexicon: 'sentiment', 'toxicity' or 'summarization'."},
+    critic_task: str = option(
+        "sentiment", "Answer format and default prompt/lexicon: 'sentiment', 'toxicity' or 'summarization'."
     )
-    positive_reward_value: float = field(default=0.5, metadata={"help": "Reward of a token inside a positive span."})
-    negative_reward_value: float = field(
-        default=-0.5, metadata={"help": "Reward of a token inside a negative (toxic, flawed) span."}
+    positive_reward_value: float = option(0.5, "Reward of a token inside a positive span.")
+    negative_reward_value: float = option(-0.5, "Reward of a token inside a negative (toxic, flawed) span.")
+    outside_span_reward_value: float = option(
+        0.0, "Reward of a token inside no span of a parsed critique (e.g. 0.1: every non-toxic token)."
     )
-    outside_span_reward_value: float = field(
-        default=0.0,
-        metadata={"help": "Reward of a token inside no span of a parsed critique (e.g. 0.1: every non-toxic token)."},
+    fuzzy_span_matching: bool = option(
+        False, "Match spans the critic reworded by similarity (pip install 'trl_stable[fuzzy]')."
     )
-    fuzzy_span_matching: bool = field(
-        default=False,
-        metadata={"help": "Match spans the critic reworded by similarity (pip install 'trl_stable[fuzzy]')."},
+    fuzzy_min_similarity: float = option(
+        0.85, "Similarity floor in (0, 1] of a fuzzy match (rapidfuzz partial_ratio / 100)."
     )
-    fuzzy_min_similarity: float = field(
-        default=0.85,
-        metadata={"help": "Similarity floor in (0, 1] of a fuzzy match (rapidfuzz partial_ratio / 100)."},
+    intrinsic_reward_threshold: float = option(
+        10.0,
+        "Critique completions whose environment reward is <= this (RELC: sentiment 10, toxicity 1.0, "
+        "summarization 100; inf: all).",
     )
-    intrinsic_reward_threshold: float = field(
-        default=10.0,
-        metadata={
-            "help": "Critique completions whose environment reward is <= this (RELC: sentiment 10, toxicity 1.0, "
-            "summarization 100; inf: all)."
-        },
+    intrinsic_reward_coef: float = option(1.0, "Factor, >= 0, on every token's intrinsic reward (RELC: 1).")
+    intrinsic_reward_max_sum: float | None = option(
+        None,
+        "Bound, > 0, on a sample's absolute intrinsic sum (after the coef); a row above it is scaled down "
+        "to it (e.g. 1.0 for a reward in [-1, 1]). None: no bound (RELC).",
     )
-    intrinsic_reward_coef: float = field(
-        default=1.0,
-        metadata={"help": "Factor, >= 0, on every token's intrinsic reward (RELC: 1)."},
+    prompt_file: str | None = option(
+        None, "Few-shot critic template with a '{}'; default trl_stable/prompts/critic_<task>.txt."
     )
-    intrinsic_reward_max_sum: float | None = field(
-        default=None,
-        metadata={
-            "help": "Bound, > 0, on a sample's absolute intrinsic sum (after the coef); a row above it is scaled down "
-            "to it (e.g. 1.0 for a reward in [-1, 1]). None: no bound (RELC)."
-        },
+    critic_include_prompt: bool = option(
+        True, "Show the critic the prompt and the completion (RELC); only the completion is rewarded."
     )
-    prompt_file: str | None = field(
-        default=None,
-        metadata={"help": "Few-shot critic template with a '{}'; default trl_stable/prompts/critic_<task>.txt."},
-    )
-    critic_include_prompt: bool = field(
-        default=True,
-        metadata={"help": "Show the critic the prompt and the completion (RELC); only the completion is rewarded."},
-    )
-    max_consecutive_failing_steps: int = field(
-        default=5,
-        metadata={"help": "Stop with an error after this many steps in a row without a usable critic answer."},
+    max_consecutive_failing_steps: int = option(
+        5, "Stop with an error after this many steps in a row without a usable critic answer."
     )
 
     def __post_init__(self) -> None:
