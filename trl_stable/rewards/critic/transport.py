@@ -93,7 +93,8 @@ class HTTPXChatClient:
         host = parts.netloc.rsplit("@", 1)[-1]
         self._url = httpx2.URL(urllib.parse.urlunsplit((parts.scheme, host, parts.path + "/chat/completions", "", "")))
         auth = {"Authorization": f"Bearer {api_key}", "User-Agent": "trl_stable-critic"}
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json", **auth}
+        # built once: a dict would be normalized into httpx Headers again for every request
+        self._headers = httpx2.Headers({"Content-Type": "application/json", "Accept": "application/json", **auth})
         self._ssl = httpx2.create_ssl_context()  # one trust store for every connection (building one takes ~50 ms)
         proxies = urllib.request.getproxies_environment()
         bypass = urllib.request.proxy_bypass_environment(parts.hostname, proxies)
