@@ -19,7 +19,9 @@ from trl_stable.rewards.failure_guard import FailureGuard
 
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # package data, linked from the top-level prompts/
+# The templates are package data (setup.cfg: ``trl_stable = prompts/*.txt``), so a non-editable install finds them;
+# the repository's top-level ``prompts/*.txt`` are links to these files, for ``--prompt_file prompts/...``.
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"
 # Backtracking steps allowed to find one round's rematch-free pairing: the search is exponential in the worst case
 # (many rounds for a large G, e.g. 31 rounds of G = 32 took seconds), and a round that needs more stops the arena.
 MAX_PAIRING_SEARCH = 20_000
@@ -220,9 +222,20 @@ def run_arenas(
     seed: int = 0,
     max_workers: int = 8,
 ) -> list[ArenaResult]:
-    """One arena per ``(prompt, responses)`` group, group k seeded with ``seed + k`` (arguments: `gar_rewards`). The
-    groups advance in lockstep, so each round's judge calls of every group run in one batch (a thread pool of
-    `max_workers`, or ``judge.judge_batch``)."""
+    """One arena per ``(prompt, responses)`` group, group k seeded with ``seed + k``. The groups advance in lockstep,
+    so each round's judge calls of every group run in one batch.
+
+    Args:
+        groups: ``(prompt, responses)`` pairs, the responses being the G completions of that prompt.
+        judge: ``judge(prompt, a, b) -> P(a beats b)`` in [0, 1] (0.5 = draw); an exception, None or NaN is a
+            failed call and counts as a draw. An object with ``judge_batch(triples)`` is called once per round.
+        pairing: "round_robin" (every pair, G(G-1)/2 matches) or "swiss" (ceil(log2 G) rounds of ~G/2 matches,
+            equal scores paired, no rematches, Buchholz tie-break).
+        rounds: Swiss rounds (None: ceil(log2 G)).
+        both_orders: Judge (a, b) and (b, a) and average, cancelling position bias (doubles the calls).
+        seed: Seed of the Swiss round-1 pairing and of its remaining ties.
+        max_workers: Threads calling a judge without ``judge_batch``.
+    """
     check_arena_args(pairing, rounds)
     tournaments = [_Tournament(len(responses), pairing, rounds, seed + k) for k, (_, responses) in enumerate(groups)]
     per_match = 2 if both_orders else 1  # judge calls: (a, b), then (b, a) with `both_orders`
@@ -243,41 +256,19 @@ def run_arenas(
             cursor += per_match * len(pairs)
 
 
-def run_arena(
-    responses: Sequence[str],
-    prompt: str,
-    judge: Judge | Any,
-    pairing: str = "round_robin",
-    rounds: int | None = None,
-    both_orders: bool = True,
-    seed: int = 0,
-    max_workers: int = 8,
-) -> ArenaResult:
+def run_arena(responses: Sequence[str], prompt: str, judge: Judge | Any, **options: Any) -> ArenaResult:
     """`gar_rewards` with the full result (wins, matches, Buchholz, standings, pairings, call counts)."""
-    return run_arenas([(prompt, responses)], judge, pairing, rounds, both_orders, seed, max_workers)[0]
+    return run_arenas([(prompt, responses)], judge, **options)[0]
 
 
-def gar_rewards(
-    responses: Sequence[str],
-    prompt: str,
-    judge: Judge | Any,
-    pairing: str = "round_robin",
-    rounds: int | None = None,
-    both_orders: bool = True,
-    seed: int = 0,
-) -> list[float]:
+def gar_rewards(responses: Sequence[str], prompt: str, judge: Judge | Any, **options: Any) -> list[float]:
     """Group arena rewards of `responses` to `prompt`: wins / matches played, in [0, 1], indexed like `responses`.
 
     Args:
         responses: The G completions of one prompt.
         prompt: The prompt they answer.
-        judge: ``judge(prompt, a, b) -> P(a beats b)`` in [0, 1] (0.5 = draw); an exception, None or NaN is a
-            failed call and counts as a draw. An object with ``judge_batch(triples)`` is called once per round.
-        pairing: "round_robin" (every pair, G(G-1)/2 matches) or "swiss" (ceil(log2 G) rounds of ~G/2 matches,
-            equal scores paired, no rematches, Buchholz tie-break).
-        rounds: Swiss rounds (None: ceil(log2 G)).
-        both_orders: Judge (a, b) and (b, a) and average, cancelling position bias (doubles the calls).
-        seed: Seed of the Swiss round-1 pairing and of its remaining ties.
+        judge: The pairwise judge (see `run_arenas`).
+        **options: `pairing`, `rounds`, `both_orders`, `seed`, `max_workers`: see `run_arenas`.
 
     Returns:
         One reward per response, in the order given.
@@ -288,7 +279,7 @@ def gar_rewards(
         [0.0, 1.0, 0.5]
         ```
     """
-    return run_arena(responses, prompt, judge, pairing, rounds, both_orders, seed).rewards
+    return run_arena(responses, prompt, judge, **options).rewards
 
 
 def load_prompt(name: str) -> str:
@@ -415,8 +406,8 @@ class ArenaReward:
     multiple of ``num_generations``, as a group split across processes plays as two smaller arenas.
 
     Args:
-        judge: A pairwise judge (see `gar_rewards`) or an `LLMJudge`.
-        pairing / rounds / both_orders: See `gar_rewards`.
+        judge: A pairwise judge (see `run_arenas`) or an `LLMJudge`.
+        pairing / rounds / both_orders: See `run_arenas`.
         seed: Base seed.
         max_workers: Judge calls in flight at once (ignored by a ``judge_batch`` judge, which batches itself).
         max_failing_steps: A dead judge (every call of a step failed) gives every completion 0.5, a constant reward;

@@ -327,17 +327,12 @@ def collect_dense_rewards(
             )
             out = None
         rows = validate_dense_rewards(out, completion_lengths, name=f"reward function '{name}'", limit=limit)
-        nan_tokens = 0
-        sums = []
+        nan_tokens = sum(value != value for row in rows for value in row)  # NaN: does not apply at this token
+        sums = [sum(value for value in row if value == value) for row in rows]
         for acc, row in zip(total, rows):
-            row_sum = 0.0
             for t, value in enumerate(row):
-                if value != value:  # NaN: does not apply at this token
-                    nan_tokens += 1
-                    continue
-                acc[t] += float(weight) * value
-                row_sum += value
-            sums.append(row_sum)
+                if value == value:
+                    acc[t] += float(weight) * value
         if nan_tokens:
             logger.warning(
                 f"Dense reward function '{name}' returned {nan_tokens} NaN/None/infinite token reward(s); used 0."

@@ -17,6 +17,7 @@ from trl_stable.monitoring.metric_names import (
     CRITIC_WAIT_SECONDS,
     critic_step_ratios,
 )
+from trl_stable.rewards.arena import completion_text
 from trl_stable.rewards.critic.alignment import (
     SpanAlignment,
     align_spans,
@@ -56,17 +57,6 @@ def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum
 @functools.lru_cache(maxsize=4096)
 def _parse_memo(parse: Any, answer: str, header: str | None) -> ParsedCritique:
     return parse(answer, continues=header)
-
-
-def _as_text(x: Any) -> str:
-    """A prompt or completion as plain text; conversational messages are joined by their contents."""
-    if isinstance(x, str):
-        return x
-    if isinstance(x, dict):
-        return str(x.get("content", ""))
-    if isinstance(x, Sequence):
-        return "\n".join(_as_text(m) for m in x)
-    return "" if x is None else str(x)
 
 
 def _flat(text: str) -> str:
@@ -268,7 +258,7 @@ class CriticIntrinsicReward:
         scores = env_rewards if env_rewards is not None else [None] * len(ids)
         selected = [i for i, r in enumerate(scores) if r is None or r <= thr]
         texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
-        prompt_texts = {i: _as_text(prompts[i]) if prompts is not None else "" for i in selected}
+        prompt_texts = {i: completion_text(prompts[i]) if prompts is not None else "" for i in selected}
         critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
         aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected} if align else {}
