@@ -81,8 +81,7 @@ class _Tournament:
         self.judge_calls = 0
         self.failed_calls = 0
         self.failure: str | None = None
-        swiss_rounds = rounds or (math.ceil(math.log2(n)) if n > 1 else 0)
-        self.max_rounds = 1 if pairing == "round_robin" else swiss_rounds
+        self.max_rounds = 1 if pairing == "round_robin" else rounds or (math.ceil(math.log2(n)) if n > 1 else 0)
         # A copy: the seeded order decides round 1 and breaks remaining ties, never touching the caller's list.
         self.seed_order = list(range(n))
         random.Random(seed).shuffle(self.seed_order)

@@ -191,9 +191,8 @@ def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = 
         name = sections["action"].splitlines()[0].strip() if sections["action"] else ""
         raw_args = sections.get("action input", "").strip() or "{}"
         try:
-            call = parse_tool_call(json.dumps({"name": name, "arguments": json.loads(raw_args)}))
-            step.calls.append(call)
-        except (ValueError, json.JSONDecodeError):
+            step.calls.append(parse_tool_call(json.dumps({"name": name, "arguments": json.loads(raw_args)})))
+        except ValueError:  # json.JSONDecodeError included
             step.invalid_calls += 1
     step.plan = _plan_items(sections.get("plan"))
     thought = sections.get("thought", sections.get("thinking", sections.get("reasoning")))

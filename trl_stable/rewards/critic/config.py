@@ -33,7 +33,8 @@ BACKEND_BOUNDS: dict[str, Bound] = {
     "critic_temperature": Bound(low=0.0),
     "critic_batch_size": Bound(low=1, integer=True),
 }
-REWARD_BOUNDS: dict[str, Bound] = {
+# Every numeric field of CriticRewardConfig and what is valid.
+CRITIC_BOUNDS: dict[str, Bound] = {
     "positive_reward_value": Bound(),
     "negative_reward_value": Bound(),
     "outside_span_reward_value": Bound(),
@@ -43,9 +44,8 @@ REWARD_BOUNDS: dict[str, Bound] = {
     ),
     "intrinsic_reward_max_sum": Bound(low=0.0, low_open=True, optional=True, fix="None: no bound."),
     "max_consecutive_failing_steps": Bound(low=1, integer=True),
+    **BACKEND_BOUNDS,
 }
-# Every numeric field of CriticRewardConfig and what is valid.
-CRITIC_BOUNDS: dict[str, Bound] = {**REWARD_BOUNDS, **BACKEND_BOUNDS}
 # What only the OpenAI-compatible backend reads.
 OPENAI_FIELDS = (
     "critic_base_url", "critic_api_key_env", "critic_concurrency", "critic_max_concurrency", "critic_retry_after_max",

@@ -4,7 +4,7 @@ function's counts of one call (`StepCounts`)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from trl_stable.rewards.critic.alignment import QUERY_ONLY, UNMATCHED
@@ -58,8 +58,7 @@ class StepCounts:
     counts what one `Critique` says (a failed request, an unparseable answer, or its spans and rewarded tokens)."""
 
     def __init__(self, **values: int) -> None:
-        self.values = dict.fromkeys(STEP_COUNTER_NAMES, 0)
-        self.values.update(values)
+        self.values = {**dict.fromkeys(STEP_COUNTER_NAMES, 0), **values}
 
     def __getitem__(self, name: str) -> int:
         return self.values[name]
@@ -85,6 +84,5 @@ class StepCounts:
 
     def add(self, other: StepCounts | Mapping[str, int]) -> None:
         """Add another call's counts (or a saved mapping of them)."""
-        items: Iterable[tuple[str, int]] = (other.values if isinstance(other, StepCounts) else other).items()
-        for name, value in items:
+        for name, value in (other.values if isinstance(other, StepCounts) else other).items():
             self.values[name] = self.values.get(name, 0) + value

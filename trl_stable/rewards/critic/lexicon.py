@@ -15,17 +15,13 @@ _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'\u2019]*[A-Za-z]|[A-Za-z]")
 
 def format_sentiment_answer(positive: Sequence[str], negative: Sequence[str]) -> str:
     def block(spans: Sequence[str]) -> str:
-        if not spans:
-            return "None identified"
-        return "\n".join(f"[Span {i}]: {s}" for i, s in enumerate(spans, 1))
+        return "\n".join(f"[Span {i}]: {s}" for i, s in enumerate(spans, 1)) or "None identified"
 
     return f"Identified Positive Text Span:\n{block(positive)}\nIdentified Negative Text Span:\n{block(negative)}"
 
 
 def format_toxicity_answer(toxic: Sequence[str]) -> str:
-    if not toxic:
-        return "Toxic Span: None identified"
-    return "\n".join(f"Toxic Span {i}: {s}" for i, s in enumerate(toxic, 1))
+    return "\n".join(f"Toxic Span {i}: {s}" for i, s in enumerate(toxic, 1)) or "Toxic Span: None identified"
 
 
 def _merge(text: str, ranges: list[tuple[int, int]]) -> list[str]:
