@@ -186,16 +186,12 @@ def checked_sequence_reward(
             logger.warning(f"Reward function '{name}' {failures[name]}; its completions are unscored.", exc_info=err)
         return [None] * len(prompts)
 
-    if is_async:
-
-        async def checked_async(**kwargs: Any) -> list[float | None]:
-            try:
-                out = await func(**kwargs)
-            except Exception as err:  # noqa: BLE001 - a failed call: counted by the caller's guard
-                return failed(err, kwargs["prompts"])
-            return check(out, kwargs["prompts"])
-
-        return checked_async
+    async def checked_async(**kwargs: Any) -> list[float | None]:
+        try:
+            out = await func(**kwargs)
+        except Exception as err:  # noqa: BLE001 - a failed call: counted by the caller's guard
+            return failed(err, kwargs["prompts"])
+        return check(out, kwargs["prompts"])
 
     def checked(**kwargs: Any) -> list[float | None]:
         try:
@@ -204,7 +200,7 @@ def checked_sequence_reward(
             return failed(err, kwargs["prompts"])
         return check(out, kwargs["prompts"])
 
-    return checked
+    return checked_async if is_async else checked
 
 
 def record_reward_failures(
@@ -293,8 +289,7 @@ class DenseRewards:
         width = max((len(r) for r in self.rows), default=0) if width is None else width
         out = torch.zeros(len(self.rows), width)
         for i, row in enumerate(self.rows):
-            n = min(len(row), width)
-            out[i, :n] = torch.tensor(row[:n], dtype=torch.float32)
+            out[i, : min(len(row), width)] = torch.tensor(row[:width], dtype=torch.float32)
         return out.to(device) if device is not None else out
 
 

@@ -100,9 +100,7 @@ def clean_span(raw: str) -> str:
         s = leading.group(1).strip().rstrip(".,;:").strip()
     else:
         s = s.strip(_QUOTES).strip().rstrip(_TRAILING).strip()
-    if not s or _NONE_RE.match(s):
-        return ""
-    return s
+    return "" if not s or _NONE_RE.match(s) else s
 
 
 def _section_lines(content: str) -> list[str]:
