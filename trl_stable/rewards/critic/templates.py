@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any
 
-from trl_stable.rewards.arena import PROMPTS_DIR
-
+# The templates are package data (setup.cfg: ``trl_stable = prompts/*.txt``), so a non-editable install finds them;
+# the repository's top-level ``prompts/critic_*.txt`` are links to these files, for ``--prompt_file prompts/...``.
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 _PLACEHOLDER_RE = re.compile(r"\{\}|\{prompt\}|\{completion\}|\{score\}")
 
 
