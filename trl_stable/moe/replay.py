@@ -357,25 +357,21 @@ class RoutingReplay:
 
     def _block_pre_hook(self, state: _RouterState):
         def hook(module, args, kwargs):
-            if module is not state.block:  # a deep copy of the model carries the hook along
-                return None
             hidden = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            # `module is state.block`: a deep copy of the model carries the hook along
+            if module is state.block and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
                 shape = hidden.shape[:-1]
                 state.shape = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
-            return None
 
         return hook
 
     def _layer_pre_hook(self, state: _RouterState):
         def hook(module, args):
-            if module is not state.layer:
-                return None
-            # Mirrors GradientCheckpointingLayer's own test: this forward will run again during backward.
-            state.will_recompute = bool(
-                getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
-            )
-            return None
+            # GradientCheckpointingLayer's own test that backward will run this forward again
+            if module is state.layer:
+                state.will_recompute = bool(
+                    getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
+                )
 
         return hook
 
