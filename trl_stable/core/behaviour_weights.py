@@ -18,11 +18,9 @@ __all__ = [
     "kpop_mask",
 ]
 
-_LEVELS = ("token", "sequence")
-
 
 def _check_level(level: str) -> None:
-    if level not in _LEVELS:
+    if level not in ("token", "sequence"):
         raise ValueError(f"level={level!r} is invalid; use 'token' or 'sequence'.")
 
 

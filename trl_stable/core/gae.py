@@ -58,8 +58,7 @@ def compute_gae(
         advantages[:, t] = torch.where(m, adv, torch.zeros_like(adv))
         next_adv = torch.where(m, adv, next_adv)
         next_value = torch.where(m, values[:, t], next_value)
-    returns = (advantages + values) * active
-    return advantages, returns
+    return advantages, (advantages + values) * active
 
 
 def compute_turn_gae(
