@@ -66,10 +66,8 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: f
     valid = ~torch.isnan(rewards)
     index, n_groups = _group_index(rewards, group_ids, "group")
     big = torch.finfo(rewards.dtype).max
-    hi = torch.full((n_groups,), -big, dtype=rewards.dtype, device=rewards.device)
-    lo = torch.full((n_groups,), big, dtype=rewards.dtype, device=rewards.device)
-    hi = hi.scatter_reduce(0, index, torch.where(valid, rewards, torch.full_like(rewards, -big)), reduce="amax")
-    lo = lo.scatter_reduce(0, index, torch.where(valid, rewards, torch.full_like(rewards, big)), reduce="amin")
+    hi = rewards.new_full((n_groups,), -big).scatter_reduce(0, index, torch.where(valid, rewards, -big), reduce="amax")
+    lo = rewards.new_full((n_groups,), big).scatter_reduce(0, index, torch.where(valid, rewards, big), reduce="amin")
     spread = torch.where(hi >= lo, hi - lo, torch.zeros_like(hi))
     return (spread <= atol)[index]
 

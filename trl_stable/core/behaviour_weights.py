@@ -18,11 +18,9 @@ __all__ = [
     "kpop_mask",
 ]
 
-_LEVELS = ("token", "sequence")
-
 
 def _check_level(level: str) -> None:
-    if level not in _LEVELS:
+    if level not in ("token", "sequence"):
         raise ValueError(f"level={level!r} is invalid; use 'token' or 'sequence'.")
 
 
@@ -49,15 +47,13 @@ def _log_band(lower: float, upper: float, what: str) -> tuple[float, float]:
     return torch.log(torch.tensor(lower)).item(), torch.log(torch.tensor(upper)).item()
 
 
-def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    summed = torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim=1)
-    return summed / mask.float().sum(dim=1).clamp(min=1.0)
-
-
 def _at_level(x: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """`x` per token [B, T], or at level "sequence" its masked mean per sequence [B, 1], which the token tests
     broadcast to keep or drop the whole sequence."""
-    return _sequence_mean(x, mask).unsqueeze(1) if level == "sequence" else x
+    if level == "token":
+        return x
+    summed = torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim=1, keepdim=True)
+    return summed / mask.float().sum(dim=1, keepdim=True).clamp(min=1.0)
 
 
 def icepop_mask(
@@ -135,8 +131,8 @@ def clamp_behaviour_weight(
     if level == "token":
         out = torch.exp(log_ratio.clamp(lo, hi))
     else:
-        seq = _sequence_mean(log_ratio, mask)
-        out = torch.exp(log_ratio + (seq.clamp(lo, hi) - seq).unsqueeze(1))
+        seq = _at_level(log_ratio, mask, level)
+        out = torch.exp(log_ratio + (seq.clamp(lo, hi) - seq))
     return torch.where(mask.bool(), out, torch.ones_like(out))
 
 

@@ -58,8 +58,7 @@ def compute_gae(
         advantages[:, t] = torch.where(m, adv, torch.zeros_like(adv))
         next_adv = torch.where(m, adv, next_adv)
         next_value = torch.where(m, values[:, t], next_value)
-    returns = (advantages + values) * active
-    return advantages, returns
+    return advantages, (advantages + values) * active
 
 
 def compute_turn_gae(
@@ -90,24 +89,20 @@ def compute_turn_gae(
         raise ValueError("turn_ids must be non-decreasing along each sequence (ignoring -1 positions).")
     batch, length = rewards.shape
     num_turns = int(turn_ids.max().item()) + 1 if bool(active.any()) else 0
-    advantages = torch.zeros(batch, length, device=rewards.device)
-    returns = torch.zeros(batch, length, device=rewards.device)
     if num_turns == 0:
-        return advantages, returns
+        zeros = torch.zeros(batch, length, device=rewards.device)
+        return zeros, zeros.clone()
     ids = turn_ids.clamp(min=0)
-    turn_rewards = torch.zeros(batch, num_turns, device=rewards.device)
-    turn_rewards.scatter_add_(1, ids, (rewards.float() * active))
-    counts = torch.zeros(batch, num_turns, device=rewards.device)
-    counts.scatter_add_(1, ids, active.float())
-    present = counts > 0
-    # first token of each turn: the smallest position carrying that id
+    turn_rewards = torch.zeros(batch, num_turns, device=rewards.device).scatter_add_(1, ids, rewards.float() * active)
+    # first token of each turn: the smallest position carrying that id (`length` for a turn the row lacks)
     positions = torch.arange(length, device=rewards.device).expand(batch, length)
     first = torch.full((batch, num_turns), length, device=rewards.device, dtype=torch.long)
     first.scatter_reduce_(1, ids, torch.where(active, positions, length), reduce="amin")
+    present = first < length
     turn_values = values.float().gather(1, first.clamp(max=length - 1)) * present
     turn_adv, turn_ret = compute_gae(turn_rewards, turn_values, present, gamma, lam, bootstrap)
-    advantages = torch.where(active, turn_adv.gather(1, ids), advantages)
-    returns = torch.where(active, turn_ret.gather(1, ids), returns)
+    advantages = torch.where(active, turn_adv.gather(1, ids), 0.0)
+    returns = torch.where(active, turn_ret.gather(1, ids), 0.0)
     if token_rewards is not None:
         advantages = advantages + token_rewards.float() * active
     return advantages, returns

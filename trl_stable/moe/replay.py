@@ -63,32 +63,30 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
     return index
 
 
-class _RowQueue(deque):
-    """The recorded [b_i, s_i, k] segments of one router still to replay (one per recorded call or loaded batch), whose
-    rows forward calls of shape [b, s] consume in order, across segment borders when the sequence lengths match."""
-
-    def take(self, batch: int, seq_len: int, layer: str) -> torch.Tensor:
-        """The next `batch` rows [batch, seq_len, k]; ValueError when they run out or their length differs."""
-        parts, needed = [], batch
-        while needed > 0:
-            if not self:
-                raise ValueError(
-                    f"Routing replay ran out of recorded routing at router {layer}: a forward pass asked for {batch} "
-                    f"more sequences than were recorded or loaded. Fix: replay exactly the batch that was recorded, "
-                    f"or pass its routing tensor [B, S, layers, k] to `replay(routing)`."
-                )
-            segment = self.popleft()
-            if segment.shape[1] != seq_len:
-                raise ValueError(
-                    f"Routing replay at router {layer}: the recorded routing has sequence length {segment.shape[1]} "
-                    f"but the forward pass has {seq_len}. Fix: pad or trim the routing tensor to the model input "
-                    f"(trl_stable.moe.pad_routing), or replay the same padded batch that was recorded."
-                )
-            parts.append(segment[:needed])
-            needed -= parts[-1].shape[0]
-            if segment.shape[0] > parts[-1].shape[0]:  # the rest of the segment is the next call's
-                self.appendleft(segment[parts[-1].shape[0] :])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+def _take_rows(queue: deque, batch: int, seq_len: int, layer: str) -> torch.Tensor:
+    """The next `batch` rows [batch, seq_len, k] of `queue`, the recorded [b_i, s_i, k] segments of router `layer`
+    still to replay (one per recorded call or loaded batch), taken in order across segment borders when the
+    sequence lengths match; ValueError when they run out or their length differs."""
+    parts, needed = [], batch
+    while needed > 0:
+        if not queue:
+            raise ValueError(
+                f"Routing replay ran out of recorded routing at router {layer}: a forward pass asked for {batch} "
+                f"more sequences than were recorded or loaded. Fix: replay exactly the batch that was recorded, "
+                f"or pass its routing tensor [B, S, layers, k] to `replay(routing)`."
+            )
+        segment = queue.popleft()
+        if segment.shape[1] != seq_len:
+            raise ValueError(
+                f"Routing replay at router {layer}: the recorded routing has sequence length {segment.shape[1]} "
+                f"but the forward pass has {seq_len}. Fix: pad or trim the routing tensor to the model input "
+                f"(trl_stable.moe.pad_routing), or replay the same padded batch that was recorded."
+            )
+        parts.append(segment[:needed])
+        needed -= parts[-1].shape[0]
+        if segment.shape[0] > parts[-1].shape[0]:  # the rest of the segment is the next call's
+            queue.appendleft(segment[parts[-1].shape[0] :])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 @dataclass
@@ -106,7 +104,7 @@ class _RouterState:
     has_missing: bool = False
     will_recompute: bool = False
     record: list[torch.Tensor] = field(default_factory=list)
-    queue: _RowQueue | None = None
+    queue: deque | None = None
     recompute_fifo: deque = field(default_factory=deque)
     agree: torch.Tensor | int = 0
     replayed: torch.Tensor | int = 0
@@ -217,14 +215,11 @@ class RoutingReplay:
     @contextlib.contextmanager
     def record(self, *, append: bool = False) -> Iterator[RoutingReplay]:
         """Forward passes inside store each router's top-k experts (previous routing is dropped unless `append`)."""
-        self._enter("record")
-        if not append:
-            for state in self._states:
-                state.record, state.has_missing = [], False
-        try:
+        with self._in_mode("record"):
+            if not append:
+                for state in self._states:
+                    state.record, state.has_missing = [], False
             yield self
-        finally:
-            self._exit()
 
     @contextlib.contextmanager
     def replay(self, routing: torch.Tensor | None = None) -> Iterator[RoutingReplay]:
@@ -234,17 +229,13 @@ class RoutingReplay:
             self.load(routing)
         if not self.has_routing:
             raise ValueError("Nothing to replay: record a pass with `record()` or pass a routing tensor first.")
-        self._enter("replay")
-        for state in self._states:
-            state.queue = _RowQueue(state.record)
-        try:
-            yield self
-        finally:
+        with self._in_mode("replay"):
             for state in self._states:
-                state.queue = None
-            self._exit()
+                state.queue = deque(state.record)
+            yield self
 
-    def _enter(self, mode: str) -> None:
+    @contextlib.contextmanager
+    def _in_mode(self, mode: str) -> Iterator[None]:
         if self._mode != "off":
             raise RuntimeError(f"RoutingReplay is already in {self._mode!r} mode; contexts do not nest.")
         if not self._handles:
@@ -256,12 +247,13 @@ class RoutingReplay:
             if attribute is not None and hasattr(block, attribute) and block not in self._jitter_off:
                 self._jitter_off[block] = (attribute, getattr(block, attribute))
                 setattr(block, attribute, 0.0)
-
-    def _exit(self) -> None:
-        self._mode = "off"
-        for state in self._states:
-            state.shape, state.will_recompute = None, False
-        self._restore_jitter(only_settled=True)
+        try:
+            yield
+        finally:
+            self._mode = "off"
+            for state in self._states:
+                state.shape, state.will_recompute, state.queue = None, False, None
+            self._restore_jitter(only_settled=True)
 
     def _restore_jitter(self, only_settled: bool) -> None:
         """Give back the router jitter `disable_router_jitter` switched off; with `only_settled`, not yet to a block
@@ -357,25 +349,21 @@ class RoutingReplay:
 
     def _block_pre_hook(self, state: _RouterState):
         def hook(module, args, kwargs):
-            if module is not state.block:  # a deep copy of the model carries the hook along
-                return None
             hidden = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            # `module is state.block`: a deep copy of the model carries the hook along
+            if module is state.block and isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
                 shape = hidden.shape[:-1]
                 state.shape = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
-            return None
 
         return hook
 
     def _layer_pre_hook(self, state: _RouterState):
         def hook(module, args):
-            if module is not state.layer:
-                return None
-            # Mirrors GradientCheckpointingLayer's own test: this forward will run again during backward.
-            state.will_recompute = bool(
-                getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
-            )
-            return None
+            # GradientCheckpointingLayer's own test that backward will run this forward again
+            if module is state.layer:
+                state.will_recompute = bool(
+                    getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
+                )
 
         return hook
 
@@ -416,7 +404,7 @@ class RoutingReplay:
                     "to replay the same experts when backward recomputes a layer. Fix: upgrade torch, or disable "
                     "gradient checkpointing."
                 )
-            rows = state.queue.take(batch, seq_len, state.name).reshape(tokens, -1)
+            rows = _take_rows(state.queue, batch, seq_len, state.name).reshape(tokens, -1)
             rows = rows.to(device=current.device, dtype=current.dtype)
             valid = (rows >= 0).all(dim=-1) if state.has_missing else None  # only loaded routing can hold -1 rows
             forced = rows if valid is None else torch.where(valid.unsqueeze(-1), rows, current)
