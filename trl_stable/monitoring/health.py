@@ -146,19 +146,14 @@ class HealthConfig:
         self.mismatch_band = tuple(self.mismatch_band)
         if len(self.mismatch_band) != 2 or not 0 < self.mismatch_band[0] < 1 < self.mismatch_band[1]:
             raise ValueError(f"mismatch_band must be (low, high) with 0 < low < 1 < high, got {self.mismatch_band}.")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1 or None, got {self.max_completion_length}.")
-        if self.stop_after_critical_steps is not None and self.stop_after_critical_steps < 1:
-            raise ValueError(
-                f"stop_after_critical_steps must be >= 1 or None (never stop), got {self.stop_after_critical_steps}."
-            )
-        for name in ("disabled_alarms", "critical_alarms"):
-            unknown = sorted(set(getattr(self, name) or ()) - set(ALARMS))
+        for name, off in (("max_completion_length", ""), ("stop_after_critical_steps", " (never stop)")):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None{off}, got {getattr(self, name)}.")
+        names = (("disabled_alarms", "alarms", sorted(ALARMS)), ("critical_alarms", "alarms", sorted(ALARMS)))
+        for name, kind, known in (*names, ("metric_keys", "gauges", list(GAUGES))):
+            unknown = sorted(set(getattr(self, name) or ()) - set(known))
             if unknown:
-                raise ValueError(f"{name} has unknown alarms {unknown}; known: {sorted(ALARMS)}.")
-        unknown = sorted(set(self.metric_keys or ()) - set(GAUGES))
-        if unknown:
-            raise ValueError(f"metric_keys has unknown gauges {unknown}; known: {list(GAUGES)}.")
+                raise ValueError(f"{name} has unknown {kind} {unknown}; known: {known}.")
         if self.remedy_virtual_samples and not self.virtual_samples_attr:
             raise ValueError("remedy_virtual_samples needs virtual_samples_attr (the trainer-argument to set).")
 
@@ -235,16 +230,15 @@ def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[s
     """
     metric_keys = metric_keys or {}
     keys = {**DEFAULT_METRIC_KEYS, **{k: tuple(v) for k, v in metric_keys.items()}}
-    gauges: dict[str, float] = {}
-    for gauge, candidates in keys.items():
-        value = next((v for v in (_finite_float(logs.get(k)) for k in candidates) if v is not None), None)
-        if value is not None and gauge != "masked_fraction":
-            gauges[gauge] = value
-    masked_keys = list(keys["masked_fraction"])
+    masked_keys = list(keys.pop("masked_fraction"))  # the gauge is their maximum, added last
     if "masked_fraction" not in metric_keys:
         masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
-    masked = [_finite_float(logs.get(key)) for key in masked_keys]
-    masked = [m for m in masked if m is not None and math.isfinite(m)]
+    gauges: dict[str, float] = {}
+    for gauge, candidates in keys.items():
+        value = next((v for v in map(_finite_float, map(logs.get, candidates)) if v is not None), None)
+        if value is not None:
+            gauges[gauge] = value
+    masked = [m for m in map(_finite_float, map(logs.get, masked_keys)) if m is not None and math.isfinite(m)]
     if masked:
         gauges["masked_fraction"] = max(masked)
     return gauges

@@ -151,13 +151,10 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
     for dep in dependents:
         if dep.active:
             continue
-        set_fields = [
-            name
-            for name in dep.fields
-            if getattr(config, name) is not None and getattr(config, name) != field_default(config, name)
-        ]
+        values = {name: getattr(config, name) for name in dep.fields}
+        set_fields = [name for name, v in values.items() if v is not None and v != field_default(config, name)]
         if set_fields:
-            shown = ", ".join(f"{name}={redact(getattr(config, name))!r}" for name in set_fields)  # no URL key
+            shown = ", ".join(f"{name}={redact(values[name])!r}" for name in set_fields)  # no URL key
             one = len(set_fields) == 1
             message = (
                 f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run would ignore "
