@@ -445,11 +445,9 @@ class HealthTracker:
                     part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
                 parts.append(part)
             return ", ".join(parts)
-        spec, gauges = ALARMS[name], self.last_gauges
-        try:
-            symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
-        except (TypeError, ValueError):
-            symptom = f"{spec.metric} = {value} (threshold {threshold})"
+        # every other alarm's value and threshold are numbers (nonfinite's value a text), as its template expects
+        gauges, healthy = self.last_gauges, self.config.zero_std_healthy
+        symptom = ALARMS[name].symptom.format(value=value, threshold=threshold, healthy=healthy)
         if name == "reward_plateau" and self.reward_ceiling is not None:
             symptom += f"; best reward reached {self.reward_ceiling:.3f}"
         if name == "mismatch":  # the spread behind the mean |diff|
