@@ -35,10 +35,7 @@ _EXEC_PATTERNS = (
 def classify_exec_output(output: str) -> str:
     """An execution outcome read from a tool's output by the patterns of tracebacks, timeouts and out-of-memory kills:
     "oom", "timeout", "crash" or "ok" (an environment that knows the outcome puts ``exec_status`` on the message)."""
-    for status, pattern in _EXEC_PATTERNS:
-        if pattern.search(output or ""):
-            return status
-    return "ok"
+    return next((status for status, pattern in _EXEC_PATTERNS if pattern.search(output or "")), "ok")
 
 
 @dataclass

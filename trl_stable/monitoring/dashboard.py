@@ -49,10 +49,8 @@ def _from_log_history(history: Sequence[Mapping[str, Any]], config: HealthConfig
         if any(str(k).startswith("eval_") for k in record):
             continue
         step = int(record.get("step", index))
-        for event in tracker.update(record, step=step):
-            run.events.append(event.to_record())
-        if tracker.last_gauges:
-            run.add(step, tracker.last_gauges)
+        run.events += [event.to_record() for event in tracker.update(record, step=step)]
+        run.add(step, tracker.last_gauges)  # nothing for a record without gauges
     run.meta = tracker.meta()
     return run
 
