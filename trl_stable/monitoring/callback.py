@@ -37,8 +37,7 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"health_monitor_kwargs has unknown fields {unknown}; valid fields: {sorted(known)}.")
-    kwargs.update(extra)
-    return HealthConfig(**kwargs)
+    return HealthConfig(**{**kwargs, **extra})
 
 
 class HealthMonitor(TrainerCallback):

@@ -461,8 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output if args.output is not None else (source if source.is_dir() else source.parent) / DASHBOARD_FILE
     )
     try:
-        given = {"reward_max": args.reward_max, "kl_target": args.kl_target}
-        given = {name: value for name, value in given.items() if value is not None}
+        given = {name: getattr(args, name) for name in ("reward_max", "kl_target") if getattr(args, name) is not None}
         config = HealthConfig(**given)
         run = load_run(args.source, config, args.max_completion_length)
         run.meta.update(given)

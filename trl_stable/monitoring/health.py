@@ -486,9 +486,7 @@ class HealthTracker:
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Continue from `checkpoint_state()`'s output, as the saved run would have; alarms disabled then start from
         rest, saved alarms disabled now are ignored."""
-        for name, saved in state["alarms"].items():
-            if name in self.states:
-                self.states[name] = _AlarmState(**saved)
+        self.states.update({name: _AlarmState(**s) for name, s in state["alarms"].items() if name in self.states})
         self.rewards = deque(state["rewards"], maxlen=self.config.plateau_window)
         self.reward_ceiling = state["reward_ceiling"]
         self._references = {gauge: list(state["references"].get(gauge, [])) for gauge in self._references}

@@ -107,11 +107,12 @@ def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
             if not _is_number(item) or isinstance(item, numbers.Integral) or math.isfinite(item):
                 continue
             where = f.name if index is None else f"{f.name}[{index}]"
-            if f.name in allow_infinite:
-                if not math.isnan(item):
-                    continue
+            if f.name not in allow_infinite:
+                raise ValueError(
+                    f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful."
+                )
+            if math.isnan(item):
                 raise ValueError(f"{where} is NaN, which compares false with every number; use a number or +-inf.")
-            raise ValueError(f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful.")
 
 
 def option(default: Any, help: str) -> Any:  # noqa: A002 - the metadata key HfArgumentParser reads
