@@ -73,8 +73,7 @@ class HealthMonitor(TrainerCallback):
         return self
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The tracker's state, the events so far and the remedy and stop flags, saved with every checkpoint so an
-        alarm active at the save is still active on the next step."""
+        """Saved with every checkpoint, so an alarm active at the save is still active on the next step."""
         return {
             "tracker": self.tracker.checkpoint_state(),
             "events": [asdict(event) for event in self.events],

@@ -462,8 +462,7 @@ class HealthTracker:
         return symptom
 
     def meta(self) -> dict[str, Any]:
-        """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
-        and the completion cap and KL target in use."""
+        """The settings a dashboard needs to shade this run's bands, with the completion cap and KL target in use."""
         scalars = {k: v for k, v in self.config.to_dict().items() if isinstance(v, (int, float, str, type(None)))}
         return {
             **scalars,
@@ -473,8 +472,7 @@ class HealthTracker:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything `update` carries from one record to the next (alarm debouncing, the reward window and ceiling,
-        the references of the relative floors), as plain values for a checkpoint."""
+        """Everything `update` carries from one record to the next, as plain values for a checkpoint."""
         return {
             "alarms": {name: asdict(state) for name, state in self.states.items()},
             "rewards": list(self.rewards),
