@@ -89,8 +89,7 @@ def _from_health_file(path: Path) -> RunHealth:
 def _log_history(path: Path) -> list[Mapping[str, Any]]:
     """The `log_history` of a `trainer_state.json` (or a bare JSON list of log records)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(
             f"{path} is not JSON ({err}): pass a run's output_dir, health.jsonl or trainer_state.json."

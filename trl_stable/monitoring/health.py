@@ -198,18 +198,14 @@ class HealthEvent:
 
 def json_number(value: Any) -> Any:
     """`value` as strict JSON allows it: NaN/inf become their string ("nan", "inf"), anything else is unchanged."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def floor_from_reference(reference: float | None, absolute: float, relative: float) -> float:
     """The "near zero" floor of a gauge whose typical size is `reference` (median of its first values; None while
     unknown): `absolute`, raised to `relative * reference`, and never above half the reference, so a run that starts
     small (a confident model's entropy) is judged by how far it falls, not by where it starts."""
-    if reference is None:
-        return absolute
-    return max(relative * reference, min(absolute, 0.5 * reference))
+    return absolute if reference is None else max(relative * reference, min(absolute, 0.5 * reference))
 
 
 def _finite_float(value: Any) -> float | None:
