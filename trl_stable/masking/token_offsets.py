@@ -16,17 +16,14 @@ def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tupl
 
 
 def char_span_to_tokens(offsets: Sequence[Sequence[int]], start: int, end: int) -> tuple[int, int]:
-    """The token range ``[first, last)`` whose character offsets overlap ``[start, end)``.
-
-    Empty-offset tokens (special tokens) never overlap. Returns ``(0, 0)`` when no token overlaps.
-    """
+    """The token range ``[first, last)`` whose character offsets overlap ``[start, end)``, ``(0, 0)`` for none;
+    empty-offset tokens (special tokens) never overlap."""
     hits = [k for k, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
     return (hits[0], hits[-1] + 1) if hits else (0, 0)
 
 
 def decode_response(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """The text the offsets refer to: no clean-up of tokenization spaces; special tokens dropped unless
-    `skip_special_tokens` is False."""
+    """The text the offsets refer to: the decoded ids without clean-up of tokenization spaces."""
     return tokenizer.decode(
         [int(i) for i in ids], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
     )

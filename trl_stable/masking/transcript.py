@@ -35,10 +35,7 @@ _EXEC_PATTERNS = (
 def classify_exec_output(output: str) -> str:
     """An execution outcome read from a tool's output by the patterns of tracebacks, timeouts and out-of-memory kills:
     "oom", "timeout", "crash" or "ok" (an environment that knows the outcome puts ``exec_status`` on the message)."""
-    for status, pattern in _EXEC_PATTERNS:
-        if pattern.search(output or ""):
-            return status
-    return "ok"
+    return next((status for status, pattern in _EXEC_PATTERNS if pattern.search(output or "")), "ok")
 
 
 @dataclass
@@ -95,10 +92,9 @@ def _inline_tool_calls(tokenizer: Any, messages: list[dict], template_kwargs: di
     if not any(m.get("role") == "assistant" and m.get("tool_calls") for m in messages):
         return [dict(m) for m in messages]
     stripped = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-    try:
-        renders_calls = _render(tokenizer, messages, template_kwargs) != _render(tokenizer, stripped, template_kwargs)
-    except Exception:  # noqa: BLE001 - a template that cannot render structured calls at all
-        renders_calls = False
+    # None: a template that cannot render structured calls at all
+    with_calls, without = (_render(tokenizer, m, template_kwargs, strict=False) for m in (messages, stripped))
+    renders_calls = None not in (with_calls, without) and with_calls != without
     out = [dict(m) if renders_calls or m.get("role") != "assistant" or not m.get("tool_calls") else b
            for m, b in zip(messages, stripped)]  # fmt: skip
     for entry, msg in zip(out, messages):

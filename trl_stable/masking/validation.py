@@ -196,9 +196,7 @@ def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arg
 
 def _json_equal(a: Any, b: Any) -> bool:
     """Equality as JSON sees it: ``true`` is not ``1`` (Python's ``True == 1`` would let a boolean pass an enum)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    return a == b
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
 def _is_type(value: Any, name: str) -> bool:

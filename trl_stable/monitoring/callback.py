@@ -37,8 +37,7 @@ def health_config_from_args(args: Any) -> HealthConfig | None:
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"health_monitor_kwargs has unknown fields {unknown}; valid fields: {sorted(known)}.")
-    kwargs.update(extra)
-    return HealthConfig(**kwargs)
+    return HealthConfig(**{**kwargs, **extra})
 
 
 class HealthMonitor(TrainerCallback):
@@ -74,8 +73,7 @@ class HealthMonitor(TrainerCallback):
         return self
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The tracker's state, the events so far and the remedy and stop flags, saved with every checkpoint so an
-        alarm active at the save is still active on the next step."""
+        """Saved with every checkpoint, so an alarm active at the save is still active on the next step."""
         return {
             "tracker": self.tracker.checkpoint_state(),
             "events": [asdict(event) for event in self.events],

@@ -49,10 +49,8 @@ def _from_log_history(history: Sequence[Mapping[str, Any]], config: HealthConfig
         if any(str(k).startswith("eval_") for k in record):
             continue
         step = int(record.get("step", index))
-        for event in tracker.update(record, step=step):
-            run.events.append(event.to_record())
-        if tracker.last_gauges:
-            run.add(step, tracker.last_gauges)
+        run.events += [event.to_record() for event in tracker.update(record, step=step)]
+        run.add(step, tracker.last_gauges)  # nothing for a record without gauges
     run.meta = tracker.meta()
     return run
 
@@ -91,8 +89,7 @@ def _from_health_file(path: Path) -> RunHealth:
 def _log_history(path: Path) -> list[Mapping[str, Any]]:
     """The `log_history` of a `trainer_state.json` (or a bare JSON list of log records)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(
             f"{path} is not JSON ({err}): pass a run's output_dir, health.jsonl or trainer_state.json."
@@ -239,11 +236,10 @@ def _draw_entropy(ax, run: RunHealth, cfg: HealthConfig):
 
 
 def _draw_mismatch(ax, run: RunHealth, cfg: HealthConfig):
-    _plot(ax, run, "mismatch", "mean |logp diff|", color="tab:blue")
-    _plot(ax, run, "mismatch_max", "max |logp diff|", color="tab:blue", ls=":", lw=1)
+    _, means = _plot(ax, run, "mismatch", "mean |logp diff|", color="tab:blue")
+    _, maxima = _plot(ax, run, "mismatch_max", "max |logp diff|", color="tab:blue", ls=":", lw=1)
     threshold = cfg.mismatch_threshold
-    values = run.series("mismatch")[1] + run.series("mismatch_max")[1]
-    positive = [v for v in values if math.isfinite(v) and v > 0]
+    positive = [v for v in means + maxima if math.isfinite(v) and v > 0]
     if positive:
         ax.set_yscale("log")
         low, high = min(min(positive), threshold) / 10, max(max(positive), threshold) * 10
@@ -371,7 +367,6 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     # raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; the labels to place:
     # {axes: [(step, alarm, color)]}, one per alarm and panel at its first raise
     labels: dict[Any, list[tuple[int, str, str]]] = {}
-    raised = []
     for event in run.events:
         if event.get("type") == "stop":
             for ax in panels.values():
@@ -382,8 +377,6 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         ax = next((panels.get(panel) for panel, spec in _PANELS.items() if name in spec[2]), None)
         color = _RED if event.get("severity") == "critical" else _AMBER
         cleared = event["kind"] == "cleared"
-        if not cleared:
-            raised.append(name)
         if ax is not None:
             ax.axvline(event["step"], color=color, lw=1.0 if cleared else 1.2, ls=":" if cleared else "-", alpha=0.8)
             if not cleared and name not in {label[1] for label in labels.get(ax, [])}:
@@ -406,7 +399,8 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         notes = "; ".join(f"{name} ({_PANELS[name][3]})" if _PANELS[name][3] else name for name in missing)
         # wrapped to the figure's width (about 17 characters of 8-point text per inch)
         fig.supxlabel(textwrap.fill(f"not shown, no data: {notes}", 17 * 5 * ncols), fontsize=8, color="grey")
-    summary = ", ".join(sorted(set(raised))) or "none"
+    raised = {e.get("alarm") for e in run.events if e.get("type") == "alarm" and e.get("kind") == "raised"}
+    summary = ", ".join(sorted(raised)) or "none"
     headline = f"{title or 'training health'} — alarms raised: {summary}"
     fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
     # each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no other label
@@ -466,8 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.output if args.output is not None else (source if source.is_dir() else source.parent) / DASHBOARD_FILE
     )
     try:
-        given = {"reward_max": args.reward_max, "kl_target": args.kl_target}
-        given = {name: value for name, value in given.items() if value is not None}
+        given = {name: getattr(args, name) for name in ("reward_max", "kl_target") if getattr(args, name) is not None}
         config = HealthConfig(**given)
         run = load_run(args.source, config, args.max_completion_length)
         run.meta.update(given)

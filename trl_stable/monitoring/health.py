@@ -146,19 +146,14 @@ class HealthConfig:
         self.mismatch_band = tuple(self.mismatch_band)
         if len(self.mismatch_band) != 2 or not 0 < self.mismatch_band[0] < 1 < self.mismatch_band[1]:
             raise ValueError(f"mismatch_band must be (low, high) with 0 < low < 1 < high, got {self.mismatch_band}.")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1 or None, got {self.max_completion_length}.")
-        if self.stop_after_critical_steps is not None and self.stop_after_critical_steps < 1:
-            raise ValueError(
-                f"stop_after_critical_steps must be >= 1 or None (never stop), got {self.stop_after_critical_steps}."
-            )
-        for name in ("disabled_alarms", "critical_alarms"):
-            unknown = sorted(set(getattr(self, name) or ()) - set(ALARMS))
+        for name, off in (("max_completion_length", ""), ("stop_after_critical_steps", " (never stop)")):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None{off}, got {getattr(self, name)}.")
+        names = (("disabled_alarms", "alarms", sorted(ALARMS)), ("critical_alarms", "alarms", sorted(ALARMS)))
+        for name, kind, known in (*names, ("metric_keys", "gauges", list(GAUGES))):
+            unknown = sorted(set(getattr(self, name) or ()) - set(known))
             if unknown:
-                raise ValueError(f"{name} has unknown alarms {unknown}; known: {sorted(ALARMS)}.")
-        unknown = sorted(set(self.metric_keys or ()) - set(GAUGES))
-        if unknown:
-            raise ValueError(f"metric_keys has unknown gauges {unknown}; known: {list(GAUGES)}.")
+                raise ValueError(f"{name} has unknown {kind} {unknown}; known: {known}.")
         if self.remedy_virtual_samples and not self.virtual_samples_attr:
             raise ValueError("remedy_virtual_samples needs virtual_samples_attr (the trainer-argument to set).")
 
@@ -203,18 +198,14 @@ class HealthEvent:
 
 def json_number(value: Any) -> Any:
     """`value` as strict JSON allows it: NaN/inf become their string ("nan", "inf"), anything else is unchanged."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def floor_from_reference(reference: float | None, absolute: float, relative: float) -> float:
     """The "near zero" floor of a gauge whose typical size is `reference` (median of its first values; None while
     unknown): `absolute`, raised to `relative * reference`, and never above half the reference, so a run that starts
     small (a confident model's entropy) is judged by how far it falls, not by where it starts."""
-    if reference is None:
-        return absolute
-    return max(relative * reference, min(absolute, 0.5 * reference))
+    return absolute if reference is None else max(relative * reference, min(absolute, 0.5 * reference))
 
 
 def _finite_float(value: Any) -> float | None:
@@ -235,16 +226,15 @@ def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[s
     """
     metric_keys = metric_keys or {}
     keys = {**DEFAULT_METRIC_KEYS, **{k: tuple(v) for k, v in metric_keys.items()}}
-    gauges: dict[str, float] = {}
-    for gauge, candidates in keys.items():
-        value = next((v for v in (_finite_float(logs.get(k)) for k in candidates) if v is not None), None)
-        if value is not None and gauge != "masked_fraction":
-            gauges[gauge] = value
-    masked_keys = list(keys["masked_fraction"])
+    masked_keys = list(keys.pop("masked_fraction"))  # the gauge is their maximum, added last
     if "masked_fraction" not in metric_keys:
         masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
-    masked = [_finite_float(logs.get(key)) for key in masked_keys]
-    masked = [m for m in masked if m is not None and math.isfinite(m)]
+    gauges: dict[str, float] = {}
+    for gauge, candidates in keys.items():
+        value = next((v for v in map(_finite_float, map(logs.get, candidates)) if v is not None), None)
+        if value is not None:
+            gauges[gauge] = value
+    masked = [m for m in map(_finite_float, map(logs.get, masked_keys)) if m is not None and math.isfinite(m)]
     if masked:
         gauges["masked_fraction"] = max(masked)
     return gauges
@@ -451,11 +441,9 @@ class HealthTracker:
                     part += f", up from {start:.0%} at the start (alarm at a rise of {rise:.0f} points)"
                 parts.append(part)
             return ", ".join(parts)
-        spec, gauges = ALARMS[name], self.last_gauges
-        try:
-            symptom = spec.symptom.format(value=value, threshold=threshold, healthy=self.config.zero_std_healthy)
-        except (TypeError, ValueError):
-            symptom = f"{spec.metric} = {value} (threshold {threshold})"
+        # every other alarm's value and threshold are numbers (nonfinite's value a text), as its template expects
+        gauges, healthy = self.last_gauges, self.config.zero_std_healthy
+        symptom = ALARMS[name].symptom.format(value=value, threshold=threshold, healthy=healthy)
         if name == "reward_plateau" and self.reward_ceiling is not None:
             symptom += f"; best reward reached {self.reward_ceiling:.3f}"
         if name == "mismatch":  # the spread behind the mean |diff|
@@ -470,8 +458,7 @@ class HealthTracker:
         return symptom
 
     def meta(self) -> dict[str, Any]:
-        """The settings a dashboard needs to shade this run's bands: every scalar [`HealthConfig`] field, the band,
-        and the completion cap and KL target in use."""
+        """The settings a dashboard needs to shade this run's bands, with the completion cap and KL target in use."""
         scalars = {k: v for k, v in self.config.to_dict().items() if isinstance(v, (int, float, str, type(None)))}
         return {
             **scalars,
@@ -481,8 +468,7 @@ class HealthTracker:
         }
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything `update` carries from one record to the next (alarm debouncing, the reward window and ceiling,
-        the references of the relative floors), as plain values for a checkpoint."""
+        """Everything `update` carries from one record to the next, as plain values for a checkpoint."""
         return {
             "alarms": {name: asdict(state) for name, state in self.states.items()},
             "rewards": list(self.rewards),
@@ -494,9 +480,7 @@ class HealthTracker:
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Continue from `checkpoint_state()`'s output, as the saved run would have; alarms disabled then start from
         rest, saved alarms disabled now are ignored."""
-        for name, saved in state["alarms"].items():
-            if name in self.states:
-                self.states[name] = _AlarmState(**saved)
+        self.states.update({name: _AlarmState(**s) for name, s in state["alarms"].items() if name in self.states})
         self.rewards = deque(state["rewards"], maxlen=self.config.plateau_window)
         self.reward_ceiling = state["reward_ceiling"]
         self._references = {gauge: list(state["references"].get(gauge, [])) for gauge in self._references}

@@ -99,6 +99,4 @@ def attach_health_monitor(trainer: Any) -> HealthMonitor | None:
     Works for any trainer with `args` and a `callback_handler` (transformers' `Trainer`, trl_stable's PPOTrainer).
     """
     config = health_config_from_args(trainer.args)
-    if config is None:
-        return None
-    return HealthMonitor(config).attach(trainer)
+    return None if config is None else HealthMonitor(config).attach(trainer)

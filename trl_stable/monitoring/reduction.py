@@ -229,11 +229,6 @@ def step_mask_stats(metrics: Mapping[str, float]) -> dict[str, Stat]:
     """`trl_stable.masking.CompletionStepMasker.stats` of this process's completions as `Stat`s: the step counts are
     summed, ``step_mask/frac_invalid_steps`` is recomputed from the global counts. A process logs the per-reason counts
     of the reasons it saw only: reduce with ``names_may_differ=True``."""
-    steps = metrics.get("step_mask/steps", 0.0)
-    out: dict[str, Stat] = {}
-    for name, value in metrics.items():
-        if name == "step_mask/frac_invalid_steps":  # invalid / steps of whole counts: round away the division
-            out[name] = Stat.ratio(round(value * steps), steps)
-        else:
-            out[name] = Stat.total(value)
-    return out
+    steps, frac = metrics.get("step_mask/steps", 0.0), "step_mask/frac_invalid_steps"
+    # the fraction is invalid / steps of whole counts: round away the division
+    return {n: Stat.ratio(round(v * steps), steps) if n == frac else Stat.total(v) for n, v in metrics.items()}

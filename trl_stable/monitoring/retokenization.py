@@ -123,5 +123,4 @@ def drop_mismatched(completion_mask: torch.Tensor, report: RetokenizationReport)
         raise ValueError(
             f"completion_mask has {completion_mask.shape[0]} rows but the report covers {report.num_samples} samples."
         )
-    keep = report.keep.to(completion_mask.device).unsqueeze(1)
-    return completion_mask * keep.to(completion_mask.dtype)
+    return completion_mask * report.keep.to(completion_mask.device, completion_mask.dtype).unsqueeze(1)

@@ -107,11 +107,12 @@ def check_all_finite(config: Any, allow_infinite: Iterable[str] = ()) -> None:
             if not _is_number(item) or isinstance(item, numbers.Integral) or math.isfinite(item):
                 continue
             where = f.name if index is None else f"{f.name}[{index}]"
-            if f.name in allow_infinite:
-                if not math.isnan(item):
-                    continue
+            if f.name not in allow_infinite:
+                raise ValueError(
+                    f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful."
+                )
+            if math.isnan(item):
                 raise ValueError(f"{where} is NaN, which compares false with every number; use a number or +-inf.")
-            raise ValueError(f"{where}={item} must be a finite number; a NaN or infinite setting is never meaningful.")
 
 
 def option(default: Any, help: str) -> Any:  # noqa: A002 - the metadata key HfArgumentParser reads
@@ -151,13 +152,10 @@ def check_dependents(config: Any, dependents: Iterable[Dependent], warn: Callabl
     for dep in dependents:
         if dep.active:
             continue
-        set_fields = [
-            name
-            for name in dep.fields
-            if getattr(config, name) is not None and getattr(config, name) != field_default(config, name)
-        ]
+        values = {name: getattr(config, name) for name in dep.fields}
+        set_fields = [name for name, v in values.items() if v is not None and v != field_default(config, name)]
         if set_fields:
-            shown = ", ".join(f"{name}={redact(getattr(config, name))!r}" for name in set_fields)  # no URL key
+            shown = ", ".join(f"{name}={redact(values[name])!r}" for name in set_fields)  # no URL key
             one = len(set_fields) == 1
             message = (
                 f"{shown} only {'applies' if one else 'apply'} with {dep.needs}; without it the run would ignore "

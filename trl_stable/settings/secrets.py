@@ -67,10 +67,6 @@ def _hidden(name: str, value: Any) -> bool:
     return _normalize(name).endswith("_env") and isinstance(value, str) and value != "" and not is_env_var_name(value)
 
 
-def _redact_field(name: str, value: Any, replacement: Any) -> Any:
-    return replacement if _hidden(name, value) else redact(value, replacement)
-
-
 def redact(value: Any, replacement: Any = REDACTED) -> Any:
     """`value` as plain data (a dataclass becomes a dict of its fields; mappings, lists and tuples are copied) with
     every secret-named field or key (`is_secret_name`) that is set replaced by `replacement`, and every string
@@ -81,9 +77,9 @@ def redact(value: Any, replacement: Any = REDACTED) -> Any:
         {'hub_token': '<redacted>', 'model_init_kwargs': {'token': '<redacted>'}, 'url': 'https://host/v1'}
     """
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _redact_field(f.name, getattr(value, f.name), replacement) for f in fields(value)}
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
     if isinstance(value, Mapping):
-        return {key: _redact_field(str(key), item, replacement) for key, item in value.items()}
+        return {key: replacement if _hidden(str(key), v) else redact(v, replacement) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redact(item, replacement) for item in value) if type(value) in (list, tuple) else value
     if isinstance(value, str):
