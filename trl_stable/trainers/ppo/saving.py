@@ -19,9 +19,7 @@ from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.trainers.checkpoints import (
     TRAINER_STATE_FILE,
     CheckpointInfo,
-    load_stable_state,
     resolve_checkpoint,
-    restore_stable_state,
 )
 from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 
@@ -127,10 +125,7 @@ class SaveAndResume:
         self._load_callback_state()
         if info.same_processes:
             self._load_rng_state(path)
-        stable = load_stable_state(info, self.accelerator.process_index)
-        if stable is not None:
-            restore_stable_state(stable, self.health_monitor, self._named_reward_funcs(), self.args)
-            self._load_trainer_checkpoint_state(stable["shared"], stable["per_process"])
+        self._restore_stable_state(info)
 
     def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
         """Save a resumable checkpoint now, as `train()` does per `save_strategy`, on every process; returns the
