@@ -77,17 +77,13 @@ class SaveAndResume:
         return None
 
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(shared, per-process) checkpoint state: KL coefficient, score statistics, reward guards; shuffling."""
-        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
-        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict(), "reward_guards": guards}
+        """(shared, per-process) checkpoint state: KL coefficient, score statistics; shuffling."""
+        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict()}
         return shared, {"shuffle": self.shuffle_generator.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self.kl_ctl.value = shared["kl_coef"]
         self.running.load_state_dict(shared["running"])
-        for name, state in shared.get("reward_guards", {}).items():
-            if name in self.reward_guards:
-                self.reward_guards[name].load_checkpoint_state(state)
         if per_process is not None:
             self.shuffle_generator.set_state(per_process["shuffle"])
 
