@@ -66,7 +66,6 @@ class SaveAndResume:
         if unwrapped.value_backbone is not None:
             value_dir = os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
             super()._load_from_checkpoint(value_dir, unwrapped.value_backbone)
-        return None
 
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's policy and value head (the engines load their own files)."""
@@ -74,7 +73,6 @@ class SaveAndResume:
             return super()._load_best_model()
         logger.info(f"Loading the best model from {self.state.best_model_checkpoint} ({self.state.best_metric}).")
         self._load_from_checkpoint(self.state.best_model_checkpoint)
-        return None
 
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(shared, per-process) checkpoint state: KL coefficient, score statistics; shuffling."""
