@@ -165,5 +165,4 @@ def test_a_reward_model_returning_nan_stops_the_run_and_a_transient_error_does_n
     trainer = _grpo(tmp_path / "flaky", tokenizer, flaky, max_steps=3, reward_max_failing_steps=2)
     trainer.train()
     assert trainer.state.global_step == 3 and trainer.reward_guards["flaky"].failed_steps == 1
-    shared, _ = trainer._trainer_checkpoint_state()
-    assert shared["reward_guards"]["flaky"] == {"consecutive": 0, "failed_steps": 1}
+    assert trainer._stable_state()["shared"]["reward_guards"]["flaky"] == {"consecutive": 0, "failed_steps": 1}

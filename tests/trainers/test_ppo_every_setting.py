@@ -54,7 +54,7 @@ import trl_stable.trainers.ppo.vllm as ppo_vllm
 from trl_stable import PPOConfig, PPOTrainer
 from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.testing import MOE_FAMILIES, build_causal_lm, save_tiny
-from trl_stable.trainers.ppo.generation import trim_response
+from trl_stable.trainers.ppo.rollout import trim_response
 from trl_stable.trainers.ppo.value_head import ValueHead
 
 # Every probe's config: 4 prompts per step in one micro-batch, one PPO epoch, 4 new tokens, one step.

@@ -249,63 +249,6 @@ def _stateful(named_funcs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     }
 
 
-def collect_stable_state(
-    health_monitor: Any,
-    named_reward_funcs: Sequence[tuple[str, Any]] = (),
-    shared: dict[str, Any] | None = None,
-    per_process: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """trl_stable's state of this process for its checkpoint file (plain values and tensors): the health monitor,
-    the reward functions with ``checkpoint_state()``, and the trainer's `shared` (equal on every process) and
-    `per_process` state."""
-    return {
-        "format": _FORMAT,
-        "shared": {
-            "health_monitor": None if health_monitor is None else health_monitor.checkpoint_state(),
-            **(shared or {}),
-        },
-        "per_process": {
-            "reward_funcs": {key: func.checkpoint_state() for key, func in _stateful(named_reward_funcs).items()},
-            **(per_process or {}),
-        },
-    }
-
-
-def load_stable_state(info: CheckpointInfo, process_index: int) -> dict[str, Any] | None:
-    """The state file `collect_stable_state` wrote for this process (process 0's when the number of processes
-    changed: only its shared part is used then); None for an unverified checkpoint, which has none."""
-    if not info.verified:
-        return None
-    index = process_index if info.same_processes else 0
-    state = torch.load(os.path.join(info.path, stable_state_file(index)), map_location="cpu", weights_only=True)
-    if not info.same_processes:
-        state["per_process"] = None
-    return state
-
-
-def restore_stable_state(
-    state: dict[str, Any],
-    health_monitor: Any,
-    named_reward_funcs: Sequence[tuple[str, Any]] = (),
-    args: Any = None,
-) -> None:
-    """Restore the health monitor and the reward functions from `state` (a reward function without saved state
-    starts fresh, with a warning); the trainer restores its own entries."""
-    saved_monitor = state["shared"].get("health_monitor")
-    if health_monitor is not None and saved_monitor is not None:
-        health_monitor.load_checkpoint_state(saved_monitor, args=args)
-    elif health_monitor is not None:
-        logger.warning("The checkpoint has no health-monitor state (it ran without one): the monitor starts fresh.")
-    if state["per_process"] is None:
-        return
-    saved = state["per_process"]["reward_funcs"]
-    for key, func in _stateful(named_reward_funcs).items():
-        if key in saved:
-            func.load_checkpoint_state(saved[key])
-        else:
-            logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
-
-
 def check_checkpoint_names(output_dir: str, folder: str | None = None) -> None:
     """Refuse (ValueError naming each path) what is named like a checkpoint in `output_dir` but is none (a file, a
     folder no trainer wrote): a save would fail on it and rotation could delete it. With `folder`, only that name."""
@@ -337,8 +280,9 @@ class MarkedCheckpoints:
 
     `_save_checkpoint` writes transformers' files with its helpers in its order (`_write_checkpoint_files`, mirrored
     in `trl_stable.integration.mirrored`), marks the folder incomplete before and complete after, and only then
-    pushes and rotates. The trainer supplies `_named_reward_funcs()`, `_trainer_checkpoint_state()` -> (shared,
-    per-process) and a `health_monitor` (or None).
+    pushes and rotates; `_restore_stable_state` reads trl_stable's state (`_stable_state`) back on resume. The
+    trainer supplies `_named_reward_funcs()`, `_trainer_checkpoint_state()` -> (shared, per-process), its inverse
+    `_load_trainer_checkpoint_state(shared, per_process)`, `reward_guards` and a `health_monitor` (or None).
     """
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -352,10 +296,7 @@ class MarkedCheckpoints:
         self.accelerator.wait_for_everyone()  # no process writes into the folder while it still looks complete
         self._write_checkpoint_files(trial, run_dir, folder)
         os.makedirs(folder, exist_ok=True)
-        state = collect_stable_state(
-            self.health_monitor, self._named_reward_funcs(), *self._trainer_checkpoint_state()
-        )
-        save_durably(state, os.path.join(folder, stable_state_file(self.accelerator.process_index)))
+        save_durably(self._stable_state(), os.path.join(folder, stable_state_file(self.accelerator.process_index)))
         self.accelerator.wait_for_everyone()  # every process's files are written before the marker lists them
         if self.args.should_save:
             fsync_tree(folder)  # transformers does not flush its files
@@ -369,6 +310,50 @@ class MarkedCheckpoints:
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _stable_state(self) -> dict[str, Any]:
+        """trl_stable's state of this process for its checkpoint file (plain values and tensors): the health monitor,
+        the reward functions with ``checkpoint_state()``, their failure guards, and the trainer's shared (equal on
+        every process) and per-process state."""
+        named = self._named_reward_funcs()
+        shared, per_process = self._trainer_checkpoint_state()
+        monitor = None if self.health_monitor is None else self.health_monitor.checkpoint_state()
+        funcs = {key: func.checkpoint_state() for key, func in _stateful(named).items()}
+        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
+        return {
+            "format": _FORMAT,
+            "shared": {"health_monitor": monitor, "reward_guards": guards, **shared},
+            "per_process": {"reward_funcs": funcs, **per_process},
+        }
+
+    def _restore_stable_state(self, info: CheckpointInfo) -> None:
+        """Restore trl_stable's state from the file `_save_checkpoint` wrote for this process (process 0's when the
+        number of processes changed: only its shared part then): the health monitor, the reward functions (one
+        without saved state starts fresh, with a warning) and their failure guards, then the trainer's own entries
+        (`_load_trainer_checkpoint_state`). An unverified checkpoint has no such file: nothing is restored."""
+        if not info.verified:
+            return
+        index = self.accelerator.process_index if info.same_processes else 0
+        state = torch.load(os.path.join(info.path, stable_state_file(index)), map_location="cpu", weights_only=True)
+        per_process = state["per_process"] if info.same_processes else None
+        saved_monitor = state["shared"].get("health_monitor")
+        if self.health_monitor is not None and saved_monitor is not None:
+            self.health_monitor.load_checkpoint_state(saved_monitor, args=self.args)
+        elif self.health_monitor is not None:
+            logger.warning(
+                "The checkpoint has no health-monitor state (it ran without one): the monitor starts fresh."
+            )
+        if per_process is not None:
+            saved = per_process["reward_funcs"]
+            for key, func in _stateful(self._named_reward_funcs()).items():
+                if key in saved:
+                    func.load_checkpoint_state(saved[key])
+                else:
+                    logger.warning("The checkpoint has no state for reward function %s: it starts fresh.", key)
+        for name, guard_state in state["shared"].get("reward_guards", {}).items():
+            if name in self.reward_guards:
+                self.reward_guards[name].load_checkpoint_state(guard_state)
+        self._load_trainer_checkpoint_state(state["shared"], per_process)
 
     def _write_checkpoint_files(self, trial: Any, run_dir: str, folder: str) -> None:
         """The files `transformers.Trainer._save_checkpoint` writes, step for step, into `folder` (its push and

@@ -12,17 +12,11 @@ from typing import Any
 
 from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.settings.checks import ignored_setting
-from trl_stable.trainers.checkpoints import (
-    MarkedCheckpoints,
-    load_stable_state,
-    resolve_checkpoint,
-    restore_stable_state,
-)
+from trl_stable.trainers.checkpoints import MarkedCheckpoints, resolve_checkpoint
 
 
 class GRPOCheckpoints(MarkedCheckpoints):
-    """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer; the trainer also supplies
-    `_load_trainer_checkpoint_state(shared, per_process)`."""
+    """Complete-or-skipped checkpoints and full resume for TRL's GRPOTrainer."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, ignore_keys_for_eval=None):
         """`transformers.Trainer.train`, resuming from the newest *complete* checkpoint (`resolve_checkpoint`) and
@@ -41,10 +35,7 @@ class GRPOCheckpoints(MarkedCheckpoints):
             per_process=(rng_state_file(self),),  # transformers loads it only if present: here it is required
         )
         if info is not None:
-            state = load_stable_state(info, self.accelerator.process_index)
-            if state is not None:
-                restore_stable_state(state, self.health_monitor, self._named_reward_funcs(), self.args)
-                self._load_trainer_checkpoint_state(state["shared"], state["per_process"])
+            self._restore_stable_state(info)
         return super().train(
             resume_from_checkpoint=None if info is None else info.path,
             trial=trial,

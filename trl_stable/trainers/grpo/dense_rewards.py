@@ -13,14 +13,13 @@ from trl_stable.monitoring.reduction import dense_reward_stats, reduce_metrics
 from trl_stable.rewards.dense import (
     PendingDenseRewards,
     is_dense_reward,
-    record_reward_failures,
     start_dense_rewards,
     weighted_reward_sum,
 )
 from trl_stable.trainers.grpo.trl_batch import loss_mask, process_slice
 from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metric
 from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
-from trl_stable.trainers.processes import call_on_every_process
+from trl_stable.trainers.processes import call_on_every_process, guard_reward_failures
 
 
 class DenseRewards:
@@ -67,10 +66,9 @@ class DenseRewards:
         dense = call_on_every_process(self.accelerator, pending.collect)
         flush_reward_logs(self, len(pending.completion_lengths))
         if self.model.training:  # a dense function that raised on any process failed this step
-            raised = [float(name in dense.failures) for name in pending.names]
-            raised = self.accelerator.reduce(torch.tensor(raised, device=self.accelerator.device), "sum").tolist()
-            failed = {name: count > 0 for name, count in zip(pending.names, raised)}
-            record_reward_failures(self.reward_guards, failed, dense.failures)
+            guard_reward_failures(
+                self.accelerator, self.reward_guards, pending.names, None, dense.failures, everywhere=False
+            )
         # token means over every process's tokens, counts summed: the numbers of one process with the global batch
         for name, value in reduce_metrics(
             dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator

@@ -285,12 +285,11 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
         self.validate_decoupled_loss_arguments()
 
         # Rewards
-        if self.overlong_penalty_tokens is not None:
-            if not 0 < self.overlong_penalty_tokens <= self.max_completion_length:
-                raise ValueError(
-                    f"overlong_penalty_tokens={self.overlong_penalty_tokens} must be in [1, max_completion_length="
-                    f"{self.max_completion_length}]."
-                )
+        if self.overlong_penalty_tokens is not None and self.overlong_penalty_tokens > self.max_completion_length:
+            raise ValueError(
+                f"overlong_penalty_tokens={self.overlong_penalty_tokens} must be in [1, max_completion_length="
+                f"{self.max_completion_length}]."
+            )
         if self.nan_reward_action not in ("drop", "zero"):
             raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
         hf_generate = not (self.use_vllm or self.use_transformers_continuous_batching)

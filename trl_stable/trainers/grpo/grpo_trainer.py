@@ -504,15 +504,11 @@ class GRPOTrainer(
         """(shared, per-process) state for a checkpoint: the NaN-reward count (of the gathered batch, the same on
         every process) and this process's refill RNG (None until the first refill draws from it)."""
         refill = getattr(self, "_refill_generator", None)
-        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
-        shared = {"nan_dropped_total": self._nan_dropped_total, "reward_guards": guards}
+        shared = {"nan_dropped_total": self._nan_dropped_total}
         return shared, {"refill_generator": None if refill is None else refill.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self._nan_dropped_total = int(shared["nan_dropped_total"])
-        for name, state in shared.get("reward_guards", {}).items():
-            if name in self.reward_guards:
-                self.reward_guards[name].load_checkpoint_state(state)
         if per_process is not None and per_process["refill_generator"] is not None:
             generator = torch.Generator()
             generator.set_state(per_process["refill_generator"])

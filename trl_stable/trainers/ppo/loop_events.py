@@ -23,9 +23,7 @@ class LoopEvents:
         if args.max_steps > 0:
             return args.max_steps
         steps_per_epoch = len(self.train_dataloader)
-        if steps_per_epoch == 0 and not check:
-            return 0
-        if steps_per_epoch == 0:
+        if steps_per_epoch == 0 and check:
             per_step = args.batch_size * self.accelerator.num_processes
             raise ValueError(
                 f"train_dataset has {len(self.train_dataset)} rows, fewer than one step's batch_size x processes = "

@@ -73,9 +73,7 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
 def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | None = None) -> PreTrainedModel:
     """A frozen copy of `policy`. With `num_shared_layers`, the embeddings and the first layers are the policy's own
     parameters (frozen in the policy too) instead of copies, as RELC's `create_reference_model` did."""
-    ref = copy.deepcopy(policy)
-    for param in ref.parameters():
-        param.requires_grad_(False)
+    ref = copy.deepcopy(policy).requires_grad_(False)
     if num_shared_layers is None:
         return ref.eval()
     names = [name for name, _ in policy.named_parameters()]

@@ -47,7 +47,6 @@ from trl_stable.trainers.ppo.engines import (
     require_deepspeed_if_asked,
 )
 from trl_stable.trainers.ppo.evaluation import Evaluation
-from trl_stable.trainers.ppo.generation import hf_sampler, trim_response
 from trl_stable.trainers.ppo.loop_events import LoopEvents
 from trl_stable.trainers.ppo.models import (
     PolicyAndValue,
@@ -59,8 +58,8 @@ from trl_stable.trainers.ppo.models import (
 )
 from trl_stable.trainers.ppo.ppo_config import PPOConfig
 from trl_stable.trainers.ppo.prompts import PromptData, collate_rows
-from trl_stable.trainers.ppo.rewards import RewardFunctions, guard_reward_failures
-from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout
+from trl_stable.trainers.ppo.rewards import RewardFunctions
+from trl_stable.trainers.ppo.rollout import LengthSampler, Rollout, hf_sampler, trim_response
 from trl_stable.trainers.ppo.saving import SaveAndResume
 from trl_stable.trainers.ppo.step_inputs import (
     check_step_inputs,
@@ -71,7 +70,7 @@ from trl_stable.trainers.ppo.step_inputs import (
 )
 from trl_stable.trainers.ppo.step_rewards import StepRewards
 from trl_stable.trainers.ppo.vllm import VLLMRollouts, vllm_sampler
-from trl_stable.trainers.processes import call_on_every_process
+from trl_stable.trainers.processes import call_on_every_process, guard_reward_failures
 from trl_stable.trainers.prompt_checks import model_context
 
 logger = logging.getLogger(__name__)

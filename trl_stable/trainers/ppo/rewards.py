@@ -26,12 +26,11 @@ from trl_stable.rewards.dense import (
     bound_rewards,
     failure_cause,
     is_dense_reward,
-    record_reward_failures,
     sequence_reward_values,
     start_dense_rewards,
     weighted_reward_sum,
 )
-from trl_stable.rewards.failure_guard import FailureGuard, RewardComponentFailure
+from trl_stable.rewards.failure_guard import RewardComponentFailure
 from trl_stable.rewards.reward_models import prepare_reward_model, reward_model_scores
 
 logger = logging.getLogger(__name__)
@@ -213,25 +212,3 @@ class RewardFunctions:
                 limit=self.limit,
             )
         return PendingRewards(scores, dense, metrics, stats, rewards_per_func, weights, names, failures)
-
-
-def guard_reward_failures(
-    accelerator: Any,
-    guards: dict[str, FailureGuard],
-    names: Sequence[str],
-    values: torch.Tensor | None,
-    failures: dict[str, str],
-    everywhere: bool = True,
-) -> None:
-    """Count a step in which a reward function failed wholesale (`reward_max_failing_steps`): no usable value in
-    `values` [N, K] (on every process, with `everywhere`), or else its call raised on some process; decided on every
-    process's outcome, so every process stops at the same step."""
-    if not names:
-        return
-    if values is not None:
-        local = torch.isnan(values).all(dim=0).float()
-    else:
-        local = torch.tensor([float(name in failures) for name in names])
-    counts = accelerator.reduce(local.to(accelerator.device), reduction="sum")
-    failed = counts >= accelerator.num_processes if everywhere else counts > 0
-    record_reward_failures(guards, dict(zip(names, failed.tolist())), failures)

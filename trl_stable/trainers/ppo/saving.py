@@ -19,9 +19,7 @@ from trl_stable.integration.hf_names import rng_state_file
 from trl_stable.trainers.checkpoints import (
     TRAINER_STATE_FILE,
     CheckpointInfo,
-    load_stable_state,
     resolve_checkpoint,
-    restore_stable_state,
 )
 from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 
@@ -68,7 +66,6 @@ class SaveAndResume:
         if unwrapped.value_backbone is not None:
             value_dir = os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
             super()._load_from_checkpoint(value_dir, unwrapped.value_backbone)
-        return None
 
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's policy and value head (the engines load their own files)."""
@@ -76,20 +73,15 @@ class SaveAndResume:
             return super()._load_best_model()
         logger.info(f"Loading the best model from {self.state.best_model_checkpoint} ({self.state.best_metric}).")
         self._load_from_checkpoint(self.state.best_model_checkpoint)
-        return None
 
     def _trainer_checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(shared, per-process) checkpoint state: KL coefficient, score statistics, reward guards; shuffling."""
-        guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
-        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict(), "reward_guards": guards}
+        """(shared, per-process) checkpoint state: KL coefficient, score statistics; shuffling."""
+        shared = {"kl_coef": self.kl_ctl.value, "running": self.running.state_dict()}
         return shared, {"shuffle": self.shuffle_generator.get_state()}
 
     def _load_trainer_checkpoint_state(self, shared: dict[str, Any], per_process: dict[str, Any] | None) -> None:
         self.kl_ctl.value = shared["kl_coef"]
         self.running.load_state_dict(shared["running"])
-        for name, state in shared.get("reward_guards", {}).items():
-            if name in self.reward_guards:
-                self.reward_guards[name].load_checkpoint_state(state)
         if per_process is not None:
             self.shuffle_generator.set_state(per_process["shuffle"])
 
@@ -127,10 +119,7 @@ class SaveAndResume:
         self._load_callback_state()
         if info.same_processes:
             self._load_rng_state(path)
-        stable = load_stable_state(info, self.accelerator.process_index)
-        if stable is not None:
-            restore_stable_state(stable, self.health_monitor, self._named_reward_funcs(), self.args)
-            self._load_trainer_checkpoint_state(stable["shared"], stable["per_process"])
+        self._restore_stable_state(info)
 
     def save_checkpoint(self, output_dir: str | None = None, reward_funcs: Sequence[Any] = ()) -> str:
         """Save a resumable checkpoint now, as `train()` does per `save_strategy`, on every process; returns the
