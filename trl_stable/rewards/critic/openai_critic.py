@@ -27,10 +27,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 _CHECKED = ("concurrency", "max_concurrency", "retry_after_max", "timeout", "max_retries", "rate_limit")
-_SETTINGS = (
-    "model", "base_url", "transport", "api_key_env", "temperature", "max_tokens", "system_prompt", "backoff_base",
-    "backoff_max", "batch_timeout", *_CHECKED,
-)  # fmt: skip
 
 
 class OpenAICritic(CriticBackend):
@@ -84,7 +80,6 @@ class OpenAICritic(CriticBackend):
         answer_validator: Callable[[str], bool] | None = None,
         validator_version: str = "non-blank",
     ) -> None:
-        settings = locals()
         super().__init__(answer_validator, validator_version)
         check_transport("transport", transport)
         check_env_var_name("api_key_env", api_key_env)  # a key passed here would be echoed by the errors below
@@ -98,8 +93,22 @@ class OpenAICritic(CriticBackend):
                 )
             key = "EMPTY"  # local servers (vLLM) accept any key
         self._api_key = Secret(key)
-        for name in _SETTINGS:  # kept under their own names, read when a request is made
-            setattr(self, name, settings[name])
+        self.model = model
+        self.base_url = base_url
+        self.transport = transport
+        self.api_key_env = api_key_env
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self.max_concurrency = max_concurrency
+        self.retry_after_max = retry_after_max
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.system_prompt = system_prompt
+        self.batch_timeout = batch_timeout
+        self.rate_limit = rate_limit
         check_bounds(self, {name: BACKEND_BOUNDS[f"critic_{name}"] for name in _CHECKED})
         self._rate = RateLimiter(rate_limit) if rate_limit else None
         self.cache = AnswerCache(
