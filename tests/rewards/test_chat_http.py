@@ -142,8 +142,31 @@ def test_unreachable_server_is_a_connection_error():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = HTTPXChatClient(f"http://127.0.0.1:{port}/v1", KEY)
+    sent = []
     with pytest.raises(ChatConnectionError):
-        create(client, timeout=2)
+        client.create(PAYLOAD, 2.0, lambda: sent.append(1))
+    assert sent == []  # nothing was written
+
+
+def test_on_sent_is_called_once_the_body_is_written(server):
+    client = HTTPXChatClient(server.base_url, KEY)
+    sent = []
+    assert client.create(PAYLOAD, 5.0, lambda: sent.append(len(server.received)))[0] == "echo hello"
+    assert len(sent) == 1
+    close(client)
+
+
+def test_httpx_transport_builds_the_httpcore_pool_we_send_through():
+    # integration.trl_members: HTTPTransport._pool, the pool httpx built from our settings (proxy, TLS, limits)
+    import inspect
+
+    import httpcore2
+    import httpx2
+
+    assert isinstance(httpx2.HTTPTransport()._pool, httpcore2.ConnectionPool)
+    assert isinstance(httpx2.HTTPTransport(proxy="http://127.0.0.1:9")._pool, httpcore2.HTTPProxy)
+    params = inspect.signature(httpcore2.ConnectionPool.request).parameters
+    assert {"method", "url", "headers", "content", "extensions"} <= set(params)
 
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1/v1", "127.0.0.1:8000/v1", "http:///v1"])

@@ -271,6 +271,41 @@ def test_scripted_reply_with_delay_and_submit_overlaps(server):
     assert job.done()
 
 
+def test_unsent_counts_each_prompt_once():
+    from trl_stable.rewards.critic.jobs import Unsent
+
+    unsent = Unsent(3)
+    for k in (0, 1, 1):  # a retry reports its prompt again
+        unsent.sent(k)
+    assert not unsent.wait(0)
+    unsent.sent(2)
+    assert unsent.wait(0) and Unsent(0).wait(0)
+
+
+def test_wait_sent_returns_once_every_request_is_on_the_wire(server):
+    # the server holds every request: each is sent, none answered, so wait_sent returns before any answer
+    critic = make(server, concurrency=4)
+    server.hold()
+    job = critic.submit(["one", "two", "three"])
+    job.wait_sent()
+    assert not job.done()
+    deadline = time.monotonic() + 30
+    while len(server.received) < 3 and time.monotonic() < deadline:  # written, so the server reads all three
+        time.sleep(0.01)
+    assert len(server.received) == 3 and not job.done()
+    server.release()
+    assert job.result() == ["Toxic Span 1: one", "Toxic Span 1: two", "Toxic Span 1: three"]
+
+
+def test_wait_sent_returns_for_cached_deduplicated_and_failed_requests(server):
+    critic = make(server, concurrency=4, max_retries=0)
+    critic.generate(["cached"])
+    server.script(status(400, match="bad"))
+    job = critic.submit(["cached", "bad", "dup", "dup"])
+    job.wait_sent()  # would wait for the deadline (minutes) if a request that ends unsent were not counted
+    assert job.result() == ["Toxic Span 1: cached", None, "Toxic Span 1: dup", "Toxic Span 1: dup"]
+
+
 def test_job_deadline_abandons_stuck_requests():
     import concurrent.futures as cf
     import threading

@@ -1,7 +1,7 @@
-"""The registry of every private TRL / transformers member trl_stable relies on ([`Member`]), and the keys and padding
-of TRL's GRPO batch dict: data only, checked against the installed versions by `tests/integration/test_trl_members.py`
-(docs/development.md, "TRL internals"). The TRL logic trl_stable mirrors is the second table,
-`trl_stable.integration.mirrored`.
+"""The registry of every private TRL / transformers (and httpx) member trl_stable relies on ([`Member`]), and the
+keys and padding of TRL's GRPO batch dict: data only, checked against the installed versions by
+`tests/integration/test_trl_members.py` (docs/development.md, "TRL internals"). The TRL logic trl_stable mirrors is
+the second table, `trl_stable.integration.mirrored`.
 """
 
 from __future__ import annotations
@@ -461,6 +461,14 @@ HELPER_MEMBERS: tuple[Member, ...] = (
         ("examples",),
         "a batch dict with `labels` (-100 where no loss); `padding_free` packs rows into one",
         ("trl_stable/masking/sft.py",),
+    ),
+    Member(
+        "httpx2.HTTPTransport",
+        "_pool",
+        "attribute",
+        returns="the httpcore pool (ConnectionPool, or HTTPProxy for a proxy) built from the transport's settings; "
+        "the critic sends through its public `request` (tests/rewards/test_chat_http.py)",
+        used_in=("trl_stable/rewards/critic/transport.py",),
     ),
 )
 # What PPOTrainer takes from TRL and accelerate to run under DeepSpeed / FSDP (`trl_stable.trainers.ppo.engines`):

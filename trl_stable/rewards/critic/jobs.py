@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 from trl_stable.rewards.critic.counters import CriticCounters
 
 
+class Unsent:
+    """The prompts of one batch whose request is not on the wire yet: `sent(k)` once prompt k's request body is
+    written (again on a retry: idempotent) or it ended without one (a cache hit, a failure); `wait` for none left."""
+
+    def __init__(self, n: int) -> None:
+        self._left = set(range(n))
+        self._lock = threading.Lock()
+        self._none_left = threading.Event()
+        if not n:
+            self._none_left.set()
+
+    def sent(self, k: int) -> None:
+        with self._lock:
+            self._left.discard(k)
+            if not self._left:
+                self._none_left.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._none_left.wait(timeout)
+
+
 class CriticJob:
     """The pending answers of one `CriticBackend.submit` call; requests still running at the deadline are None,
-    counted as ``deadline_exceeded`` (a hung critic cannot stall training)."""
+    counted as ``deadline_exceeded`` (a hung critic cannot stall training). `unsent`: tracks when every request is
+    on the wire (`wait_sent`); a job without it counts as sent."""
 
     def __init__(
         self,
@@ -19,14 +42,22 @@ class CriticJob:
         answers: Sequence[str | None] | None = None,
         counters: CriticCounters | None = None,
         deadline: float | None = None,
+        unsent: Unsent | None = None,
     ) -> None:
         self._futures = list(futures) if futures is not None else None
         self._answers = list(answers) if answers is not None else None
         self._counters = counters if counters is not None else CriticCounters()  # a job of its own: counted nowhere
         self._deadline = deadline
+        self._unsent = unsent
 
     def done(self) -> bool:
         return self._futures is None or all(f.done() for f in self._futures)
+
+    def wait_sent(self) -> None:
+        """Return once every request is on the wire or ended (at the latest at the deadline): work done after it
+        does not hold the GIL that the worker threads need to send."""
+        if self._unsent is not None:
+            self._unsent.wait(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
 
     def as_completed(self, timeout: float | None = None) -> Iterator[tuple[int, str | None]]:
         """(prompt index, answer) pairs as the answers arrive, each index once; at the deadline (or `timeout`) the

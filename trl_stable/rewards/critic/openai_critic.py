@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -17,7 +18,7 @@ from typing import Any
 from trl_stable.rewards.critic.backend import CriticBackend
 from trl_stable.rewards.critic.cache import AnswerCache, cache_key
 from trl_stable.rewards.critic.config import BACKEND_BOUNDS
-from trl_stable.rewards.critic.jobs import CriticJob
+from trl_stable.rewards.critic.jobs import CriticJob, Unsent
 from trl_stable.rewards.critic.rate_limit import RateLimiter
 from trl_stable.rewards.critic.transport import HTTPXChatClient, SDKChatClient, check_transport, classify
 from trl_stable.settings.checks import check_bounds
@@ -190,9 +191,9 @@ class OpenAICritic(CriticBackend):
             logger.warning("The critic server asked to retry after %.1f s%s; waiting %.1f s.", retry_after, cut, wait)
         return max(delay, wait)
 
-    def _ask(self, prompt: str, key: str, deadline: float) -> str | None:
+    def _ask(self, prompt: str, key: str, deadline: float, on_sent: Callable[[], None]) -> str | None:
         """The answer to one prompt (cache `key`): from the cache, else requested with retries until `deadline`; None
-        on failure."""
+        on failure. `on_sent` is called once the request is on the wire."""
         cached = self.cache.get(key)
         if cached is not None:
             self.counters.add("successes")
@@ -217,7 +218,7 @@ class OpenAICritic(CriticBackend):
             self.counters.add("attempts")
             attempts += 1
             try:
-                answer, usage = self._get_client().create(payload, min(self.timeout, remaining))
+                answer, usage = self._get_client().create(payload, min(self.timeout, remaining), on_sent)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a counted None, never a crash
                 retryable = classify(exc)
                 if retryable is None:
@@ -260,9 +261,9 @@ class OpenAICritic(CriticBackend):
             "variable."
         )
 
-    def _guarded_ask(self, prompt: str, key: str, deadline: float) -> str | None:
+    def _guarded_ask(self, prompt: str, key: str, deadline: float, on_sent: Callable[[], None]) -> str | None:
         try:
-            return self._ask(prompt, key, deadline)
+            return self._ask(prompt, key, deadline, on_sent)
         except Exception as exc:  # noqa: BLE001 - a bug in one request must not take the batch down
             logger.warning("Critic request crashed: %s", self._redact(f"{type(exc).__name__}: {exc}")[:200])
             return None
@@ -274,19 +275,21 @@ class OpenAICritic(CriticBackend):
         self._stop.clear()
         deadline = time.monotonic() + self.batch_seconds(len(prompts))
         self.counters.add("requests", len(prompts))
-        futures, params = [], self.params
+        futures, params, unsent = [], self.params, Unsent(len(prompts))
         with self._inflight_lock:
-            for prompt in prompts:
+            for k, prompt in enumerate(prompts):
                 key = cache_key(self.model, prompt, params)
                 fut = self._inflight.get(key)
                 if fut is not None and not fut.done():
                     self.counters.add("deduplicated")
+                    unsent.sent(k)  # its request is another prompt's
                 else:
-                    fut = self._pool.submit(self._guarded_ask, prompt, key, deadline)
+                    on_sent = functools.partial(unsent.sent, k)
+                    fut = self._pool.submit(self._guarded_ask, prompt, key, deadline, on_sent)
                     self._inflight[key] = fut
-                    fut.add_done_callback(lambda f, k=key: self._forget(k, f))
+                    fut.add_done_callback(functools.partial(self._forget, key, on_sent))
                 futures.append(fut)
-        return CriticJob(futures=futures, counters=self.counters, deadline=deadline + 1.0)
+        return CriticJob(futures=futures, counters=self.counters, deadline=deadline + 1.0, unsent=unsent)
 
     def batch_seconds(self, n: int) -> float:
         """How long a batch of `n` prompts may take before its unanswered requests count as failed."""
@@ -298,7 +301,8 @@ class OpenAICritic(CriticBackend):
         spacing = n / self.rate_limit if self.rate_limit else 0.0
         return one + max(waves, 0) * self.timeout + spacing
 
-    def _forget(self, key: str, fut: cf.Future) -> None:
+    def _forget(self, key: str, on_sent: Callable[[], None], fut: cf.Future) -> None:
+        on_sent()  # for a request that ended unsent: a cache hit, a failure, a cancel
         with self._inflight_lock:  # re-entrant: the callback runs inline when the future is already done
             if self._inflight.get(key) is fut:
                 del self._inflight[key]

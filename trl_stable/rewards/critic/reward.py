@@ -129,7 +129,7 @@ class CriticPrefetch:
     env_rewards: list[float] | None
     selected: list[int]  # the critiqued completions (env reward at or below the threshold), in job order
     prompt_texts: dict[int, str]
-    # completion index -> (decoded text, token char offsets); empty when aligned as the answers arrive
+    # completion index -> (decoded text, token char offsets)
     aligned: dict[int, tuple[str, list[tuple[int, int]]]]
     job: CriticJob | None
     started: float
@@ -247,9 +247,10 @@ class CriticIntrinsicReward:
         return self._start(self._tokenizer(kwargs), prompts, completion_ids, env)
 
     def _start(
-        self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None, align: bool = True
+        self, tokenizer, prompts, completion_ids, env_rewards: list[float] | None, wait_sent: bool = False
     ) -> CriticPrefetch:
-        """Select the batch and submit its critic prompts; with `align`, compute the token offsets while it answers."""
+        """Select the batch, submit its critic prompts and compute the token offsets while it answers; `wait_sent`:
+        once the requests are on the wire (earlier, the offsets would hold the GIL the worker threads send with)."""
         started = time.monotonic()
         before = self.backend.counters.snapshot()
         # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
@@ -261,7 +262,9 @@ class CriticIntrinsicReward:
         prompt_texts = {i: completion_text(prompts[i]) if prompts is not None else "" for i in selected}
         critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
         job = self.backend.submit(critic_prompts, texts=[texts[i] for i in selected]) if selected else None
-        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected} if align else {}
+        if wait_sent and job is not None:
+            job.wait_sent()
+        aligned = {i: token_char_offsets(tokenizer, ids[i]) for i in selected}
         return CriticPrefetch(ids, env_rewards, selected, prompt_texts, aligned, job, started, before)
 
     def __call__(
@@ -294,9 +297,8 @@ class CriticIntrinsicReward:
             )
             prefetched = None
         tokenizer = self._tokenizer(kwargs)
-        # Without a prefetch the offsets wait for the answers: computed now, they would hold the GIL while the worker
-        # threads send the requests, delaying the whole batch.
-        batch = prefetched or self._start(tokenizer, prompts, completion_ids, env_rewards, align=False)
+        # A prefetch returns at once (its caller has work to overlap); here nothing does until the answers arrive.
+        batch = prefetched or self._start(tokenizer, prompts, completion_ids, env_rewards, wait_sent=True)
         step = StepCounts(
             steps=1,
             samples=n,
@@ -309,8 +311,7 @@ class CriticIntrinsicReward:
         for k, answer in batch.job.as_completed() if batch.job is not None else ():
             i = batch.selected[k]
             context = batch.prompt_texts[i] if self.config.critic_include_prompt else ""
-            aligned = batch.aligned.get(i) or token_char_offsets(tokenizer, batch.completion_ids[i])
-            critique = self._critique(answer, *aligned, context=context)
+            critique = self._critique(answer, *batch.aligned[i], context=context)
             step.record(critique)
             rows[i] = critique.row
         now = time.monotonic()
