@@ -32,11 +32,11 @@ class Member:
     used_in: tuple[str, ...] = ()
 
 
-def _attrs(owner: str, rows: dict[str, tuple[tuple[str, ...], str]]) -> list[Member]:
+def _attrs(owner: str, rows: dict[str, tuple[tuple[str, ...], str]]) -> tuple[Member, ...]:
     """Attributes trl_stable reads on an instance of `owner` (checked on a tiny trainer): {name: (used_in, what)}."""
-    return [
+    return tuple(
         Member(owner, name, "attribute", returns=returns, used_in=used_in) for name, (used_in, returns) in rows.items()
-    ]
+    )
 
 
 def _members(
@@ -74,130 +74,127 @@ _DYNAMIC_PY = ("trl_stable/trainers/grpo/dynamic_sampling.py",)
 _BATCH_PY = ("trl_stable/trainers/grpo/trl_batch.py",)
 _REWARD_CALLS_PY = ("trl_stable/integration/reward_calls.py",)
 
-GRPO_MEMBERS: tuple[Member, ...] = (
-    *_members(
-        {
-            (_GRPO, "override", _TRAINER_PY): {
-                "_generate_and_score_completions": (
-                    ("inputs",),
-                    "dict with GRPO_BATCH_KEYS (+ GRPO_OPTIONAL_BATCH_KEYS); every tensor of batch size B is "
-                    "shuffled and split by TRL's `_prepare_inputs`, so trl_stable may add batch-first keys",
-                ),
-                "_generate": (
-                    ("prompts",),
-                    "8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, "
-                    "tool_images); extra_fields (index 5) is a dict holding a rollout_func's extra keys; TRL later "
-                    "calls `_calculate_rewards` with the same prompts, completions (index 3) and completion ids "
-                    "(index 1), which early scoring relies on",
-                ),
-                "_tokenize_prompts": (
-                    ("prompts",),
-                    "3-tuple (prompt_ids: list[list[int]], images, multimodal_fields); called once per generation "
-                    "batch, before generation, only when there is no rollout_func",
-                ),
-                "_generate_single_turn": (
-                    ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
-                    "2-tuple (completion_ids: list[list[int]], logprobs: list[list[float]] | None)",
-                ),
-                "_calculate_rewards": (
-                    ("inputs", "prompts", "completions", "completion_ids_list"),
-                    "[N_global, K] float tensor, gathered over processes, NaN where a function returned None",
-                ),
-                "_compute_loss": (("model", "inputs"), "a scalar loss tensor"),
-            },
-            (_GRPO, "override", (*_TRAINER_PY, *_DECOUPLED_PY)): {
-                "_get_per_token_logps_and_entropies": (
-                    LOGPS_PARAMS,
-                    "3-tuple (logps [B, T], entropies | None, aux_loss | None); the parameters after "
-                    "compute_aux_loss are the multimodal forward keys (`multimodal_forward_keys`); `model` is only "
-                    "called, once per chunk, with the chunk's `input_ids` and `attention_mask` as keywords and no "
-                    "`position_ids` (`LOGPS_FORWARD_SNIPPETS`), so `with_mask_position_ids` can add them",
-                ),
-            },
-            (_GRPO, "call", _REWARDS_PY): {
-                "_log_completion_extra": (("column", "values"), ""),
-                "_log_metric": (("name", "value"), ""),
-            },
-            # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
-            (_GRPO, "replace", _CHECKPOINTS_PY): {
-                "_save_checkpoint": (
-                    ("model", "trial"),
-                    "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: "
-                    "`rng_state_file`), then pushes it and rotates old checkpoints. trl_stable's override writes the "
-                    "same files with the same helpers and rotates only after its completion marker (MIRRORED)",
-                ),
-            },
-            (_GRPO, "call", _MARKED_PY): {"_get_output_dir": (("trial",), "the folder checkpoints are written into")},
-            (_GRPO, "call", _CHECKPOINTS_PY): {
-                "create_model_card": (("model_name",), "None (writes README.md in output_dir)")
-            },
-        }
-    ),
-    *_attrs(
-        _GRPO,
-        {
-            "_metrics": (_LOGS_PY, '{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`'),
-            "_logs": (_LOGS_PY, 'dict with an "advantages" list: the completions table\'s advantage column'),
-            "_pending_metrics": (
-                _LOGS_PY,
-                "defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
+GRPO_MEMBERS: tuple[Member, ...] = _members(
+    {
+        (_GRPO, "override", _TRAINER_PY): {
+            "_generate_and_score_completions": (
+                ("inputs",),
+                "dict with GRPO_BATCH_KEYS (+ GRPO_OPTIONAL_BATCH_KEYS); every tensor of batch size B is "
+                "shuffled and split by TRL's `_prepare_inputs`, so trl_stable may add batch-first keys",
             ),
-            "_pending_extra_logs": (
-                _LOGS_PY,
-                "dict of columns reward functions logged with `log_extra`, flushed after the rewards",
+            "_generate": (
+                ("prompts",),
+                "8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, "
+                "tool_images); extra_fields (index 5) is a dict holding a rollout_func's extra keys; TRL later "
+                "calls `_calculate_rewards` with the same prompts, completions (index 3) and completion ids "
+                "(index 1), which early scoring relies on",
             ),
-            "_tokenizer": (_BATCH_PY, "the tokenizer (pad_token_id)"),
-            "reward_funcs": (
-                (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
-                "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
-                "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
-                "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
+            "_tokenize_prompts": (
+                ("prompts",),
+                "3-tuple (prompt_ids: list[list[int]], images, multimodal_fields); called once per generation "
+                "batch, before generation, only when there is no rollout_func",
             ),
-            "async_loop": (
-                _DENSE_PY,
-                "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
+            "_generate_single_turn": (
+                ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+                "2-tuple (completion_ids: list[list[int]], logprobs: list[list[float]] | None)",
             ),
-            "environments": (_REWARDS_PY, "per-rollout environment instances or None (passed to reward functions)"),
-            "num_generations_eval": (_TRAINER_PY, "group size in evaluation"),
-            # edited once by trl_stable, at construction, and read by TRL at every call (see MIRRORED:
-            # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
-            "reward_func_names": ((*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"),
-            "reward_processing_classes": (
-                (*_TRAINER_PY, *_DENSE_PY),
-                "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
+            "_calculate_rewards": (
+                ("inputs", "prompts", "completions", "completion_ids_list"),
+                "[N_global, K] float tensor, gathered over processes, NaN where a function returned None",
             ),
-            "reward_weights": (
-                (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
-                "[K] float tensor, aligned with reward_funcs",
-            ),
-            # read by trl_stable to decide its own path (TRL sets them from its config in `__init__`)
-            "num_generations": ((*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
-            "max_completion_length": (_TRAINER_PY, "int, the completion cap"),
-            "loss_type": (_TRAINER_PY, "str, TRL's loss (named in describe)"),
-            "importance_sampling_level": (
-                (*_TRAINER_PY, *_DECOUPLED_PY),
-                '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
-            ),
-            "use_vllm": (_TRAINER_PY, "bool: the sampler is vLLM"),
-            "use_transformers_continuous_batching": (
-                _TRAINER_PY,
-                "bool: the sampler is transformers' continuous batching (no sampler log-probs)",
-            ),
-            "tools": (_TRAINER_PY, "list of tool functions (R3 refuses tool calling)"),
-            "rollout_func": (_TRAINER_PY, "the user's rollout function or None"),
-            "environment_factories": (
-                _TRAINER_PY,
-                "None unless environments make the prompts (then no prompt column is checked)",
-            ),
-            "ref_model": (
-                ("trl_stable/trainers/grpo/forward_passes.py",),
-                "the KL reference model, or None (PEFT: the policy with adapters off)",
-            ),
-            "use_adaptive_entropy": (_CHECKPOINTS_PY, "bool: TRL saves its entropy state"),
-            "entropy_coef": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
-            "_last_world_entropy": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+            "_compute_loss": (("model", "inputs"), "a scalar loss tensor"),
         },
-    ),
+        (_GRPO, "override", (*_TRAINER_PY, *_DECOUPLED_PY)): {
+            "_get_per_token_logps_and_entropies": (
+                LOGPS_PARAMS,
+                "3-tuple (logps [B, T], entropies | None, aux_loss | None); the parameters after "
+                "compute_aux_loss are the multimodal forward keys (`multimodal_forward_keys`); `model` is only "
+                "called, once per chunk, with the chunk's `input_ids` and `attention_mask` as keywords and no "
+                "`position_ids` (`LOGPS_FORWARD_SNIPPETS`), so `with_mask_position_ids` can add them",
+            ),
+        },
+        (_GRPO, "call", _REWARDS_PY): {
+            "_log_completion_extra": (("column", "values"), ""),
+            "_log_metric": (("name", "value"), ""),
+        },
+        # checkpoints (TRL overrides transformers' `_save_checkpoint` to add its model card and extras)
+        (_GRPO, "replace", _CHECKPOINTS_PY): {
+            "_save_checkpoint": (
+                ("model", "trial"),
+                "None; writes `checkpoint-{global_step}` under `_get_output_dir(trial)` (RNG file: "
+                "`rng_state_file`), then pushes it and rotates old checkpoints. trl_stable's override writes the "
+                "same files with the same helpers and rotates only after its completion marker (MIRRORED)",
+            ),
+        },
+        (_GRPO, "call", _MARKED_PY): {"_get_output_dir": (("trial",), "the folder checkpoints are written into")},
+        (_GRPO, "call", _CHECKPOINTS_PY): {
+            "create_model_card": (("model_name",), "None (writes README.md in output_dir)")
+        },
+    }
+) + _attrs(
+    _GRPO,
+    {
+        "_metrics": (_LOGS_PY, '{"train"|"eval": defaultdict(list)} of scalar metrics, averaged by TRL\'s `log`'),
+        "_logs": (_LOGS_PY, 'dict with an "advantages" list: the completions table\'s advantage column'),
+        "_pending_metrics": (
+            _LOGS_PY,
+            "defaultdict(list): values reward functions logged with `log_metric`, flushed after the rewards",
+        ),
+        "_pending_extra_logs": (
+            _LOGS_PY,
+            "dict of columns reward functions logged with `log_extra`, flushed after the rewards",
+        ),
+        "_tokenizer": (_BATCH_PY, "the tokenizer (pad_token_id)"),
+        "reward_funcs": (
+            (*_TRAINER_PY, *_REWARDS_PY, *_DENSE_PY),
+            "the list `_calculate_rewards` reads, at every call, when it calls the reward functions (nn.Modules "
+            "scored by TRL, the rest called with TRL's keywords, async ones awaited): trl_stable sets it once, at "
+            "construction, to the contract-checked functions (`ContractCheckedRewards`; see MIRRORED)",
+        ),
+        "async_loop": (
+            _DENSE_PY,
+            "the event loop TRL runs async reward functions on (exists only when some reward function is async)",
+        ),
+        "environments": (_REWARDS_PY, "per-rollout environment instances or None (passed to reward functions)"),
+        "num_generations_eval": (_TRAINER_PY, "group size in evaluation"),
+        # edited once by trl_stable, at construction, and read by TRL at every call (see MIRRORED:
+        # `_split_dense_reward_funcs`): the dense functions leave TRL's lists, the overlong penalty joins them
+        "reward_func_names": ((*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY), "list[str], aligned with reward_funcs"),
+        "reward_processing_classes": (
+            (*_TRAINER_PY, *_DENSE_PY),
+            "list, aligned with reward_funcs (the tokenizer of each reward model, else None)",
+        ),
+        "reward_weights": (
+            (*_TRAINER_PY, *_ADVANTAGES_PY, *_DENSE_PY),
+            "[K] float tensor, aligned with reward_funcs",
+        ),
+        # read by trl_stable to decide its own path (TRL sets them from its config in `__init__`)
+        "num_generations": ((*_TRAINER_PY, *_DYNAMIC_PY), "group size in training"),
+        "max_completion_length": (_TRAINER_PY, "int, the completion cap"),
+        "loss_type": (_TRAINER_PY, "str, TRL's loss (named in describe)"),
+        "importance_sampling_level": (
+            (*_TRAINER_PY, *_DECOUPLED_PY),
+            '"token" or "sequence" (GSPO): a masking token filter then also leaves TRL\'s loss mask',
+        ),
+        "use_vllm": (_TRAINER_PY, "bool: the sampler is vLLM"),
+        "use_transformers_continuous_batching": (
+            _TRAINER_PY,
+            "bool: the sampler is transformers' continuous batching (no sampler log-probs)",
+        ),
+        "tools": (_TRAINER_PY, "list of tool functions (R3 refuses tool calling)"),
+        "rollout_func": (_TRAINER_PY, "the user's rollout function or None"),
+        "environment_factories": (
+            _TRAINER_PY,
+            "None unless environments make the prompts (then no prompt column is checked)",
+        ),
+        "ref_model": (
+            ("trl_stable/trainers/grpo/forward_passes.py",),
+            "the KL reference model, or None (PEFT: the policy with adapters off)",
+        ),
+        "use_adaptive_entropy": (_CHECKPOINTS_PY, "bool: TRL saves its entropy state"),
+        "entropy_coef": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+        "_last_world_entropy": (_CHECKPOINTS_PY, "float, in TRL's entropy state file"),
+    },
 )
 
 TRANSFORMERS_MEMBERS: tuple[Member, ...] = _members(
@@ -218,9 +215,8 @@ TRANSFORMERS_MEMBERS: tuple[Member, ...] = _members(
         ("transformers.Trainer", "replace", _MARKED_PY): {
             "_save_checkpoint": (
                 ("model", "trial"),
-                "None; writes `checkpoint-{global_step}`, pushes it, rotates old ones. `MarkedCheckpoints` "
-                "writes the same files with the same helpers and rotates only after its completion marker "
-                "(MIRRORED)",
+                "None; writes `checkpoint-{global_step}`, pushes it, rotates old ones. `MarkedCheckpoints` writes the "
+                "same files with the same helpers and rotates only after its completion marker (MIRRORED)",
             ),
         },
         ("transformers.Trainer", "call", _MARKED_PY): {
@@ -272,8 +268,7 @@ PPO_MEMBERS: tuple[Member, ...] = _members(
             "_prepare_for_training": (
                 ("max_steps", "train_dataloader", "resume_from_checkpoint"),
                 "(prepared model, dataloader); builds the optimizer (deepspeed_init under DeepSpeed) and the "
-                "scheduler over `max_steps` optimizer steps; PPO calls it once, in __init__, so the step API has "
-                "them",
+                "scheduler over `max_steps` optimizer steps; PPO calls it once, in __init__, so the step API has them",
             ),
             "_clip_grad_norm": (("model",), "the pre-clip gradient norm (None under DeepSpeed's start)"),
             "_track_num_input_tokens": (
@@ -344,44 +339,37 @@ PPO_MEMBERS: tuple[Member, ...] = _members(
 # TRL's vLLM helper, which PPO's vLLM rollouts drive as GRPO does (`trl_stable/trainers/ppo/vllm.py`).
 _PPO_VLLM = ("trl_stable/trainers/ppo/vllm.py",)
 _VLLM_GENERATION = "trl.generation.vllm_generation.VLLMGeneration"
-VLLM_MEMBERS: tuple[Member, ...] = (
-    *_members(
-        {
-            (_VLLM_GENERATION, "call", _PPO_VLLM): {
-                "__init__": (
-                    ("model", "accelerator", "processing_class", "mode"),
-                    "a helper holding the colocate engine in `llm` or the server client; keyword arguments as "
-                    "GRPOTrainer passes",
-                ),
-                "generate": (
-                    ("prompts", "images", "num_generations"),
-                    "4-tuple (prompt_ids, completion_ids, logprobs [B][T][1] with None for NaN, logprob_token_ids)",
-                ),
-                "sync_weights": ((), "None (gathers shards, merges LoRA, loads into vLLM)"),
-            },
-        }
-    ),
-    *_attrs(
-        _VLLM_GENERATION,
-        {"max_completion_length": (_PPO_VLLM, "set per call: `generate` reads it for vLLM's max_tokens")},
-    ),
-    *_members(
-        {
-            (_VLLM_GENERATION, "patch", _PPO_VLLM): {
-                "llm": (
-                    (),
-                    "the colocate `vllm.LLM`; its `generate` is wrapped for one call to read `routed_experts` (R3)",
-                ),
-            },
-            ("trl.generation.vllm_generation", "patch", _PPO_VLLM): {
-                "LLM": (
-                    (),
-                    "the engine class `_init_vllm` builds from; replaced while the helper is built, to pass "
-                    "`enable_return_routed_experts=True` (R3)",
-                ),
-            },
-        }
-    ),
+VLLM_MEMBERS: tuple[Member, ...] = _members(
+    {
+        (_VLLM_GENERATION, "call", _PPO_VLLM): {
+            "__init__": (
+                ("model", "accelerator", "processing_class", "mode"),
+                "a helper holding the colocate engine in `llm` or the server client; keyword arguments as "
+                "GRPOTrainer passes",
+            ),
+            "generate": (
+                ("prompts", "images", "num_generations"),
+                "4-tuple (prompt_ids, completion_ids, logprobs [B][T][1] with None for NaN, logprob_token_ids)",
+            ),
+            "sync_weights": ((), "None (gathers shards, merges LoRA, loads into vLLM)"),
+        },
+        (_VLLM_GENERATION, "patch", _PPO_VLLM): {
+            "llm": (
+                (),
+                "the colocate `vllm.LLM`; its `generate` is wrapped for one call to read `routed_experts` (R3)",
+            ),
+        },
+        ("trl.generation.vllm_generation", "patch", _PPO_VLLM): {
+            "LLM": (
+                (),
+                "the engine class `_init_vllm` builds from; replaced while the helper is built, to pass "
+                "`enable_return_routed_experts=True` (R3)",
+            ),
+        },
+    }
+) + _attrs(
+    _VLLM_GENERATION,
+    {"max_completion_length": (_PPO_VLLM, "set per call: `generate` reads it for vLLM's max_tokens")},
 )
 # Helpers TRL keeps outside its top-level API that the rest of trl_stable calls or subclasses.
 HELPER_MEMBERS: tuple[Member, ...] = _members(
