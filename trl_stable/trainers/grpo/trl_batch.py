@@ -14,15 +14,12 @@ from trl_stable.integration.trl_members import GRPO_PADDING, LOGPS_PARAMS
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.moe.layout import repad_routing
 
-# Parameters of `_get_per_token_logps_and_entropies` that are not multimodal forward inputs.
-_LOGPS_CORE_PARAMS = ("self", *LOGPS_PARAMS)
-
 
 def multimodal_forward_keys() -> tuple[str, ...]:
     """The batch keys TRL forwards to the policy besides ids and masks (pixel_values, ...), read from the signature
     of `trl.GRPOTrainer._get_per_token_logps_and_entropies`, so a new TRL input is followed."""
     signature = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies)
-    return tuple(name for name in signature.parameters if name not in _LOGPS_CORE_PARAMS)
+    return tuple(name for name in signature.parameters if name not in ("self", *LOGPS_PARAMS))
 
 
 def forward_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
