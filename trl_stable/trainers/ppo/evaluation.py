@@ -63,8 +63,7 @@ class Evaluation:
         for rows in self.get_eval_dataloader(dataset):
             prompts, queries = self._prompt_ids(rows, name="eval_dataset")
             responses = self.generate(queries, return_prompt=False)
-            rewards = call_on_every_process(self.accelerator, self.rewards.start, rows, prompts, responses, self.state)
-            result = rewards.result()
+            result = call_on_every_process(self.accelerator, self.rewards, rows, prompts, responses, self.state)
             lengths = torch.tensor([float(len(r)) for r in responses])
             per_sample = {"reward": completion_rewards(result), "completions/mean_length": lengths}
             per_sample.update({f"rewards/{name}/mean": values for name, values in result.per_func.items()})

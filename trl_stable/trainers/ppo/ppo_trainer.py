@@ -187,9 +187,7 @@ class PPOTrainer(
         self.train_dataloader = self.get_train_dataloader() if train_dataset is not None else None
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator)
-        self.model_wrapped, _ = self._prepare_for_training(self._scheduler_horizon(), None, None)
-        if self.is_deepspeed_enabled:
-            self.deepspeed = self.model_wrapped
+        self._prepare_for_training(self._scheduler_horizon(), None, None)  # sets model_wrapped (and deepspeed)
         self.ref_model = None if ref_model is None else prepare_reference(self, ref_model)
         coef, adaptive = args.init_kl_coef, args.adap_kl_ctrl
         self.kl_ctl = AdaptiveKLController(coef, args.target, args.horizon) if adaptive else FixedKLController(coef)
@@ -380,14 +378,12 @@ class PPOTrainer(
                 with self.routing.rollout_pass(mb["attention_mask"], mb.get(ROUTED_EXPERTS_KEY)) as rollout:
                     scores, values = self._forward(self.model_wrapped, mb, need_logits=full)
                 ref = self._ref_scores(mb, need_logits=full)  # outside the routing point: never replayed
-            logp, entropy, ref_logp = scores.logprobs, scores.entropy, ref.logprobs
             if full:
                 kl = full_kl(scores.logits / args.temperature, ref.logits / args.temperature)
             else:
-                kl = kl_estimate(logp, ref_logp, args.kl_penalty)
-            values = values.float()
+                kl = kl_estimate(scores.logprobs, ref.logprobs, args.kl_penalty)
             bootstrap = values.gather(1, mb["response_lengths"].unsqueeze(1)).squeeze(1)
-            parts.append((logp, ref_logp, values[:, :-1], bootstrap, kl, entropy))
+            parts.append((scores.logprobs, ref.logprobs, values[:, :-1], bootstrap, kl, scores.entropy))
             if self.routing.mode == "R2":
                 recorded.append(rollout.routing)
         keys = ("old_logprobs", "ref_logprobs", "values", "bootstrap_values", "kl", "entropy")
@@ -537,7 +533,7 @@ class PPOTrainer(
         with self.accelerator.autocast(), self.routing.update_pass(mb.get(ROUTED_EXPERTS_KEY)):
             scores, values = self._forward(self.model_wrapped, mb)
         logprobs, entropy = scores.logprobs, scores.entropy
-        vpred = values[:, :-1].float()
+        vpred = values[:, :-1]
         old_logprobs, advantages = mb["old_logprobs"], mb["advantages"]
         policy_mask = mask * mb["step_keep"] if "step_keep" in mb else mask  # invalid agent steps: no policy gradient
         if "behaviour_weight" in mb:

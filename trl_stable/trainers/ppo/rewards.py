@@ -52,7 +52,6 @@ class PendingRewards:
     names: list[str] = field(default_factory=list)  # of the K sequence-level functions
     failures: dict[str, str] = field(default_factory=dict)  # the functions whose call raised, and why
     dense: DenseRewards | None = field(default=None, init=False)
-    _collected: bool = field(default=False, init=False, repr=False)
 
     def normalize_then_sum(self, reduce_sum: Reduce | None = None) -> None:
         """Replace `scores` by GDPO's (`trl_stable.core.gdpo_scores`), a collective with `reduce_sum`; the dense
@@ -62,14 +61,12 @@ class PendingRewards:
 
     @property
     def per_func(self) -> dict[str, torch.Tensor]:
-        """Each sequence-level function's rewards [N], by name."""
-        if self.rewards_per_func is None:
-            return {}
+        """Each sequence-level function's rewards [N], by name (none without sequence-level functions)."""
         return {name: self.rewards_per_func[:, k] for k, name in enumerate(self.names)}
 
     def result(self) -> PendingRewards:
         """Collect the dense rewards (once); returns itself."""
-        if not self._collected and self.pending_dense is not None:
+        if self.dense is None and self.pending_dense is not None:
             self.dense = self.pending_dense.collect()
             # what the dense functions logged with `log_metric` (e.g. the critic's critic/*), then their metrics
             self.stats.update(
@@ -77,7 +74,6 @@ class PendingRewards:
             )
             self.stats.update(dense_reward_stats(self.dense.metrics, self.pending_dense.completion_lengths))
             self.metrics.update(self.dense.metrics)
-        self._collected = True
         return self
 
     def token_rewards(self) -> list[list[float]] | None:

@@ -16,11 +16,7 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl_stable.integration.hf_names import rng_state_file
-from trl_stable.trainers.checkpoints import (
-    TRAINER_STATE_FILE,
-    CheckpointInfo,
-    resolve_checkpoint,
-)
+from trl_stable.trainers.checkpoints import TRAINER_STATE_FILE, CheckpointInfo, resolve_checkpoint
 from trl_stable.trainers.ppo.value_head import VALUE_HEAD_FILE, ValueHead
 
 logger = logging.getLogger(__name__)
@@ -113,9 +109,8 @@ class SaveAndResume:
             self._load_from_checkpoint(path)
         self._load_optimizer_and_scheduler(path)
         self._load_scaler(path)
-        loaded = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_FILE))
-        self.state = loaded
-        self.state.init_training_references(self, loaded.max_steps, self.args.num_train_epochs, None)
+        self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_FILE))
+        self.state.init_training_references(self, self.state.max_steps, self.args.num_train_epochs, None)
         self._load_callback_state()
         if info.same_processes:
             self._load_rng_state(path)
