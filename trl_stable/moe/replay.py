@@ -130,17 +130,10 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
         prefix = parent_name  # up to the closest enclosing GradientCheckpointingLayer (the decoder layer), if any
         while prefix and not isinstance(modules[prefix], GradientCheckpointingLayer):
             prefix = prefix.rpartition(".")[0]
-        states.append(
-            _RouterState(
-                name=name,
-                module=module,
-                adapter=adapter,
-                block=modules[parent_name] if parent_name else module,
-                layer=modules[prefix] if prefix else None,
-                top_k=int(module.top_k),
-                num_experts=int(module.num_experts),
-            )
-        )
+        block = modules[parent_name] if parent_name else module
+        layer = modules[prefix] if prefix else None
+        top_k, num_experts = int(module.top_k), int(module.num_experts)
+        states.append(_RouterState(name, module, adapter, block, layer, top_k, num_experts))
     return states
 
 
@@ -188,19 +181,9 @@ class RoutingReplay:
         return self._states[0].top_k
 
     @property
-    def router_names(self) -> list[str]:
-        """Qualified module names of the hooked routers, in layer order."""
-        return [s.name for s in self._states]
-
-    @property
     def families(self) -> list[str]:
         """Model families of the hooked routers."""
         return sorted({s.adapter.family for s in self._states})
-
-    @property
-    def mode(self) -> str:
-        """ "off", "record" or "replay"."""
-        return self._mode
 
     @property
     def recorded_shapes(self) -> list[tuple[int, int]]:
