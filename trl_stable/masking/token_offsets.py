@@ -104,7 +104,6 @@ def token_char_offsets(
         except (NotImplementedError, ValueError, TypeError):
             enc_ids = None
         if enc_ids == kept_ids:
-            mapped = [(int(s), int(e)) for s, e in mapped]
             # Some tokenizers report offsets without the leading space of a word; the span overlap test is
             # unaffected, but offsets must stay inside the text.
             if all(0 <= s <= e <= len(text) for s, e in mapped):
