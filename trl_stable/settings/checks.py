@@ -123,11 +123,8 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 - the metadata key HfA
 def field_default(config: Any, name: str) -> Any:
     """The default of dataclass field `name` of `config` (its default factory called), or `dataclasses.MISSING`."""
     f = type(config).__dataclass_fields__[name]
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+    # a field has a default, a default factory or neither (then `f.default` is MISSING), never both
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,7 @@ def _tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unknown token
         show_progress=False,
     )
-    text = corpus()
-    tok.train_from_iterator([line for line in text.splitlines() if line.strip()] * 2, trainer=trainer)
+    tok.train_from_iterator([line for line in corpus().splitlines() if line.strip()] * 2, trainer=trainer)
     return tok.to_str()
 
 
@@ -159,10 +158,8 @@ def build_causal_lm(
     config = tiny_config(family, tokenizer, **overrides)
     with torch.random.fork_rng(devices=[]):  # neither depends on nor disturbs the caller's RNG state
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        setattr(model.generation_config, name, getattr(config, name))
-    return model
+        # the generation config takes its pad, eos and bos ids from `config` (GenerationConfig.from_model_config)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def build_reward_model(
