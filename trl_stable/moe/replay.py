@@ -26,9 +26,7 @@ def _owner(module: nn.Module) -> RoutingReplay | None:
     """The live RoutingReplay that hooked `module` itself (not a copy of it), if any."""
     ref = getattr(module, _OWNER_ATTRIBUTE, None)
     owner = ref() if ref is not None else None
-    if owner is None or not any(state.module is module for state in owner._states):
-        return None
-    return owner
+    return owner if owner is not None and any(state.module is module for state in owner._states) else None
 
 
 # Private but present since torch 1.13 (-1 outside a backward pass). Without it a recomputation cannot be told from a
@@ -56,8 +54,7 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
     best = candidates[0]
     if len(candidates) > 1:
         fingerprint = _fingerprint(router_logits)
-        distance = [float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
-        best = candidates[distance.index(min(distance))]
+        best = min(candidates, key=lambda i: float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()))
     index = fifo[best][0]
     del fifo[best]
     return index
