@@ -73,8 +73,7 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
             offsets.extend([(start, pos)] * len(run))
         first_pending = k + 1
     streamed = "".join(c for c in chunks if c is not None)
-    tail = text[len(streamed) :]
-    if not text.startswith(streamed) or tail.strip("\ufffd"):
+    if not text.startswith(streamed) or text[len(streamed) :].strip("\ufffd"):
         return None
     offsets.extend([(pos, len(text))] * (len(ids) - first_pending))  # bytes left incomplete at the end (U+FFFD)
     return offsets

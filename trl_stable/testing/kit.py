@@ -9,6 +9,7 @@ from importlib import resources
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 BOS_TOKEN = "<|startoftext|>"
@@ -81,8 +82,6 @@ def corpus() -> str:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -108,8 +107,6 @@ def build_tokenizer(vocab_size: int = 1024, padding_side: str = "left") -> PreTr
         vocab_size: Size of the BPE vocabulary, special tokens included.
         padding_side: "left" (what generation wants) or "right".
     """
-    from tokenizers import Tokenizer
-
     backend = Tokenizer.from_str(_tokenizer_json(vocab_size))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
