@@ -254,8 +254,7 @@ def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
     schedule = _name(config.lr_scheduler_type)
     evaluates = _name(config.eval_strategy) != "no"
     report_to = set(config.report_to or [])
-    accelerator = getattr(config, "accelerator_config", None)
-    seedable = getattr(accelerator, "use_seedable_sampler", True)
+    seedable = getattr(getattr(config, "accelerator_config", None), "use_seedable_sampler", True)
     sampling = config.train_sampling_strategy
     return (
         Dependent(("num_train_epochs",), config.max_steps <= 0, "max_steps=-1 (max_steps > 0 sets the run's length)"),
