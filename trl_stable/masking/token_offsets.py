@@ -102,11 +102,10 @@ def token_char_offsets(
             enc_ids, mapped = encode_with_offsets(tokenizer, text)
         except (NotImplementedError, ValueError, TypeError):
             enc_ids = None
-        if enc_ids == kept_ids:
-            # Some tokenizers report offsets without the leading space of a word; the span overlap test is
-            # unaffected, but offsets must stay inside the text.
-            if all(0 <= s <= e <= len(text) for s, e in mapped):
-                kept_offsets = mapped
+        # Some tokenizers report offsets without the leading space of a word; the span overlap test is unaffected,
+        # but offsets must stay inside the text.
+        if enc_ids == kept_ids and all(0 <= s <= e <= len(text) for s, e in mapped):
+            kept_offsets = mapped
     if kept_offsets is None:
         kept_offsets = _incremental_offsets(tokenizer, kept_ids, text, skip)
     offsets, kept, cursor = [], iter(kept_offsets), 0
