@@ -82,8 +82,7 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) 
     maskf = mask.to(rewards.dtype)
     r = rewards * maskf
     if gamma == 1.0:
-        out = torch.flip(torch.cumsum(torch.flip(r, dims=[1]), dim=1), dims=[1])
-        return out * maskf
+        return torch.flip(torch.cumsum(torch.flip(r, dims=[1]), dim=1), dims=[1]) * maskf
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in range(r.shape[1] - 1, -1, -1):

@@ -107,6 +107,12 @@ def _sequence_rewards(inputs: AdvantageInputs) -> torch.Tensor:
     return inputs.rewards
 
 
+def _require(inputs: AdvantageInputs, name: str, *fields: str) -> None:
+    missing = [f for f in fields if getattr(inputs, f) is None]
+    if missing:
+        raise ValueError(f"The {name!r} estimator needs AdvantageInputs.{', '.join(missing)}.")
+
+
 def _normalized(inputs: AdvantageInputs, preset: str, params: dict[str, Any]) -> AdvantageOutputs:
     settings = {**NORMALIZATION_PRESETS[preset], "unbiased": True, "eps": 1e-4, **params}
     return AdvantageOutputs(normalize(_sequence_rewards(inputs), inputs.group_ids, **settings))
@@ -143,8 +149,7 @@ def rloo_estimator(inputs: AdvantageInputs, **params: Any) -> AdvantageOutputs:
 def gdpo_estimator(inputs: AdvantageInputs, eps: float = 1e-4) -> AdvantageOutputs:
     r"""GDPO (arXiv 2601.05242), `gdpo_advantages`: $A_i$ = the batch z-score of $\sum_j w_j z_{ij}$, the
     per-reward group z-scores. Needs `rewards_per_func` [N, K] and `group_ids`."""
-    if inputs.rewards_per_func is None:
-        raise ValueError("The 'gdpo' estimator needs AdvantageInputs.rewards_per_func ([N, K], a column per reward).")
+    _require(inputs, "gdpo", "rewards_per_func")
     return AdvantageOutputs(gdpo_advantages(inputs.rewards_per_func, inputs.group_ids, inputs.reward_weights, eps))
 
 
@@ -155,12 +160,6 @@ def ngrpo_estimator(
     r"""NGRPO (arXiv 2509.18851), `ngrpo_advantages`: $A_i = (r_i - \mu)/(\sigma + \epsilon)$, the group's
     $\mu$, $\sigma$ with `num_virtual` extra samples of reward `r_max`. Needs `rewards` [N] and `group_ids`."""
     return AdvantageOutputs(ngrpo_advantages(_sequence_rewards(inputs), inputs.group_ids, r_max, num_virtual, eps))
-
-
-def _require(inputs: AdvantageInputs, name: str, *fields: str) -> None:
-    missing = [f for f in fields if getattr(inputs, f) is None]
-    if missing:
-        raise ValueError(f"The {name!r} estimator needs AdvantageInputs.{', '.join(missing)}.")
 
 
 @register_advantage_estimator("gae", sequence_level=False)

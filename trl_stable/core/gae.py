@@ -43,8 +43,7 @@ def compute_gae(
             f"rewards, values and mask must all be [B, T]; got {tuple(rewards.shape)}, {tuple(values.shape)}, "
             f"{tuple(mask.shape)}."
         )
-    rewards = rewards.float()
-    values = values.float()
+    rewards, values = rewards.float(), values.float()
     active = mask.bool()
     batch, length = rewards.shape
     lam_col = _lam_column(lam, batch, rewards)

@@ -42,8 +42,7 @@ def ppo_clip_term(
     changes, beyond it the loss saturates with a 0 gradient instead of exploding.
     """
     eps_high = eps_low if eps_high is None else eps_high
-    log_ratio = torch.clamp(logps - prox_logps.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(torch.clamp(logps - prox_logps.detach(), -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
     if dual_clip is not None:
         if dual_clip <= 1:

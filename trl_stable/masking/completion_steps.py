@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,9 +27,7 @@ class CompletionStepMasker:
     open_tag: str = "<tool_call>"
     close_tag: str = "</tool_call>"
     extra_steps: Callable[[str, int], list[dict[str, Any]]] | None = None
-
-    def __post_init__(self):
-        self.last_counts: dict[str, int] = {}
+    last_counts: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, completion_ids: Sequence[Sequence[int]], tokenizer: Any) -> list[list[float]]:
         masks: list[list[float]] = []

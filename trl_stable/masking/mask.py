@@ -16,12 +16,11 @@ from trl_stable.masking.validation import StepVerdict, normalize_signatures, val
 
 @dataclass
 class StepMask:
-    """The result of `build_step_loss_mask`: the float `mask` (T,) (1 trains, 0 masked), one `StepVerdict` per step
-    in the order given, and each step's ``[start, end)`` token range."""
+    """The result of `build_step_loss_mask`: the float `mask` (T,) (1 trains, 0 masked) and one `StepVerdict` per
+    step, in the order given."""
 
     mask: torch.Tensor
     verdicts: list[StepVerdict] = field(default_factory=list)
-    token_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_invalid_steps(self) -> int:
@@ -111,7 +110,6 @@ def build_step_loss_mask(
     mask = torch.full((n,), float(outside_steps))
     invalid = torch.zeros(n, dtype=torch.bool)
     verdicts: list[StepVerdict] = []
-    spans: list[tuple[int, int]] = []
     for step in steps:
         start, end = int(step["start"]), int(step["end"])
         if (step.get("unit") or "token") == "char":
@@ -127,10 +125,9 @@ def build_step_loss_mask(
                 step_text = None
         verdict = validate_step(step, step_text, signatures, open_tag, close_tag)
         verdicts.append(verdict)
-        spans.append((t0, t1))
         if verdict.valid:
             mask[t0:t1] = 1.0
         else:
             invalid[t0:t1] = True
     mask[invalid] = 0.0
-    return StepMask(mask=mask, verdicts=verdicts, token_spans=spans)
+    return StepMask(mask=mask, verdicts=verdicts)

@@ -150,18 +150,15 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
         options = {key: getattr(args, name) for key, name in _CONFIG_FIELDS.items() if hasattr(args, name)}
         self.step_mask_stats: dict[str, dict[str, int]] = {}
         train_dataset = self._step_mask(train_dataset, processing_class, options, "train")
-        if isinstance(eval_dataset, Mapping):
-            eval_dataset = {
-                k: self._step_mask(v, processing_class, options, f"eval_{k}") for k, v in eval_dataset.items()
-            }
-        else:
-            eval_dataset = self._step_mask(eval_dataset, processing_class, options, "eval")
+        eval_dataset = self._step_mask(eval_dataset, processing_class, options, "eval")
         super().__init__(
             model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, **kwargs,
         )  # fmt: skip
 
     def _step_mask(self, dataset: Any, tokenizer: Any, options: dict, name: str) -> Any:
+        if isinstance(dataset, Mapping):  # several eval datasets by name: each masked, its stats as "eval_<name>"
+            return {k: self._step_mask(v, tokenizer, options, f"{name}_{k}") for k, v in dataset.items()}
         columns = set(getattr(dataset, "column_names", None) or [])
         if "messages" not in columns and "steps" not in columns:
             return dataset  # None, or nothing step-shaped: plain SFT

@@ -73,8 +73,7 @@ def _stream_offsets(tokenizer: Any, ids: Sequence[int], text: str, skip: bool = 
             offsets.extend([(start, pos)] * len(run))
         first_pending = k + 1
     streamed = "".join(c for c in chunks if c is not None)
-    tail = text[len(streamed) :]
-    if not text.startswith(streamed) or tail.strip("\ufffd"):
+    if not text.startswith(streamed) or text[len(streamed) :].strip("\ufffd"):
         return None
     offsets.extend([(pos, len(text))] * (len(ids) - first_pending))  # bytes left incomplete at the end (U+FFFD)
     return offsets
@@ -103,12 +102,10 @@ def token_char_offsets(
             enc_ids, mapped = encode_with_offsets(tokenizer, text)
         except (NotImplementedError, ValueError, TypeError):
             enc_ids = None
-        if enc_ids == kept_ids:
-            mapped = [(int(s), int(e)) for s, e in mapped]
-            # Some tokenizers report offsets without the leading space of a word; the span overlap test is
-            # unaffected, but offsets must stay inside the text.
-            if all(0 <= s <= e <= len(text) for s, e in mapped):
-                kept_offsets = mapped
+        # Some tokenizers report offsets without the leading space of a word; the span overlap test is unaffected,
+        # but offsets must stay inside the text.
+        if enc_ids == kept_ids and all(0 <= s <= e <= len(text) for s, e in mapped):
+            kept_offsets = mapped
     if kept_offsets is None:
         kept_offsets = _incremental_offsets(tokenizer, kept_ids, text, skip)
     offsets, kept, cursor = [], iter(kept_offsets), 0

@@ -158,17 +158,15 @@ def _assistant_bodies(
         start = len(prev_text)
         if cur is not None and cur.startswith(prev_text) and text.startswith(cur):
             end = len(cur)
-        else:
-            found = text.find(content, pos) if content else -1
-            start = found if found >= 0 else pos
+        else:  # the content's first occurrence from `pos` (find's -1: not found, stay at `pos`)
+            start = max(text.find(content, pos), pos)
             end = start + len(content)
         if msg.get("role") == "assistant":
             with_header = _render(tokenizer, messages[:k], template_kwargs, gen=True, strict=False)
             if with_header is not None and text.startswith(with_header) and start <= len(with_header) <= end:
                 body_start = len(with_header)
             else:
-                found = text.find(content, start, end) if content else -1
-                body_start = found if found >= 0 else start
+                body_start = max(text.find(content, start, end), start)
             bodies[k] = (body_start, body_start + len(text[body_start:end].rstrip()))
         prev_text, pos = (cur if cur is not None else text[:end]), end
     return bodies

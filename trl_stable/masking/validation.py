@@ -37,11 +37,10 @@ _SHORTHAND_TYPES = {"str": "string", "int": "integer", "float": "number", "bool"
 
 @dataclass
 class ParsedToolCall:
-    """A tool call read from text: `name`, `arguments` (a dict) and the JSON payload it came from."""
+    """A tool call read from text: `name` and `arguments` (a dict)."""
 
     name: str | None
     arguments: dict[str, Any] = field(default_factory=dict)
-    payload: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def parse_tool_call(text: str, open_tag: str = "<tool_call>", close_tag: str = "
     arguments = {} if arguments is None else arguments
     if not isinstance(arguments, dict):
         raise ValueError(f"tool-call arguments must be a JSON object, got {type(arguments).__name__}")
-    return ParsedToolCall(name=name if isinstance(name, str) else None, arguments=arguments, payload=payload)
+    return ParsedToolCall(name=name if isinstance(name, str) else None, arguments=arguments)
 
 
 def load_tools(value: Any) -> Any:
@@ -180,9 +179,7 @@ def schema_errors(value: Any, schema: Mapping[str, Any] | None, path: str = "arg
         errors.append(f"{path}: {value!r} not in {schema['enum']!r}")
     if isinstance(value, dict):
         properties = schema.get("properties", {}) or {}
-        for key in schema.get("required", []) or []:
-            if key not in value:
-                errors.append(f"{path}: missing required {key!r}")
+        errors += [f"{path}: missing required {key!r}" for key in schema.get("required") or [] if key not in value]
         for key, item in value.items():
             if key in properties:
                 errors.extend(schema_errors(item, properties[key], f"{path}.{key}"))

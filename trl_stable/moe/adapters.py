@@ -81,11 +81,7 @@ _MOE_HINTS = ("router", "topkgate", "sparsemoe", "moeblock", "moegate")
 
 def adapter_for(module: nn.Module) -> RouterAdapter | None:
     """The adapter whose router class is exactly ``type(module)``, or None."""
-    for adapter in ADAPTERS:
-        cls = adapter.load_class()
-        if cls is not None and type(module) is cls:
-            return adapter
-    return None
+    return next((adapter for adapter in ADAPTERS if type(module) is adapter.load_class()), None)
 
 
 def unsupported_error(model: nn.Module) -> ValueError:

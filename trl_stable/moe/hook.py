@@ -87,14 +87,12 @@ class RoutingHook:
     def sampling(self) -> Iterator[SampledRouting]:
         """Around one HF ``generate`` call: under R3 record the routing of the prefill and every decode step."""
         sampled = SampledRouting()
-        if self.mode != "R3":
+        with self.replay.record() if self.mode == "R3" else contextlib.nullcontext():
             yield sampled
-            return
-        with self.replay.record():
-            yield sampled
-        sampled.routing = self.replay.export(dim="sequence")
-        sampled.prompt_width = self.replay.recorded_shapes[0][1]
-        self.replay.clear()
+        if self.mode == "R3":
+            sampled.routing = self.replay.export(dim="sequence")
+            sampled.prompt_width = self.replay.recorded_shapes[0][1]
+            self.replay.clear()
 
     @contextlib.contextmanager
     def rollout_pass(

@@ -26,9 +26,7 @@ def _owner(module: nn.Module) -> RoutingReplay | None:
     """The live RoutingReplay that hooked `module` itself (not a copy of it), if any."""
     ref = getattr(module, _OWNER_ATTRIBUTE, None)
     owner = ref() if ref is not None else None
-    if owner is None or not any(state.module is module for state in owner._states):
-        return None
-    return owner
+    return owner if owner is not None and any(state.module is module for state in owner._states) else None
 
 
 # Private but present since torch 1.13 (-1 outside a backward pass). Without it a recomputation cannot be told from a
@@ -56,8 +54,7 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
     best = candidates[0]
     if len(candidates) > 1:
         fingerprint = _fingerprint(router_logits)
-        distance = [float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()) for i in candidates]
-        best = candidates[distance.index(min(distance))]
+        best = min(candidates, key=lambda i: float((fifo[i][1].to(fingerprint.device) - fingerprint).abs().max()))
     index = fifo[best][0]
     del fifo[best]
     return index
@@ -130,17 +127,10 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
         prefix = parent_name  # up to the closest enclosing GradientCheckpointingLayer (the decoder layer), if any
         while prefix and not isinstance(modules[prefix], GradientCheckpointingLayer):
             prefix = prefix.rpartition(".")[0]
-        states.append(
-            _RouterState(
-                name=name,
-                module=module,
-                adapter=adapter,
-                block=modules[parent_name] if parent_name else module,
-                layer=modules[prefix] if prefix else None,
-                top_k=int(module.top_k),
-                num_experts=int(module.num_experts),
-            )
-        )
+        block = modules[parent_name] if parent_name else module
+        layer = modules[prefix] if prefix else None
+        top_k, num_experts = int(module.top_k), int(module.num_experts)
+        states.append(_RouterState(name, module, adapter, block, layer, top_k, num_experts))
     return states
 
 
@@ -188,19 +178,9 @@ class RoutingReplay:
         return self._states[0].top_k
 
     @property
-    def router_names(self) -> list[str]:
-        """Qualified module names of the hooked routers, in layer order."""
-        return [s.name for s in self._states]
-
-    @property
     def families(self) -> list[str]:
         """Model families of the hooked routers."""
         return sorted({s.adapter.family for s in self._states})
-
-    @property
-    def mode(self) -> str:
-        """ "off", "record" or "replay"."""
-        return self._mode
 
     @property
     def recorded_shapes(self) -> list[tuple[int, int]]:

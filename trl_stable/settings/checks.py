@@ -123,11 +123,8 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 - the metadata key HfA
 def field_default(config: Any, name: str) -> Any:
     """The default of dataclass field `name` of `config` (its default factory called), or `dataclasses.MISSING`."""
     f = type(config).__dataclass_fields__[name]
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+    # a field has a default, a default factory or neither (then `f.default` is MISSING), never both
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
 @dataclass(frozen=True)
@@ -257,8 +254,7 @@ def training_argument_dependents(config: Any) -> tuple[Dependent, ...]:
     schedule = _name(config.lr_scheduler_type)
     evaluates = _name(config.eval_strategy) != "no"
     report_to = set(config.report_to or [])
-    accelerator = getattr(config, "accelerator_config", None)
-    seedable = getattr(accelerator, "use_seedable_sampler", True)
+    seedable = getattr(getattr(config, "accelerator_config", None), "use_seedable_sampler", True)
     sampling = config.train_sampling_strategy
     return (
         Dependent(("num_train_epochs",), config.max_steps <= 0, "max_steps=-1 (max_steps > 0 sets the run's length)"),

@@ -9,6 +9,7 @@ from importlib import resources
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 BOS_TOKEN = "<|startoftext|>"
@@ -81,8 +82,6 @@ def corpus() -> str:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -93,8 +92,7 @@ def _tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unknown token
         show_progress=False,
     )
-    text = corpus()
-    tok.train_from_iterator([line for line in text.splitlines() if line.strip()] * 2, trainer=trainer)
+    tok.train_from_iterator([line for line in corpus().splitlines() if line.strip()] * 2, trainer=trainer)
     return tok.to_str()
 
 
@@ -109,8 +107,6 @@ def build_tokenizer(vocab_size: int = 1024, padding_side: str = "left") -> PreTr
         vocab_size: Size of the BPE vocabulary, special tokens included.
         padding_side: "left" (what generation wants) or "right".
     """
-    from tokenizers import Tokenizer
-
     backend = Tokenizer.from_str(_tokenizer_json(vocab_size))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -159,10 +155,8 @@ def build_causal_lm(
     config = tiny_config(family, tokenizer, **overrides)
     with torch.random.fork_rng(devices=[]):  # neither depends on nor disturbs the caller's RNG state
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        setattr(model.generation_config, name, getattr(config, name))
-    return model
+        # the generation config takes its pad, eos and bos ids from `config` (GenerationConfig.from_model_config)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def build_reward_model(
