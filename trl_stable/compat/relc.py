@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed  # seeds random, numpy and torch (all devices), as trl.core.set_seed did
+# set_seed seeds random, numpy and torch (all devices), as trl.core.set_seed did
+from accelerate.utils import gather_object, set_seed
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -410,12 +411,8 @@ class PPOTrainer(_StablePPOTrainer):
         padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, longest row of this process]
         running = None
         if args.use_score_scaling:
-            device = self.accelerator.device
-            flat = padded.flatten().float().to(device)
-            counts = self.accelerator.gather(torch.tensor([flat.numel()], device=device))
-            width = int(counts.max())
-            every = self.accelerator.gather(torch.nn.functional.pad(flat, (0, width - flat.numel())).unsqueeze(0))
-            self.running.update(torch.cat([every[k, : int(n)] for k, n in enumerate(counts.tolist())]).cpu())
+            # a list gathers as one list, this process's entries after the lower ranks', whatever their counts
+            self.running.update(torch.tensor(gather_object(padded.flatten().float().tolist())))
             running = self.running
         scaled = scale_scores(padded, running, normalize=args.use_score_norm, clip=args.score_clip)
         return [scaled[i, : len(row)] for i, row in enumerate(rows)]
