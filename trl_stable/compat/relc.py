@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-# set_seed seeds random, numpy and torch (all devices), as trl.core.set_seed did
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import gather_object, set_seed  # set_seed: random, numpy, torch (all devices), as trl.core's
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
