@@ -153,6 +153,8 @@ def test_step_maps_relc_token_rewards_to_response_tokens(tokenizer, monkeypatch,
     # a single query: old TRL's [1, len] tensor, prompt included by default
     out = trainer.generate(queries[0], max_new_tokens=3, min_length=-1, top_k=0.0)
     assert out.dim() == 2 and out[0, :3].tolist() == [5, 6, 7]
+    short = trainer.generate(queries[0], length_sampler=lambda: 2, return_prompt=False)
+    assert short.shape[0] == 1 and 1 <= short.shape[1] <= 2  # the sampler's draw caps the response
 
 
 def test_query_batch_span_through_the_critic_backend(monkeypatch):

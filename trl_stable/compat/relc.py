@@ -338,20 +338,13 @@ class PPOTrainer(_StablePPOTrainer):
             generation_kwargs.pop("min_length")  # TRL 0.x's "no minimum"; today's generate rejects -1
         if "top_k" in generation_kwargs:
             generation_kwargs["top_k"] = int(generation_kwargs["top_k"])  # RELC passes 0.0
-        if isinstance(query_tensor, torch.Tensor):
-            if query_tensor.dim() != 1:
-                raise ValueError("query_tensor must be a tensor of shape (seq_len) or a list of such tensors.")
-            if length_sampler is not None:
-                generation_kwargs["max_new_tokens"] = length_sampler()
-            out = super().generate(query_tensor, return_prompt=return_prompt, **generation_kwargs)
-            return out.unsqueeze(0)
-        return super().generate(
-            list(query_tensor),
-            length_sampler=length_sampler,
-            return_prompt=return_prompt,
-            batch_size=batch_size,
-            **generation_kwargs,
+        single = isinstance(query_tensor, torch.Tensor)
+        if single and query_tensor.dim() != 1:
+            raise ValueError("query_tensor must be a tensor of shape (seq_len) or a list of such tensors.")
+        out = super().generate(
+            query_tensor, length_sampler, return_prompt=return_prompt, batch_size=batch_size, **generation_kwargs
         )
+        return out.unsqueeze(0) if single else out
 
     def step(
         self,
