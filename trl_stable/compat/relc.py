@@ -295,7 +295,7 @@ class PPOTrainer(_StablePPOTrainer):
             model=_policy_of(model),
             args=args,
             processing_class=tokenizer,
-            ref_model=_policy_of(ref_model) if ref_model is not None else None,
+            ref_model=_policy_of(ref_model),  # None stays None
             value_model=value_head,
             optimizers=(optimizer, lr_scheduler),
         )
