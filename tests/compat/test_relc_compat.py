@@ -153,6 +153,8 @@ def test_step_maps_relc_token_rewards_to_response_tokens(tokenizer, monkeypatch,
     # a single query: old TRL's [1, len] tensor, prompt included by default
     out = trainer.generate(queries[0], max_new_tokens=3, min_length=-1, top_k=0.0)
     assert out.dim() == 2 and out[0, :3].tolist() == [5, 6, 7]
+    short = trainer.generate(queries[0], length_sampler=lambda: 2, return_prompt=False)
+    assert short.shape[0] == 1 and 1 <= short.shape[1] <= 2  # the sampler's draw caps the response
 
 
 def test_query_batch_span_through_the_critic_backend(monkeypatch):
@@ -319,22 +321,14 @@ def test_score_norm_and_clip_on_token_rows(tokenizer, monkeypatch, tmp_path):
 
 def test_score_scaling_counts_the_entries_of_every_process(tokenizer, monkeypatch, tmp_path):
     trainer, seen = _relc_trainer(tokenizer, monkeypatch, tmp_path, use_score_scaling=True)
-    other = torch.tensor([7.0, -5.0, 2.0])  # another process's padded entries (a different width)
+    other = torch.tensor([7.0, -5.0, 2.0])  # another process's padded entries (a different count)
 
-    class TwoProcesses:
-        """accelerate's gather over two processes: this one's tensor, then the other's (padded to one width)."""
+    def gather_object_of_two_processes(entries):
+        """accelerate's gather_object over two processes: a list gathers as one list, this one's then the other's."""
+        assert isinstance(entries, list)  # a tensor would gather as a list of 0-dim tensors, one pickle per entry
+        return entries + other.tolist()
 
-        device = torch.device("cpu")
-
-        def gather(self, tensor):
-            theirs = (
-                torch.tensor([len(other)])
-                if tensor.dim() == 1
-                else torch.nn.functional.pad(other, (0, tensor.shape[1] - len(other))).unsqueeze(0)
-            )
-            return torch.cat([tensor, theirs])
-
-    monkeypatch.setattr(trainer, "accelerator", TwoProcesses())
+    monkeypatch.setattr(relc, "gather_object", gather_object_of_two_processes)
     rows = trainer._scaled_rows([r.clone() for r in ROWS_1])
     std, _ = _stdev(_padded_entries(ROWS_1) + other.tolist())
     assert trainer.running.count == 8 + 3

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed  # seeds random, numpy and torch (all devices), as trl.core.set_seed did
+from accelerate.utils import gather_object, set_seed  # set_seed: random, numpy, torch (all devices), as trl.core's
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -295,7 +295,7 @@ class PPOTrainer(_StablePPOTrainer):
             model=_policy_of(model),
             args=args,
             processing_class=tokenizer,
-            ref_model=_policy_of(ref_model) if ref_model is not None else None,
+            ref_model=_policy_of(ref_model),  # None stays None
             value_model=value_head,
             optimizers=(optimizer, lr_scheduler),
         )
@@ -338,20 +338,13 @@ class PPOTrainer(_StablePPOTrainer):
             generation_kwargs.pop("min_length")  # TRL 0.x's "no minimum"; today's generate rejects -1
         if "top_k" in generation_kwargs:
             generation_kwargs["top_k"] = int(generation_kwargs["top_k"])  # RELC passes 0.0
-        if isinstance(query_tensor, torch.Tensor):
-            if query_tensor.dim() != 1:
-                raise ValueError("query_tensor must be a tensor of shape (seq_len) or a list of such tensors.")
-            if length_sampler is not None:
-                generation_kwargs["max_new_tokens"] = length_sampler()
-            out = super().generate(query_tensor, return_prompt=return_prompt, **generation_kwargs)
-            return out.unsqueeze(0)
-        return super().generate(
-            list(query_tensor),
-            length_sampler=length_sampler,
-            return_prompt=return_prompt,
-            batch_size=batch_size,
-            **generation_kwargs,
+        single = isinstance(query_tensor, torch.Tensor)
+        if single and query_tensor.dim() != 1:
+            raise ValueError("query_tensor must be a tensor of shape (seq_len) or a list of such tensors.")
+        out = super().generate(
+            query_tensor, length_sampler, return_prompt=return_prompt, batch_size=batch_size, **generation_kwargs
         )
+        return out.unsqueeze(0) if single else out
 
     def step(
         self,
@@ -410,12 +403,8 @@ class PPOTrainer(_StablePPOTrainer):
         padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, longest row of this process]
         running = None
         if args.use_score_scaling:
-            device = self.accelerator.device
-            flat = padded.flatten().float().to(device)
-            counts = self.accelerator.gather(torch.tensor([flat.numel()], device=device))
-            width = int(counts.max())
-            every = self.accelerator.gather(torch.nn.functional.pad(flat, (0, width - flat.numel())).unsqueeze(0))
-            self.running.update(torch.cat([every[k, : int(n)] for k, n in enumerate(counts.tolist())]).cpu())
+            # a list gathers as one list, this process's entries after the lower ranks', whatever their counts
+            self.running.update(torch.tensor(gather_object(padded.flatten().float().tolist())))
             running = self.running
         scaled = scale_scores(padded, running, normalize=args.use_score_norm, clip=args.score_clip)
         return [scaled[i, : len(row)] for i, row in enumerate(rows)]

@@ -80,7 +80,7 @@ def parse_relc_answer(answer: str | None, continues: str | None = None) -> Parse
         return parse_critic_answer(answer, continues)
     text = answer.replace("\r\n", "\n").replace("\r", "\n")
     if continues and _WORD_SCORE_HEADER_RE.match(continues):
-        spans = word_score_spans(text) if text.strip() else None
+        spans = word_score_spans(text)  # None for a blank answer too
         if spans is None:
             return ParsedCritique(ok=False, reason=f"no per-word scores after {WORD_SCORE_HEADER!r}")
         return ParsedCritique(positive=spans[0], negative=spans[1])
@@ -190,17 +190,16 @@ def query_batch_span(
         "your script's rewards as they are; for character-offset alignment use "
         "trl_stable.rewards.span_token_rewards, or trl_stable.rewards.make_intrinsic_reward with PPOTrainer.train().",
     )
-    base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
-    critic = OpenAICritic(
+    with OpenAICritic(
         model=model,
-        base_url=base_url,
+        # read here too: with a server and no key, OpenAICritic sends a placeholder key instead of refusing
+        base_url=base_url or os.environ.get("OPENAI_BASE_URL") or None,
         api_key=api_key,
         max_tokens=max_tokens,
         concurrency=max_workers,
         timeout=timeout,
         temperature=0.0,
-    )
-    with critic:
+    ) as critic:
         answers = critic.generate(list(queries))
     failed = [q for q, a in zip(queries, answers) if a is None]
     if failed and mode == "drop":

@@ -82,10 +82,10 @@ class _Tournament:
         self.failed_calls = 0
         self.failure: str | None = None
         self.max_rounds = 1 if pairing == "round_robin" else rounds or (math.ceil(math.log2(n)) if n > 1 else 0)
-        # A copy: the seeded order decides round 1 and breaks remaining ties, never touching the caller's list.
-        self.seed_order = list(range(n))
-        random.Random(seed).shuffle(self.seed_order)
-        self.seed_rank = {player: rank for rank, player in enumerate(self.seed_order)}
+        # The seeded order decides round 1 (where every score is 0) and breaks the later rounds' remaining ties.
+        seed_order = list(range(n))
+        random.Random(seed).shuffle(seed_order)
+        self.seed_rank = {player: rank for rank, player in enumerate(seed_order)}
         self.done = n < 2 or self.max_rounds == 0
 
     def buchholz(self, i: int) -> float:
@@ -97,10 +97,7 @@ class _Tournament:
             return []
         if self.pairing == "round_robin":
             return [(i, j) for i in range(self.n) for j in range(i + 1, self.n)]
-        if self.rounds_played == 0:
-            order = self.seed_order
-        else:
-            order = sorted(range(self.n), key=lambda i: (-self.wins[i], -self.buchholz(i), self.seed_rank[i]))
+        order = sorted(range(self.n), key=lambda i: (-self.wins[i], -self.buchholz(i), self.seed_rank[i]))
         # Odd: the lowest-ranked player without a bye sits out (all had one: the lowest-ranked), if the rest pair.
         byes = sorted(reversed(order), key=lambda p: p in self.byes) if len(order) % 2 else [None]
         for bye in byes:
@@ -460,10 +457,7 @@ class ArenaReward:
         results = run_arenas(
             groups, self.judge, self.pairing, self.rounds, self.both_orders, base_seed, self.max_workers
         )
-        rewards = [0.5] * len(completions)
-        for m, result in zip(members, results):
-            for idx, reward in zip(m, result.rewards):
-                rewards[idx] = reward
+        by_index = {idx: reward for m, result in zip(members, results) for idx, reward in zip(m, result.rewards)}
         calls = sum(r.judge_calls for r in results)
         failed = sum(r.failed_calls for r in results)
         with self._lock:
@@ -475,7 +469,7 @@ class ArenaReward:
         if callable(log_metric):
             log_metric(ARENA_JUDGE_CALLS, float(calls))  # counts: summed over processes by the trainers
             log_metric(ARENA_FAILED_JUDGE_CALLS, float(failed))
-        return rewards
+        return [by_index[idx] for idx in range(len(completions))]  # every completion played in its prompt's arena
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The counts, the seed stream's position and the failure guard, for a trainer's checkpoint."""

@@ -189,11 +189,8 @@ def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = 
     sections = _sections(outside)
     if "action" in sections and not spans:
         name = sections["action"].splitlines()[0].strip() if sections["action"] else ""
-        raw_args = sections.get("action input", "").strip() or "{}"
-        try:
-            step.calls.append(parse_tool_call(json.dumps({"name": name, "arguments": json.loads(raw_args)})))
-        except ValueError:  # json.JSONDecodeError included
-            step.invalid_calls += 1
+        # parse_tool_call decodes string arguments (blank: {}); bad JSON raises, which _add_call counts as invalid
+        _add_call(step, json.dumps({"name": name, "arguments": sections.get("action input", "")}))
     step.plan = _plan_items(sections.get("plan"))
     thought = sections.get("thought", sections.get("thinking", sections.get("reasoning")))
     if thought is None:
