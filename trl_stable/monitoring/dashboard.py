@@ -453,9 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     source = Path(args.source)
-    output = (
-        args.output if args.output is not None else (source if source.is_dir() else source.parent) / DASHBOARD_FILE
-    )
+    default_output = (source if source.is_dir() else source.parent) / DASHBOARD_FILE
+    output = default_output if args.output is None else args.output
     try:
         given = {name: getattr(args, name) for name in ("reward_max", "kl_target") if getattr(args, name) is not None}
         config = HealthConfig(**given)
@@ -468,10 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = []
     for event in run.events:
         if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
-            lines.append(
-                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
-                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
-            )
+            symptom = f": {event.get('symptom', '')}" if event["kind"] == "raised" else ""
+            lines.append(f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}{symptom}")
         elif event.get("type") in ("remedy", "stop"):
             lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
     print("alarms:\n" + ("\n".join(lines) if lines else "  no alarms"))
