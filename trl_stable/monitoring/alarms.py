@@ -16,7 +16,6 @@ class AlarmSpec:
 
     name: str
     severity: str
-    metric: str
     symptom: str
     cause: str
     remedy: str
@@ -27,7 +26,6 @@ _CRITICAL = ("grad_norm_vanishing", "entropy_collapse", "nonfinite")
 
 _TEXTS = {
     "zero_std": dict(
-        metric="frac_reward_zero_std",
         symptom="{value:.0%} of the groups have zero reward variance "
         "(healthy < {healthy:.0%}, alarm > {threshold:.0%})",
         cause="every completion of a prompt gets the same reward, so group-normalised advantages are 0: "
@@ -36,7 +34,6 @@ _TEXTS = {
         "dense rewards), or drop such groups with dynamic sampling",
     ),
     "reward_plateau": dict(
-        metric="reward",
         symptom="reward/mean stuck at {value:.3f} below the declared maximum {threshold:.3f}",
         cause="the reward stopped rising short of its maximum: a perfect answer may not score the declared maximum, "
         "or the task is out of reach",
@@ -44,7 +41,6 @@ _TEXTS = {
         "known-good answers; give partial credit or denser rewards",
     ),
     "reward_above_max": dict(
-        metric="reward",
         symptom="reward/mean {value:.3f} exceeds the declared maximum {threshold:.3f}",
         cause="the reward functions return more than the declared maximum (weights not summing to 1, unscaled "
         "reward model)",
@@ -52,14 +48,12 @@ _TEXTS = {
         "maximum in health_reward_max",
     ),
     "grad_norm_vanishing": dict(
-        metric="grad_norm",
         symptom="grad_norm {value:.2e} stays near zero (floor {threshold:.2e})",
         cause="zero-variance groups (all advantages 0) or gradients of opposite sign cancelling",
         remedy="check frac_reward_zero_std; inject virtual samples (NGRPO) or refine the reward; check the loss is "
         "not fully masked by filters",
     ),
     "length_near_cap": dict(
-        metric="completions/mean_length",
         symptom="completion length {value:.1f} is near the cap {threshold:.0f}",
         cause="completions run into max_completion_length more than they did at the start of the run: the model "
         "loops or repeats itself",
@@ -67,14 +61,12 @@ _TEXTS = {
         "(mask_truncated_completions=True), or raise max_completion_length if answers are legitimately long",
     ),
     "entropy_collapse": dict(
-        metric="entropy",
         symptom="entropy {value:.3f} collapsed below {threshold:.3f}",
         cause="the policy became nearly deterministic: exploration is gone and rewards can only plateau",
         remedy="raise epsilon_high (clip-higher), lower the learning rate, raise the sampling temperature, add a KL "
         "or entropy term",
     ),
     "mismatch": dict(
-        metric="mismatch/logp_abs_diff/mean",
         symptom="sampler vs trainer log-prob mean |diff| {value:.4f} > {threshold:.4f}",
         cause="the sampler and the trainer compute different probabilities for the same tokens: precision (fp8/int8 "
         "vs bf16/fp32), tokenizer or chat-template differences, MoE routing drift, left-padding positions (a model "
@@ -86,14 +78,12 @@ _TEXTS = {
         "the decoupled loss plus IcePop/KPop",
     ),
     "token_filter_masked": dict(
-        metric="masked fraction",
         symptom="IcePop/KPop mask {value:.1%} of the tokens (alarm > {threshold:.1%})",
         cause="many tokens have a behaviour weight outside the filter band: large sampler/trainer mismatch",
         remedy="check precision, tokenizer, MoE routing (routing replay), left-padding positions and dropout (see the "
         "mismatch alarm); the filters hide the problem but waste the masked samples",
     ),
     "retokenization": dict(
-        metric="retokenization/mismatched",
         symptom="{value:.0f} sample(s) re-tokenize to different ids than the sampler produced",
         cause="the trainer re-encodes the conversation (prompt, tool outputs, earlier turns) differently from the "
         "sampler: chat template, special tokens or decode/encode round trips",
@@ -101,7 +91,6 @@ _TEXTS = {
         "mismatching samples from the loss",
     ),
     "kl_above_target": dict(
-        metric="objective/kl",
         symptom="KL to the reference {value:.2f} stays above {threshold:.2f}",
         cause="the policy moves away from the reference faster than the KL penalty pulls it back: the KL "
         "coefficient is too small for this learning rate, or the adaptive controller too slow to catch up (its "
@@ -112,7 +101,6 @@ _TEXTS = {
         "reward hacking",
     ),
     "nonfinite": dict(
-        metric="loss / grad_norm",
         symptom="non-finite training value: {value}",
         cause="the update diverged (NaN/inf in loss or gradient): too high a learning rate, an exploding ratio, or "
         "NaN rewards",

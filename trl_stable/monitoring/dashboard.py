@@ -187,14 +187,13 @@ def _draw_zero_std(ax, run: RunHealth, cfg: HealthConfig):
 
 def _draw_grad_norm(ax, run: RunHealth, cfg: HealthConfig):
     # log scale: exact zeros are drawn at the bottom of the "near zero" band
-    x, y = run.series("grad_norm")
+    x, y = run.series("grad_norm")  # not empty: the panel is drawn for a gauge with data
     floor = _floor(y, cfg.grad_norm_floor, cfg.grad_norm_relative_floor, cfg.reference_window)
-    if x:
-        lowest = min([v for v in y if math.isfinite(v) and v > 0] + [floor]) / 10
-        shown = [max(v, lowest) if math.isfinite(v) else float("nan") for v in y]
-        ax.plot(x, shown, marker="." if len(x) < 30 else None, color="tab:blue", label="grad_norm")
-        ax.set_yscale("log")
-        _shade(ax, lowest, floor, _RED, f"near zero < {floor:.3g}")
+    lowest = min([v for v in y if math.isfinite(v) and v > 0] + [floor]) / 10
+    shown = [max(v, lowest) if math.isfinite(v) else float("nan") for v in y]
+    ax.plot(x, shown, marker="." if len(x) < 30 else None, color="tab:blue", label="grad_norm")
+    ax.set_yscale("log")
+    _shade(ax, lowest, floor, _RED, f"near zero < {floor:.3g}")
     ax.set_title("grad_norm (healthy: steady, non-zero)")
 
 
@@ -360,13 +359,21 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
     panels = dict(zip(shown, axes.flat))
     tops = {}  # each panel's topmost axes: its right-hand axis, or itself
     for name, ax in panels.items():
-        tops[ax] = _PANELS[name][1](ax, run, cfg) or ax
+        top = tops[ax] = _PANELS[name][1](ax, run, cfg) or ax
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.grid(alpha=0.3)
+        # one legend for the panel and its right-hand axis, under it, covering no data or label
+        pairs = [part.get_legend_handles_labels() for part in dict.fromkeys((ax, top))]
+        handles, names = (sum(column, []) for column in zip(*pairs))
+        if handles:
+            ax.legend(
+                handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
+                fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
+            )  # fmt: skip
     # raised alarms as solid lines on their panel, cleared ones dotted, a stop on every panel; the labels to place:
-    # {axes: [(step, alarm, color)]}, one per alarm and panel at its first raise
-    labels: dict[Any, list[tuple[int, str, str]]] = {}
+    # {axes: {alarm: (step, color)}}, one per alarm and panel at its first raise
+    labels: dict[Any, dict[str, tuple[int, str]]] = {}
     for event in run.events:
         if event.get("type") == "stop":
             for ax in panels.values():
@@ -379,18 +386,8 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         cleared = event["kind"] == "cleared"
         if ax is not None:
             ax.axvline(event["step"], color=color, lw=1.0 if cleared else 1.2, ls=":" if cleared else "-", alpha=0.8)
-            if not cleared and name not in {label[1] for label in labels.get(ax, [])}:
-                labels.setdefault(ax, []).append((int(event["step"]), name, color))
-    for ax in panels.values():  # one legend for a panel and its right-hand axis, under it, covering no data or label
-        handles, names = ax.get_legend_handles_labels()
-        if tops[ax] is not ax:
-            more = tops[ax].get_legend_handles_labels()
-            handles, names = handles + more[0], names + more[1]
-        if handles:
-            ax.legend(
-                handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(3, len(handles)),
-                fontsize=_LABEL_FONT, frameon=False, handlelength=1.8, columnspacing=1.2,
-            )  # fmt: skip
+            if not cleared:
+                labels.setdefault(ax, {}).setdefault(name, (int(event["step"]), color))
     if not shown:
         axes.flat[0].set_axis_off()
         axes.flat[0].text(0.5, 0.5, "no health gauges recorded yet", ha="center", va="center", color="grey")
@@ -414,7 +411,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
             top = tops[ax]  # the right-hand axis, when there is one, is drawn over the panel's own lines
             frame = ax.get_window_extent(renderer)
             rows: list[float] = []  # right edge, in pixels, of the last label of each row
-            for step, name, color in sorted(items):
+            for step, name, color in sorted((step, name, color) for name, (step, color) in items.items()):
                 text = top.annotate(
                     name,
                     (step, 1.0),
@@ -456,9 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     source = Path(args.source)
-    output = (
-        args.output if args.output is not None else (source if source.is_dir() else source.parent) / DASHBOARD_FILE
-    )
+    default_output = (source if source.is_dir() else source.parent) / DASHBOARD_FILE
+    output = default_output if args.output is None else args.output
     try:
         given = {name: getattr(args, name) for name in ("reward_max", "kl_target") if getattr(args, name) is not None}
         config = HealthConfig(**given)
@@ -471,10 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = []
     for event in run.events:
         if event.get("type") == "alarm" and event.get("kind") in ("raised", "cleared"):
-            lines.append(
-                f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}"
-                + (f": {event.get('symptom', '')}" if event["kind"] == "raised" else "")
-            )
+            symptom = f": {event.get('symptom', '')}" if event["kind"] == "raised" else ""
+            lines.append(f"  step {event['step']:>6}  {event['kind']:<8} {event['alarm']}{symptom}")
         elif event.get("type") in ("remedy", "stop"):
             lines.append(f"  step {event['step']:>6}  {event.get('kind', event['type'])}")
     print("alarms:\n" + ("\n".join(lines) if lines else "  no alarms"))
