@@ -187,7 +187,10 @@ class PPOTrainer(
         self.train_dataloader = self.get_train_dataloader() if train_dataset is not None else None
         if self.is_deepspeed_enabled:
             configure_deepspeed(self.accelerator)
-        self._prepare_for_training(self._scheduler_horizon(), None, None)  # sets model_wrapped (and deepspeed)
+        # from the return value the registry pins (integration.trl_members), not from what the call also sets
+        self.model_wrapped, _ = self._prepare_for_training(self._scheduler_horizon(), None, None)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model_wrapped
         self.ref_model = None if ref_model is None else prepare_reference(self, ref_model)
         coef, adaptive = args.init_kl_coef, args.adap_kl_ctrl
         self.kl_ctl = AdaptiveKLController(coef, args.target, args.horizon) if adaptive else FixedKLController(coef)
