@@ -81,10 +81,6 @@ class DiskCache:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], f"{key}.json")
 
-    def get(self, key: str) -> str | None:
-        entry = self.get_entry(key)
-        return None if entry is None else entry[0]
-
     def get_entry(self, key: str) -> tuple[str, str | None] | None:
         """(answer, the validator version it was stored under) of `key`; None when missing or torn."""
         if self.broken is not None:

@@ -115,11 +115,10 @@ class CriticBackendConfig(SecretsNotPickled):
         )
 
     def __post_init__(self) -> None:
-        if self.critic_backend not in CRITIC_BACKENDS:
-            raise ValueError(f"critic_backend must be one of {CRITIC_BACKENDS}, got {self.critic_backend!r}.")
+        for name, allowed in (("critic_backend", CRITIC_BACKENDS), ("critic_lexicon", SENTIMENT_LEXICONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         check_transport("critic_transport", self.critic_transport)
-        if self.critic_lexicon not in SENTIMENT_LEXICONS:
-            raise ValueError(f"critic_lexicon must be one of {SENTIMENT_LEXICONS}, got {self.critic_lexicon!r}.")
         # every *_env field (critic_api_key_env): the key itself typed there would be echoed by errors and saved
         super().__post_init__()
 

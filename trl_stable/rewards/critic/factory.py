@@ -53,13 +53,12 @@ def build_critic_backend(
             )
         return LexiconCritic(task=config.critic_task, lexicon=config.critic_lexicon)
     if config.critic_backend == "openai":
-        fields = {name.removeprefix("critic_"): getattr(config, name) for name in OPENAI_FIELDS}
         return OpenAICritic(
             model=config.critic_model or "gpt-4o-mini",
             max_tokens=config.critic_max_tokens,
             answer_validator=answer_validator,
             validator_version=validator_version,
-            **fields,
+            **{name.removeprefix("critic_"): getattr(config, name) for name in OPENAI_FIELDS},
         )
     critic = model if model is not None else config.critic_model
     if critic is None:

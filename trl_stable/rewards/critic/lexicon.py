@@ -105,9 +105,7 @@ class LexiconCritic(CriticBackend):
             valence = self._lexicon.get(word.lower().replace("\u2019", "'"))
             if valence is None or abs(valence) < self.min_valence:
                 continue
-            lo = start
-            if i > 0 and words[i - 1][0].lower() in self._boost:
-                lo = words[i - 1][1]
+            lo = words[i - 1][1] if i > 0 and words[i - 1][0].lower() in self._boost else start
             for j in range(i - 1, max(-1, i - 4), -1):
                 # A negator reaches over at most two words of its own clause and no other sentiment word.
                 if re.search(r"[,.;:!?]", text[words[j][2] : start]):
@@ -128,13 +126,11 @@ class LexiconCritic(CriticBackend):
         return format_sentiment_answer(_merge(text, pos), _merge(text, neg))
 
     def _toxicity(self, texts: Sequence[str]) -> list[str]:
-        per_text = [[(m.group(0), m.start(), m.end()) for m in _WORD_RE.finditer(t)] for t in texts]
-        flat = [w for words in per_text for (w, _, _) in words]
+        per_text = [list(_WORD_RE.finditer(t)) for t in texts]
+        flat = [m.group(0) for words in per_text for m in words]
         probs = iter(self._predict_prob(flat) if flat else ())
         return [
-            format_toxicity_answer(
-                _merge(text, [(s, e) for _, s, e in words if next(probs) >= self.toxicity_threshold])
-            )
+            format_toxicity_answer(_merge(text, [m.span() for m in words if next(probs) >= self.toxicity_threshold]))
             for text, words in zip(texts, per_text)
         ]
 

@@ -88,10 +88,9 @@ def clean_span(raw: str) -> str:
     s = _ITEM_PREFIX_RE.sub("", raw.strip(), count=1).strip()  # "1. [Span 1]: x" and "[Span 1]: 1. x"
     s = _SPAN_MARKER_RE.sub(" ", s, count=1) if _SPAN_MARKER_RE.match(s) else s
     s = _ITEM_PREFIX_RE.sub("", s, count=1).strip()
-    s = _TRAILING_NOTE_RE.sub("", s)
+    s = _TRAILING_NOTE_RE.sub("", s).strip()
     # Punctuation after closing quotes is never part of the span; inside them "!"/"?" are kept (they are located
     # as written), while a trailing comma or period is the critic's list punctuation.
-    s = s.strip()
     unquoted = s.rstrip(".,;:!?").strip()
     leading = _LEADING_QUOTED_RE.match(s)
     if len(unquoted) >= 2 and unquoted[0] in _QUOTES and unquoted[-1] in _QUOTES:
@@ -176,10 +175,7 @@ def continuation_header(prompt: str | None) -> str | None:
 
 def _continued(text: str, header: str | None) -> str:
     """`text` with the header it continues put in front, unless the critic repeated that header itself."""
-    if not header:
-        return text
-    norm = " ".join(header.lower().split())
-    if " ".join(text.lower().split()).startswith(norm):
+    if not header or " ".join(text.lower().split()).startswith(" ".join(header.lower().split())):
         return text
     # Only an answer with span structure continues the header: a refusal or chatter ("I cannot help with that.")
     # would otherwise become a span of the first section.
@@ -208,23 +204,18 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     text = _ONE_LINE_LABELS_RE.sub("\\1\n", _continued(text, continues))
 
     result = ParsedCritique()
-    found = False
     # Under "Problematic Spans Identified in the Summary:" every listed span is a flaw; its label only says which.
     all_flaws = _PROBLEM_HEADER_RE.search(text) is not None
 
-    for m in _LABELED_RE.finditer(text):
-        found = True
+    labeled = list(_LABELED_RE.finditer(text))
+    for m in labeled:
         span, polarity = clean_span(m.group("span")), label_polarity(m.group("label"))
         if not span:
             continue
-        if all_flaws and polarity == 0:
-            polarity = -1
-        if polarity > 0:
-            result.positive.append(span)
-        elif polarity < 0:
-            result.negative.append(span)
-        else:
+        if polarity == 0 and not all_flaws:
             result.unknown_labels.append(m.group("label").strip())
+        else:
+            (result.positive if polarity > 0 else result.negative).append(span)
     text_wo_labeled = _LABELED_RE.sub("", text)
 
     headers = list(_HEADER_RE.finditer(text_wo_labeled))
@@ -232,7 +223,6 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
     # every span so far made an answer of n such lines quadratic.
     seen = {"positive": set(result.positive), "negative": set(result.negative)}
     for k, m in enumerate(headers):
-        found = True
         end = headers[k + 1].start() if k + 1 < len(headers) else len(text_wo_labeled)
         polarity = (m.group("a") or m.group("b") or "negative").lower()
         target = result.positive if polarity == "positive" else result.negative
@@ -240,15 +230,13 @@ def parse_critic_answer(answer: str | None, continues: str | None = None) -> Par
             if span not in seen[polarity]:
                 seen[polarity].add(span)
                 target.append(span)
-    if headers:
-        lead = text_wo_labeled[: headers[0].start()]
-        # Spans before the first header belong to a section whose header the prompt held: without `continues` they
-        # are lost, which the caller must be able to see.
-        if _SPAN_MARKER_RE.search(lead) or any(_MARKED_LINE_RE.match(ln) for ln in lead.splitlines() if ln.strip()):
-            result.ignored_text = lead.strip()
+    lead = text_wo_labeled[: headers[0].start()] if headers else ""
+    # Spans before the first header belong to a section whose header the prompt held: without `continues` they are
+    # lost, which the caller must be able to see.
+    if _SPAN_MARKER_RE.search(lead) or any(_MARKED_LINE_RE.match(ln) for ln in lead.splitlines() if ln.strip()):
+        result.ignored_text = lead.strip()
 
-    if not found:
-        if _NONE_RE.match(text.strip().splitlines()[0]) or _NONE_ANYWHERE_RE.search(text):
-            return result  # "None identified", "No toxic spans.": valid and empty
-        return ParsedCritique(ok=False, reason="no span format recognised")
-    return result
+    # without spans, "None identified" or "No toxic spans." is a valid, empty answer
+    if labeled or headers or _NONE_RE.match(text.strip().splitlines()[0]) or _NONE_ANYWHERE_RE.search(text):
+        return result
+    return ParsedCritique(ok=False, reason="no span format recognised")

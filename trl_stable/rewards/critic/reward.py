@@ -49,8 +49,7 @@ def scale_intrinsic_rewards(row: Sequence[float], coef: float = 1.0, max_abs_sum
     scaled = [coef * float(v) for v in row]
     total = sum(abs(v) for v in scaled)
     if max_abs_sum is not None and total > max_abs_sum:
-        factor = max_abs_sum / total
-        scaled = [v * factor for v in scaled]
+        return [v * (max_abs_sum / total) for v in scaled]
     return scaled
 
 
@@ -129,8 +128,7 @@ class CriticPrefetch:
     env_rewards: list[float] | None
     selected: list[int]  # the critiqued completions (env reward at or below the threshold), in job order
     prompt_texts: dict[int, str]
-    # completion index -> (decoded text, token char offsets)
-    aligned: dict[int, tuple[str, list[tuple[int, int]]]]
+    aligned: dict[int, tuple[str, list[tuple[int, int]]]]  # completion index -> (decoded text, token char offsets)
     job: CriticJob | None
     started: float
     counters_before: dict[str, int]
@@ -254,10 +252,9 @@ class CriticIntrinsicReward:
         started = time.monotonic()
         before = self.backend.counters.snapshot()
         # A NaN environment reward is never <= the threshold: not critiqued, only counted (critic/nan_env_rewards).
-        thr = self.config.intrinsic_reward_threshold
         ids = [[int(t) for t in c] for c in completion_ids]
         scores = env_rewards if env_rewards is not None else [None] * len(ids)
-        selected = [i for i, r in enumerate(scores) if r is None or r <= thr]
+        selected = [i for i, r in enumerate(scores) if r is None or r <= self.config.intrinsic_reward_threshold]
         texts = {i: decode_response(tokenizer, ids[i]) for i in selected}
         prompt_texts = {i: completion_text(prompts[i]) if prompts is not None else "" for i in selected}
         critic_prompts = [self.critic_prompt(prompt_texts[i], texts[i], scores[i]) for i in selected]
@@ -314,8 +311,7 @@ class CriticIntrinsicReward:
             critique = self._critique(answer, *batch.aligned[i], context=context)
             step.record(critique)
             rows[i] = critique.row
-        now = time.monotonic()
-        self._end_step(step, now - batch.started, now - waited_from, batch.counters_before, kwargs.get("log_metric"))
+        self._end_step(step, batch, waited_from, kwargs.get("log_metric"))
         return rows
 
     def _critique(self, answer: str | None, text: str, offsets: list[tuple[int, int]], context: str = "") -> Critique:
@@ -341,25 +337,21 @@ class CriticIntrinsicReward:
         """Steps in a row in which no critique was usable."""
         return self._guard.consecutive
 
-    def _end_step(
-        self, step: StepCounts, seconds: float, wait: float, before: dict[str, int], log_metric: Any
-    ) -> None:
-        """Count the step, keep its metrics as the last step's and hand them to TRL's `log_metric` hook; then warn
-        about unusable answers and stop the run on a rejected key or after `max_consecutive_failing_steps` steps
-        without a usable critique (the error names the failures by kind, e.g. "2 failed requests (timeouts 3,
-        server_errors 1), 1 unparseable answers")."""
+    def _end_step(self, step: StepCounts, batch: CriticPrefetch, waited_from: float, log_metric: Any) -> None:
+        """Count and log the step; warn about unusable answers; stop the run on a rejected key or after
+        `max_consecutive_failing_steps` steps without a usable critique (the error names the failures by kind)."""
+        now = time.monotonic()
         self.totals.add(step)
-        # the fractions from one table, which the trainers also use to recompute them from the counts of every process
-        last = {
-            **critic_step_ratios(step.values),
-            CRITIC_STAGE_SECONDS: seconds,  # from the requests' start (the prefetch, if any) to the rewards
-            CRITIC_WAIT_SECONDS: wait,  # what the trainer waited in the call: the critic's cost after the overlap
-        }
-        # every backend counter is logged per step, so a failing critic shows in the training logs
         after = self.backend.counters.snapshot()
-        last.update({f"{CRITIC_STEP_PREFIX}{k}": after.get(k, 0) - before.get(k, 0) for k in COUNTER_NAMES})
-        last.update({f"{CRITIC_STEP_PREFIX}{k}": v for k, v in step.values.items() if k != "steps"})
-        self._last = last
+        # the fractions from one table, which the trainers also use to recompute them from the counts of every
+        # process; every backend counter is logged per step, so a failing critic shows in the training logs
+        self._last = last = {
+            **critic_step_ratios(step.values),
+            CRITIC_STAGE_SECONDS: now - batch.started,  # from the requests' start (prefetch included) to the rewards
+            CRITIC_WAIT_SECONDS: now - waited_from,  # the trainer's wait here: the critic's cost after the overlap
+            **{f"{CRITIC_STEP_PREFIX}{k}": after.get(k, 0) - batch.counters_before.get(k, 0) for k in COUNTER_NAMES},
+            **{f"{CRITIC_STEP_PREFIX}{k}": v for k, v in step.values.items() if k != "steps"},
+        }
         if callable(log_metric):  # TRL's GRPOTrainer hands reward functions this hook; values average per log
             for name, value in last.items():
                 log_metric(name, float(value))

@@ -23,8 +23,7 @@ def load_critic_template(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"prompt_file {path!r} does not exist; pass the path of a critic template with a '{{}}'.")
-    with open(path, encoding="utf-8") as f:
-        template = f.read()
+    template = Path(path).read_text(encoding="utf-8")
     if "{}" not in template and "{completion}" not in template:
         raise ValueError(f"prompt_file {path!r} has no '{{}}' placeholder for the text to critique; add one.")
     return template
