@@ -15,6 +15,4 @@ def model_name_of(model: Any) -> str | None:
 
 def rng_state_file(trainer: Any) -> str:
     """The name of this process's RNG file in a checkpoint transformers' `Trainer` wrote (see `MIRRORED`)."""
-    if trainer.args.world_size <= 1:
-        return "rng_state.pth"
-    return f"rng_state_{trainer.args.process_index}.pth"
+    return "rng_state.pth" if trainer.args.world_size <= 1 else f"rng_state_{trainer.args.process_index}.pth"

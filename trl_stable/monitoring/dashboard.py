@@ -126,8 +126,7 @@ def load_run(
                     "pass a run's output_dir."
                 )
             # the run's own state, else its latest checkpoint's
-            latest = states[0] if states[0] == path else max(states, key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
-            path = latest / "trainer_state.json"
+            path = max(states, key=lambda p: (p == path, int(re.sub(r"\D", "", p.name) or 0))) / "trainer_state.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist.")
     if path.suffix == ".jsonl":
@@ -397,8 +396,7 @@ def _figure(run: RunHealth, cfg: HealthConfig, title: str | None):
         # wrapped to the figure's width (about 17 characters of 8-point text per inch)
         fig.supxlabel(textwrap.fill(f"not shown, no data: {notes}", 17 * 5 * ncols), fontsize=8, color="grey")
     raised = {e.get("alarm") for e in run.events if e.get("type") == "alarm" and e.get("kind") == "raised"}
-    summary = ", ".join(sorted(raised)) or "none"
-    headline = f"{title or 'training health'} — alarms raised: {summary}"
+    headline = f"{title or 'training health'} — alarms raised: {', '.join(sorted(raised)) or 'none'}"
     fig.suptitle(textwrap.fill(headline, 10 * 5 * ncols), fontsize=12)  # ~10 characters of 12-point text per inch
     # each alarm's name next to its line, at the top of its panel, in the first row where it overlaps no other label
     # (measured in pixels on the final layout); a label that would leave the panel goes left of its line
@@ -443,13 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Render the training-health dashboard (PNG) of a trl_stable / TRL run.",
     )
     parser.add_argument("source", help="output dir of a run, or its health.jsonl / trainer_state.json")
-    parser.add_argument("-o", "--output", default=None, help="PNG path (default: OUTPUT_DIR/health_dashboard.png)")
-    parser.add_argument("--max-completion-length", type=int, default=None, help="completion cap, if not recorded")
-    parser.add_argument("--reward-max", type=float, default=None, help="declared reward maximum (default 1.0)")
-    parser.add_argument(
-        "--kl-target", type=float, default=None, help="KL target of the run, if not recorded (PPOConfig's `target`)"
-    )
-    parser.add_argument("--title", default=None)
+    parser.add_argument("-o", "--output", help="PNG path (default: OUTPUT_DIR/health_dashboard.png)")
+    parser.add_argument("--max-completion-length", type=int, help="completion cap, if not recorded")
+    parser.add_argument("--reward-max", type=float, help="declared reward maximum (default 1.0)")
+    parser.add_argument("--kl-target", type=float, help="KL target of the run, if not recorded (PPOConfig's `target`)")
+    parser.add_argument("--title")
     args = parser.parse_args(argv)
 
     source = Path(args.source)

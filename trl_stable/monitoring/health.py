@@ -6,7 +6,7 @@ import math
 import re
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -229,12 +229,12 @@ def extract_gauges(logs: Mapping[str, Any], metric_keys: Mapping[str, Iterable[s
     masked_keys = list(keys.pop("masked_fraction"))  # the gauge is their maximum, added last
     if "masked_fraction" not in metric_keys:
         masked_keys += [k for k in logs if re.search(MASKED_FRACTION_PATTERN, str(k), re.IGNORECASE)]
-    gauges: dict[str, float] = {}
-    for gauge, candidates in keys.items():
-        value = next((v for v in map(_finite_float, map(logs.get, candidates)) if v is not None), None)
-        if value is not None:
-            gauges[gauge] = value
-    masked = [m for m in map(_finite_float, map(logs.get, masked_keys)) if m is not None and math.isfinite(m)]
+
+    def numbers(names: Iterable[str]) -> Iterator[float]:  # the values logged under `names` that are numbers, in order
+        return (v for v in map(_finite_float, map(logs.get, names)) if v is not None)
+
+    gauges = {gauge: value for gauge, names in keys.items() if (value := next(numbers(names), None)) is not None}
+    masked = [m for m in numbers(masked_keys) if math.isfinite(m)]
     if masked:
         gauges["masked_fraction"] = max(masked)
     return gauges
@@ -312,9 +312,11 @@ class HealthTracker:
             out["nonfinite"] = (bool(bad), ", ".join(f"{k}={v}" for k, v in bad.items()) or None, None)
         finite = {k: v for k, v in gauges.items() if math.isfinite(v)}
 
-        if "frac_reward_zero_std" in finite:
-            value = finite["frac_reward_zero_std"]
-            out["zero_std"] = (value > cfg.zero_std_alarm, value, cfg.zero_std_alarm)
+        def above(alarm: str, gauge: str, threshold: float | None) -> None:  # None: no threshold, the alarm is off
+            if gauge in finite and threshold is not None:
+                out[alarm] = (finite[gauge] > threshold, finite[gauge], threshold)
+
+        above("zero_std", "frac_reward_zero_std", cfg.zero_std_alarm)
 
         if "reward" in finite:
             reward = finite["reward"]
@@ -341,19 +343,12 @@ class HealthTracker:
                 floor = floor_from_reference(reference, absolute, fraction)
                 out[alarm] = (finite[gauge] < floor, finite[gauge], floor)
 
-        length_condition = self._length_condition(finite)
-        if length_condition is not None:
+        if (length_condition := self._length_condition(finite)) is not None:
             out["length_near_cap"] = length_condition
-
-        thresholds = {
-            "mismatch": ("mismatch", cfg.mismatch_threshold),
-            "token_filter_masked": ("masked_fraction", cfg.masked_fraction_alarm),
-            "retokenization": ("retokenization", 0.0),
-            "kl_above_target": ("kl", cfg.kl_alarm_ratio * self.kl_target if self.kl_target else None),
-        }
-        for alarm, (gauge, threshold) in thresholds.items():
-            if gauge in finite and threshold is not None:
-                out[alarm] = (finite[gauge] > threshold, finite[gauge], threshold)
+        above("mismatch", "mismatch", cfg.mismatch_threshold)
+        above("token_filter_masked", "masked_fraction", cfg.masked_fraction_alarm)
+        above("retokenization", "retokenization", 0.0)
+        above("kl_above_target", "kl", cfg.kl_alarm_ratio * self.kl_target if self.kl_target else None)
         return out
 
     def _length_condition(self, finite: dict[str, float]) -> tuple[bool, float | None, float | None] | None:
@@ -369,8 +364,7 @@ class HealthTracker:
         clipped_ref = None if clipped is None else self._reference("clipped_ratio", clipped)
         if length_ref is None and clipped_ref is None:  # no data, or the reference is still being taken
             return None
-        near_cap = cfg.length_cap_ratio * cap if cap else None
-        near = length_ref is not None and length_ref < near_cap <= length
+        near = length_ref is not None and length_ref < cfg.length_cap_ratio * cap <= length
         truncated = clipped_ref is not None and clipped >= clipped_ref + cfg.clipped_ratio_alarm
         return near or truncated, length, cap
 
@@ -379,8 +373,7 @@ class HealthTracker:
 
         Records without any gauge (e.g. the end-of-training summary, evaluation logs) change nothing.
         """
-        gauges = extract_gauges(logs, self.config.metric_keys)
-        self.last_gauges = gauges
+        gauges = self.last_gauges = extract_gauges(logs, self.config.metric_keys)
         if not gauges:
             return []
         step = int(step if step is not None else logs.get("step", 0) or 0)

@@ -48,13 +48,11 @@ class MismatchStats:
 
     def as_metrics(self, prefix: str = "mismatch/") -> dict[str, float]:
         """Flatten into TRL-style metric names, e.g. `mismatch/logp_abs_diff/mean`."""
-        # abs_diff_mean -> logp_abs_diff/mean, ratio_outside_band -> ratio/outside_band, ppl_ratio_max -> ppl_ratio/max
-        names = [f.name for f in fields(self) if f.name != "num_tokens"]
-        rename = {
-            n: re.sub(r"^abs_diff", "logp_abs_diff", re.sub(r"_(mean|max|min|outside_band)$", r"/\1", n))
-            for n in names
-        }
-        return {f"{prefix}{rename[n]}": getattr(self, n) for n in names}
+
+        def metric(n: str) -> str:  # abs_diff_mean -> logp_abs_diff/mean, ratio_outside_band -> ratio/outside_band
+            return re.sub(r"^abs_diff", "logp_abs_diff", re.sub(r"_(mean|max|min|outside_band)$", r"/\1", n))
+
+        return {prefix + metric(f.name): getattr(self, f.name) for f in fields(self) if f.name != "num_tokens"}
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -105,8 +105,7 @@ def check_retokenization(
     Returns:
         [`RetokenizationReport`]: first differing position per sample, the keep-mask and metrics.
     """
-    s_lists = _as_lists(sampler_ids, sampler_mask)
-    t_lists = _as_lists(trainer_ids, trainer_mask)
+    s_lists, t_lists = _as_lists(sampler_ids, sampler_mask), _as_lists(trainer_ids, trainer_mask)
     if len(s_lists) != len(t_lists):
         raise ValueError(f"sampler has {len(s_lists)} samples but trainer has {len(t_lists)}; pass the same batch.")
     first_diff = []
