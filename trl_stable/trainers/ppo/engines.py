@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 
 
 def is_zero3(trainer: Any) -> bool:
@@ -68,12 +69,8 @@ def configure_deepspeed(accelerator: Any) -> None:
 def prepare_reference(trainer: Any, ref_model: nn.Module) -> nn.Module:
     """Place the frozen reference model the way TRL's GRPO does for the engine in use."""
     if trainer.is_deepspeed_enabled:
-        from trl.models import prepare_deepspeed
-
         return prepare_deepspeed(ref_model, trainer.accelerator)
     if trainer.is_fsdp_enabled:
-        from trl.models import prepare_fsdp
-
         return prepare_fsdp(ref_model, trainer.accelerator)
     return ref_model.to(trainer.accelerator.device)
 
@@ -83,8 +80,6 @@ def generation_call(trainer: Any, policy: nn.Module) -> Iterator[Callable[..., t
     """The policy's `generate` with the full parameters available: TRL's `unwrap_model_for_generation` under ZeRO-3,
     through the FSDP2 root's forward (which holds the value head too) under FSDP, for the life of the context."""
     if is_zero3(trainer):
-        from trl.models import unwrap_model_for_generation
-
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
             yield unwrapped.policy.generate
     elif trainer.is_fsdp_enabled:

@@ -28,11 +28,10 @@ def dense_sums(rows: Sequence[Any]) -> torch.Tensor:
 
 def completion_rewards(rewards: Any) -> torch.Tensor:
     """Each completion's reward: its weighted sequence score (NaN where none applies) plus its dense sum."""
-    scores = rewards.scores.float() if rewards.scores is not None else None
-    dense = dense_sums(rewards.dense.rows) if rewards.dense is not None else None
-    if scores is None:
-        return dense
-    return scores if dense is None else scores + dense
+    if rewards.dense is None:
+        return rewards.scores.float()
+    dense = dense_sums(rewards.dense.rows)
+    return dense if rewards.scores is None else rewards.scores.float() + dense
 
 
 class Evaluation:

@@ -24,10 +24,9 @@ class LoopEvents:
             return args.max_steps
         steps_per_epoch = len(self.train_dataloader)
         if steps_per_epoch == 0 and check:
-            per_step = args.batch_size * self.accelerator.num_processes
             raise ValueError(
                 f"train_dataset has {len(self.train_dataset)} rows, fewer than one step's batch_size x processes = "
-                f"{per_step}; lower batch_size or add prompts."
+                f"{args.batch_size * self.accelerator.num_processes}; lower batch_size or add prompts."
             )
         return math.ceil(args.num_train_epochs * steps_per_epoch)
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import PartialState
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedModel
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model, selective_log_softmax_and_entropy
 
 from trl_stable.integration.hf_names import model_name_of
@@ -58,8 +59,6 @@ def load_policy(name: str, args: Any, peft_config: Any | None, device_index: int
             )
         if peft_config is None:
             raise ValueError("A quantized policy can only be trained through an adapter: pass `peft_config`.")
-        from transformers import BitsAndBytesConfig
-
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=args.load_in_4bit,
             load_in_8bit=args.load_in_8bit,
@@ -76,24 +75,18 @@ def create_reference_model(policy: PreTrainedModel, num_shared_layers: int | Non
     ref = copy.deepcopy(policy).requires_grad_(False)
     if num_shared_layers is None:
         return ref.eval()
-    names = [name for name, _ in policy.named_parameters()]
-    matches = [re.search(r"\.(?:h|layers|layer|blocks)\.(\d+)\.", n) for n in names]
+    params = dict(policy.named_parameters())
+    matches = [re.search(r"\.(?:h|layers|layer|blocks)\.(\d+)\.", n) for n in params]
     layer_ids = [int(m.group(1)) if m else None for m in matches]
     num_layers = 1 + max((i for i in layer_ids if i is not None), default=-1)
     if num_shared_layers > num_layers:
         raise ValueError(f"num_shared_layers={num_shared_layers} but the policy has only {num_layers} layers.")
-    first_layer = next((k for k, i in enumerate(layer_ids) if i is not None), len(names))
-    shared = {
-        n
-        for k, (n, i) in enumerate(zip(names, layer_ids))
-        if (i is None and k < first_layer) or (i is not None and i < num_shared_layers)
-    }
-    policy_params = dict(policy.named_parameters())
-    for name in shared:
-        param = policy_params[name]
-        param.requires_grad_(False)
-        module_name, _, attr = name.rpartition(".")
-        setattr(ref.get_submodule(module_name), attr, param)
+    first_layer = next((k for k, i in enumerate(layer_ids) if i is not None), len(params))
+    # shared: what comes before the first layer (the embeddings) and the first `num_shared_layers` layers
+    for k, (name, i) in enumerate(zip(params, layer_ids)):
+        if (i is None and k < first_layer) or (i is not None and i < num_shared_layers):
+            module_name, _, attr = name.rpartition(".")
+            setattr(ref.get_submodule(module_name), attr, params[name].requires_grad_(False))
     return ref.eval()
 
 
@@ -238,27 +231,22 @@ class PolicyAndValue(nn.Module):
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **reference_kwargs
                 )
         captured: dict[str, torch.Tensor] = {}
-        handle = None
-        if self.value_backbone is None:
 
-            def grab(module, args, output):
-                captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        def grab(module, args, output):
+            captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
-            handle = backbone(self.policy).register_forward_hook(grab)
-        try:
+        # without a separate value model the head reads the policy's last hidden state, hooked for this call (a
+        # `RemovableHandle` removes its hook on exit)
+        hook = backbone(self.policy).register_forward_hook(grab) if self.value_backbone is None else nullcontext()
+        with hook:
             # no `use_cache`: the policy's config has it, set by Trainer from `args.use_cache` (False by default)
             head = dict(logits_to_keep=logits_to_keep) if labels is None else dict(labels=labels, fused_lm_head=True)
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **head)
-        finally:
-            if handle is not None:
-                handle.remove()
-        if self.value_backbone is None:
-            hidden = captured["hidden"]
-        else:
-            hidden = self.value_backbone(
+        if self.value_backbone is not None:
+            captured["hidden"] = self.value_backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
-        return out, self.value_head(hidden[:, -logits_to_keep:])
+        return out, self.value_head(captured["hidden"][:, -logits_to_keep:])
 
 
 def logits_scores(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> ResponseScores:
@@ -299,9 +287,8 @@ class ResponseForwards:
         elif self.is_fsdp_enabled:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
             out = self.model_wrapped(*inputs.values(), reference_kwargs=head)
         else:
-            policy = self.unwrapped().policy
-            with policy.disable_adapter():
-                out = policy(**inputs, **head)
+            with self.policy.disable_adapter():
+                out = self.policy(**inputs, **head)
         return self._response_scores(out, batch, fused)
 
     def _response_scores(self, out: Any, batch: dict[str, torch.Tensor], fused: bool) -> ResponseScores:

@@ -33,8 +33,6 @@ from trl_stable.trainers.decoupled_args import DecoupledLossArguments
 from trl_stable.trainers.ppo.vllm_args import VLLMArguments
 from trl_stable.trainers.step_mask_args import StepMaskArguments
 
-# The rollout batch size PPO used before `per_device_train_batch_size` took the micro-batch's role (RELC's 16).
-_DEFAULT_MICRO_BATCH = 16
 _SAME_PRECISION = "PPO evaluates by generating with the training policy, in its training precision."
 
 # `TrainingArguments` fields PPO has nothing to apply to (no labels, no prediction loop, no loss over a dataloader's
@@ -138,7 +136,7 @@ class PPOConfig(
     # --- batch geometry ---
     batch_size: int = option(16, "Rollout samples (prompts) per process per PPO step.")
     per_device_train_batch_size: int = option(
-        _DEFAULT_MICRO_BATCH,
+        16,  # RELC's: the rollout batch size PPO used before `per_device_train_batch_size` took the micro-batch's role
         "The micro-batch: samples per forward/backward (x gradient_accumulation_steps: one step).",
     )
     mini_batch_size: int | None = option(
@@ -231,9 +229,53 @@ class PPOConfig(
         # Before TrainingArguments' own checks, which divide by some of these (a zero accumulation would be a
         # ZeroDivisionError there and below, not an error naming the field).
         check_bounds(self, {**training_argument_bounds(self), **PPO_BOUNDS})
-        self._refuse_before_device_setup()
+        # also before: what `TrainingArguments.__post_init__` would fail on without saying the fix (bf16_full_eval on a
+        # CPU among them), or would fill in so that PPO's evaluation cannot answer it
+        for name, (accepted, why) in PPO_UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value != accepted and not (accepted in ([], "") and not value):
+                raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
+        if self.tf32 and not is_torch_tf32_available():
+            raise ValueError("tf32=True needs an NVIDIA Ampere (or newer) GPU, not found here: leave tf32=None.")
+        check_ddp_backend(self)
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
+        if self.metric_for_best_model is None and (
+            self.load_best_model_at_end or schedule in ("reduce_lr_on_plateau", "greedy")
+        ):
+            what = "load_best_model_at_end=True" if self.load_best_model_at_end else f"lr_scheduler_type={schedule!r}"
+            raise ValueError(
+                f"{what} compares evaluations by metric_for_best_model, which transformers would set to 'loss', but "
+                "PPO's evaluation has no loss: set metric_for_best_model='reward' or another metric `evaluate` logs."
+            )
         super().__post_init__()
-        self._refuse_unsupported()
+        # after: a setting PPO would have to ignore once transformers resolved it
+        if self.train_sampling_strategy == "batch_rebalance":
+            raise ValueError(
+                "train_sampling_strategy='batch_rebalance' does not apply to generated PPO batches: use 'random', "
+                "'sequential' or 'group_by_length'."
+            )
+        if self.accelerator_config.split_batches:
+            raise ValueError("accelerator_config.split_batches=True: PPO's batch_size is per process; leave it False.")
+        # the kwargs besides sync_each_batch configure `accumulate()`, unused here
+        unread = sorted(set(self.accelerator_config.gradient_accumulation_kwargs or {}) - {"sync_each_batch"})
+        if unread:
+            raise ValueError(
+                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer (it does "
+                "not use `accumulate()`): set gradient_accumulation_steps; only 'sync_each_batch' is read."
+            )
+        optim = str(getattr(self.optim, "value", self.optim))
+        if optim in ("lomo", "adalomo"):  # they update the weights inside the backward pass
+            raise ValueError(
+                f"optim={optim!r} is not supported by PPOTrainer: LOMO steps inside the backward pass, but PPO "
+                "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
+            )
+        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
+            raise ValueError("do_eval=True is read by no trainer: set eval_strategy='steps' or 'epoch' instead.")
+        check_fp16_device(self)
+        if self.local_rank != -1 and self.local_rank != self.local_process_index:
+            raise ValueError(
+                f"local_rank={self.local_rank} but the launcher set {self.local_process_index}. Leave local_rank=-1."
+            )
         check_all_finite(self)
         check_training_length(self)
         self.validate_health_arguments()
@@ -286,53 +328,3 @@ class PPOConfig(
         self.validate_decoupled_loss_arguments()
         self.validate_step_mask_arguments()
         self.validate_vllm_arguments()
-
-    def _refuse_before_device_setup(self) -> None:
-        """Refuse what `TrainingArguments.__post_init__` would fail on without saying the fix (bf16_full_eval on a
-        CPU among them), or would fill in so that PPO's evaluation cannot answer it."""
-        for name, (accepted, why) in PPO_UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value != accepted and not (accepted in ([], "") and not value):
-                raise ValueError(f"{name}={value!r} is not supported by PPOTrainer: {why} Leave it at {accepted!r}.")
-        if self.tf32 and not is_torch_tf32_available():
-            raise ValueError("tf32=True needs an NVIDIA Ampere (or newer) GPU, not found here: leave tf32=None.")
-        check_ddp_backend(self)
-        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))
-        if self.metric_for_best_model is None and (
-            self.load_best_model_at_end or schedule in ("reduce_lr_on_plateau", "greedy")
-        ):
-            what = "load_best_model_at_end=True" if self.load_best_model_at_end else f"lr_scheduler_type={schedule!r}"
-            raise ValueError(
-                f"{what} compares evaluations by metric_for_best_model, which transformers would set to 'loss', but "
-                "PPO's evaluation has no loss: set metric_for_best_model='reward' or another metric `evaluate` logs."
-            )
-
-    def _refuse_unsupported(self) -> None:
-        """Refuse a `TrainingArguments` setting PPO would have to ignore once transformers resolved it."""
-        if self.train_sampling_strategy == "batch_rebalance":
-            raise ValueError(
-                "train_sampling_strategy='batch_rebalance' does not apply to generated PPO batches: use 'random', "
-                "'sequential' or 'group_by_length'."
-            )
-        if self.accelerator_config.split_batches:
-            raise ValueError("accelerator_config.split_batches=True: PPO's batch_size is per process; leave it False.")
-        # the kwargs besides sync_each_batch configure `accumulate()`, unused here
-        unread = sorted(set(self.accelerator_config.gradient_accumulation_kwargs or {}) - {"sync_each_batch"})
-        if unread:
-            raise ValueError(
-                f"accelerator_config.gradient_accumulation_kwargs {unread} are not supported by PPOTrainer (it does "
-                "not use `accumulate()`): set gradient_accumulation_steps; only 'sync_each_batch' is read."
-            )
-        optim = str(getattr(self.optim, "value", self.optim))
-        if optim in ("lomo", "adalomo"):  # they update the weights inside the backward pass
-            raise ValueError(
-                f"optim={optim!r} is not supported by PPOTrainer: LOMO steps inside the backward pass, but PPO "
-                "decides after it whether the step happens (early_stopping, ratio_threshold). Use e.g. 'adamw_torch'."
-            )
-        if self.do_eval and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no":
-            raise ValueError("do_eval=True is read by no trainer: set eval_strategy='steps' or 'epoch' instead.")
-        check_fp16_device(self)
-        if self.local_rank != -1 and self.local_rank != self.local_process_index:
-            raise ValueError(
-                f"local_rank={self.local_rank} but the launcher set {self.local_process_index}. Leave local_rank=-1."
-            )

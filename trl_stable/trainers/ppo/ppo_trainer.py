@@ -437,8 +437,7 @@ class PPOTrainer(
         scored = batch["value_mask"]  # `mask` without the unscored samples nan_reward_action='zero' keeps
         if args.whiten_advantages:
             advantages = masked_whiten(advantages, scored, reduce_sum=self._reduce_sum)
-        if not bool(valid.all()):
-            advantages = advantages * valid.unsqueeze(1)
+        advantages = advantages * valid.unsqueeze(1)  # unscored samples: advantage 0 (all 'zero' keeps in the loss)
         batch = {**batch, "advantages": advantages.detach(), "returns": returns.detach(), "values": values.detach()}
 
         non_score = -kl_coef * kl

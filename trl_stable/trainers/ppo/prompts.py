@@ -86,9 +86,7 @@ class PromptData:
                 if error is not None:
                     raise error
                 if isinstance(prompt, list):
-                    q = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_tensors=None)
-                    if isinstance(q, dict) or hasattr(q, "keys"):
-                        q = q["input_ids"]
+                    q = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
                     q = torch.as_tensor(q, dtype=torch.long).reshape(-1)
                 else:
                     q = torch.as_tensor(tok(prompt)["input_ids"], dtype=torch.long)

@@ -134,12 +134,11 @@ class SaveAndResume:
         """Restore everything `save_checkpoint` wrote into a complete `checkpoint_dir` (ValueError names what is
         missing); `reward_funcs` as in `save_checkpoint`."""
         self._track(reward_funcs)
-        info = checkpoint_dir
-        if not isinstance(info, CheckpointInfo):
+        if not isinstance(checkpoint_dir, CheckpointInfo):
             if not checkpoint_dir:
                 raise ValueError(f"load_checkpoint needs a checkpoint folder, got {checkpoint_dir!r}.")
-            info = self._resolve_checkpoint(checkpoint_dir)
-        self._load_checkpoint(info)
+            checkpoint_dir = self._resolve_checkpoint(checkpoint_dir)
+        self._load_checkpoint(checkpoint_dir)
 
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None

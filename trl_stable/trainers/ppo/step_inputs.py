@@ -185,8 +185,6 @@ def trim_micro_batch(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop the trailing response columns that are padding in every row of the micro-batch (saves compute)."""
     width = int(mb["response_lengths"].max())
     full = mb["response_ids"].shape[1]
-    if width == full:
-        return mb
     seq = mb["input_ids"].shape[1]  # > full: every query has a token
     # sequence-aligned entries (ids, masks, routing, any per-position extra) and response-aligned ones lose the columns
     kept = {seq: seq - (full - width), full: width}

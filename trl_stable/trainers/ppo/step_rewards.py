@@ -126,9 +126,8 @@ class StepRewards:
         )
         batch["behaviour_weight"] = weight
         batch["behaviour_keep"] = mask.bool() if keep is None else keep
-        gather = self.accelerator.gather
         return {
-            **behaviour_filter_metrics(mask, raw, weight, keep, args.token_filter, gather=gather),
+            **behaviour_filter_metrics(mask, raw, weight, keep, args.token_filter, gather=self.accelerator.gather),
             # |diff| mean/max, ratio spread and sequence perplexity ratio over all processes' tokens
-            **mismatch_stats(behav, prox, mask, gather=gather).as_metrics(),
+            **mismatch_stats(behav, prox, mask, gather=self.accelerator.gather).as_metrics(),
         }

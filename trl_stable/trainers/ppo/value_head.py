@@ -6,6 +6,8 @@ import math
 import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -41,8 +43,6 @@ class ValueHead(nn.Module):
     ) -> str:
         """Write the head to `save_directory/value_head.safetensors`; returns the file path. `state_dict`: the
         weights to write instead of the module's own (the gathered full weights under ZeRO-3 / FSDP)."""
-        from safetensors.torch import save_file
-
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(os.fspath(save_directory), VALUE_HEAD_FILE)
         source = self.state_dict() if state_dict is None else state_dict
@@ -53,9 +53,6 @@ class ValueHead(nn.Module):
     @classmethod
     def from_pretrained(cls, save_directory: str | os.PathLike) -> ValueHead:
         """Load a head written by `save_pretrained`."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
         path = os.path.join(os.fspath(save_directory), VALUE_HEAD_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"No {VALUE_HEAD_FILE} in {save_directory}; save it with `save_model` first.")

@@ -82,7 +82,6 @@ class VLLMRollouts:
             raise ValueError(
                 "vllm_mode='colocate' starts vLLM from the policy's name or path: pass `model` so, or use 'server'."
             )
-        chunk = args.generation_batch_size or args.batch_size
         # TRL's `LLM(...)` call takes no extra engine arguments: R3's flag is passed through a patch while it is built
         llm = functools.partial(trl_vllm.LLM, **{ROUTED_EXPERTS_FLAG: True}) if self.return_routing else None
         with patch.object(trl_vllm, "LLM", llm) if llm else nullcontext():
@@ -93,7 +92,7 @@ class VLLMRollouts:
                 accelerator=accelerator,
                 processing_class=processing_class,
                 **{name.removeprefix("vllm_"): getattr(args, name) for name in named},
-                max_num_seqs=chunk * args.vllm_tensor_parallel_size,
+                max_num_seqs=(args.generation_batch_size or args.batch_size) * args.vllm_tensor_parallel_size,
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k,
