@@ -19,11 +19,6 @@ __all__ = [
 ]
 
 
-def _check_level(level: str) -> None:
-    if level not in ("token", "sequence"):
-        raise ValueError(f"level={level!r} is invalid; use 'token' or 'sequence'.")
-
-
 def behaviour_log_ratio(prox_logps: torch.Tensor, behav_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     r"""$\log w = \log\pi_{prox} - \log\pi_{behav}$ (AReaL's decoupled PPO, arXiv 2505.24298) in fp32, detached;
     non-finite and masked positions give 0."""
@@ -52,6 +47,8 @@ def _at_level(x: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     broadcast to keep or drop the whole sequence."""
     if level == "token":
         return x
+    if level != "sequence":
+        raise ValueError(f"level={level!r} is invalid; use 'token' or 'sequence'.")
     summed = torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim=1, keepdim=True)
     return summed / mask.float().sum(dim=1, keepdim=True).clamp(min=1.0)
 
@@ -70,7 +67,6 @@ def icepop_mask(
     At `level` "sequence" the sequence weight is the geometric mean $w_{seq} = \exp(\text{mean}_t \log w_t)$ over the
     masked tokens, and the whole sequence is kept or dropped.
     """
-    _check_level(level)
     lo, hi = _log_band(lower, upper, "IcePop")
     log_ratio = _at_level(behaviour_log_ratio(prox_logps, behav_logps, mask), mask, level)
     return (log_ratio >= lo) & (log_ratio <= hi) & mask.bool()
@@ -96,7 +92,6 @@ def kpop_mask(
     test sees both a collapse and an explosion of the probability, unlike a ratio band. At level "sequence" the
     per-token maximum KL is averaged over the masked tokens and the whole sequence is kept or dropped. `upper` > 0.
     """
-    _check_level(level)
     if not upper > 0:
         raise ValueError(f"KPop needs upper > 0, got upper={upper}.")
     # fp64: 1 - 1e-8 rounds to 1.0 in fp32, and log1p(-1) would turn a certain token into NaN
@@ -125,7 +120,6 @@ def clamp_behaviour_weight(
     (a non-finite log-ratio counts as 0). Sequence level: the tokens of a sequence are rescaled so that their geometric
     mean is clamped, $\tilde w_t = w_t \cdot \text{clamp}(w_{seq}, l, u) / w_{seq}$. Masked positions are 1.
     """
-    _check_level(level)
     lo, hi = _log_band(lower, upper, "IcePop clamp")
     log_ratio = behaviour_log_ratio(prox_logps, behav_logps, mask)
     if level == "token":

@@ -87,13 +87,12 @@ def register_advantage_estimator(
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered under `name`; ValueError naming the registered ones otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+    if name not in _REGISTRY:
         raise ValueError(
             f"Unknown advantage estimator {name!r}; registered: {', '.join(_REGISTRY)}. Register one with "
             "`trl_stable.core.estimators.register_advantage_estimator`."
-        ) from None
+        )
+    return _REGISTRY[name]
 
 
 def is_sequence_level(name: str) -> bool:

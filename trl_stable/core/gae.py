@@ -9,15 +9,6 @@ import torch
 __all__ = ["compute_gae", "compute_turn_gae", "count_turns", "relative_position_lambda", "vapo_lambda"]
 
 
-def _lam_column(lam: float | torch.Tensor, batch: int, like: torch.Tensor) -> torch.Tensor:
-    lam = torch.as_tensor(lam, device=like.device, dtype=like.dtype)
-    if lam.dim() == 0:
-        return lam.expand(batch)
-    if lam.shape != (batch,):
-        raise ValueError(f"lam must be a float or a [B] tensor with B={batch}, got shape {tuple(lam.shape)}.")
-    return lam
-
-
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -46,7 +37,9 @@ def compute_gae(
     rewards, values = rewards.float(), values.float()
     active = mask.bool()
     batch, length = rewards.shape
-    lam_col = _lam_column(lam, batch, rewards)
+    lam_col = torch.as_tensor(lam, device=rewards.device, dtype=rewards.dtype)  # a scalar broadcasts over the batch
+    if lam_col.dim() != 0 and lam_col.shape != (batch,):
+        raise ValueError(f"lam must be a float or a [B] tensor with B={batch}, got shape {tuple(lam_col.shape)}.")
     next_value = torch.zeros(batch, device=rewards.device) if bootstrap is None else bootstrap.float().clone()
     next_adv = torch.zeros(batch, device=rewards.device)
     advantages = torch.zeros_like(rewards)

@@ -69,33 +69,31 @@ def normalize(
     if leave_one_out and mean_level is None:
         raise ValueError("leave_one_out=True needs a mean: set mean_level='group' (RLOO) or 'batch'.")
 
-    x = values
-    valid = ~torch.isnan(x)
-    xv = torch.where(valid, x, torch.zeros_like(x))
-    validf = valid.to(x.dtype)
+    valid = ~torch.isnan(values)
+    xv = torch.where(valid, values, torch.zeros_like(values))
+    validf = valid.to(values.dtype)
 
     if mean_level is None:
-        mean = torch.zeros_like(x)
+        mean = torch.zeros_like(values)
     else:
-        index, n_groups = _group_index(x, group_ids, mean_level)
+        index, n_groups = _group_index(values, group_ids, mean_level)
         sums = _segment_sum(xv, index, n_groups)[index]
         counts = _segment_sum(validf, index, n_groups)[index]
         if leave_one_out:
             denom = counts - 1
-            mean = torch.where(denom > 0, (sums - xv) / denom.clamp(min=1), torch.zeros_like(x))
+            mean = torch.where(denom > 0, (sums - xv) / denom.clamp(min=1), torch.zeros_like(values))
         else:
             mean = sums / counts.clamp(min=1)
 
-    centered = x - mean
+    centered = values - mean
     if std_level is None:
         return centered
 
-    index, n_groups = _group_index(x, group_ids, std_level)
-    sq = torch.where(valid, centered, torch.zeros_like(x)) ** 2
-    ss = _segment_sum(sq, index, n_groups)[index]
+    index, n_groups = _group_index(values, group_ids, std_level)
+    ss = _segment_sum(torch.where(valid, centered, torch.zeros_like(values)) ** 2, index, n_groups)[index]
     counts = _segment_sum(validf, index, n_groups)[index]
     denom = counts - 1 if unbiased else counts
-    std = torch.where(counts > 1, torch.sqrt(ss / denom.clamp(min=1)), torch.ones_like(x))
+    std = torch.where(counts > 1, torch.sqrt(ss / denom.clamp(min=1)), torch.ones_like(values))
     return centered / (std + eps)
 
 

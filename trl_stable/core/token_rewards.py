@@ -53,10 +53,8 @@ def compose_token_rewards(
         rows = torch.arange(mask.shape[0], device=mask.device)
         env_part[rows, last_action_index(mask)] += scores.to(env_part.dtype)
     env_part = env_part * mask
-    total = kl_part + env_part
     if whiten:
-        mean, std = masked_moments(total, mask, reduce_sum)
+        mean, std = masked_moments(kl_part + env_part, mask, reduce_sum)
         kl_part = kl_part / std * mask
         env_part = ((env_part - mean) / std + mean) * mask
-        total = kl_part + env_part
-    return TokenRewards(total, kl_part, env_part)
+    return TokenRewards(kl_part + env_part, kl_part, env_part)

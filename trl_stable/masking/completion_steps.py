@@ -43,9 +43,6 @@ class CompletionStepMasker:
             if extra is not None:
                 check_steps(extra, f"extra_steps(text, {index})", len(ids), text, returned=True)
                 steps += list(extra)
-            if not steps:
-                masks.append([1.0] * len(ids))
-                continue
             result = build_step_loss_mask(
                 ids, steps, text=text, offsets=offsets, tools=self.tools, open_tag=self.open_tag,
                 close_tag=self.close_tag,

@@ -75,7 +75,7 @@ def step_mask_example(
 def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> Any:
     """`step_mask_example` (with kwargs) mapped over a `datasets.Dataset` or IterableDataset, the original columns
     dropped (TRL's SFTTrainer then only truncates / packs it)."""
-    columns = list(dataset.column_names or []) if getattr(dataset, "column_names", None) else None
+    columns = getattr(dataset, "column_names", None)
 
     def one_row(example: Mapping[str, Any], index: int) -> dict[str, Any]:
         try:
@@ -83,7 +83,7 @@ def build_step_masked_dataset(dataset: Any, tokenizer: Any, **kwargs: Any) -> An
         except StepSpanError as err:  # the dataset row, too: the error alone names only the step
             raise StepSpanError(f"dataset row {index}: {err}") from err
 
-    return dataset.map(one_row, with_indices=True, remove_columns=columns or None)
+    return dataset.map(one_row, with_indices=True, remove_columns=list(columns) if columns else None)
 
 
 @dataclass
@@ -159,8 +159,7 @@ class StepMaskedSFTTrainer(trl.SFTTrainer):
     def _step_mask(self, dataset: Any, tokenizer: Any, options: dict, name: str) -> Any:
         if isinstance(dataset, Mapping):  # several eval datasets by name: each masked, its stats as "eval_<name>"
             return {k: self._step_mask(v, tokenizer, options, f"{name}_{k}") for k, v in dataset.items()}
-        columns = set(getattr(dataset, "column_names", None) or [])
-        if "messages" not in columns and "steps" not in columns:
+        if not {"messages", "steps"} & set(getattr(dataset, "column_names", None) or []):
             return dataset  # None, or nothing step-shaped: plain SFT
         out = build_step_masked_dataset(dataset, tokenizer, **options)
         try:

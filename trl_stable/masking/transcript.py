@@ -131,12 +131,11 @@ def find_transcript_steps(
     steps: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []  # executable steps of the last assistant turn, waiting for their outcome
     for k, msg in enumerate(msgs):
-        role = msg.get("role")
-        if role == "assistant":
+        if msg.get("role") == "assistant":
             turn = _assistant_steps(text, *bodies[k], k, list(msg.get("_tool_call_ids", [])), open_tag, close_tag)
             steps += turn
             pending = [step for step in turn if step["type"] != "text"]
-        elif role in TOOL_ROLES and pending:
+        elif msg.get("role") in TOOL_ROLES and pending:
             _attach_outcome(pending, msg, k, code_tools, infer_exec_status)
 
     input_ids, offsets = encode_with_offsets(tokenizer, text)

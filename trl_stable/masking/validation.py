@@ -102,9 +102,7 @@ def load_tools(value: Any) -> Any:
                 f"Tools given as a string must be JSON or the path of a JSON file ({err}). Pass a list of tool names, "
                 "a {name: signature} dict, or a path to a JSON file."
             ) from err
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, (Mapping, Sequence)):
+    if value is not None and (isinstance(value, str) or not isinstance(value, (Mapping, Sequence))):
         raise ValueError(
             f"Tools must be a list of tool names or specs, a {{name: signature}} dict, a JSON string or the path of a "
             f"JSON file; got {type(value).__name__} {value!r:.120}."
@@ -251,11 +249,10 @@ def validate_step(
     if meta.get("valid") is False:
         return StepVerdict(False, str(meta.get("reason", "marked_invalid")))
     kind = str(meta.get("type", "text"))
-    if kind in CODE_TYPES or (kind in TOOL_CALL_TYPES and meta.get("exec_status", meta.get("status")) is not None):
-        status = str(meta.get("exec_status", meta.get("status", "ok")) or "ok").strip().lower().replace("-", "_")
-        status = EXEC_STATUS_ALIASES.get(status, status)
-        if status in FAILED_EXEC_STATUSES:
-            return StepVerdict(False, f"exec_{status}", f"code step ended in {status}")
+    status = str(meta.get("exec_status", meta.get("status", "ok"))).strip().lower().replace("-", "_")
+    status = EXEC_STATUS_ALIASES.get(status, status)
+    if status in FAILED_EXEC_STATUSES and kind in (*CODE_TYPES, *TOOL_CALL_TYPES):
+        return StepVerdict(False, f"exec_{status}", f"code step ended in {status}")
     if kind in TOOL_CALL_TYPES:
         step_tools = meta.get("valid_tools", meta.get("tools", tools))
         step_text = meta.get("text", text)

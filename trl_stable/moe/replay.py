@@ -61,9 +61,8 @@ def _pop_matching(fifo: deque, router_logits: torch.Tensor, name: str) -> torch.
 
 
 def _take_rows(queue: deque, batch: int, seq_len: int, layer: str) -> torch.Tensor:
-    """The next `batch` rows [batch, seq_len, k] of `queue`, the recorded [b_i, s_i, k] segments of router `layer`
-    still to replay (one per recorded call or loaded batch), taken in order across segment borders when the
-    sequence lengths match; ValueError when they run out or their length differs."""
+    """The next `batch` rows [batch, seq_len, k] of `queue` (router `layer`'s recorded [b_i, s_i, k] segments still
+    to replay: one per recorded call or loaded batch), taken in order across segment borders."""
     parts, needed = [], batch
     while needed > 0:
         if not queue:
@@ -129,8 +128,7 @@ def _find_routers(model: nn.Module) -> list[_RouterState]:
             prefix = prefix.rpartition(".")[0]
         block = modules[parent_name] if parent_name else module
         layer = modules[prefix] if prefix else None
-        top_k, num_experts = int(module.top_k), int(module.num_experts)
-        states.append(_RouterState(name, module, adapter, block, layer, top_k, num_experts))
+        states.append(_RouterState(name, module, adapter, block, layer, int(module.top_k), int(module.num_experts)))
     return states
 
 
@@ -250,13 +248,12 @@ class RoutingReplay:
             raise ValueError(f"dim must be 'batch' or 'sequence', got {dim!r}.")
         if not self.has_routing:
             raise ValueError("No routing recorded: run forward passes inside `record()` first.")
-        axis = 0 if dim == "batch" else 1
         per_layer = []
         for state in self._states:
             if not state.record:
                 raise ValueError(f"Router {state.name} recorded nothing (was it skipped by the forward pass?).")
             try:
-                per_layer.append(torch.cat(state.record, dim=axis))
+                per_layer.append(torch.cat(state.record, dim=0 if dim == "batch" else 1))
             except RuntimeError as err:
                 shapes = [tuple(t.shape[:2]) for t in state.record]
                 raise ValueError(
