@@ -78,13 +78,16 @@ def _write_json_durably(data: dict[str, Any], path: str) -> None:
     _fsync_path(os.path.dirname(path) or ".", directory=True)
 
 
+def _write_marker_file(folder: str, global_step: int, complete: bool, **more: Any) -> None:
+    marker = {"format": _FORMAT, "complete": complete, "global_step": global_step, **more}
+    _write_json_durably(marker, os.path.join(folder, MARKER_FILE))
+
+
 def begin_marker(folder: str, global_step: int) -> None:
     """Mark `folder` as being written (``"complete": false``), replacing the marker an earlier save of this step
     left: from now until `write_marker` resume skips it."""
     os.makedirs(folder, exist_ok=True)
-    _write_json_durably(
-        {"format": _FORMAT, "complete": False, "global_step": global_step}, os.path.join(folder, MARKER_FILE)
-    )
+    _write_marker_file(folder, global_step, complete=False)
 
 
 def write_marker(folder: str, global_step: int, num_processes: int) -> None:
@@ -97,14 +100,7 @@ def write_marker(folder: str, global_step: int, num_processes: int) -> None:
             rel = os.path.relpath(path, folder).replace(os.sep, "/")
             if rel not in (MARKER_FILE, MARKER_FILE + ".tmp"):
                 files[rel] = os.path.getsize(path)
-    marker = {
-        "format": _FORMAT,
-        "complete": True,
-        "global_step": global_step,
-        "num_processes": num_processes,
-        "files": files,
-    }
-    _write_json_durably(marker, os.path.join(folder, MARKER_FILE))
+    _write_marker_file(folder, global_step, complete=True, num_processes=num_processes, files=files)
 
 
 # ---------------------------------------------------------------------------------------------------- checking
@@ -194,12 +190,11 @@ def resolve_checkpoint(
     resume_from_checkpoint: str | bool | None,
     output_dir: str,
     num_processes: int,
-    required: Sequence[str] = (),
     per_process: Sequence[str] = (),
 ) -> CheckpointInfo | None:
     """The checkpoint to resume from: `resume_from_checkpoint` True (the newest complete one of `output_dir`), a
-    folder, or None / False (none). It must hold `required` and, when as many processes wrote it, `per_process`;
-    ValueError naming the folder and the fix otherwise."""
+    folder, or None / False (none). When as many processes wrote it, it must hold `per_process`; ValueError naming
+    the folder and the fix otherwise."""
     if not resume_from_checkpoint:
         return None
     folder = newest_complete_checkpoint(output_dir) if resume_from_checkpoint is True else str(resume_from_checkpoint)
@@ -221,9 +216,7 @@ def resolve_checkpoint(
             "state (PPO's RNG streams, reward function counters, GRPO's refill RNG) is not restored, so the run does "
             "not continue exactly as it would have."
         )
-    missing = [
-        name for name in [*required, *(per_process if same else ())] if not os.path.isfile(os.path.join(folder, name))
-    ]
+    missing = [name for name in (per_process if same else ()) if not os.path.isfile(os.path.join(folder, name))]
     if missing:
         raise ValueError(
             f"{folder} is not a complete checkpoint: it lacks {', '.join(missing)}"
@@ -312,13 +305,11 @@ class MarkedCheckpoints:
             )
 
     def _stable_state(self) -> dict[str, Any]:
-        """trl_stable's state of this process for its checkpoint file (plain values and tensors): the health monitor,
-        the reward functions with ``checkpoint_state()``, their failure guards, and the trainer's shared (equal on
-        every process) and per-process state."""
-        named = self._named_reward_funcs()
+        """This process's trl_stable state for its checkpoint file: plain values and tensors only (resume loads it
+        with ``weights_only=True``); "shared" is equal on every process."""
         shared, per_process = self._trainer_checkpoint_state()
         monitor = None if self.health_monitor is None else self.health_monitor.checkpoint_state()
-        funcs = {key: func.checkpoint_state() for key, func in _stateful(named).items()}
+        funcs = {key: func.checkpoint_state() for key, func in _stateful(self._named_reward_funcs()).items()}
         guards = {name: guard.checkpoint_state() for name, guard in self.reward_guards.items()}
         return {
             "format": _FORMAT,
@@ -327,10 +318,8 @@ class MarkedCheckpoints:
         }
 
     def _restore_stable_state(self, info: CheckpointInfo) -> None:
-        """Restore trl_stable's state from the file `_save_checkpoint` wrote for this process (process 0's when the
-        number of processes changed: only its shared part then): the health monitor, the reward functions (one
-        without saved state starts fresh, with a warning) and their failure guards, then the trainer's own entries
-        (`_load_trainer_checkpoint_state`). An unverified checkpoint has no such file: nothing is restored."""
+        """Restore `_stable_state` from this process's file (process 0's, its shared part only, when the number of
+        processes changed); an unverified checkpoint has no such file: nothing is restored."""
         if not info.verified:
             return
         index = self.accelerator.process_index if info.same_processes else 0

@@ -42,7 +42,7 @@ def model_context(model: nn.Module) -> ModelContext:
     """The context `model` declares; learned when an `nn.Embedding` besides the token embedding has `limit` rows
     (OPT and BioGPT keep two more, for their position offset)."""
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
+    if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     for name in CONTEXT_ATTRIBUTES:
         limit = getattr(config, name, None)
@@ -125,7 +125,7 @@ def check_prompt_column(
 ) -> None:
     """Raise `empty_prompt_error` for the first row whose `column` is missing or empty, or a ValueError when
     `dataset` has neither `column` nor one of `alternatives`; datasets without named columns are checked per batch."""
-    columns = list(getattr(dataset, "column_names", None) or ()) if dataset is not None else []
+    columns = list(getattr(dataset, "column_names", None) or ())
     if columns and column not in columns and not set(alternatives) & set(columns):
         wanted = " or ".join(repr(c) for c in (column, *alternatives))
         raise ValueError(
@@ -133,10 +133,8 @@ def check_prompt_column(
             f"trainer generates from. Rename the column holding the prompts, e.g. "
             f"{name}.rename_column({columns[0]!r}, {column!r})."
         )
-    if column not in columns:
-        return
-    for i, prompt in enumerate(dataset[column]):
-        error = empty_prompt_error(prompt, f"{name} row {i}")
+    if column in columns:
+        error = first_error(empty_prompt_error(prompt, f"{name} row {i}") for i, prompt in enumerate(dataset[column]))
         if error is not None:
             raise error
 

@@ -13,7 +13,7 @@ from trl_stable.core import behaviour_weight, filter_behaviour_weight, fold_beha
 from trl_stable.moe.hook import ROUTED_EXPERTS_KEY
 from trl_stable.monitoring.mismatch import behaviour_filter_metrics
 from trl_stable.trainers.grpo.trl_batch import forward_kwargs, loss_mask
-from trl_stable.trainers.grpo.trl_logs import log_metric, train_mode
+from trl_stable.trainers.grpo.trl_logs import log_metrics, train_mode
 
 
 class DecoupledLoss:
@@ -75,5 +75,4 @@ class DecoupledLoss:
         if keep is not None and self.importance_sampling_level == "sequence":
             self._apply_loss_mask(output, keep, renormalize=False)
         metrics = behaviour_filter_metrics(mask, raw_weight, weight, keep, name, gather=self.accelerator.gather)
-        for metric, value in metrics.items():
-            log_metric(self, metric, value)
+        log_metrics(self, metrics)

@@ -17,7 +17,7 @@ from trl_stable.rewards.dense import (
     weighted_reward_sum,
 )
 from trl_stable.trainers.grpo.trl_batch import loss_mask, process_slice
-from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metric
+from trl_stable.trainers.grpo.trl_logs import flush_reward_logs, log_metrics
 from trl_stable.trainers.grpo.trl_rewards import reward_kwargs
 from trl_stable.trainers.processes import call_on_every_process, guard_reward_failures
 
@@ -43,12 +43,10 @@ class DenseRewards:
 
     def _start_dense_rewards(self, inputs, prompts, completions, completion_ids_list, rewards_per_func):
         """Prefetch the dense reward functions; returns their pending call (collected by `_collect_dense_rewards`)."""
-        num_local = len(prompts)
-        user = rewards_per_func[process_slice(self.accelerator, num_local), : self._num_user_reward_funcs]
-        env_rewards = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs])
+        user = rewards_per_func[process_slice(self.accelerator, len(prompts)), : self._num_user_reward_funcs]
         kwargs = reward_kwargs(self, inputs)
         kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids_list)
-        kwargs["env_rewards"] = env_rewards.tolist()
+        kwargs["env_rewards"] = weighted_reward_sum(user, self.reward_weights[: self._num_user_reward_funcs]).tolist()
         loop = getattr(self, "async_loop", None)
         return start_dense_rewards(
             self.dense_reward_funcs,
@@ -70,10 +68,8 @@ class DenseRewards:
                 self.accelerator, self.reward_guards, pending.names, None, dense.failures, everywhere=False
             )
         # token means over every process's tokens, counts summed: the numbers of one process with the global batch
-        for name, value in reduce_metrics(
-            dense_reward_stats(dense.metrics, pending.completion_lengths), self.accelerator
-        ).items():
-            log_metric(self, name, value)
+        stats = dense_reward_stats(dense.metrics, pending.completion_lengths)
+        log_metrics(self, reduce_metrics(stats, self.accelerator))
         return dense.as_tensor(device=self.accelerator.device)
 
     def _add_dense_advantages(self, output: dict[str, Any], dense: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from trl_stable.trainers.grpo.trl_batch import (
     select_rows,
     tokenizer_of,
 )
-from trl_stable.trainers.grpo.trl_logs import log_metric
+from trl_stable.trainers.grpo.trl_logs import log_metric, log_metrics
 
 
 class DynamicSamplingRefill:
@@ -64,9 +64,7 @@ class DynamicSamplingRefill:
             rounds += 1
         log_metric(self, "dynamic_sampling/refill_rounds", rounds)
         filled = Stat.ratio(min(num_kept, num_inputs), num_inputs)  # the share of every process's rows
-        log_metric(
-            self, "dynamic_sampling/frac_batch_filled", reduce_metrics({"filled": filled}, self.accelerator)["filled"]
-        )
+        log_metrics(self, reduce_metrics({"dynamic_sampling/frac_batch_filled": filled}, self.accelerator))
         merged = concat_rows(kept + spare, tokenizer_of(self).pad_token_id)
         merged = select_rows(merged, torch.arange(num_rows(merged)) < num_inputs)
         merged["num_items_in_batch"] = num_items_in_batch(merged, self.accelerator)

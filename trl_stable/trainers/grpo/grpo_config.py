@@ -292,7 +292,6 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
             )
         if self.nan_reward_action not in ("drop", "zero"):
             raise ValueError(f"nan_reward_action={self.nan_reward_action!r} is invalid; use 'drop' or 'zero'.")
-        hf_generate = not (self.use_vllm or self.use_transformers_continuous_batching)
         check_dependents(
             self,
             (
@@ -309,7 +308,7 @@ class GRPOConfig(SecretsNotPickled, trl.GRPOConfig, HealthArguments, DecoupledLo
                 Dependent(("dynamic_sampling_max_refills",), self.dynamic_sampling, "dynamic_sampling=True"),
                 Dependent(
                     ("capture_sampler_logps",),
-                    hf_generate,
+                    not (self.use_vllm or self.use_transformers_continuous_batching),
                     "HF generation (use_vllm=False, use_transformers_continuous_batching=False; vLLM returns the "
                     "sampler's log-probs itself)",
                 ),

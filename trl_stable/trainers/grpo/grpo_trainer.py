@@ -6,7 +6,7 @@ trainer") has the override points; the private TRL members used are in `trl_stab
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,12 @@ from trl_stable.trainers.grpo.dense_rewards import DenseRewards
 from trl_stable.trainers.grpo.dynamic_sampling import DynamicSamplingRefill
 from trl_stable.trainers.grpo.forward_passes import is_reference_pass, with_mask_position_ids
 from trl_stable.trainers.grpo.grpo_config import _STABLE_DEFAULTS, GRPOConfig
-from trl_stable.trainers.grpo.trl_batch import multimodal_forward_keys, num_items_in_batch, process_slice
+from trl_stable.trainers.grpo.trl_batch import multimodal_forward_keys, num_items_in_batch, process_slice, tokenizer_of
 from trl_stable.trainers.grpo.trl_logs import (
     flush_reward_metrics,
     log_generation_mismatch,
     log_metric,
+    log_metrics,
     replace_logged_advantages,
     train_mode,
 )
@@ -204,8 +205,7 @@ class GRPOTrainer(
         )
 
     def _log_routing(self, prefix: str) -> None:
-        for name, value in self.routing.take_metrics(prefix, self.accelerator).items():
-            log_metric(self, name, value)
+        log_metrics(self, self.routing.take_metrics(prefix, self.accelerator))
 
     # ------------------------------------------------------------------ generation (routing point: sampling)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -215,12 +215,11 @@ class GRPOTrainer(
         record_routing = hf_generate and self.routing.mode == "R3" and self._rollout is not None
         if not (record_logps or record_routing):
             return super()._generate_single_turn(*args)
-        with ExitStack() as stack:
-            recorder = sampled = None
-            if record_logps:
-                recorder = stack.enter_context(record_sampler_logps(self.accelerator.unwrap_model(self.model_wrapped)))
-            if record_routing:
-                sampled = stack.enter_context(self.routing.sampling())
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        with (
+            record_sampler_logps(model) if record_logps else nullcontext() as recorder,
+            self.routing.sampling() if record_routing else nullcontext() as sampled,
+        ):
             completion_ids, logprobs = super()._generate_single_turn(*args)
         if sampled is not None:
             self._rollout.sampled_routing = sampled.per_sequence(
@@ -285,12 +284,11 @@ class GRPOTrainer(
         """Whether this round's rewards are scored right after generation: only when a dense reward function has
         work to start early (a prefetch), and not when a rollout_func returned extra fields (TRL merges those into
         the reward functions' inputs only after `_generate`)."""
-        extra_fields = generated[5]
         return (
             self._rollout is not None
             and self._rollout.inputs is not None
             and any(has_prefetch(f) for f in self.dense_reward_funcs)
-            and not extra_fields
+            and not generated[5]  # extra_fields
         )
 
     # ------------------------------------------------------------------ TRL's no-grad passes (routing point: rollout)
@@ -412,8 +410,7 @@ class GRPOTrainer(
         rewards_per_func = record.rewards_per_func
         if rewards_per_func is None:  # a subclass or rollout path that bypassed _calculate_rewards
             return output, None
-        mode = train_mode(self)
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        num_generations = self.num_generations if train_mode(self) == "train" else self.num_generations_eval
         local = process_slice(self.accelerator, output["completion_ids"].size(0))
         group_ids = torch.arange(rewards_per_func.size(0), device=rewards_per_func.device) // num_generations
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
@@ -486,11 +483,9 @@ class GRPOTrainer(
 
     def _apply_step_mask(self, output: dict[str, Any]) -> None:
         """Drop the tokens of invalid agent steps from the loss (`trl_stable.masking.CompletionStepMasker`)."""
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer)
+        keep = self.step_masker.keep_mask(output["completion_ids"], output["completion_mask"], tokenizer_of(self))
         stats = step_mask_stats(self.step_masker.stats())  # each process logs the reasons it saw
-        for name, value in reduce_metrics(stats, self.accelerator, names_may_differ=True).items():
-            log_metric(self, name, value)
+        log_metrics(self, reduce_metrics(stats, self.accelerator, names_may_differ=True))
         self._apply_loss_mask(output, keep)
 
     # ------------------------------------------------------------------ checkpoints (`GRPOCheckpoints`)

@@ -3,7 +3,7 @@ reward functions' `_pending_metrics` / `_pending_extra_logs` (`trl_stable.integr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,12 @@ def log_metric(trainer: Any, name: str, value: float) -> None:
     trainer._metrics[train_mode(trainer)][name].append(float(value))
 
 
+def log_metrics(trainer: Any, metrics: Mapping[str, float]) -> None:
+    """`log_metric` for each of `metrics`."""
+    for name, value in metrics.items():
+        log_metric(trainer, name, value)
+
+
 def flush_reward_logs(trainer: Any, num_local: int) -> None:
     """Flush what reward functions logged through ``log_extra`` / ``log_metric`` since TRL's own flush, as TRL does
     (a collective); `num_local` completions on this process."""
@@ -40,12 +46,8 @@ def flush_reward_metrics(trainer: Any, select: Callable[[str], bool] | None = No
     names = [
         name for name in sorted(set(gather_object(list(trainer._pending_metrics)))) if select is None or select(name)
     ]
-    if not names:
-        return
     stats = {name: logged_metric_stat(name, trainer._pending_metrics.pop(name, [])) for name in names}
-    mode = train_mode(trainer)
-    for name, value in reduce_metrics(stats, trainer.accelerator).items():
-        trainer._metrics[mode][name].append(value)
+    log_metrics(trainer, reduce_metrics(stats, trainer.accelerator))  # no names: no collective, nothing logged
 
 
 def replace_logged_advantages(trainer: Any, advantages: Sequence[float]) -> None:
@@ -76,5 +78,4 @@ def log_generation_mismatch(trainer: Any, output: dict[str, Any]) -> None:
             band=monitor.config.mismatch_band,
             gather=trainer.accelerator.gather,  # every process takes this path together
         )
-    for name, value in stats.as_metrics().items():
-        log_metric(trainer, name, value)
+    log_metrics(trainer, stats.as_metrics())

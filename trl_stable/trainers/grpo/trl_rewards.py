@@ -17,9 +17,7 @@ def reward_kwargs(trainer: Any, inputs: Sequence[dict[str, Any]]) -> dict[str, A
     """The keyword arguments TRL passes every reward function (mirrors `trl.GRPOTrainer._calculate_rewards`)."""
     keys = [key for key in inputs[0] if key not in ("prompt", "completion", "completion_ids")]
     kwargs: dict[str, Any] = {key: [example[key] for example in inputs] for key in keys}
-    kwargs["trainer_state"] = trainer.state
-    kwargs["log_extra"] = trainer._log_completion_extra
-    kwargs["log_metric"] = trainer._log_metric
+    kwargs.update(trainer_state=trainer.state, log_extra=trainer._log_completion_extra, log_metric=trainer._log_metric)
     if trainer.environments is not None:
         kwargs["environments"] = trainer.environments
     return kwargs
