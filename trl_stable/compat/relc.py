@@ -168,8 +168,7 @@ class PPOConfig:
             save_strategy="no",
             logging_steps=1,
         )
-        kwargs.update(overrides)
-        return _StablePPOConfig(**kwargs)
+        return _StablePPOConfig(**{**kwargs, **overrides})
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
@@ -219,8 +218,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         out = self.pretrained_model(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
         )
-        value = self.v_head(out.hidden_states[-1])
-        return out.logits, getattr(out, "loss", None), value
+        return out.logits, getattr(out, "loss", None), self.v_head(out.hidden_states[-1])
 
     def generate(self, *args: Any, **kwargs: Any):
         return self.pretrained_model.generate(*args, **kwargs)
@@ -386,9 +384,8 @@ class PPOTrainer(_StablePPOTrainer):
             torch.cat([torch.zeros(len(q) + len(r) - 2), s.reshape(1)]) if s.dim() == 0 else s
             for q, r, s in zip(queries, responses, values)
         ]
-        full_rows = self._scaled_rows(rows)
         # only the response tokens reach PPO: the fork masked the query positions out as well
-        token_rewards = [row[len(q) - 1 :] for q, row in zip(queries, full_rows)]
+        token_rewards = [row[len(q) - 1 :] for q, row in zip(queries, self._scaled_rows(rows))]
         for i in dropped:  # NaN: PPO drops the sample (counted in ppo/dropped_samples)
             token_rewards[i] = torch.full_like(token_rewards[i], float("nan"))
         return super().step(queries, responses, token_rewards=token_rewards)
@@ -417,13 +414,9 @@ class PPOTrainer(_StablePPOTrainer):
             return set()
         squash = lambda text: "".join(text.split())  # noqa: E731 - RELC's scripts flatten newlines one way or another
         texts = [squash(self.tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
-        dropped, unmatched = set(), 0
-        for prompt in map(squash, failed_prompts):
-            hits = [i for i, text in enumerate(texts) if len(text) >= 8 and text in prompt]
-            if len(hits) == 1:
-                dropped.add(hits[0])
-            else:
-                unmatched += 1
+        hits = [[i for i, t in enumerate(texts) if len(t) >= 8 and t in p] for p in map(squash, failed_prompts)]
+        dropped = {h[0] for h in hits if len(h) == 1}
+        unmatched = sum(len(h) != 1 for h in hits)
         if unmatched:
             warnings.warn(
                 f"{unmatched} failed critic calls matched no single sample of this step (their response is shorter "

@@ -10,18 +10,15 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from trl_stable.monitoring.metric_names import ARENA_FAILED_JUDGE_CALLS, ARENA_JUDGE_CALLS
+from trl_stable.rewards.critic.templates import PROMPTS_DIR  # the bundled templates (package data), the judge's too
 from trl_stable.rewards.dense import failure_cause
 from trl_stable.rewards.failure_guard import FailureGuard
 
 Judge = Callable[[str, str, str], float | None]
 PAIRINGS = ("round_robin", "swiss")
-# The templates are package data (setup.cfg: ``trl_stable = prompts/*.txt``), so a non-editable install finds them;
-# the repository's top-level ``prompts/*.txt`` are links to these files, for ``--prompt_file prompts/...``.
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"
 # Backtracking steps allowed to find one round's rematch-free pairing: the search is exponential in the worst case
 # (many rounds for a large G, e.g. 31 rounds of G = 32 took seconds), and a round that needs more stops the arena.
 MAX_PAIRING_SEARCH = 20_000
@@ -110,8 +107,7 @@ class _Tournament:
         return []
 
     def _pair(self, players: list[int]) -> list[tuple[int, int]] | None:
-        """Pair neighbours in rank order with no rematch, backtracking when a greedy choice strands a player; None when
-        no pairing exists or the search budget runs out."""
+        """Rank-order neighbours paired with no rematch, backtracking; None if none exists or the budget runs out."""
         if not players:
             return []
         self._budget -= 1
@@ -172,8 +168,7 @@ def _check_prob(value: Any) -> float | None:
 def _call_judges(
     judge: Any, triples: list[tuple[str, str, str]], max_workers: int
 ) -> tuple[list[float | None], str | None]:
-    """Judge every (prompt, a, b) triple concurrently (None for a failed call), and say why the first failed call
-    failed (None when none did)."""
+    """Each (prompt, a, b) triple judged concurrently (None: a failed call), and why the first failed call failed."""
     errors: list[str] = []
 
     def guarded(call: Callable[..., Any], *args: Any) -> Any:
@@ -463,8 +458,7 @@ class ArenaReward:
         with self._lock:
             self.judge_calls += calls
             self.failed_calls += failed
-            cause = next((r.failure for r in results if r.failure), None)
-            self.guard.record(calls > 0 and failed == calls, cause)
+            self.guard.record(calls > 0 and failed == calls, next((r.failure for r in results if r.failure), None))
         log_metric = kwargs.get("log_metric")
         if callable(log_metric):
             log_metric(ARENA_JUDGE_CALLS, float(calls))  # counts: summed over processes by the trainers

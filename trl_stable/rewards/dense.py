@@ -324,10 +324,7 @@ def collect_dense_rewards(
         rows = validate_dense_rewards(out, completion_lengths, name=f"reward function '{name}'", limit=limit)
         nan_tokens = sum(value != value for row in rows for value in row)  # NaN: does not apply at this token
         sums = [sum(value for value in row if value == value) for row in rows]
-        for acc, row in zip(total, rows):
-            for t, value in enumerate(row):
-                if value == value:
-                    acc[t] += float(weight) * value
+        total = [[a + float(weight) * v if v == v else a for a, v in zip(acc, row)] for acc, row in zip(total, rows)]
         if nan_tokens:
             logger.warning(
                 f"Dense reward function '{name}' returned {nan_tokens} NaN/None/infinite token reward(s); used 0."

@@ -64,6 +64,5 @@ def reward_model_scores(
     inputs = processing_class(
         text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
     )
-    device = next(model.parameters()).device
     with torch.inference_mode():
-        return model(**inputs.to(device)).logits[:, 0].float()
+        return model(**inputs.to(next(model.parameters()).device)).logits[:, 0].float()

@@ -130,16 +130,6 @@ def invalid_call_penalty(penalty: float = -0.3) -> PenaltyRule:
     return PenaltyRule("invalid_call", penalty, lambda step, gt, prompt: step.invalid_calls > 0)
 
 
-def _sections(text: str) -> dict[str, str]:
-    """``Thought: ... Plan: ... Action: ...`` sections (ReAct style), keyed by lower-case header."""
-    out: dict[str, str] = {}
-    matches = list(_SECTION.finditer(text))
-    for k, m in enumerate(matches):
-        end = matches[k + 1].start() if k + 1 < len(matches) else len(text)
-        out.setdefault(m.group(1).lower(), text[m.end() : end].strip())
-    return out
-
-
 def _plan_items(plan: Any) -> list[str]:
     if plan is None:
         return []
@@ -186,16 +176,18 @@ def parse_agent_step(text: str, open_tag: str = "<tool_call>", close_tag: str = 
     outside = text
     for a, b in reversed(spans):
         outside = outside[:a] + outside[b:]
-    sections = _sections(outside)
+    # ``Thought: ... Plan: ... Action: ...`` sections (ReAct style): [text before any header, header, section, ...]
+    parts = _SECTION.split(outside)
+    sections: dict[str, str] = {}
+    for header, body in zip(parts[1::2], parts[2::2]):
+        sections.setdefault(header.lower(), body.strip())  # a repeated header: its first section counts
     if "action" in sections and not spans:
         name = sections["action"].splitlines()[0].strip() if sections["action"] else ""
         # parse_tool_call decodes string arguments (blank: {}); bad JSON raises, which _add_call counts as invalid
         _add_call(step, json.dumps({"name": name, "arguments": sections.get("action input", "")}))
     step.plan = _plan_items(sections.get("plan"))
     thought = sections.get("thought", sections.get("thinking", sections.get("reasoning")))
-    if thought is None:
-        thought = _SECTION.split(outside)[0] if sections else outside
-    step.thought = thought.strip()
+    step.thought = (parts[0] if thought is None else thought).strip()
     return step
 
 
@@ -306,9 +298,8 @@ class StepReward:
         prompt_text = completion_text(prompt)
         fired = {f"penalty/{p.name}": p.penalty for p in self.penalties if p.applies(step, ground_truth, prompt_text)}
         penalty = math.fsum(fired.values())
-        weighted = math.fsum(w * scores[d] for d, w in self.weights.as_dict().items())
         # fsum + rounding: decimal weights such as 0.5 + 0.2 + 0.2 + 0.1 give exactly 1.0, not 0.9999999999999999.
-        total = round(weighted + penalty, 12)
+        total = round(math.fsum(w * scores[d] for d, w in self.weights.as_dict().items()) + penalty, 12)
         if self.clip_min is not None:
             total = max(total, self.clip_min)
         return {**scores, **fired, "penalty": penalty, "total": total}
@@ -325,9 +316,8 @@ class StepReward:
                 got, wanted = call.arguments, want["arguments"]
                 keys = set(got) | set(wanted)
                 matched = sum(k in got and k in wanted and _values_equal(got[k], wanted[k]) for k in keys)
-                arg_total += (
-                    1.0 if not keys else float(matched == len(keys)) if self.exact_arguments else matched / len(keys)
-                )
+                share = matched / len(keys) if keys else 1.0
+                arg_total += float(share == 1.0) if self.exact_arguments else share
         return name_hits / n, arg_total / n
 
     def _reasoning_score(self, thought: str, keywords: Sequence[str] | None) -> float:
@@ -344,9 +334,8 @@ class StepReward:
         return reasoning
 
     def _batch(self, prompts: Sequence[Any], completions: Sequence[Any], kwargs: Mapping[str, Any], key: str):
-        """``score(...)[key]`` of each row (None without ground truth). The per-dimension functions of `reward_funcs`
-        are called one after the other on the same batch, so the last batch's scores are kept rather than parsed
-        again."""
+        """``score(...)[key]`` per row (None without ground truth); the last batch's scores are kept, not parsed again,
+        as the per-dimension `reward_funcs` are called one after another on the same batch."""
         truths = kwargs.get(self.ground_truth_key)
         if truths is None:
             raise ValueError(
