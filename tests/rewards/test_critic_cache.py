@@ -155,3 +155,41 @@ def test_disk_writes_wait_for_write_pending_or_max_pending(tmp_path):
     cache.close()
     fresh = AnswerCache(CriticCounters(), bool, "v1", "m", directory=tmp_path)  # a restarted process
     assert [fresh.get(k) for k in keys] == [f"a{i}" for i in range(5)]
+
+
+def test_disk_writes_wait_while_a_batch_is_sent(tmp_path):
+    import threading
+
+    from trl_stable.rewards.critic.cache import AnswerCache, cache_key
+    from trl_stable.rewards.critic.counters import CriticCounters
+
+    class Gate(threading.Event):  # tells the test when the writer waits on a closed gate
+        waiting = threading.Event()
+
+        def wait(self, timeout=None):
+            if not self.is_set():
+                self.waiting.set()
+            return super().wait(timeout)
+
+    cache = AnswerCache(CriticCounters(), bool, "v1", "m", directory=tmp_path, max_pause=60.0)
+    cache._quiet = Gate()
+    cache._quiet.set()
+    key = cache_key("m", "p", {})
+    cache.pause_writes()
+    cache.pause_writes()  # two batches being sent (a prefetch and a call)
+    cache.put(key, "a")
+    future = cache.write_pending()
+    assert Gate.waiting.wait(30)  # the writer reached its gate
+    cache.resume_writes()
+    assert not list(tmp_path.rglob("*.json")) and not future.done()  # one batch is still being sent
+    cache.resume_writes()
+    future.result()
+    assert [p.stem for p in tmp_path.rglob("*.json")] == [key]
+    # a batch that never finishes sending holds the writes for max_pause at most
+    bounded = AnswerCache(CriticCounters(), bool, "v1", "m", directory=tmp_path / "b", max_pause=0.0)
+    bounded.pause_writes()
+    bounded.put(key, "b")
+    bounded.flush()
+    assert bounded.disk.get_entry(key) == ("b", "v1")
+    cache.close()
+    bounded.close()

@@ -280,6 +280,15 @@ def test_unsent_counts_each_prompt_once():
     assert not unsent.wait(0)
     unsent.sent(2)
     assert unsent.wait(0) and Unsent(0).wait(0)
+    calls = []
+    told = Unsent(2, on_none_left=lambda: calls.append("none left"))
+    told.sent(1)
+    assert calls == []
+    told.sent(0)
+    told.sent(0)  # a retry: told once
+    assert calls == ["none left"]
+    Unsent(0, on_none_left=lambda: calls.append("empty"))  # no batch, nothing paused: nothing to tell
+    assert calls == ["none left"]
 
 
 def test_wait_sent_returns_once_every_request_is_on_the_wire(server):
@@ -304,6 +313,23 @@ def test_wait_sent_returns_for_cached_deduplicated_and_failed_requests(server):
     job = critic.submit(["cached", "bad", "dup", "dup"])
     job.wait_sent()  # would wait for the deadline (minutes) if a request that ends unsent were not counted
     assert job.result() == ["Toxic Span 1: cached", None, "Toxic Span 1: dup", "Toxic Span 1: dup"]
+    assert critic.cache._sending == 0 and critic.cache._quiet.is_set()  # the disk cache's writes are not held
+
+
+def test_disk_cache_writes_are_held_while_the_batch_is_sent(server, tmp_path):
+    critic = make(server, concurrency=4, cache_dir=tmp_path)
+    calls = []
+    for name in ("pause_writes", "resume_writes"):
+        method = getattr(critic.cache, name)
+        setattr(critic.cache, name, lambda method=method, name=name: (calls.append(name), method()))
+    server.hold()
+    job = critic.submit(["one", "two"])
+    job.wait_sent()
+    assert calls == ["pause_writes", "resume_writes"]  # on the wire, none answered: the writer may go on
+    assert critic.cache._sending == 0 and critic.cache._quiet.is_set()
+    server.release()
+    assert job.result() == ["Toxic Span 1: one", "Toxic Span 1: two"]
+    critic.close()
 
 
 def test_job_deadline_abandons_stuck_requests():

@@ -5,26 +5,30 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from trl_stable.rewards.critic.counters import CriticCounters
 
 
 class Unsent:
     """The prompts of one batch whose request is not on the wire yet: `sent(k)` once prompt k's request body is
-    written (again on a retry: idempotent) or it ended without one (a cache hit, a failure); `wait` for none left."""
+    written (again on a retry: idempotent) or it ended without one (a cache hit, a failure); `wait` for none left.
+    `on_none_left` is called once, when the last of `n` > 0 prompts is sent."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, on_none_left: Callable[[], None] | None = None) -> None:
         self._left = set(range(n))
         self._lock = threading.Lock()
         self._none_left = threading.Event()
+        self._on_none_left = on_none_left
         if not n:
             self._none_left.set()
 
     def sent(self, k: int) -> None:
         with self._lock:
             self._left.discard(k)
-            if not self._left:
+            if not self._left and not self._none_left.is_set():
+                if self._on_none_left is not None:  # before `wait` returns
+                    self._on_none_left()
                 self._none_left.set()
 
     def wait(self, timeout: float | None) -> bool:

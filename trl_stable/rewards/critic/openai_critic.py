@@ -275,7 +275,9 @@ class OpenAICritic(CriticBackend):
         self._stop.clear()
         deadline = time.monotonic() + self.batch_seconds(len(prompts))
         self.counters.add("requests", len(prompts))
-        futures, params, unsent = [], self.params, Unsent(len(prompts))
+        if prompts:  # the disk cache writes once this batch is on the wire
+            self.cache.pause_writes()
+        futures, params, unsent = [], self.params, Unsent(len(prompts), on_none_left=self.cache.resume_writes)
         with self._inflight_lock:
             for k, prompt in enumerate(prompts):
                 key = cache_key(self.model, prompt, params)
