@@ -287,8 +287,9 @@ class ResponseForwards:
         elif self.is_fsdp_enabled:  # through the FSDP root, which holds the embeddings and head (PolicyAndValue)
             out = self.model_wrapped(*inputs.values(), reference_kwargs=head)
         else:
-            with self.policy.disable_adapter():
-                out = self.policy(**inputs, **head)
+            policy = self.policy  # unwraps the engine's module: once
+            with policy.disable_adapter():
+                out = policy(**inputs, **head)
         return self._response_scores(out, batch, fused)
 
     def _response_scores(self, out: Any, batch: dict[str, torch.Tensor], fused: bool) -> ResponseScores:
